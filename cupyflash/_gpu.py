@@ -1,0 +1,131 @@
+"""GPU path: fills the params structs, picks variants through dispatch, launches.
+
+Inputs arrive validated by ``_api`` (rank, shapes, dtypes, unit last stride,
+non-empty). Arrays are cupy ndarrays; bfloat16 data arrives as 2-byte storage
+with ``dtype="bfloat16"`` named explicitly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import struct
+
+import numpy as np
+
+from . import _compile, _params, dispatch
+
+LOG2E = 1.4426950408889634  # 1 / ln(2)
+
+
+def _struct_packer(dt: np.dtype) -> struct.Struct:
+    """A ``struct.Struct`` with the byte layout of an aligned numpy struct dtype."""
+    codes = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i",
+             np.dtype(np.float32): "f"}
+    fmt, pos = "<", 0
+    for name in dt.names:
+        fdt, off = dt.fields[name][:2]
+        fmt += "x" * (off - pos) + codes[fdt]
+        pos = off + fdt.itemsize
+    fmt += "x" * (dt.itemsize - pos)
+    packer = struct.Struct(fmt)
+    assert packer.size == dt.itemsize  # internal invariant, not user input
+    return packer
+
+
+_FWD_PACK = _struct_packer(_params.FWD_PARAMS)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_id: int) -> int:
+    import cupy  # noqa: PLC0415
+    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+
+
+@functools.lru_cache(maxsize=None)
+def _cc(device_id: int) -> tuple[int, int]:
+    import cupy  # noqa: PLC0415
+    cc = cupy.cuda.Device(device_id).compute_capability
+    return int(cc[:-1]), int(cc[-1])
+
+
+def element_strides(a) -> tuple[int, ...]:
+    return tuple(s // a.itemsize for s in a.strides)
+
+
+def vec_ok(arrays, head_dim: int) -> bool:
+    """16-byte accesses are legal: aligned pointers, strides and head_dim in multiples of 8 elements."""
+    if head_dim % 8:
+        return False
+    for a in arrays:
+        if a.data.ptr % 16:
+            return False
+        if any(s % 8 for s in element_strides(a)[:-1]):
+            return False
+    return True
+
+
+def launch(launch_spec: dispatch.Launch, packed_params: bytes, stream_ptr: int) -> None:
+    """Launch one kernel whose only argument is a params struct passed by value."""
+    import cupy  # noqa: PLC0415
+
+    func = _compile.get_function(launch_spec.source, launch_spec.name_expression, launch_spec.smem_bytes)
+    buf = ctypes.create_string_buffer(packed_params, len(packed_params))
+    argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
+    gx, gy, gz = launch_spec.grid
+    bx, by, bz = launch_spec.block
+    cupy.cuda.driver.launchKernel(func, gx, gy, gz, bx, by, bz, launch_spec.smem_bytes, stream_ptr,
+                                  ctypes.addressof(argv), 0)
+
+
+def _storage_dtype_name(a, dtype: str | None) -> str:
+    if dtype is not None:
+        return dtype
+    return str(a.dtype)
+
+
+def fwd(q, k, v, *, softmax_scale: float, causal: bool, dtype: str | None = None, out=None, lse=None):
+    """Forward on the GPU. Returns ``(out, lse)``; ``out`` has q's storage dtype."""
+    import cupy  # noqa: PLC0415
+
+    batch, seqlen_q, nheads_q, head_dim = q.shape
+    _, seqlen_k, nheads_kv, _ = k.shape
+    dtype_name = _storage_dtype_name(q, dtype)
+    if out is None:
+        out = cupy.empty(q.shape, dtype=q.dtype)
+    if lse is None:
+        lse = cupy.empty((batch, nheads_q, seqlen_q), dtype=cupy.float32)
+    dev = q.device.id
+    plan = dispatch.select_fwd(
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, head_dim=head_dim,
+        dtype=dtype_name, causal=causal, vec=vec_ok((q, k, v, out), head_dim),
+        num_sms=_num_sms(dev), cc=_cc(dev))
+    out_accum = lse_accum = None
+    if plan.num_splits > 1:
+        out_accum = cupy.empty((plan.num_splits, batch, nheads_q, seqlen_q, plan.head_dim_padded), cupy.float32)
+        lse_accum = cupy.empty((plan.num_splits, batch, nheads_q, seqlen_q), cupy.float32)
+    qs, ks, vs, os_ = (element_strides(a) for a in (q, k, v, out))
+    packed = _FWD_PACK.pack(
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr,
+        out_accum.data.ptr if out_accum is not None else 0,
+        lse_accum.data.ptr if lse_accum is not None else 0,
+        qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1], os_[2],
+        batch, nheads_q, nheads_kv, seqlen_q, seqlen_k, head_dim,
+        plan.num_m_blocks, plan.num_splits, plan.n_blocks_per_split,
+        softmax_scale, softmax_scale * LOG2E,
+    )
+    stream = cupy.cuda.get_current_stream().ptr
+    launch(plan.main, packed, stream)
+    if plan.combine is not None:
+        launch(plan.combine, packed, stream)
+    return out, lse
+
+
+def bwd(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, deterministic: bool = False,
+        dtype: str | None = None):
+    """Backward on the GPU. Returns ``(dq, dk, dv)``."""
+    from . import _gpu_bwd  # noqa: PLC0415
+
+    return _gpu_bwd.bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
+                        deterministic=deterministic, dtype=dtype)

@@ -1,0 +1,65 @@
+"""NumPy mirrors of the kernel parameter structs in ``kernels_cu/params.cuh``.
+
+Each dtype lists the C struct's fields in order with ``align=True``, so numpy
+lays them out as the C compiler does. The itemsize is passed to NVRTC as
+``-DCUPYFLASH_*_PARAMS_BYTES`` and checked there with ``static_assert``; the
+Python side is checked in ``tests/test_dispatch.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_PTR = np.uint64
+_I64 = np.int64
+_I32 = np.int32
+_F32 = np.float32
+
+
+def _struct(fields):
+    return np.dtype(fields, align=True)
+
+
+FWD_PARAMS = _struct(
+    [
+        ("q", _PTR), ("k", _PTR), ("v", _PTR), ("out", _PTR), ("lse", _PTR),
+        ("out_accum", _PTR), ("lse_accum", _PTR),
+        ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),
+        ("k_batch_stride", _I64), ("k_row_stride", _I64), ("k_head_stride", _I64),
+        ("v_batch_stride", _I64), ("v_row_stride", _I64), ("v_head_stride", _I64),
+        ("o_batch_stride", _I64), ("o_row_stride", _I64), ("o_head_stride", _I64),
+        ("batch", _I32), ("nheads_q", _I32), ("nheads_kv", _I32),
+        ("seqlen_q", _I32), ("seqlen_k", _I32), ("head_dim", _I32),
+        ("num_m_blocks", _I32), ("num_splits", _I32), ("n_blocks_per_split", _I32),
+        ("softmax_scale", _F32), ("softmax_scale_log2", _F32),
+    ]
+)
+
+BWD_PARAMS: np.dtype | None = _struct(
+    [
+        ("q", _PTR), ("k", _PTR), ("v", _PTR), ("out", _PTR), ("dout", _PTR),
+        ("dq", _PTR), ("dk", _PTR), ("dv", _PTR),
+        ("lse", _PTR), ("lse_log2", _PTR), ("delta", _PTR), ("dq_accum", _PTR),
+        ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),
+        ("k_batch_stride", _I64), ("k_row_stride", _I64), ("k_head_stride", _I64),
+        ("v_batch_stride", _I64), ("v_row_stride", _I64), ("v_head_stride", _I64),
+        ("o_batch_stride", _I64), ("o_row_stride", _I64), ("o_head_stride", _I64),
+        ("do_batch_stride", _I64), ("do_row_stride", _I64), ("do_head_stride", _I64),
+        ("dq_batch_stride", _I64), ("dq_row_stride", _I64), ("dq_head_stride", _I64),
+        ("dk_batch_stride", _I64), ("dk_row_stride", _I64), ("dk_head_stride", _I64),
+        ("dv_batch_stride", _I64), ("dv_row_stride", _I64), ("dv_head_stride", _I64),
+        ("lse_batch_stride", _I64), ("lse_head_stride", _I64),
+        ("batch", _I32), ("nheads_q", _I32), ("nheads_kv", _I32),
+        ("seqlen_q", _I32), ("seqlen_k", _I32), ("head_dim", _I32),
+        ("head_dim_padded", _I32), ("seqlen_q_rounded", _I32), ("num_stages", _I32),
+        ("softmax_scale", _F32), ("softmax_scale_log2", _F32),
+    ]
+)
+
+
+def size_defines() -> list[str]:
+    """NVRTC ``-D`` options that let params.cuh static_assert the mirrored sizes."""
+    out = [f"-DCUPYFLASH_FWD_PARAMS_BYTES={FWD_PARAMS.itemsize}"]
+    if BWD_PARAMS is not None:
+        out.append(f"-DCUPYFLASH_BWD_PARAMS_BYTES={BWD_PARAMS.itemsize}")
+    return out

@@ -1,0 +1,233 @@
+"""``python -m cupyflash bench``: forward and backward against torch SDPA (FA2, cuDNN).
+
+The standard grid: head_dim 64 and 128, nheads = 2048 / head_dim,
+batch * seqlen = 16384, seqlen 512..16384, causal and not, fp16 and bf16.
+FLOPs are 4 * B * H * Sq * Sk * D, halved when causal, x2.5 for backward.
+Times are CUDA-event medians after warm-up; every implementation runs on the
+same inputs in the same process. When torch is importable its flash and cuDNN
+SDPA backends are measured too and ratios printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+MMA_SYNC_CEILING_TFLOPS = 620.0  # register-only m16n8k16 loop on the H200 (see kernels_cu/PERF.md)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--head-dim", type=int, action="append", default=None, help="default 64 and 128")
+    parser.add_argument("--seqlen", type=int, action="append", default=None, help="default 512..16384")
+    parser.add_argument("--dtype", action="append", choices=("float16", "bfloat16"), default=None)
+    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    parser.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
+    parser.add_argument("--no-bwd", action="store_true", help="forward only")
+    parser.add_argument("--no-torch", action="store_true", help="do not measure torch SDPA")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--plot", default=None, help="save a PNG plot here (needs matplotlib)")
+
+
+def flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal, bwd=False):
+    f = 4.0 * batch * nheads * seqlen_q * seqlen_k * head_dim
+    if causal:
+        f /= 2
+    return f * (2.5 if bwd else 1.0)
+
+
+def _time_ms(fn, reps, cupy):
+    """Median milliseconds of fn() over reps, with CUDA events on the current cupy stream."""
+    for _ in range(3):
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def _torch_env():
+    try:
+        import torch  # noqa: PLC0415
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+    except Exception:  # noqa: BLE001 - torch is optional
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return torch, SDPBackend, sdpa_kernel
+
+
+def _bf16_bits(cupy, x32):
+    """float32 cupy array -> bf16 bit patterns (uint16), round to nearest even."""
+    u = x32.view(cupy.uint32)
+    rounded = u + (0x7FFF + ((u >> 16) & 1))
+    return (rounded >> 16).astype(cupy.uint16)
+
+
+def run_point(cupy, torch_env, *, head_dim, seqlen, dtype, causal, tokens, reps, bwd):
+    from . import _gpu  # noqa: PLC0415
+
+    batch, nheads = max(1, tokens // seqlen), 2048 // head_dim
+    shape = (batch, seqlen, nheads, head_dim)
+    scale = 1.0 / math.sqrt(head_dim)
+    q32, k32, v32, do32 = (cupy.random.standard_normal(shape, dtype=cupy.float32) for _ in range(4))
+    if dtype == "float16":
+        q, k, v, dout = (x.astype(cupy.float16) for x in (q32, k32, v32, do32))
+    else:
+        q, k, v, dout = (_bf16_bits(cupy, x) for x in (q32, k32, v32, do32))
+    del q32, k32, v32, do32
+    res = {"head_dim": head_dim, "seqlen": seqlen, "batch": batch, "nheads": nheads, "dtype": dtype,
+           "causal": causal}
+    f_fwd = flops(batch, nheads, seqlen, seqlen, head_dim, causal)
+    f_bwd = flops(batch, nheads, seqlen, seqlen, head_dim, causal, bwd=True)
+
+    pool = cupy.get_default_memory_pool()
+    before = pool.used_bytes()
+    out, lse = _gpu.fwd(q, k, v, softmax_scale=scale, causal=causal, dtype=dtype)
+    cupy.cuda.get_current_stream().synchronize()
+    res["fwd_extra_bytes"] = pool.used_bytes() - before
+    res["fwd_output_bytes"] = out.nbytes + lse.nbytes
+    ms = _time_ms(lambda: _gpu.fwd(q, k, v, softmax_scale=scale, causal=causal, dtype=dtype), reps, cupy)
+    res["ours_fwd_ms"], res["ours_fwd_tflops"] = ms, f_fwd / ms / 1e9
+    res["ours_fwd_frac_ceiling"] = res["ours_fwd_tflops"] / MMA_SYNC_CEILING_TFLOPS
+    if bwd:
+        try:
+            ms = _time_ms(lambda: _gpu.bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal,
+                                           dtype=dtype), reps, cupy)
+            res["ours_bwd_ms"], res["ours_bwd_tflops"] = ms, f_bwd / ms / 1e9
+            before = pool.used_bytes()
+            grads = _gpu.bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal, dtype=dtype)
+            cupy.cuda.get_current_stream().synchronize()
+            res["bwd_extra_bytes"] = pool.used_bytes() - before
+            res["bwd_output_bytes"] = sum(g.nbytes for g in grads)
+            del grads
+        except Exception as e:  # noqa: BLE001 - report, keep benchmarking the forward
+            res["ours_bwd_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+
+    if torch_env is not None:
+        torch, backend, sdpa_kernel = torch_env
+        tdt = torch.float16 if dtype == "float16" else torch.bfloat16
+        to_t = (lambda x: torch.from_dlpack(x)) if dtype == "float16" else \
+            (lambda x: torch.from_dlpack(x.view(cupy.int16)).view(tdt))
+        tq, tk, tv, tdo = (to_t(x).transpose(1, 2) for x in (q, k, v, dout))
+        for name, be in (("fa2", backend.FLASH_ATTENTION), ("cudnn", backend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel(be):
+                    def f():
+                        return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+                    ms = _torch_time(torch, f, reps)
+                    res[f"{name}_fwd_ms"], res[f"{name}_fwd_tflops"] = ms, f_fwd / ms / 1e9
+                    if bwd:
+                        gq, gk, gv = (x.detach().requires_grad_() for x in (tq, tk, tv))
+                        o = torch.nn.functional.scaled_dot_product_attention(gq, gk, gv, is_causal=causal)
+                        def g():
+                            return torch.autograd.grad(o, (gq, gk, gv), tdo, retain_graph=True)
+                        ms = _torch_time(torch, g, reps)
+                        res[f"{name}_bwd_ms"], res[f"{name}_bwd_tflops"] = ms, f_bwd / ms / 1e9
+                        del o, gq, gk, gv
+            except Exception as e:  # noqa: BLE001 - a backend may refuse a shape
+                res[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        for name in ("fa2", "cudnn"):
+            for pas in ("fwd", "bwd"):
+                if f"{name}_{pas}_ms" in res and f"ours_{pas}_ms" in res:
+                    res[f"ratio_{pas}_vs_{name}"] = res[f"{name}_{pas}_ms"] / res[f"ours_{pas}_ms"]
+    return res
+
+
+def _torch_time(torch, fn, reps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def _fmt(r, key, width=7, prec=0):
+    v = r.get(key)
+    return f"{v:{width}.{prec}f}" if isinstance(v, (int, float)) else " " * (width - 1) + "-"
+
+
+def print_table(results, out=sys.stdout):
+    print("\n  D  seqlen dtype causal | fwd TFLOP/s ours  fa2 cudnn | x fa2 x cudnn frac |"
+          " bwd TFLOP/s ours  fa2 cudnn | x fa2 x cudnn", file=out)
+    for r in results:
+        print(f"{r['head_dim']:3d} {r['seqlen']:6d} {r['dtype'][:4]:>5} {str(r['causal'])[0]:>6} |"
+              f"          {_fmt(r, 'ours_fwd_tflops', 5)}{_fmt(r, 'fa2_fwd_tflops', 5)}{_fmt(r, 'cudnn_fwd_tflops', 6)} |"
+              f"{_fmt(r, 'ratio_fwd_vs_fa2', 6, 2)}{_fmt(r, 'ratio_fwd_vs_cudnn', 8, 2)}"
+              f"{_fmt(r, 'ours_fwd_frac_ceiling', 5, 2)} |"
+              f"          {_fmt(r, 'ours_bwd_tflops', 5)}{_fmt(r, 'fa2_bwd_tflops', 5)}{_fmt(r, 'cudnn_bwd_tflops', 6)} |"
+              f"{_fmt(r, 'ratio_bwd_vs_fa2', 6, 2)}{_fmt(r, 'ratio_bwd_vs_cudnn', 8, 2)}", file=out)
+
+
+def _plot(results, path):
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    keys = sorted({(r["head_dim"], r["dtype"], r["causal"]) for r in results})
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.5), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        rows = [r for r in results if (r["head_dim"], r["dtype"], r["causal"]) == key]
+        for impl in ("ours", "fa2", "cudnn"):
+            pts = [(r["seqlen"], r.get(f"{impl}_fwd_tflops")) for r in rows if r.get(f"{impl}_fwd_tflops")]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"D={key[0]} {key[1]} causal={key[2]}")
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("fwd TFLOP/s")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        import cupy  # noqa: PLC0415
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001
+        print(f"bench needs a CUDA GPU and cupy: {e}", file=sys.stderr)
+        return 2
+    torch_env = None if args.no_torch else _torch_env()
+    head_dims = args.head_dim or [64, 128]
+    seqlens = args.seqlen or [512, 1024, 2048, 4096, 8192, 16384]
+    dtypes = args.dtype or ["float16", "bfloat16"]
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    results = []
+    total = len(head_dims) * len(seqlens) * len(dtypes) * len(causals)
+    for i, (d, dt, c, s) in enumerate(
+            (d, dt, c, s) for d in head_dims for dt in dtypes for c in causals for s in seqlens):
+        r = run_point(cupy, torch_env, head_dim=d, seqlen=s, dtype=dt, causal=c, tokens=args.tokens,
+                      reps=args.reps, bwd=not args.no_bwd)
+        results.append(r)
+        print(f"[{i + 1}/{total}] D={d} S={s} {dt} causal={c}: ours fwd {r['ours_fwd_tflops']:.0f} TFLOP/s"
+              + (f", fa2 {r['fa2_fwd_tflops']:.0f}" if "fa2_fwd_tflops" in r else ""), file=sys.stderr,
+              flush=True)
+        cupy.get_default_memory_pool().free_all_blocks()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                       "results": results}, f, indent=1)
+    if args.plot:
+        try:
+            _plot(results, args.plot)
+        except ImportError:
+            print("matplotlib not installed; no plot", file=sys.stderr)
+    print_table(results)
+    return 0

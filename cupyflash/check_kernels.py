@@ -1,0 +1,77 @@
+"""``python -m cupyflash check-kernels``: compile every kernel variant, no GPU needed.
+
+Each instantiation the dispatcher can return is compiled through NVRTC for each
+target architecture with ``--ptxas-options=-v``; any spill or stack frame is a
+failure. Prints registers, shared memory and cold compile time per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import os
+import sys
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arch", action="append", default=None, metavar="MAJOR.MINOR",
+                        help="target compute capability (repeatable); default 8.0 and 9.0")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the even, aligned, unsplit fp16 variants (one per head_dim, causal or not)")
+    parser.add_argument("--match", default=None, help="only variants whose name contains this text")
+    parser.add_argument("--no-cache", action="store_true", help="compile cold (measures compile time)")
+    parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
+
+
+def _launches(quick: bool, match: str | None):
+    from . import dispatch  # noqa: PLC0415
+
+    launches = dispatch.all_fwd_launches()
+    if hasattr(dispatch, "all_bwd_launches"):
+        launches += dispatch.all_bwd_launches()
+    if quick:
+        launches = [L for L in launches
+                    if L.args[0] == "__half" and "false, true, true, false" in ", ".join(L.args[-4:]) or
+                    (L.args[0] == "__half" and L.template.endswith("combine_kernel") and L.args[1] == "128")]
+    if match:
+        launches = [L for L in launches if match in L.name_expression]
+    return launches
+
+
+def _compile_one(item):
+    source, name, arch, use_cache = item
+    from . import _compile  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    compiled = _compile.compile_variant(source, name, arch, use_cache=use_cache)
+    return _compile.parse_ptxas_log(compiled.log), time.perf_counter() - t0
+
+
+def run(archs, quick=False, match=None, jobs=1, use_cache=True, out=sys.stdout) -> int:
+    launches = _launches(quick, match)
+    items = [(L.source, L.name_expression, a, use_cache) for a in archs for L in launches]
+    smem = {L.name_expression: L.smem_bytes for L in launches}
+    failures = 0
+    print(f"compiling {len(items)} variants for {', '.join(f'sm_{a}{b}' for a, b in archs)} "
+          f"with {jobs} jobs", file=out, flush=True)
+    with cf.ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+        results = list(pool.map(_compile_one, items))
+    for (source, name, arch, _), (res, secs) in zip(items, results):
+        bad = res.spill_bytes or res.stack_bytes
+        failures += bool(bad)
+        print(f"{'FAIL' if bad else 'ok  '} sm_{arch[0]}{arch[1]} regs={res.registers:3d} "
+              f"spill={res.spill_bytes:4d}B stack={res.stack_bytes:4d}B smem={smem[name] // 1024:4d}KB "
+              f"{secs:5.1f}s  {name}", file=out)
+    print(f"{len(items) - failures} of {len(items)} variants compile with no spills", file=out)
+    return 1 if failures else 0
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        import cupy.cuda.nvrtc  # noqa: F401, PLC0415
+    except ImportError as e:
+        print(f"check-kernels needs cupy and NVRTC (pip install 'cupyflash[cuda13]'): {e}", file=sys.stderr)
+        return 2
+    archs = [tuple(int(x) for x in a.split(".")) for a in (args.arch or ["8.0", "9.0"])]
+    return run(archs, quick=args.quick, match=args.match, jobs=args.jobs, use_cache=not args.no_cache)

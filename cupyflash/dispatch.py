@@ -1,0 +1,331 @@
+"""Kernel selection: the only place that knows the tile tables.
+
+Every function here is pure (shapes in, frozen plans out), needs no GPU, and is
+unit-tested in ``tests/test_dispatch.py``. The template-argument order follows
+``kernels_cu/flash_fwd.cu``: ``<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
+IS_CAUSAL, EVEN_K, VEC, IS_SPLIT>``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+#: C++ type for each supported storage dtype.
+CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+#: Compiled head-dimension specialisations; other head_dims run on the next one up.
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+
+#: Compute capabilities the kernels are built and checked for.
+ARCHS = ((8, 0), (9, 0))
+
+# Forward tiles per padded head_dim: (BLOCK_M, BLOCK_N, NUM_WARPS).
+# Each warp owns BLOCK_M / NUM_WARPS query rows; two m16 tiles per warp halve
+# the shared-memory reads of K and V per mma. Chosen as the largest tiles that
+# compile with no spills (see kernels_cu/PERF.md).
+_FWD_TILES = {
+    32: (128, 64, 4),
+    64: (128, 64, 4),
+    96: (128, 32, 4),
+    128: (128, 32, 4),
+    192: (64, 64, 4),
+    256: (64, 64, 4),
+}
+# Unaligned data (VEC=false) loads element by element through registers, which
+# costs registers the big tiles do not have: one m16 tile per warp.
+_FWD_TILES_UNALIGNED = {
+    32: (64, 64, 4),
+    64: (64, 64, 4),
+    96: (64, 32, 4),
+    128: (64, 32, 4),
+    192: (64, 32, 4),
+    256: (64, 32, 4),
+}
+
+
+def fwd_tiles(head_dim_padded: int, vec: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, NUM_WARPS) of the forward kernel."""
+    return (_FWD_TILES if vec else _FWD_TILES_UNALIGNED)[head_dim_padded]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: the template instantiation and its launch shape."""
+
+    source: str                 # file in kernels_cu/ that defines the template
+    template: str               # fully qualified template name
+    args: tuple[str, ...]       # template arguments, as C++ text
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem_bytes: int             # dynamic shared memory
+
+    @property
+    def name_expression(self) -> str:
+        return f"{self.template}<{', '.join(self.args)}>"
+
+
+@dataclass(frozen=True)
+class FwdPlan:
+    main: Launch
+    combine: Launch | None      # set when split-KV is used
+    head_dim_padded: int
+    num_m_blocks: int
+    num_splits: int
+    n_blocks_per_split: int
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The smallest compiled specialisation that holds ``head_dim``."""
+    for d in HEAD_DIMS:
+        if head_dim <= d:
+            return d
+    raise ValueError(f"cupyflash: head_dim must be at most {HEAD_DIMS[-1]}; got {head_dim}")
+
+
+def _smem_tile_bytes(rows: int, head_dim_padded: int) -> int:
+    # kernels_cu/tile_io.cuh SmemTile: 16-byte chunks, row stride padded to odd.
+    chunks = head_dim_padded * 2 // 16
+    return rows * (chunks | 1) * 16
+
+
+def _cbool(x: bool) -> str:
+    return "true" if x else "false"
+
+
+def fwd_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool, vec: bool,
+               split: bool, grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
+    """The forward kernel instantiation for one set of compile-time choices."""
+    block_m, block_n, num_warps = fwd_tiles(head_dim_padded, vec)
+    smem = _smem_tile_bytes(block_m, head_dim_padded) + 2 * _smem_tile_bytes(block_n, head_dim_padded)
+    args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(num_warps),
+            _cbool(causal), _cbool(even_k), _cbool(vec), _cbool(split))
+    return Launch("flash_fwd.cu", "cupyflash::flash_fwd_kernel", args, grid, (num_warps * 32, 1, 1), smem)
+
+
+def combine_launch(dtype: str, head_dim_padded: int, rows: int = 1) -> Launch:
+    """The split-KV combine kernel: one warp per (batch, head, query row)."""
+    return Launch("flash_fwd.cu", "cupyflash::flash_fwd_combine_kernel",
+                  (CTYPES[dtype], str(head_dim_padded)), (max(1, math.ceil(rows / 4)), 1, 1), (128, 1, 1), 0)
+
+
+def num_splits_heuristic(work_blocks: int, n_blocks: int, num_sms: int) -> int:
+    """How many key ranges to split each query block's work into.
+
+    Split only when the (batch, head, query block) grid fills less than most of
+    one wave, and give every split at least two key blocks.
+    """
+    if work_blocks >= 0.8 * num_sms or n_blocks < 4:
+        return 1
+    want = math.ceil(2 * num_sms / work_blocks)
+    return max(1, min(want, n_blocks // 2, 128))
+
+
+def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_dim: int,
+               dtype: str, causal: bool, vec: bool, num_sms: int = 132,
+               cc: tuple[int, int] = (9, 0)) -> FwdPlan:
+    """Choose the forward kernel, its grid and whether to split the keys.
+
+    ``vec`` says 16-byte accesses are legal (data pointers 16-byte aligned,
+    batch/row/head strides and head_dim multiples of 8 elements).
+    """
+    if dtype not in CTYPES:
+        raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
+    if cc < ARCHS[0]:
+        raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
+    d = padded_head_dim(head_dim)
+    block_m, block_n, _ = fwd_tiles(d, vec)
+    num_m_blocks = math.ceil(seqlen_q / block_m)
+    n_blocks = math.ceil(seqlen_k / block_n)
+    splits = num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms)
+    per_split = math.ceil(n_blocks / splits)
+    splits = math.ceil(n_blocks / per_split) if n_blocks else 1
+    split = splits > 1
+    grid = (num_m_blocks * batch * nheads_q, splits, 1)
+    main = fwd_launch(dtype, d, causal, head_dim == d, vec, split, grid)
+    combine = combine_launch(dtype, d, batch * nheads_q * seqlen_q) if split else None
+    return FwdPlan(main, combine, d, num_m_blocks, splits, per_split)
+
+
+def all_fwd_launches() -> list[Launch]:
+    """Every forward instantiation select_fwd can return (for check-kernels)."""
+    out = []
+    for dtype, d, causal, even_k, vec, split in itertools.product(
+            CTYPES, HEAD_DIMS, (False, True), (True, False), (True, False), (False, True)):
+        out.append(fwd_launch(dtype, d, causal, even_k, vec, split))
+    for dtype, d in itertools.product(CTYPES, HEAD_DIMS):
+        out.append(combine_launch(dtype, d))
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Backward (kernels_cu/flash_bwd.cu)
+# ----------------------------------------------------------------------------
+
+#: seqlen_q is padded to a multiple of this in the backward's fp32 row buffers
+#: (kernels_cu/flash_bwd.cu BWD_ROWS_ROUND); every backward BLOCK_M divides it.
+BWD_ROWS_ROUND = 128
+
+# dK/dV kernel tiles per padded head_dim, best first; select_bwd takes the first
+# that fits the GPU's shared memory, double-buffered (Q, dO) if that fits too.
+# (BLOCK_M, BLOCK_N, NUM_WARPS, WARPS_M_SDP, WARPS_N_DKV, WARPS_M_DQ): the last
+# three split the warps over the query rows of S/dP, the key rows of dK/dV and
+# the query rows of dQ. 8 warps keep K, V, dK, dV for BLOCK_N keys on one SM;
+# the register file bounds dK + dV (2 * BLOCK_N * HEAD_DIM fp32 over 256
+# threads, at most 128 per thread) plus S and dP. Every warp tile is at least
+# 16x32 so each ldmatrix feeds two or more mma. The first entry of each pair
+# needs ~130-180 KB of shared memory at 2 stages (sm_90; sm_80 runs it with 1
+# stage); the second fits 99 KB (sm_86, sm_89, sm_120).
+_BWD_TILES = {
+    32: ((128, 128, 8, 4, 4, 4), (64, 128, 8, 2, 4, 4)),
+    64: ((128, 128, 8, 4, 4, 4), (64, 128, 8, 2, 4, 4)),
+    96: ((64, 128, 8, 2, 4, 4), (64, 64, 8, 4, 4, 4)),
+    128: ((64, 128, 8, 2, 4, 2), (64, 64, 8, 4, 2, 2)),
+    192: ((64, 64, 8, 4, 2, 2), (32, 64, 8, 2, 2, 2)),
+    256: ((64, 64, 8, 4, 2, 2), (32, 32, 4, 2, 2, 2)),
+}
+
+# Deterministic dQ kernel tiles, best first: (BLOCK_M, BLOCK_N, NUM_WARPS), one
+# m16 tile of query rows per warp (dQ, S and dP all live in registers).
+_BWD_DQ_TILES = {
+    32: ((64, 128, 4),),
+    64: ((64, 128, 4),),
+    96: ((64, 64, 4),),
+    128: ((64, 64, 4),),
+    192: ((64, 32, 4),),
+    256: ((64, 32, 4), (64, 16, 4)),
+}
+
+_BWD_THREADS_AUX = 256  # preprocess and convert kernels: 8 warps, one row per warp at a time
+
+
+def max_smem_per_block(cc: tuple[int, int]) -> int:
+    """Opt-in dynamic shared memory per block (bytes) for a compute capability."""
+    if cc in ((8, 0), (8, 7)):
+        return 163 * 1024
+    if cc[0] in (9, 10):
+        return 227 * 1024
+    return 99 * 1024  # 8.6, 8.9, 12.x
+
+
+def bwd_smem_bytes(head_dim_padded: int, tile: tuple[int, ...], stages: int) -> int:
+    """Shared memory of the dK/dV kernel (kernels_cu/flash_bwd.cu BwdTraits)."""
+    block_m, block_n = tile[:2]
+    fixed = 2 * _smem_tile_bytes(block_n, head_dim_padded) + 2 * _smem_tile_bytes(block_m, block_n)
+    stage = 2 * _smem_tile_bytes(block_m, head_dim_padded) + 2 * block_m * 4
+    return fixed + stages * stage
+
+
+def bwd_dq_smem_bytes(head_dim_padded: int, tile: tuple[int, int, int]) -> int:
+    """Shared memory of the deterministic dQ kernel (BwdDqTraits): Q, dO, V, two K."""
+    block_m, block_n, _ = tile
+    return 2 * _smem_tile_bytes(block_m, head_dim_padded) + 3 * _smem_tile_bytes(block_n, head_dim_padded)
+
+
+@dataclass(frozen=True)
+class BwdPlan:
+    launches: tuple[Launch, ...]  # in launch order: preprocess, dK/dV, then dQ or convert
+    head_dim_padded: int
+    seqlen_q_rounded: int         # rows per head of the fp32 buffers lse_log2, delta, dq_accum
+    num_stages: int               # dK/dV kernel: Q/dO buffers in flight (BwdParams.num_stages)
+    dq_accum: bool                # whether dq_accum (batch, nheads_q, seqlen_q_rounded, head_dim_padded) is used
+
+
+def bwd_preprocess_launch(dtype: str, vec: bool, blocks: int = 1) -> Launch:
+    return Launch("flash_bwd.cu", "cupyflash::flash_bwd_preprocess_kernel", (CTYPES[dtype], _cbool(vec)),
+                  (max(1, blocks), 1, 1), (_BWD_THREADS_AUX, 1, 1), 0)
+
+
+def bwd_convert_launch(dtype: str, vec: bool, rows: int = 1) -> Launch:
+    return Launch("flash_bwd.cu", "cupyflash::flash_bwd_convert_dq_kernel", (CTYPES[dtype], _cbool(vec)),
+                  (max(1, math.ceil(rows / (_BWD_THREADS_AUX // 32))), 1, 1), (_BWD_THREADS_AUX, 1, 1), 0)
+
+
+def bwd_dkdv_launch(dtype: str, head_dim_padded: int, tile: tuple[int, ...], causal: bool, even_k: bool,
+                    vec: bool, deterministic: bool, stages: int = 2,
+                    grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
+    """The dK/dV kernel instantiation for one tile and set of compile-time choices."""
+    block_m, block_n, num_warps, wm_sdp, wn_dkv, wm_dq = tile
+    args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(num_warps), str(wm_sdp),
+            str(wn_dkv), str(wm_dq), _cbool(causal), _cbool(even_k), _cbool(vec), _cbool(deterministic))
+    return Launch("flash_bwd.cu", "cupyflash::flash_bwd_dkdv_kernel", args, grid, (num_warps * 32, 1, 1),
+                  bwd_smem_bytes(head_dim_padded, tile, stages))
+
+
+def bwd_dq_launch(dtype: str, head_dim_padded: int, tile: tuple[int, int, int], causal: bool, even_k: bool,
+                  vec: bool, grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
+    """The deterministic dQ kernel instantiation."""
+    block_m, block_n, num_warps = tile
+    args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(num_warps),
+            _cbool(causal), _cbool(even_k), _cbool(vec))
+    return Launch("flash_bwd.cu", "cupyflash::flash_bwd_dq_kernel", args, grid, (num_warps * 32, 1, 1),
+                  bwd_dq_smem_bytes(head_dim_padded, tile))
+
+
+def _pick_bwd_tile(d: int, smem_limit: int) -> tuple[tuple[int, ...], int]:
+    for tile in _BWD_TILES[d]:
+        for stages in (2, 1):
+            if bwd_smem_bytes(d, tile, stages) <= smem_limit:
+                return tile, stages
+    raise NotImplementedError(f"cupyflash: no backward tile for head_dim {d} fits {smem_limit} bytes of shared memory")
+
+
+def _pick_bwd_dq_tile(d: int, smem_limit: int) -> tuple[int, int, int]:
+    for tile in _BWD_DQ_TILES[d]:
+        if bwd_dq_smem_bytes(d, tile) <= smem_limit:
+            return tile
+    raise NotImplementedError(f"cupyflash: no backward dQ tile for head_dim {d} fits {smem_limit} bytes of shared memory")
+
+
+def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nheads_kv: int, head_dim: int,
+               dtype: str, causal: bool, deterministic: bool, vec: bool, num_sms: int = 132,
+               cc: tuple[int, int] = (9, 0)) -> BwdPlan:
+    """Choose the backward kernels, their grids and the scratch-buffer sizes.
+
+    Launch order: preprocess (delta, lse·log2e, zero dq_accum); dK/dV (one
+    block per key block and (batch, KV head), looping over the group's query
+    heads; dQ by fp32 atomics unless ``deterministic``); then either the dQ
+    kernel (``deterministic``: one block per query block, no atomics) or the
+    convert kernel (dq_accum -> dq). ``vec`` says 16-byte accesses are legal for
+    every tensor (see select_fwd). ``num_sms`` is unused for now (the grids
+    never split work across blocks).
+    """
+    del num_sms
+    if dtype not in CTYPES:
+        raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
+    if cc < ARCHS[0]:
+        raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
+    d = padded_head_dim(head_dim)
+    even_k = head_dim == d
+    smem_limit = max_smem_per_block(cc)
+    tile, stages = _pick_bwd_tile(d, smem_limit)
+    block_m, block_n = tile[:2]
+    seqlen_q_rounded = math.ceil(seqlen_q / BWD_ROWS_ROUND) * BWD_ROWS_ROUND
+
+    launches = [bwd_preprocess_launch(dtype, vec, (seqlen_q_rounded // BWD_ROWS_ROUND) * batch * nheads_q)]
+    dkdv_grid = (math.ceil(seqlen_k / block_n) * batch * nheads_kv, 1, 1)
+    launches.append(bwd_dkdv_launch(dtype, d, tile, causal, even_k, vec, deterministic, stages, dkdv_grid))
+    if deterministic:
+        dq_tile = _pick_bwd_dq_tile(d, smem_limit)
+        dq_grid = (math.ceil(seqlen_q / dq_tile[0]) * batch * nheads_q, 1, 1)
+        launches.append(bwd_dq_launch(dtype, d, dq_tile, causal, even_k, vec, dq_grid))
+    else:
+        launches.append(bwd_convert_launch(dtype, vec, batch * nheads_q * seqlen_q))
+    return BwdPlan(tuple(launches), d, seqlen_q_rounded, stages, not deterministic)
+
+
+def all_bwd_launches() -> list[Launch]:
+    """Every backward instantiation select_bwd can return, for any GPU (for check-kernels)."""
+    out = []
+    for dtype, vec in itertools.product(CTYPES, (True, False)):
+        out.append(bwd_preprocess_launch(dtype, vec))
+        out.append(bwd_convert_launch(dtype, vec))
+    for dtype, d in itertools.product(CTYPES, HEAD_DIMS):
+        for tile, causal, even_k, vec, det in itertools.product(
+                _BWD_TILES[d], (False, True), (True, False), (True, False), (False, True)):
+            out.append(bwd_dkdv_launch(dtype, d, tile, causal, even_k, vec, det))
+        for tile, causal, even_k, vec in itertools.product(
+                _BWD_DQ_TILES[d], (False, True), (True, False), (True, False)):
+            out.append(bwd_dq_launch(dtype, d, tile, causal, even_k, vec))
+    return out

@@ -1,0 +1,571 @@
+// flash_bwd.cu: the FlashAttention-2 backward pass (Dao 2023, Algorithm 2) on
+// mma.sync.m16n8k16 Tensor Core fragments.
+//
+// With P = exp(scale·Q·Kᵀ − lse) recomputed tile by tile and
+// delta = rowsum(dO∘O) (= rowsum(P∘dP)):
+//   dV = Pᵀ·dO,  dP = dO·Vᵀ,  dS = P∘(dP − delta),
+//   dK = scale·dSᵀ·Q,  dQ = scale·dS·K.
+//
+// Kernels, in launch order (cupyflash/_gpu_bwd.py):
+//   flash_bwd_preprocess_kernel  delta; lse·log2(e) with the P = 0 guards; dq_accum = 0
+//   flash_bwd_dkdv_kernel        one block per key block: dK and dV; in the default
+//                                mode also dQ, added to dq_accum with fp32 atomics
+//   flash_bwd_dq_kernel          deterministic mode: one block per query block
+//                                recomputes S, P, dP, dS and sums dQ in a fixed order
+//   flash_bwd_convert_dq_kernel  default mode: dq = scale·dq_accum in the input dtype
+//
+// Padding contract with the preprocess: lse_log2 and delta have
+// seqlen_q_rounded rows per head (a multiple of every BLOCK_M). Rows past
+// seqlen_q, and rows that see no key (lse = -inf), get lse_log2 = +inf, so
+// P = exp2(s − inf) = 0 there whatever s is, with no NaN; their delta is 0.
+// Zero-filled Q/dO rows and the +inf then make the query tail contribute
+// exactly 0 with no mask code; key tails and the causal diagonal are masked.
+#include "params.cuh"
+#include "ptx.cuh"
+#include "tile_io.cuh"
+#include "mask.cuh"
+#include "warp_mma.cuh"
+
+namespace cupyflash {
+
+constexpr int BWD_ROWS_ROUND = 128;  // seqlen_q_rounded is a multiple of this
+#define POS_INF (__int_as_float(0x7f800000))
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+
+// ---------------------------------------------------------------------------
+// Preprocess: one block of 8 warps per BWD_ROWS_ROUND query rows of one (batch, head).
+// ---------------------------------------------------------------------------
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(256)
+flash_bwd_preprocess_kernel(const BwdParams p) {
+    constexpr int ROWS = BWD_ROWS_ROUND, WARPS = 8;
+    const int row_blocks = p.seqlen_q_rounded / ROWS;
+    const int bh = blockIdx.x / row_blocks;
+    const int row_block = blockIdx.x % row_blocks;
+    const int b = bh / p.nheads_q, h = bh % p.nheads_q;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int64 row_index0 = int64(bh) * p.seqlen_q_rounded + row_block * ROWS;
+
+    const T* out = static_cast<const T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride;
+    const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
+    const float* lse = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride;
+
+    // ---- delta = rowsum(dO∘O) in fp32, one row per warp at a time
+#pragma unroll 4
+    for (int r = warp; r < ROWS; r += WARPS) {
+        const int row = row_block * ROWS + r;
+        float dot = 0.f;
+        if (row < p.seqlen_q) {
+            const T* o = out + row * p.o_row_stride;
+            const T* d = dout + row * p.do_row_stride;
+            if constexpr (VEC) {
+                // one 16-byte chunk per lane covers head_dim <= 256
+                if (lane * 8 < p.head_dim) {
+                    const uint4 ov = *reinterpret_cast<const uint4*>(o + lane * 8);
+                    const uint4 dv = *reinterpret_cast<const uint4*>(d + lane * 8);
+                    const T* oe = reinterpret_cast<const T*>(&ov);
+                    const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        dot = fmaf(TypeTraits<T>::to_float(oe[e]), TypeTraits<T>::to_float(de[e]), dot);
+                    }
+                }
+            } else {
+                for (int c = lane; c < p.head_dim; c += 32) {
+                    dot = fmaf(TypeTraits<T>::to_float(o[c]), TypeTraits<T>::to_float(d[c]), dot);
+                }
+            }
+        }
+        dot = warp_sum(dot);
+        if (lane == 0) {
+            // ---- lse in log2 units; +inf (P = 0) for padding rows and rows that see no key
+            const float l = row < p.seqlen_q ? lse[row] : NEG_INF;
+            p.delta[row_index0 + r] = dot;
+            p.lse_log2[row_index0 + r] = l == NEG_INF ? POS_INF : l * LOG2E;
+        }
+    }
+
+    // ---- dq_accum = 0 for these rows (default mode; the dK/dV kernel adds to it)
+    if (p.dq_accum != nullptr) {
+        float4* acc = reinterpret_cast<float4*>(p.dq_accum + row_index0 * p.head_dim_padded);
+        const int count = ROWS * p.head_dim_padded / 4;
+        for (int i = threadIdx.x; i < count; i += WARPS * 32) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// dK/dV: one block per (key block, batch, KV head).
+// ---------------------------------------------------------------------------
+//
+// K and V stay in shared memory and dK, dV in registers while the block walks
+// over the query blocks that see its keys (for GQA, those of every query head
+// sharing the KV head, one after another: deterministic, nothing expanded).
+// Per query block:
+//   S = Q·Kᵀ,  P = exp2(S·scale·log2e − lse·log2e),  dP = dO·Vᵀ,  dS = P∘(dP − delta)
+//   P, dS -> shared memory (the next GEMMs read them transposed)
+//   dV += Pᵀ·dO,  dK += dSᵀ·Q,  dQ_partial = dS·K -> atomicAdd into dq_accum
+// Each GEMM has its own grid of warp tiles (the traits below), chosen so every
+// warp tile reuses its ldmatrix fragments across 2+ mma in both directions.
+//
+// Template parameters, in order:
+//   T            __half or __nv_bfloat16
+//   HEAD_DIM     padded head dimension (multiple of 16); runtime head_dim <= HEAD_DIM
+//   BLOCK_M      query rows per tile;  BLOCK_N  keys per block
+//   NUM_WARPS    warps per block
+//   WARPS_M_SDP  warps along the query rows of S and dP (the rest go along keys)
+//   WARPS_N_DKV  warps along the key rows of dK and dV (the rest go along head_dim)
+//   WARPS_M_DQ   warps along the query rows of dQ (the rest go along head_dim)
+//   IS_CAUSAL    bottom-right aligned causal mask
+//   EVEN_K       head_dim == HEAD_DIM (no column predicates)
+//   VEC          16-byte loads are legal (pointers, strides, head_dim multiples of 8 elements)
+//   DETERMINISTIC  skip dQ here (flash_bwd_dq_kernel computes it without atomics)
+// Runtime: p.num_stages = 2 double-buffers Q, dO, lse, delta (the next query
+// block loads during the whole step); 1 halves that memory and loads the next
+// block during the dQ GEMM only (for GPUs with less shared memory).
+template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_, int WARPS_M_SDP_,
+          int WARPS_N_DKV_, int WARPS_M_DQ_>
+struct BwdTraits {
+    using T = T_;
+    static constexpr int HEAD_DIM = HEAD_DIM_;
+    static constexpr int BLOCK_M = BLOCK_M_;
+    static constexpr int BLOCK_N = BLOCK_N_;
+    static constexpr int NUM_WARPS = NUM_WARPS_;
+    static constexpr int NUM_THREADS = NUM_WARPS * 32;
+
+    // S and dP: (BLOCK_M x BLOCK_N) in a WARPS_M_SDP x (NUM_WARPS / WARPS_M_SDP) grid of warp tiles
+    static constexpr int SDP_ROWS = BLOCK_M / WARPS_M_SDP_;
+    static constexpr int SDP_COLS = BLOCK_N / (NUM_WARPS / WARPS_M_SDP_);
+    static constexpr int SDP_MT = SDP_ROWS / 16, SDP_NT = SDP_COLS / 8;
+    // dV and dK: (BLOCK_N x HEAD_DIM)
+    static constexpr int DKV_ROWS = BLOCK_N / WARPS_N_DKV_;
+    static constexpr int DKV_COLS = HEAD_DIM / (NUM_WARPS / WARPS_N_DKV_);
+    static constexpr int DKV_MT = DKV_ROWS / 16, DKV_NT = DKV_COLS / 8;
+    // dQ: (BLOCK_M x HEAD_DIM)
+    static constexpr int DQ_ROWS = BLOCK_M / WARPS_M_DQ_;
+    static constexpr int DQ_COLS = HEAD_DIM / (NUM_WARPS / WARPS_M_DQ_);
+    static constexpr int DQ_MT = DQ_ROWS / 16, DQ_NT = DQ_COLS / 8;
+
+    using QTile = SmemTile<T, BLOCK_M, HEAD_DIM>;   // Q and dO
+    using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM>;  // K and V (and the dK, dV staging at the end)
+    using PTile = SmemTile<T, BLOCK_M, BLOCK_N>;    // P and dS
+    // Shared memory: K, V, P, dS, then per stage Q, dO, lse_log2, delta.
+    static constexpr int STAGE_BYTES = 2 * QTile::BYTES + 2 * BLOCK_M * 4;
+    static constexpr int FIXED_BYTES = 2 * KVTile::BYTES + 2 * PTile::BYTES;
+
+    static_assert(NUM_WARPS % WARPS_M_SDP_ == 0 && NUM_WARPS % WARPS_N_DKV_ == 0 && NUM_WARPS % WARPS_M_DQ_ == 0,
+                  "warp grids must use every warp");
+    static_assert(SDP_ROWS % 16 == 0 && DKV_ROWS % 16 == 0 && DQ_ROWS % 16 == 0, "warp tiles hold whole m16 tiles");
+    static_assert(SDP_COLS % 16 == 0 && DKV_COLS % 16 == 0 && DQ_COLS % 16 == 0, "warp tiles hold n8 tile pairs");
+    static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "k16 steps");
+    static_assert(BWD_ROWS_ROUND % BLOCK_M == 0, "seqlen_q_rounded must be a multiple of BLOCK_M");
+    static_assert(BLOCK_M / 2 <= NUM_THREADS, "one thread per 16-byte chunk of lse and delta");
+};
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int WARPS_M_SDP, int WARPS_N_DKV,
+          int WARPS_M_DQ, bool IS_CAUSAL, bool EVEN_K, bool VEC, bool DETERMINISTIC>
+__global__ void __launch_bounds__(NUM_WARPS * 32)
+flash_bwd_dkdv_kernel(const BwdParams p) {
+    using Tr = BwdTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, WARPS_M_SDP, WARPS_N_DKV, WARPS_M_DQ>;
+    using QTile = typename Tr::QTile;
+    using KVTile = typename Tr::KVTile;
+    using PTile = typename Tr::PTile;
+    constexpr int NT = Tr::NUM_THREADS;
+    constexpr int SDP_MT = Tr::SDP_MT, SDP_NT = Tr::SDP_NT;
+    constexpr int DKV_MT = Tr::DKV_MT, DKV_NT = Tr::DKV_NT;
+    constexpr int DQ_MT = Tr::DQ_MT, DQ_NT = Tr::DQ_NT;
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    const uint32 sK = smem_addr(smem);
+    const uint32 sV = sK + KVTile::BYTES;
+    const uint32 sP = sV + KVTile::BYTES;
+    const uint32 sdS = sP + PTile::BYTES;
+    // Per stage: Q, dO, lse_log2 (BLOCK_M floats), delta (BLOCK_M floats).
+    auto sQ = [&](int stage) { return sK + Tr::FIXED_BYTES + stage * Tr::STAGE_BYTES; };
+    auto sdO = [&](int stage) { return sQ(stage) + QTile::BYTES; };
+    auto stage_floats = [&](int stage) {
+        return reinterpret_cast<const float*>(smem + Tr::FIXED_BYTES + stage * Tr::STAGE_BYTES + 2 * QTile::BYTES);
+    };
+
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t = lane % 4;
+
+    // ---- which tile: key blocks of one (batch, KV head) are adjacent (Q/dO reuse
+    //      in L2); causal runs the heaviest key blocks (small n) first.
+    const int num_n_blocks = ceil_div(p.seqlen_k, BLOCK_N);
+    const int n_block = blockIdx.x % num_n_blocks;
+    const int bh_kv = blockIdx.x / num_n_blocks;
+    const int b = bh_kv / p.nheads_kv, h_kv = bh_kv % p.nheads_kv;
+    const int group = p.nheads_q / p.nheads_kv;
+    const int n0 = n_block * BLOCK_N;
+    const int keys_valid = min(BLOCK_N, p.seqlen_k - n0);
+
+    // ---- the query blocks that see these keys: [m_begin, m_end); the first ones
+    //      (up to m_masked_end) cross the causal diagonal, or every one does when
+    //      this is the key tail block.
+    const int num_m_blocks = ceil_div(p.seqlen_q, BLOCK_M);
+    const int off = p.seqlen_k - p.seqlen_q;  // query i sees key j iff j <= i + off
+    int m_begin = 0, m_unmasked = 0;
+    if (IS_CAUSAL) {
+        m_begin = max(0, n0 - off) / BLOCK_M;                              // first row that sees key n0
+        m_unmasked = ceil_div(max(0, n0 + BLOCK_N - 1 - off), BLOCK_M);    // rows that see key n0+BLOCK_N-1
+    }
+    if (keys_valid < BLOCK_N) m_unmasked = num_m_blocks;
+    const int m_end = num_m_blocks;
+    m_begin = min(m_begin, m_end);
+    const int m_masked_end = min(max(m_unmasked, m_begin), m_end);
+    const int nm = m_end - m_begin;
+    const int num_iters = group * nm;  // (query head of the group, query block) pairs
+    const bool two_stage = p.num_stages == 2;
+
+    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + int64(n0) * p.k_row_stride;
+    const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + int64(n0) * p.v_row_stride;
+
+    // Warp tiles of the three GEMM shapes.
+    const int sdp_row0 = (warp % WARPS_M_SDP) * Tr::SDP_ROWS, sdp_col0 = (warp / WARPS_M_SDP) * Tr::SDP_COLS;
+    const int dkv_row0 = (warp % WARPS_N_DKV) * Tr::DKV_ROWS, dkv_col0 = (warp / WARPS_N_DKV) * Tr::DKV_COLS;
+    const int dq_row0 = (warp % WARPS_M_DQ) * Tr::DQ_ROWS, dq_col0 = (warp / WARPS_M_DQ) * Tr::DQ_COLS;
+
+    // Load Q, dO (zero-filled past seqlen_q and head_dim), lse_log2, delta of iteration it.
+    auto load_query_block = [&](int it, int stage) {
+        const int h = h_kv * group + it / nm;
+        const int m0 = (m_begin + it % nm) * BLOCK_M;
+        const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + int64(m0) * p.q_row_stride;
+        const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
+                        int64(m0) * p.do_row_stride;
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ(stage), q, p.q_row_stride, p.seqlen_q - m0, p.head_dim);
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sdO(stage), dout, p.do_row_stride, p.seqlen_q - m0,
+                                                         p.head_dim);
+        // the padded preprocess buffers need no predicates
+        const int64 row_index = int64(b * p.nheads_q + h) * p.seqlen_q_rounded + m0;
+        const uint32 s_rows = sdO(stage) + QTile::BYTES;
+        const int tid = threadIdx.x;
+        if (tid < BLOCK_M / 4) {
+            cp_async_16(s_rows + tid * 16, p.lse_log2 + row_index + tid * 4, true);
+        } else if (tid < BLOCK_M / 2) {
+            const int c = tid - BLOCK_M / 4;
+            cp_async_16(s_rows + BLOCK_M * 4 + c * 16, p.delta + row_index + c * 4, true);
+        }
+    };
+
+    float acc_dk[DKV_MT][DKV_NT][4], acc_dv[DKV_MT][DKV_NT][4];
+    clear(acc_dk);
+    clear(acc_dv);
+
+    load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(sK, k, p.k_row_stride, keys_valid, p.head_dim);
+    load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(sV, v, p.v_row_stride, keys_valid, p.head_dim);
+    if (num_iters > 0) load_query_block(0, 0);
+    cp_async_commit();
+
+    auto step = [&](int it, auto masked) {
+        const int stage = two_stage ? (it & 1) : 0;
+        const int h = h_kv * group + it / nm;
+        const int m0 = (m_begin + it % nm) * BLOCK_M;
+        const float* s_lse = stage_floats(stage);
+        const float* s_delta = s_lse + BLOCK_M;
+
+        cp_async_wait<0>();
+        __syncthreads();  // Q, dO, lse, delta [it] landed; every warp is done with step it-1
+        if (two_stage && it + 1 < num_iters) {
+            load_query_block(it + 1, stage ^ 1);
+            cp_async_commit();
+        }
+
+        // ---- S = Q·Kᵀ
+        float s[SDP_MT][SDP_NT][4];
+        clear(s);
+        warp_gemm<T, SDP_MT, SDP_NT, HEAD_DIM / 16, QTile, false, KVTile, false, true>(s, sQ(stage), sdp_row0,
+                                                                                      sK, sdp_col0);
+        if constexpr (decltype(masked)::value) {
+            apply_mask<SDP_MT, SDP_NT, IS_CAUSAL>(s, m0 + sdp_row0 + g, n0 + sdp_col0 + 2 * t, p.seqlen_q,
+                                                  p.seqlen_k);
+        }
+
+        // ---- P = exp2(S·scale·log2e − lse·log2e): 0 where masked (S = -inf) or lse_log2 = +inf
+#pragma unroll
+        for (int i = 0; i < SDP_MT; ++i) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const float lse2 = s_lse[sdp_row0 + i * 16 + hh * 8 + g];
+#pragma unroll
+                for (int j = 0; j < SDP_NT; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& x = s[i][j][2 * hh + e];
+                        x = fast_exp2(fmaf(x, p.softmax_scale_log2, -lse2));
+                    }
+                }
+            }
+        }
+
+        // ---- dP = dO·Vᵀ
+        float dp[SDP_MT][SDP_NT][4];
+        clear(dp);
+        warp_gemm<T, SDP_MT, SDP_NT, HEAD_DIM / 16, QTile, false, KVTile, false, true>(dp, sdO(stage), sdp_row0,
+                                                                                      sV, sdp_col0);
+
+        // ---- dS = P∘(dP − delta), in place of dP
+#pragma unroll
+        for (int i = 0; i < SDP_MT; ++i) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const float delta = s_delta[sdp_row0 + i * 16 + hh * 8 + g];
+#pragma unroll
+                for (int j = 0; j < SDP_NT; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& x = dp[i][j][2 * hh + e];
+                        x = s[i][j][2 * hh + e] * (x - delta);
+                    }
+                }
+            }
+        }
+
+        // ---- P and dS to shared memory: dV and dK read them transposed, dQ as is
+        store_frag<T, PTile>(sP, s, sdp_row0, sdp_col0);
+        store_frag<T, PTile>(sdS, dp, sdp_row0, sdp_col0);
+        __syncthreads();  // P, dS visible to every warp
+
+        // ---- dV += Pᵀ·dO
+        warp_gemm<T, DKV_MT, DKV_NT, BLOCK_M / 16, PTile, true, QTile, true, false>(acc_dv, sP, dkv_row0,
+                                                                                   sdO(stage), dkv_col0);
+        // ---- dK += dSᵀ·Q (times softmax_scale at the end)
+        warp_gemm<T, DKV_MT, DKV_NT, BLOCK_M / 16, PTile, true, QTile, true, false>(acc_dk, sdS, dkv_row0,
+                                                                                   sQ(stage), dkv_col0);
+
+        if (!two_stage && it + 1 < num_iters) {
+            __syncthreads();  // every warp is done with Q, dO, lse, delta [it]
+            load_query_block(it + 1, 0);
+            cp_async_commit();
+        }
+
+        // ---- dQ += dS·K, summed over key blocks in dq_accum by fp32 atomics
+        //      (times softmax_scale in flash_bwd_convert_dq_kernel)
+        if constexpr (!DETERMINISTIC) {
+            float dq[DQ_MT][DQ_NT][4];
+            clear(dq);
+            warp_gemm<T, DQ_MT, DQ_NT, BLOCK_N / 16, PTile, false, KVTile, true, true>(dq, sdS, dq_row0, sK,
+                                                                                       dq_col0);
+            float* dq_accum = p.dq_accum + (int64(b * p.nheads_q + h) * p.seqlen_q_rounded + m0) * HEAD_DIM;
+            atomic_add_frag(dq_accum, HEAD_DIM, dq, dq_row0, dq_col0);
+        }
+    };
+
+    for (int it = 0; it < num_iters; ++it) {
+        if (m_begin + it % nm < m_masked_end) {
+            step(it, Bool<true>{});
+        } else {
+            step(it, Bool<false>{});
+        }
+    }
+
+    // ---- epilogue: dK·scale and dV to T, staged through sK/sV for 16-byte stores
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with sK, sV
+    store_frag<T, KVTile>(sK, acc_dk, dkv_row0, dkv_col0, p.softmax_scale);
+    store_frag<T, KVTile>(sV, acc_dv, dkv_row0, dkv_col0);
+    __syncthreads();
+    T* dk = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + int64(n0) * p.dk_row_stride;
+    T* dv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + int64(n0) * p.dv_row_stride;
+    store_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(dk, p.dk_row_stride, sK, keys_valid, p.head_dim);
+    store_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(dv, p.dv_row_stride, sV, keys_valid, p.head_dim);
+}
+
+// ---------------------------------------------------------------------------
+// dQ without atomics (deterministic mode): one block per (query block, batch, head).
+// ---------------------------------------------------------------------------
+//
+// Shaped like the forward: each warp owns BLOCK_M / NUM_WARPS query rows and
+// every key of a tile, so dS never leaves registers: it is repacked from the
+// dP accumulators into the A operand of dQ += dS·K. Q and dO stay in shared
+// memory; K is double-buffered (S and dQ both read it), V single-buffered.
+// Key blocks are summed in a fixed order, so dq is bitwise reproducible.
+//
+// Template parameters: T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, IS_CAUSAL,
+// EVEN_K, VEC as for flash_bwd_dkdv_kernel.
+template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_>
+struct BwdDqTraits {
+    using T = T_;
+    static constexpr int HEAD_DIM = HEAD_DIM_;
+    static constexpr int BLOCK_M = BLOCK_M_;
+    static constexpr int BLOCK_N = BLOCK_N_;
+    static constexpr int NUM_WARPS = NUM_WARPS_;
+    static constexpr int NUM_THREADS = NUM_WARPS * 32;
+    static constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;
+    static constexpr int M_TILES = ROWS_PER_WARP / 16;
+    static constexpr int N_TILES = BLOCK_N / 8;
+    static constexpr int D_TILES = HEAD_DIM / 8;
+    using QTile = SmemTile<T, BLOCK_M, HEAD_DIM>;   // Q and dO
+    using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM>;  // K (two buffers) and V
+    static constexpr int SMEM_BYTES = 2 * QTile::BYTES + 3 * KVTile::BYTES;
+
+    static_assert(ROWS_PER_WARP % 16 == 0, "each warp owns whole m16 tiles");
+    static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "k16 steps");
+    static_assert(BWD_ROWS_ROUND % BLOCK_M == 0, "seqlen_q_rounded must be a multiple of BLOCK_M");
+};
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool IS_CAUSAL, bool EVEN_K, bool VEC>
+__global__ void __launch_bounds__(NUM_WARPS * 32)
+flash_bwd_dq_kernel(const BwdParams p) {
+    using Tr = BwdDqTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
+    using QTile = typename Tr::QTile;
+    using KVTile = typename Tr::KVTile;
+    constexpr int NT = Tr::NUM_THREADS;
+    constexpr int M_TILES = Tr::M_TILES, N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES;
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    const uint32 sQ = smem_addr(smem);
+    const uint32 sdO = sQ + QTile::BYTES;
+    const uint32 sV = sdO + QTile::BYTES;
+    auto sK = [&](int buf) { return sV + KVTile::BYTES + buf * KVTile::BYTES; };
+
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t = lane % 4;
+
+    // ---- which tile: query blocks of one head are adjacent; causal runs the
+    //      heaviest (last) query blocks first.
+    const int num_m_blocks = ceil_div(p.seqlen_q, BLOCK_M);
+    const int bh = blockIdx.x / num_m_blocks;
+    int m_block = blockIdx.x % num_m_blocks;
+    if (IS_CAUSAL) m_block = num_m_blocks - 1 - m_block;
+    const int b = bh / p.nheads_q, h = bh % p.nheads_q;
+    const int h_kv = h / (p.nheads_q / p.nheads_kv);
+    const int m0 = m_block * BLOCK_M;
+    const int rows_valid = min(BLOCK_M, p.seqlen_q - m0);
+
+    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + int64(m0) * p.q_row_stride;
+    const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
+                    int64(m0) * p.do_row_stride;
+    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
+    const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+
+    const int n_end = n_block_end<IS_CAUSAL>(m0, BLOCK_M, BLOCK_N, p.seqlen_q, p.seqlen_k);
+    const int n_unmasked_end = n_block_unmasked_end<IS_CAUSAL>(m0, BLOCK_N, p.seqlen_q, p.seqlen_k);
+
+    // Per-thread fragment rows: row r0 + 16 i (+ 8) of this block; their lse_log2 and delta.
+    const int r0 = warp * Tr::ROWS_PER_WARP + g;
+    const int64 row_index0 = int64(bh) * p.seqlen_q_rounded + m0;
+    float lse2[M_TILES][2], delta[M_TILES][2];
+#pragma unroll
+    for (int i = 0; i < M_TILES; ++i) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            lse2[i][hh] = p.lse_log2[row_index0 + r0 + i * 16 + hh * 8];
+            delta[i][hh] = p.delta[row_index0 + r0 + i * 16 + hh * 8];
+        }
+    }
+
+    float acc_dq[M_TILES][D_TILES][4];
+    clear(acc_dq);
+
+    auto load_kv = [&](uint32 dst, const T* src, int64 row_stride, int n) {
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(dst, src + int64(n) * BLOCK_N * row_stride, row_stride,
+                                                         p.seqlen_k - n * BLOCK_N, p.head_dim);
+    };
+
+    if (n_end > 0) {
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ, q, p.q_row_stride, rows_valid, p.head_dim);
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sdO, dout, p.do_row_stride, rows_valid, p.head_dim);
+        load_kv(sK(0), k, p.k_row_stride, n_end - 1);
+        cp_async_commit();
+    }
+
+    // One key block, n descending from n_end - 1: K[n] is in sK((n_end - 1 - n) % 2).
+    auto step = [&](int n, auto masked) {
+        const int buf = (n_end - 1 - n) & 1;
+        cp_async_wait<0>();
+        __syncthreads();  // K[n] landed; every warp is done with V[n+1] and K[n+1]
+        load_kv(sV, v, p.v_row_stride, n);
+        cp_async_commit();
+        if (n > 0) load_kv(sK(buf ^ 1), k, p.k_row_stride, n - 1);
+        cp_async_commit();  // possibly empty: wait<1> below then still means "V landed"
+
+        // ---- S = Q·Kᵀ
+        float s[M_TILES][N_TILES][4];
+        clear(s);
+        warp_gemm<T, M_TILES, N_TILES, HEAD_DIM / 16, QTile, false, KVTile, false, true>(
+            s, sQ, warp * Tr::ROWS_PER_WARP, sK(buf), 0);
+        if constexpr (decltype(masked)::value) {
+            apply_mask<M_TILES, N_TILES, IS_CAUSAL>(s, m0 + r0, n * BLOCK_N + 2 * t, p.seqlen_q, p.seqlen_k);
+        }
+
+        // ---- P = exp2(S·scale·log2e − lse·log2e)
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[i][j][e] = fast_exp2(fmaf(s[i][j][e], p.softmax_scale_log2, -lse2[i][e / 2]));
+
+        cp_async_wait<1>();
+        __syncthreads();  // V[n] landed
+
+        // ---- dP = dO·Vᵀ
+        float dp[M_TILES][N_TILES][4];
+        clear(dp);
+        warp_gemm<T, M_TILES, N_TILES, HEAD_DIM / 16, QTile, false, KVTile, false, true>(
+            dp, sdO, warp * Tr::ROWS_PER_WARP, sV, 0);
+
+        // ---- dS = P∘(dP − delta), repacked as the A operand of dS·K
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dp[i][j][e] = s[i][j][e] * (dp[i][j][e] - delta[i][e / 2]);
+        uint32 ds[M_TILES][BLOCK_N / 16][4];
+        pack_a<T>(ds, dp);
+
+        // ---- dQ += dS·K
+        warp_gemm_areg<T, M_TILES, D_TILES, BLOCK_N / 16, KVTile, true>(acc_dq, ds, sK(buf), 0);
+    };
+
+    // Masked key blocks (key tail, causal diagonal) first, then the rest with no mask code.
+    int n = n_end - 1;
+    for (; n >= n_unmasked_end; --n) step(n, Bool<true>{});
+    for (; n >= 0; --n) step(n, Bool<false>{});
+
+    // ---- epilogue: dq = scale·dQ in T, staged through sQ for 16-byte stores
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with sQ
+    store_frag<T, QTile>(sQ, acc_dq, warp * Tr::ROWS_PER_WARP, 0, p.softmax_scale);
+    __syncthreads();
+    T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + int64(m0) * p.dq_row_stride;
+    store_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(dq, p.dq_row_stride, sQ, rows_valid, p.head_dim);
+}
+
+// ---------------------------------------------------------------------------
+// Convert (default mode): dq = softmax_scale·dq_accum in T. One warp per query row.
+// ---------------------------------------------------------------------------
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(256)
+flash_bwd_convert_dq_kernel(const BwdParams p) {
+    const int64 rows = int64(p.batch) * p.nheads_q * p.seqlen_q;
+    const int64 row = int64(blockIdx.x) * 8 + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const int m = int(row % p.seqlen_q);
+    const int bh = int(row / p.seqlen_q);
+    const int b = bh / p.nheads_q, h = bh % p.nheads_q;
+    const float* src = p.dq_accum + (int64(bh) * p.seqlen_q_rounded + m) * p.head_dim_padded;
+    T* dst = static_cast<T*>(p.dq) + b * p.dq_batch_stride + m * p.dq_row_stride + h * p.dq_head_stride;
+    const float scale = p.softmax_scale;
+    if constexpr (VEC) {
+        // one 16-byte chunk (8 elements) per lane covers head_dim <= 256
+        if (lane * 8 < p.head_dim) {
+            const float4 x0 = reinterpret_cast<const float4*>(src)[2 * lane];
+            const float4 x1 = reinterpret_cast<const float4*>(src)[2 * lane + 1];
+            *reinterpret_cast<uint4*>(dst + lane * 8) = make_uint4(
+                TypeTraits<T>::pack(x0.x * scale, x0.y * scale), TypeTraits<T>::pack(x0.z * scale, x0.w * scale),
+                TypeTraits<T>::pack(x1.x * scale, x1.y * scale), TypeTraits<T>::pack(x1.z * scale, x1.w * scale));
+        }
+    } else {
+        for (int c = lane; c < p.head_dim; c += 32) dst[c] = TypeTraits<T>::from_float(src[c] * scale);
+    }
+}
+
+}  // namespace cupyflash

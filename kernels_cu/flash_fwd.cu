@@ -1,0 +1,285 @@
+// flash_fwd.cu: the FlashAttention-2 forward pass (Dao 2023, Algorithm 1) on
+// mma.sync.m16n8k16 Tensor Core fragments.
+//
+// One thread block owns BLOCK_M query rows of one (batch, head); each warp owns
+// BLOCK_M / NUM_WARPS of those rows. Q stays in shared memory; K and V tiles
+// of BLOCK_N keys stream through shared memory with cp.async, each load
+// overlapping one GEMM. S = Q·Kᵀ and the online softmax live in registers; P is
+// repacked from the S accumulators straight into the A operand of O += P·V.
+//
+// Template parameters, in order:
+//   T           __half or __nv_bfloat16
+//   HEAD_DIM    padded head dimension (multiple of 16); runtime head_dim <= HEAD_DIM
+//   BLOCK_M     query rows per block;  BLOCK_N  keys per tile
+//   NUM_WARPS   warps per block (each owns BLOCK_M / NUM_WARPS rows, a multiple of 16)
+//   IS_CAUSAL   bottom-right aligned causal mask
+//   EVEN_K      head_dim == HEAD_DIM (no column predicates)
+//   VEC         16-byte loads are legal (pointers, strides, head_dim multiples of 8 elements)
+//   IS_SPLIT    split-KV: write fp32 partial (out, lse) for flash_fwd_combine
+#include "params.cuh"
+#include "ptx.cuh"
+#include "tile_io.cuh"
+#include "mask.cuh"
+#include "online_softmax.cuh"
+
+namespace cupyflash {
+
+template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_>
+struct FwdTraits {
+    using T = T_;
+    static constexpr int HEAD_DIM = HEAD_DIM_;
+    static constexpr int BLOCK_M = BLOCK_M_;
+    static constexpr int BLOCK_N = BLOCK_N_;
+    static constexpr int NUM_WARPS = NUM_WARPS_;
+    static constexpr int NUM_THREADS = NUM_WARPS * 32;
+    static constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;
+    static constexpr int M_TILES = ROWS_PER_WARP / 16;  // m16 tiles per warp
+    static constexpr int N_TILES = BLOCK_N / 8;         // n8 tiles of S per warp
+    static constexpr int D_TILES = HEAD_DIM / 8;        // n8 tiles of O per warp
+    using QTile = SmemTile<T, BLOCK_M, HEAD_DIM>;
+    using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM>;
+    static constexpr int SMEM_BYTES = QTile::BYTES + 2 * KVTile::BYTES;
+
+    static_assert(ROWS_PER_WARP % 16 == 0, "each warp owns whole m16 tiles");
+    static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "k16 steps");
+};
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS,
+          bool IS_CAUSAL, bool EVEN_K, bool VEC, bool IS_SPLIT>
+__global__ void __launch_bounds__(NUM_WARPS * 32)
+flash_fwd_kernel(const FwdParams p) {
+    using Tr = FwdTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
+    constexpr int M_TILES = Tr::M_TILES, N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES;
+    constexpr int NT = Tr::NUM_THREADS;
+    using QTile = typename Tr::QTile;
+    using KVTile = typename Tr::KVTile;
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    const uint32 sQ = smem_addr(smem);
+    const uint32 sK = sQ + QTile::BYTES;
+    const uint32 sV = sK + KVTile::BYTES;
+
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t = lane % 4;
+
+    // ---- which tile: query blocks of one head are adjacent (K/V reuse in L2);
+    //      causal runs each head's heaviest query blocks first.
+    const int bh = blockIdx.x / p.num_m_blocks;
+    int m_block = blockIdx.x % p.num_m_blocks;
+    if (IS_CAUSAL) m_block = p.num_m_blocks - 1 - m_block;
+    const int b = bh / p.nheads_q, h = bh % p.nheads_q;
+    const int h_kv = h / (p.nheads_q / p.nheads_kv);
+    const int m0 = m_block * BLOCK_M;
+    const int rows_valid = min(BLOCK_M, p.seqlen_q - m0);
+
+    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + m0 * p.q_row_stride + h * p.q_head_stride;
+    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
+    const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+    T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + m0 * p.o_row_stride + h * p.o_head_stride;
+    const int64 row_index0 = int64(bh) * p.seqlen_q + m0;  // into lse (and the split partials)
+
+    int n_begin = 0;
+    int n_end = n_block_end<IS_CAUSAL>(m0, BLOCK_M, BLOCK_N, p.seqlen_q, p.seqlen_k);
+    if (IS_SPLIT) {
+        n_begin = blockIdx.y * p.n_blocks_per_split;
+        n_end = min(n_end, n_begin + p.n_blocks_per_split);
+    }
+    const int n_unmasked_end = max(n_begin, n_block_unmasked_end<IS_CAUSAL>(m0, BLOCK_N, p.seqlen_q, p.seqlen_k));
+
+    // Per-thread fragment rows: row r0 + 16 i (+ 8) of this block, i < M_TILES.
+    const int r0 = warp * Tr::ROWS_PER_WARP + g;
+
+    float acc_o[M_TILES][D_TILES][4];
+#pragma unroll
+    for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+        for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[i][d][e] = 0.f;
+    OnlineSoftmax<M_TILES> softmax;
+    softmax.init();
+
+    auto load_kv = [&](uint32 dst, const T* src, int64 row_stride, int n) {
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(dst, src + int64(n) * BLOCK_N * row_stride, row_stride,
+                                                         p.seqlen_k - n * BLOCK_N, p.head_dim);
+    };
+
+    if (n_begin < n_end) {
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ, q, p.q_row_stride, rows_valid, p.head_dim);
+        load_kv(sK, k, p.k_row_stride, n_end - 1);
+        cp_async_commit();
+    }
+
+    // One key block: S = Q·Kᵀ, mask, online softmax, O += P·V. The V load
+    // overlaps Q·Kᵀ, the next K load overlaps softmax and P·V.
+    auto step = [&](int n, auto masked) {
+        float s[M_TILES][N_TILES][4];
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[i][j][e] = 0.f;
+
+        cp_async_wait<0>();
+        __syncthreads();  // K[n] landed; every warp is done reading V[n+1]
+        load_kv(sV, v, p.v_row_stride, n);
+        cp_async_commit();
+
+        // ---- S = Q·Kᵀ (rolled over k16 steps: unrolling lets the compiler hoist
+        //      fragment loads and spill at HEAD_DIM 128)
+#pragma unroll 1
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            uint32 a[M_TILES][4];
+#pragma unroll
+            for (int i = 0; i < M_TILES; ++i) {
+                ldmatrix_x4(a[i], sQ + QTile::offset(warp * Tr::ROWS_PER_WARP + i * 16 + (lane & 15),
+                                                     kk * 2 + (lane >> 4)));
+            }
+#pragma unroll
+            for (int j = 0; j < N_TILES / 2; ++j) {
+                uint32 bk[4];
+                ldmatrix_x4(bk, sK + KVTile::offset(j * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                                    kk * 2 + ((lane >> 3) & 1)));
+#pragma unroll
+                for (int i = 0; i < M_TILES; ++i) {
+                    mma_m16n8k16<T>(s[i][2 * j], a[i], bk[0], bk[1]);
+                    mma_m16n8k16<T>(s[i][2 * j + 1], a[i], bk[2], bk[3]);
+                }
+            }
+        }
+        if constexpr (decltype(masked)::value) {
+            apply_mask<M_TILES, N_TILES, IS_CAUSAL>(s, m0 + r0, n * BLOCK_N + 2 * t, p.seqlen_q, p.seqlen_k);
+        }
+
+        cp_async_wait<0>();
+        __syncthreads();  // V[n] landed; every warp is done reading K[n]
+        if (n > n_begin) {
+            load_kv(sK, k, p.k_row_stride, n - 1);
+            cp_async_commit();
+        }
+
+        // ---- online softmax: s becomes P, acc_o is rescaled
+        softmax.update(s, acc_o, p.softmax_scale_log2);
+
+        // ---- O += P·V, with P repacked from the S accumulators as the A operand
+        uint32 pa[M_TILES][BLOCK_N / 16][4];
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i) {
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+                pa[i][kk][0] = TypeTraits<T>::pack(s[i][2 * kk][0], s[i][2 * kk][1]);
+                pa[i][kk][1] = TypeTraits<T>::pack(s[i][2 * kk][2], s[i][2 * kk][3]);
+                pa[i][kk][2] = TypeTraits<T>::pack(s[i][2 * kk + 1][0], s[i][2 * kk + 1][1]);
+                pa[i][kk][3] = TypeTraits<T>::pack(s[i][2 * kk + 1][2], s[i][2 * kk + 1][3]);
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+#pragma unroll
+            for (int j = 0; j < D_TILES / 2; ++j) {
+                uint32 bv[4];
+                ldmatrix_x4_trans(bv, sV + KVTile::offset(kk * 16 + (lane & 15), j * 2 + (lane >> 4)));
+#pragma unroll
+                for (int i = 0; i < M_TILES; ++i) {
+                    mma_m16n8k16<T>(acc_o[i][2 * j], pa[i][kk], bv[0], bv[1]);
+                    mma_m16n8k16<T>(acc_o[i][2 * j + 1], pa[i][kk], bv[2], bv[3]);
+                }
+            }
+        }
+    };
+
+    // Masked blocks (key tail, causal diagonal) come first, then the bulk with no mask code.
+    int n = n_end - 1;
+    for (; n >= n_unmasked_end; --n) step(n, Bool<true>{});
+    for (; n >= n_begin; --n) step(n, Bool<false>{});
+
+    // ---- epilogue
+    float lse[M_TILES][2];
+    softmax.finalize(acc_o, p.softmax_scale, lse);
+
+    if (IS_SPLIT) {
+        // fp32 partials, straight from registers; the combine kernel merges splits by lse.
+        const int64 split_rows = int64(p.batch) * p.nheads_q * p.seqlen_q;
+        float* o_acc = p.out_accum + (int64(blockIdx.y) * split_rows + row_index0) * HEAD_DIM;
+        float* l_acc = p.lse_accum + int64(blockIdx.y) * split_rows + row_index0;
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int row = r0 + i * 16 + hh * 8;
+                if (row >= rows_valid) continue;
+                if (t == 0) l_acc[row] = lse[i][hh];
+#pragma unroll
+                for (int d = 0; d < D_TILES; ++d) {
+                    *reinterpret_cast<float2*>(o_acc + int64(row) * HEAD_DIM + d * 8 + 2 * t) =
+                        make_float2(acc_o[i][d][2 * hh], acc_o[i][d][2 * hh + 1]);
+                }
+            }
+        }
+        return;
+    }
+
+#pragma unroll
+    for (int i = 0; i < M_TILES; ++i) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = r0 + i * 16 + hh * 8;
+            if (t == 0 && row < rows_valid) p.lse[row_index0 + row] = lse[i][hh];
+        }
+    }
+    // Stage O through this warp's own Q rows so the global stores are 16 bytes wide.
+    __syncthreads();  // every warp is done with sQ (and the last loads)
+#pragma unroll
+    for (int i = 0; i < M_TILES; ++i) {
+#pragma unroll
+        for (int d = 0; d < D_TILES; ++d) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const uint32 val = TypeTraits<T>::pack(acc_o[i][d][2 * hh], acc_o[i][d][2 * hh + 1]);
+                const uint32 addr = sQ + QTile::offset(r0 + i * 16 + hh * 8, d / 2) + (d % 2) * 8 + t * 4;
+                asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(addr), "r"(val));
+            }
+        }
+    }
+    __syncthreads();
+    store_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(out, p.o_row_stride, sQ, rows_valid, p.head_dim);
+}
+
+// Merge split-KV partials: out = sum_s exp(lse_s - lse) * out_s, lse = logsumexp_s lse_s.
+// One warp per (batch, head, query row).
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(128)
+flash_fwd_combine_kernel(const FwdParams p) {
+    const int64 rows = int64(p.batch) * p.nheads_q * p.seqlen_q;
+    const int64 row = int64(blockIdx.x) * 4 + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+
+    float lse_max = NEG_INF;
+    for (int s = 0; s < p.num_splits; ++s) lse_max = fmaxf(lse_max, p.lse_accum[s * rows + row]);
+    float sum = 0.f;
+    if (lse_max != NEG_INF) {
+        for (int s = 0; s < p.num_splits; ++s) sum += __expf(p.lse_accum[s * rows + row] - lse_max);
+    }
+    const bool empty = !(sum > 0.f);
+    const float lse = empty ? NEG_INF : lse_max + __logf(sum);
+
+    const int m = int(row % p.seqlen_q);
+    const int bh = int(row / p.seqlen_q);
+    const int b = bh / p.nheads_q, h = bh % p.nheads_q;
+    T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + m * p.o_row_stride + h * p.o_head_stride;
+    for (int c = lane; c < p.head_dim; c += 32) {
+        float acc = 0.f;
+        if (!empty) {
+            for (int s = 0; s < p.num_splits; ++s) {
+                const float w = __expf(p.lse_accum[s * rows + row] - lse);
+                acc += w * p.out_accum[(s * rows + row) * HEAD_DIM + c];
+            }
+        }
+        out[c] = TypeTraits<T>::from_float(acc);
+    }
+    if (lane == 0) p.lse[row] = lse;
+}
+
+}  // namespace cupyflash

@@ -1,0 +1,71 @@
+// params.cuh: the kernel parameter structs, passed by value.
+// Each is mirrored field by field in cupyflash/_params.py (a numpy structured
+// dtype with align=True); the sizes are checked on both sides.
+#pragma once
+
+#include "common.cuh"
+
+namespace cupyflash {
+
+struct FwdParams {
+    const void* q;          // (batch, seqlen_q, nheads_q, head_dim)
+    const void* k;          // (batch, seqlen_k, nheads_kv, head_dim)
+    const void* v;          // (batch, seqlen_k, nheads_kv, head_dim)
+    void* out;              // (batch, seqlen_q, nheads_q, head_dim)
+    float* lse;             // (batch, nheads_q, seqlen_q), contiguous, natural log
+    float* out_accum;       // split-KV partials: (num_splits, batch, nheads_q, seqlen_q, HEAD_DIM) fp32
+    float* lse_accum;       // split-KV partials: (num_splits, batch, nheads_q, seqlen_q) fp32
+    int64 q_batch_stride, q_row_stride, q_head_stride;  // in elements
+    int64 k_batch_stride, k_row_stride, k_head_stride;
+    int64 v_batch_stride, v_row_stride, v_head_stride;
+    int64 o_batch_stride, o_row_stride, o_head_stride;
+    int32 batch, nheads_q, nheads_kv, seqlen_q, seqlen_k, head_dim;
+    int32 num_m_blocks;        // ceil(seqlen_q / BLOCK_M)
+    int32 num_splits;          // 1 unless split-KV
+    int32 n_blocks_per_split;  // key blocks each split visits
+    float softmax_scale;       // multiplies q.k
+    float softmax_scale_log2;  // softmax_scale * log2(e), for exp2
+};
+
+#ifdef CUPYFLASH_FWD_PARAMS_BYTES
+static_assert(sizeof(FwdParams) == CUPYFLASH_FWD_PARAMS_BYTES,
+              "FwdParams differs in size from its mirror in cupyflash/_params.py");
+#endif
+
+// The backward pass (flash_bwd.cu): preprocess, dK/dV (+ atomic dQ), dQ, convert.
+struct BwdParams {
+    const void* q;          // (batch, seqlen_q, nheads_q, head_dim)
+    const void* k;          // (batch, seqlen_k, nheads_kv, head_dim)
+    const void* v;          // (batch, seqlen_k, nheads_kv, head_dim)
+    const void* out;        // (batch, seqlen_q, nheads_q, head_dim), the forward output
+    const void* dout;       // (batch, seqlen_q, nheads_q, head_dim)
+    void* dq;               // (batch, seqlen_q, nheads_q, head_dim)
+    void* dk;               // (batch, seqlen_k, nheads_kv, head_dim)
+    void* dv;               // (batch, seqlen_k, nheads_kv, head_dim)
+    const float* lse;       // (batch, nheads_q, seqlen_q), natural log, -inf for rows that see no key
+    float* lse_log2;        // (batch, nheads_q, seqlen_q_rounded): lse * log2(e); +inf where P must be 0
+    float* delta;           // (batch, nheads_q, seqlen_q_rounded): rowsum(dout * out); 0 past seqlen_q
+    float* dq_accum;        // (batch, nheads_q, seqlen_q_rounded, head_dim_padded) fp32; null when deterministic
+    int64 q_batch_stride, q_row_stride, q_head_stride;  // in elements
+    int64 k_batch_stride, k_row_stride, k_head_stride;
+    int64 v_batch_stride, v_row_stride, v_head_stride;
+    int64 o_batch_stride, o_row_stride, o_head_stride;
+    int64 do_batch_stride, do_row_stride, do_head_stride;
+    int64 dq_batch_stride, dq_row_stride, dq_head_stride;
+    int64 dk_batch_stride, dk_row_stride, dk_head_stride;
+    int64 dv_batch_stride, dv_row_stride, dv_head_stride;
+    int64 lse_batch_stride, lse_head_stride;
+    int32 batch, nheads_q, nheads_kv, seqlen_q, seqlen_k, head_dim;
+    int32 head_dim_padded;     // the compiled HEAD_DIM: row length of dq_accum
+    int32 seqlen_q_rounded;    // seqlen_q rounded up to BWD_ROWS_ROUND (every BLOCK_M divides it)
+    int32 num_stages;          // dK/dV kernel: Q/dO tiles in flight, 2 (double-buffered) or 1
+    float softmax_scale;       // multiplies q.k
+    float softmax_scale_log2;  // softmax_scale * log2(e), for exp2
+};
+
+#ifdef CUPYFLASH_BWD_PARAMS_BYTES
+static_assert(sizeof(BwdParams) == CUPYFLASH_BWD_PARAMS_BYTES,
+              "BwdParams differs in size from its mirror in cupyflash/_params.py");
+#endif
+
+}  // namespace cupyflash

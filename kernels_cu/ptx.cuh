@@ -1,0 +1,75 @@
+// ptx.cuh: inline-PTX wrappers for sm_80+ Tensor Core data movement and math.
+// No <mma.h>: pip's CUDA headers lack crt/mma.h, so everything is written as PTX.
+#pragma once
+
+#include "common.cuh"
+
+namespace cupyflash {
+
+__device__ __forceinline__ uint32 smem_addr(const void* p) {
+    return static_cast<uint32>(__cvta_generic_to_shared(p));
+}
+
+// ldmatrix: lanes 8i..8i+7 give the row addresses of 8x8 matrix i; register i
+// receives matrix i with lane l holding row l/4, columns 2(l%4) and 2(l%4)+1.
+__device__ __forceinline__ void ldmatrix_x4(uint32 (&r)[4], uint32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// Transposed: lane l receives column l/4, rows 2(l%4) and 2(l%4)+1 of each matrix.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32 (&r)[4], uint32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// D += A * B for one m16n8k16 tile with fp32 accumulators.
+// A (16x16, row-major): a[0]=(g, 2t..2t+1) a[1]=(g+8, 2t..) a[2]=(g, 2t+8..) a[3]=(g+8, 2t+8..)
+// B (16x8, "col"):      b[0]=(k 2t..2t+1, n g)  b[1]=(k 2t+8.., n g)
+// C (16x8):             c[0..1]=(g, 2t..2t+1)   c[2..3]=(g+8, 2t..2t+1)
+// with g = lane/4, t = lane%4.
+template <typename T> struct Mma;
+template <> struct Mma<__half> {
+    static __device__ __forceinline__ void run(float (&d)[4], const uint32 (&a)[4], uint32 b0, uint32 b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+template <> struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float (&d)[4], const uint32 (&a)[4], uint32 b0, uint32 b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32 (&a)[4], uint32 b0, uint32 b1) {
+    Mma<T>::run(d, a, b0, b1);
+}
+
+// 16-byte global->shared copy that bypasses L1; when !pred nothing is read and
+// the 16 bytes are zero-filled (src-size 0), so tails need no separate clear.
+__device__ __forceinline__ void cp_async_16(uint32 dst, const void* src, bool pred) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(pred ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+}  // namespace cupyflash
+
+namespace cupyflash {
+
+// 2^x on the special-function unit (one MUFU.EX2); exp2(-inf) = 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+}  // namespace cupyflash
