@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--plot", default=None, help="save a PNG plot here (needs matplotlib)")
+    parser.add_argument("--fwd-tiles", action="append", default=None, metavar="D:BLOCK_M,BLOCK_N,WARPS",
+                        help="experiment: override the forward tile of one head_dim in this process")
 
 
 def flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal, bwd=False):
@@ -204,6 +206,11 @@ def main(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001
         print(f"bench needs a CUDA GPU and cupy: {e}", file=sys.stderr)
         return 2
+    if args.fwd_tiles:
+        from . import dispatch  # noqa: PLC0415
+        for spec in args.fwd_tiles:
+            d, tile = spec.split(":")
+            dispatch._FWD_TILES[int(d)] = tuple(int(x) for x in tile.split(","))  # noqa: SLF001
     torch_env = None if args.no_torch else _torch_env()
     head_dims = args.head_dim or [64, 128]
     seqlens = args.seqlen or [512, 1024, 2048, 4096, 8192, 16384]

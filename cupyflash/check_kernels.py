@@ -69,7 +69,7 @@ def run(archs, quick=False, match=None, jobs=1, use_cache=True, out=sys.stdout) 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        import cupy.cuda.nvrtc  # noqa: F401, PLC0415
+        from cupy.cuda import nvrtc  # noqa: F401, PLC0415
     except ImportError as e:
         print(f"check-kernels needs cupy and NVRTC (pip install 'cupyflash[cuda13]'): {e}", file=sys.stderr)
         return 2

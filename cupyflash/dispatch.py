@@ -2,8 +2,8 @@
 
 Every function here is pure (shapes in, frozen plans out), needs no GPU, and is
 unit-tested in ``tests/test_dispatch.py``. The template-argument order follows
-``kernels_cu/flash_fwd.cu``: ``<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
-IS_CAUSAL, EVEN_K, VEC, IS_SPLIT>``.
+``kernels_cu/flash_fwd.cu``: ``<T, HEAD_DIM, BLOCK_M, BLOCK_N, STEP_N,
+NUM_WARPS, IS_CAUSAL, EVEN_K, VEC, IS_SPLIT>``.
 """
 
 from __future__ import annotations
@@ -21,32 +21,34 @@ HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 #: Compute capabilities the kernels are built and checked for.
 ARCHS = ((8, 0), (9, 0))
 
-# Forward tiles per padded head_dim: (BLOCK_M, BLOCK_N, NUM_WARPS).
-# Each warp owns BLOCK_M / NUM_WARPS query rows; two m16 tiles per warp halve
-# the shared-memory reads of K and V per mma. Chosen as the largest tiles that
-# compile with no spills (see kernels_cu/PERF.md).
+# Forward tiles per padded head_dim: (BLOCK_M, BLOCK_N, STEP_N, NUM_WARPS).
+# BLOCK_N keys per shared-memory stage (two stages), STEP_N keys per compute
+# sub-step. Each warp owns BLOCK_M / NUM_WARPS query rows; two m16 tiles per warp
+# halve the shared-memory reads of K and V per mma. STEP_N is the widest S that
+# compiles with no spills; BLOCK_N keeps two stages plus Q under ~113 KB so two
+# blocks share an SM (see kernels_cu/PERF.md).
 _FWD_TILES = {
-    32: (128, 64, 4),
-    64: (128, 64, 4),
-    96: (128, 32, 4),
-    128: (128, 32, 4),
-    192: (64, 64, 4),
-    256: (64, 64, 4),
+    32: (128, 64, 64, 4),
+    64: (128, 128, 64, 4),
+    96: (128, 64, 32, 4),
+    128: (64, 64, 32, 4),
+    192: (64, 64, 32, 4),
+    256: (64, 32, 32, 4),
 }
 # Unaligned data (VEC=false) loads element by element through registers, which
 # costs registers the big tiles do not have: one m16 tile per warp.
 _FWD_TILES_UNALIGNED = {
-    32: (64, 64, 4),
-    64: (64, 64, 4),
-    96: (64, 32, 4),
-    128: (64, 32, 4),
-    192: (64, 32, 4),
-    256: (64, 32, 4),
+    32: (64, 64, 64, 4),
+    64: (64, 64, 64, 4),
+    96: (64, 32, 32, 4),
+    128: (64, 32, 32, 4),
+    192: (64, 32, 32, 4),
+    256: (64, 32, 32, 4),
 }
 
 
-def fwd_tiles(head_dim_padded: int, vec: bool) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, NUM_WARPS) of the forward kernel."""
+def fwd_tiles(head_dim_padded: int, vec: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, STEP_N, NUM_WARPS) of the forward kernel."""
     return (_FWD_TILES if vec else _FWD_TILES_UNALIGNED)[head_dim_padded]
 
 
@@ -97,9 +99,10 @@ def _cbool(x: bool) -> str:
 def fwd_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool, vec: bool,
                split: bool, grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
     """The forward kernel instantiation for one set of compile-time choices."""
-    block_m, block_n, num_warps = fwd_tiles(head_dim_padded, vec)
-    smem = _smem_tile_bytes(block_m, head_dim_padded) + 2 * _smem_tile_bytes(block_n, head_dim_padded)
-    args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(num_warps),
+    block_m, block_n, step_n, num_warps = fwd_tiles(head_dim_padded, vec)
+    # Q, plus two stages of (K, V): kernels_cu/flash_fwd.cu FwdTraits::SMEM_BYTES.
+    smem = _smem_tile_bytes(block_m, head_dim_padded) + 4 * _smem_tile_bytes(block_n, head_dim_padded)
+    args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(step_n), str(num_warps),
             _cbool(causal), _cbool(even_k), _cbool(vec), _cbool(split))
     return Launch("flash_fwd.cu", "cupyflash::flash_fwd_kernel", args, grid, (num_warps * 32, 1, 1), smem)
 
@@ -135,7 +138,7 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     if cc < ARCHS[0]:
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
     d = padded_head_dim(head_dim)
-    block_m, block_n, _ = fwd_tiles(d, vec)
+    block_m, block_n, _, _ = fwd_tiles(d, vec)
     num_m_blocks = math.ceil(seqlen_q / block_m)
     n_blocks = math.ceil(seqlen_k / block_n)
     splits = num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms)
@@ -225,11 +228,13 @@ def bwd_dq_smem_bytes(head_dim_padded: int, tile: tuple[int, int, int]) -> int:
 
 @dataclass(frozen=True)
 class BwdPlan:
-    launches: tuple[Launch, ...]  # in launch order: preprocess, dK/dV, then dQ or convert
+    launches: tuple[Launch, ...]  # in launch order: preprocess, dK/dV, dQ or convert, [convert dK/dV]
     head_dim_padded: int
     seqlen_q_rounded: int         # rows per head of the fp32 buffers lse_log2, delta, dq_accum
     num_stages: int               # dK/dV kernel: Q/dO buffers in flight (BwdParams.num_stages)
     dq_accum: bool                # whether dq_accum (batch, nheads_q, seqlen_q_rounded, head_dim_padded) is used
+    kv_splits: int                # dK/dV blocks per (key block, KV head); > 1 needs dkv_accum
+                                  # (2, kv_splits, batch, nheads_kv, seqlen_k, head_dim_padded)
 
 
 def bwd_preprocess_launch(dtype: str, vec: bool, blocks: int = 1) -> Launch:
@@ -240,6 +245,25 @@ def bwd_preprocess_launch(dtype: str, vec: bool, blocks: int = 1) -> Launch:
 def bwd_convert_launch(dtype: str, vec: bool, rows: int = 1) -> Launch:
     return Launch("flash_bwd.cu", "cupyflash::flash_bwd_convert_dq_kernel", (CTYPES[dtype], _cbool(vec)),
                   (max(1, math.ceil(rows / (_BWD_THREADS_AUX // 32))), 1, 1), (_BWD_THREADS_AUX, 1, 1), 0)
+
+
+def bwd_convert_dkv_launch(dtype: str, vec: bool, rows: int = 1) -> Launch:
+    return Launch("flash_bwd.cu", "cupyflash::flash_bwd_convert_dkv_kernel", (CTYPES[dtype], _cbool(vec)),
+                  (max(1, math.ceil(rows / (_BWD_THREADS_AUX // 32))), 1, 1), (_BWD_THREADS_AUX, 1, 1), 0)
+
+
+def bwd_kv_splits(blocks: int, group: int, num_sms: int) -> int:
+    """Split each GQA group's query heads over this many dK/dV blocks.
+
+    One block per (key block, batch, KV head) loops over the group's query
+    heads; with few KV heads that can leave most SMs idle. Take the smallest
+    divisor of the group that gives two blocks per SM (the dK/dV kernel runs
+    one block per SM), or the whole group.
+    """
+    for s in range(1, group + 1):
+        if group % s == 0 and blocks * s >= 2 * num_sms:
+            return s
+    return group
 
 
 def bwd_dkdv_launch(dtype: str, head_dim_padded: int, tile: tuple[int, ...], causal: bool, even_k: bool,
@@ -268,14 +292,16 @@ def _pick_bwd_tile(d: int, smem_limit: int) -> tuple[tuple[int, ...], int]:
         for stages in (2, 1):
             if bwd_smem_bytes(d, tile, stages) <= smem_limit:
                 return tile, stages
-    raise NotImplementedError(f"cupyflash: no backward tile for head_dim {d} fits {smem_limit} bytes of shared memory")
+    raise NotImplementedError(
+        f"cupyflash: no backward tile for head_dim {d} fits {smem_limit} bytes of shared memory")
 
 
 def _pick_bwd_dq_tile(d: int, smem_limit: int) -> tuple[int, int, int]:
     for tile in _BWD_DQ_TILES[d]:
         if bwd_dq_smem_bytes(d, tile) <= smem_limit:
             return tile
-    raise NotImplementedError(f"cupyflash: no backward dQ tile for head_dim {d} fits {smem_limit} bytes of shared memory")
+    raise NotImplementedError(
+        f"cupyflash: no backward dQ tile for head_dim {d} fits {smem_limit} bytes of shared memory")
 
 
 def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nheads_kv: int, head_dim: int,
@@ -288,10 +314,10 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     heads; dQ by fp32 atomics unless ``deterministic``); then either the dQ
     kernel (``deterministic``: one block per query block, no atomics) or the
     convert kernel (dq_accum -> dq). ``vec`` says 16-byte accesses are legal for
-    every tensor (see select_fwd). ``num_sms`` is unused for now (the grids
-    never split work across blocks).
+    every tensor (see select_fwd). With GQA, when the grid of dK/dV blocks
+    would not fill ``num_sms``, each group's query heads are split over several
+    blocks (``BwdPlan.kv_splits``) whose fp32 partials a last kernel sums.
     """
-    del num_sms
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
     if cc < ARCHS[0]:
@@ -304,7 +330,9 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     seqlen_q_rounded = math.ceil(seqlen_q / BWD_ROWS_ROUND) * BWD_ROWS_ROUND
 
     launches = [bwd_preprocess_launch(dtype, vec, (seqlen_q_rounded // BWD_ROWS_ROUND) * batch * nheads_q)]
-    dkdv_grid = (math.ceil(seqlen_k / block_n) * batch * nheads_kv, 1, 1)
+    kv_blocks = math.ceil(seqlen_k / block_n) * batch * nheads_kv
+    kv_splits = bwd_kv_splits(kv_blocks, nheads_q // nheads_kv, num_sms)
+    dkdv_grid = (kv_blocks * kv_splits, 1, 1)
     launches.append(bwd_dkdv_launch(dtype, d, tile, causal, even_k, vec, deterministic, stages, dkdv_grid))
     if deterministic:
         dq_tile = _pick_bwd_dq_tile(d, smem_limit)
@@ -312,7 +340,9 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
         launches.append(bwd_dq_launch(dtype, d, dq_tile, causal, even_k, vec, dq_grid))
     else:
         launches.append(bwd_convert_launch(dtype, vec, batch * nheads_q * seqlen_q))
-    return BwdPlan(tuple(launches), d, seqlen_q_rounded, stages, not deterministic)
+    if kv_splits > 1:
+        launches.append(bwd_convert_dkv_launch(dtype, vec, batch * nheads_kv * seqlen_k))
+    return BwdPlan(tuple(launches), d, seqlen_q_rounded, stages, not deterministic, kv_splits)
 
 
 def all_bwd_launches() -> list[Launch]:
@@ -321,6 +351,7 @@ def all_bwd_launches() -> list[Launch]:
     for dtype, vec in itertools.product(CTYPES, (True, False)):
         out.append(bwd_preprocess_launch(dtype, vec))
         out.append(bwd_convert_launch(dtype, vec))
+        out.append(bwd_convert_dkv_launch(dtype, vec))
     for dtype, d in itertools.product(CTYPES, HEAD_DIMS):
         for tile, causal, even_k, vec, det in itertools.product(
                 _BWD_TILES[d], (False, True), (True, False), (True, False), (False, True)):

@@ -1,0 +1,60 @@
+"""Kernels compile through NVRTC with no spills (no GPU needed, only cupy + NVRTC)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cupyflash import dispatch
+
+
+def _nvrtc_or_skip():
+    try:
+        from cupy.cuda import nvrtc
+        nvrtc.getVersion()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"NVRTC unavailable (install cupyflash[cuda13]): {type(exc).__name__}: {exc}")
+    from cupyflash import _compile
+    try:
+        _compile.cuda_include_dir()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    return _compile
+
+
+@pytest.mark.parametrize("arch", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True), (256, False)])
+def test_fwd_variant_compiles_without_spills(arch, head_dim, causal):
+    _compile = _nvrtc_or_skip()
+    launch = dispatch.fwd_launch("float16", head_dim, causal, True, True, False)
+    compiled = _compile.compile_variant(launch.source, launch.name_expression, arch, use_cache=False)
+    res = _compile.parse_ptxas_log(compiled.log)
+    assert res.spill_bytes == 0 and res.stack_bytes == 0, (launch.name_expression, res)
+    assert compiled.cubin[:4] == b"\x7fELF"
+
+
+def test_cache_key_covers_sources_and_variant(tmp_path, monkeypatch):
+    _compile = _nvrtc_or_skip()
+    monkeypatch.setenv("CUPYFLASH_CACHE_DIR", str(tmp_path))
+    launch = dispatch.combine_launch("float16", 64)
+    first = _compile.compile_variant(launch.source, launch.name_expression, (9, 0))
+    assert len(list(tmp_path.glob("*.cubin"))) == 1
+    again = _compile.compile_variant(launch.source, launch.name_expression, (9, 0))
+    assert again.cubin == first.cubin and len(list(tmp_path.glob("*.cubin"))) == 1
+    other = dispatch.combine_launch("float16", 128)
+    _compile.compile_variant(other.source, other.name_expression, (9, 0))
+    assert len(list(tmp_path.glob("*.cubin"))) == 2
+    # A change to any kernel source changes every key.
+    opts = _compile.compile_options((9, 0))
+    key = _compile._cache_key(launch.source, launch.name_expression, opts)
+    monkeypatch.setattr(_compile, "sources_hash", lambda: "something else")
+    assert _compile._cache_key(launch.source, launch.name_expression, opts) != key
+
+
+def test_ptxas_log_parser():
+    from cupyflash import _compile
+
+    log = ("ptxas info    : Function properties for k\n"
+           "    16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\n"
+           "ptxas info    : Used 255 registers, used 1 barriers\n")
+    res = _compile.parse_ptxas_log(log)
+    assert (res.registers, res.spill_bytes, res.stack_bytes) == (255, 12, 16)

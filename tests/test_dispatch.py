@@ -1,0 +1,97 @@
+"""Kernel selection and the params mirror: pure, no GPU needed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cupyflash import _params, dispatch
+
+
+@pytest.mark.parametrize("head_dim,expected", [(1, 32), (8, 32), (32, 32), (33, 64), (59, 64), (64, 64),
+                                               (65, 96), (111, 128), (128, 128), (129, 192), (256, 256)])
+def test_padded_head_dim(head_dim, expected):
+    assert dispatch.padded_head_dim(head_dim) == expected
+
+
+def test_padded_head_dim_rejects_over_256():
+    with pytest.raises(ValueError, match="head_dim must be at most 256; got 257"):
+        dispatch.padded_head_dim(257)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_standard_grid_does_not_split(head_dim, causal):
+    plan = dispatch.select_fwd(batch=16, seqlen_q=1024, seqlen_k=1024, nheads_q=2048 // head_dim,
+                               head_dim=head_dim, dtype="float16", causal=causal, vec=True)
+    assert plan.num_splits == 1 and plan.combine is None
+    block_m = dispatch.fwd_tiles(head_dim, True)[0]
+    assert plan.main.grid == (16 * (2048 // head_dim) * math.ceil(1024 / block_m), 1, 1)
+    assert plan.main.args[6] == ("true" if causal else "false")
+
+
+def test_decode_shape_splits_keys_and_covers_them_all():
+    plan = dispatch.select_fwd(batch=1, seqlen_q=1, seqlen_k=8192, nheads_q=8, head_dim=128,
+                               dtype="bfloat16", causal=False, vec=True, num_sms=132)
+    block_n = dispatch.fwd_tiles(128, True)[1]
+    n_blocks = math.ceil(8192 / block_n)
+    assert plan.num_splits > 1
+    assert plan.num_splits * plan.n_blocks_per_split >= n_blocks
+    assert (plan.num_splits - 1) * plan.n_blocks_per_split < n_blocks  # no empty trailing split
+    assert plan.combine is not None and plan.main.grid[1] == plan.num_splits
+    assert plan.main.args[0] == "__nv_bfloat16" and plan.main.args[-1] == "true"
+
+
+def test_uneven_head_dim_and_unaligned_data_pick_predicated_variants():
+    plan = dispatch.select_fwd(batch=2, seqlen_q=100, seqlen_k=100, nheads_q=4, head_dim=59,
+                               dtype="float16", causal=False, vec=False)
+    # <T, HEAD_DIM, BLOCK_M, BLOCK_N, STEP_N, NUM_WARPS, IS_CAUSAL, EVEN_K, VEC, IS_SPLIT>
+    assert plan.main.args[1] == "64" and plan.main.args[7] == "false" and plan.main.args[8] == "false"
+
+
+def test_select_fwd_rejects_old_gpus_and_unknown_dtypes():
+    with pytest.raises(NotImplementedError, match="compute capability 8.0"):
+        dispatch.select_fwd(batch=1, seqlen_q=1, seqlen_k=1, nheads_q=1, head_dim=64, dtype="float16",
+                            causal=False, vec=True, cc=(7, 5))
+    with pytest.raises(ValueError, match="dtype"):
+        dispatch.select_fwd(batch=1, seqlen_q=1, seqlen_k=1, nheads_q=1, head_dim=64, dtype="float32",
+                            causal=False, vec=True)
+
+
+def test_every_tile_fits_shared_memory_and_divides_its_warps():
+    for launch in dispatch.all_fwd_launches():
+        if launch.template.endswith("flash_fwd_kernel"):
+            _, d, block_m, block_n, step_n, warps = launch.args[:6]
+            assert int(block_m) % (16 * int(warps)) == 0
+            assert int(step_n) % 16 == 0 and int(block_n) % int(step_n) == 0
+            assert launch.smem_bytes <= 163 * 1024  # sm_80's opt-in limit (sm_90: 227 KB)
+
+
+def test_name_expression_is_the_template_with_its_arguments():
+    launch = dispatch.fwd_launch("float16", 64, True, True, True, False)
+    assert launch.name_expression.startswith("cupyflash::flash_fwd_kernel<__half, 64, ")
+    assert launch.name_expression.endswith(", true, true, true, false>")
+
+
+def test_fwd_params_mirror_layout():
+    dt = _params.FWD_PARAMS
+    offsets = [dt.fields[n][1] for n in dt.names]
+    assert offsets == sorted(offsets)
+    # 7 pointers + 12 int64 strides, then 9 int32 and 2 float32, padded to 8 bytes.
+    assert dt.fields["batch"][1] == 7 * 8 + 12 * 8
+    assert dt.itemsize == 200
+    assert f"-DCUPYFLASH_FWD_PARAMS_BYTES={dt.itemsize}" in _params.size_defines()
+
+
+def test_struct_packer_matches_numpy_layout():
+    import numpy as np
+
+    from cupyflash import _gpu
+
+    packer = _gpu._struct_packer(_params.FWD_PARAMS)
+    assert packer.size == _params.FWD_PARAMS.itemsize
+    values = list(range(1, 20)) + list(range(100, 109)) + [0.5, 0.25]
+    rec = np.frombuffer(packer.pack(*values), dtype=_params.FWD_PARAMS)[0]
+    assert rec["q"] == 1 and rec["o_head_stride"] == 19 and rec["batch"] == 100
+    assert rec["n_blocks_per_split"] == 108 and rec["softmax_scale_log2"] == 0.25
