@@ -2,8 +2,8 @@
 
 Every function here is pure (shapes in, frozen plans out), needs no GPU, and is
 unit-tested in ``tests/test_dispatch.py``. The template-argument order follows
-``kernels_cu/flash_fwd.cu``: ``<T, HEAD_DIM, BLOCK_M, BLOCK_N, STEP_N,
-NUM_WARPS, IS_CAUSAL, EVEN_K, VEC, IS_SPLIT>``.
+``kernels_cu/flash_fwd.cu``: ``<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
+IS_CAUSAL, EVEN_K, VEC, IS_SPLIT>``.
 """
 
 from __future__ import annotations
@@ -21,34 +21,33 @@ HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 #: Compute capabilities the kernels are built and checked for.
 ARCHS = ((8, 0), (9, 0))
 
-# Forward tiles per padded head_dim: (BLOCK_M, BLOCK_N, STEP_N, NUM_WARPS).
-# BLOCK_N keys per shared-memory stage (two stages), STEP_N keys per compute
-# sub-step. Each warp owns BLOCK_M / NUM_WARPS query rows; two m16 tiles per warp
-# halve the shared-memory reads of K and V per mma. STEP_N is the widest S that
-# compiles with no spills; BLOCK_N keeps two stages plus Q under ~113 KB so two
-# blocks share an SM (see kernels_cu/PERF.md).
+# Forward tiles per padded head_dim: (BLOCK_M, BLOCK_N, NUM_WARPS).
+# Each warp owns BLOCK_M / NUM_WARPS query rows; two m16 tiles per warp halve
+# the shared-memory reads of K and V per mma (64-row blocks measured 25-35%
+# slower). Chosen as the largest tiles that compile with no spills (see
+# kernels_cu/PERF.md).
 _FWD_TILES = {
-    32: (128, 64, 64, 4),
-    64: (128, 128, 64, 4),
-    96: (128, 64, 32, 4),
-    128: (64, 64, 32, 4),
-    192: (64, 64, 32, 4),
-    256: (64, 32, 32, 4),
+    32: (128, 64, 4),
+    64: (128, 64, 4),
+    96: (128, 32, 4),
+    128: (128, 32, 4),
+    192: (64, 64, 4),
+    256: (64, 64, 4),
 }
 # Unaligned data (VEC=false) loads element by element through registers, which
 # costs registers the big tiles do not have: one m16 tile per warp.
 _FWD_TILES_UNALIGNED = {
-    32: (64, 64, 64, 4),
-    64: (64, 64, 64, 4),
-    96: (64, 32, 32, 4),
-    128: (64, 32, 32, 4),
-    192: (64, 32, 32, 4),
-    256: (64, 32, 32, 4),
+    32: (64, 64, 4),
+    64: (64, 64, 4),
+    96: (64, 32, 4),
+    128: (64, 32, 4),
+    192: (64, 32, 4),
+    256: (64, 32, 4),
 }
 
 
-def fwd_tiles(head_dim_padded: int, vec: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, STEP_N, NUM_WARPS) of the forward kernel."""
+def fwd_tiles(head_dim_padded: int, vec: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, NUM_WARPS) of the forward kernel."""
     return (_FWD_TILES if vec else _FWD_TILES_UNALIGNED)[head_dim_padded]
 
 
@@ -99,10 +98,10 @@ def _cbool(x: bool) -> str:
 def fwd_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool, vec: bool,
                split: bool, grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
     """The forward kernel instantiation for one set of compile-time choices."""
-    block_m, block_n, step_n, num_warps = fwd_tiles(head_dim_padded, vec)
-    # Q, plus two stages of (K, V): kernels_cu/flash_fwd.cu FwdTraits::SMEM_BYTES.
-    smem = _smem_tile_bytes(block_m, head_dim_padded) + 4 * _smem_tile_bytes(block_n, head_dim_padded)
-    args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(step_n), str(num_warps),
+    block_m, block_n, num_warps = fwd_tiles(head_dim_padded, vec)
+    # Q, K and V tiles: kernels_cu/flash_fwd.cu FwdTraits::SMEM_BYTES.
+    smem = _smem_tile_bytes(block_m, head_dim_padded) + 2 * _smem_tile_bytes(block_n, head_dim_padded)
+    args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(num_warps),
             _cbool(causal), _cbool(even_k), _cbool(vec), _cbool(split))
     return Launch("flash_fwd.cu", "cupyflash::flash_fwd_kernel", args, grid, (num_warps * 32, 1, 1), smem)
 
@@ -138,7 +137,7 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     if cc < ARCHS[0]:
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
     d = padded_head_dim(head_dim)
-    block_m, block_n, _, _ = fwd_tiles(d, vec)
+    block_m, block_n, _ = fwd_tiles(d, vec)
     num_m_blocks = math.ceil(seqlen_q / block_m)
     n_blocks = math.ceil(seqlen_k / block_n)
     splits = num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms)

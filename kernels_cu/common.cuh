@@ -27,6 +27,7 @@ template <> struct TypeTraits<__half> {
         __half2 h = __floats2half2_rn(lo, hi);
         return *reinterpret_cast<uint32*>(&h);
     }
+    static constexpr uint32 ONE_PAIR = 0x3C003C00u;  // (1.0, 1.0)
 };
 template <> struct TypeTraits<__nv_bfloat16> {
     using pair = __nv_bfloat162;
@@ -36,6 +37,7 @@ template <> struct TypeTraits<__nv_bfloat16> {
         __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
         return *reinterpret_cast<uint32*>(&h);
     }
+    static constexpr uint32 ONE_PAIR = 0x3F803F80u;  // (1.0, 1.0)
 };
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }

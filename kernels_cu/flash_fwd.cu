@@ -2,19 +2,15 @@
 // mma.sync.m16n8k16 Tensor Core fragments.
 //
 // One thread block owns BLOCK_M query rows of one (batch, head); each warp owns
-// BLOCK_M / NUM_WARPS of those rows. Q stays in shared memory; K and V tiles of
-// BLOCK_N keys stream through two shared-memory stages with cp.async: the loads
-// of key block n-1 are in flight while block n is computed, and one barrier per
-// key block separates the stages. Each key block is computed in sub-steps of
-// STEP_N keys (narrower S keeps registers in check at large head_dim):
-// S = Q·Kᵀ and the online softmax live in registers; P is repacked from the S
-// accumulators straight into the A operand of O += P·V.
+// BLOCK_M / NUM_WARPS of those rows. Q stays in shared memory; K and V tiles
+// of BLOCK_N keys stream through shared memory with cp.async, each load
+// overlapping one GEMM. S = Q·Kᵀ and the online softmax live in registers; P is
+// repacked from the S accumulators straight into the A operand of O += P·V.
 //
 // Template parameters, in order:
 //   T           __half or __nv_bfloat16
 //   HEAD_DIM    padded head dimension (multiple of 16); runtime head_dim <= HEAD_DIM
-//   BLOCK_M     query rows per block;  BLOCK_N  keys per shared-memory stage
-//   STEP_N      keys per compute sub-step (divides BLOCK_N)
+//   BLOCK_M     query rows per block;  BLOCK_N  keys per tile
 //   NUM_WARPS   warps per block (each owns BLOCK_M / NUM_WARPS rows, a multiple of 16)
 //   IS_CAUSAL   bottom-right aligned causal mask
 //   EVEN_K      head_dim == HEAD_DIM (no column predicates)
@@ -28,33 +24,49 @@
 
 namespace cupyflash {
 
-template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int STEP_N_, int NUM_WARPS_>
+template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_>
 struct FwdTraits {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
     static constexpr int BLOCK_M = BLOCK_M_;
     static constexpr int BLOCK_N = BLOCK_N_;
-    static constexpr int STEP_N = STEP_N_;
     static constexpr int NUM_WARPS = NUM_WARPS_;
     static constexpr int NUM_THREADS = NUM_WARPS * 32;
     static constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;
     static constexpr int M_TILES = ROWS_PER_WARP / 16;  // m16 tiles per warp
-    static constexpr int N_TILES = STEP_N / 8;          // n8 tiles of S per warp and sub-step
+    static constexpr int N_TILES = BLOCK_N / 8;         // n8 tiles of S per warp
     static constexpr int D_TILES = HEAD_DIM / 8;        // n8 tiles of O per warp
     using QTile = SmemTile<T, BLOCK_M, HEAD_DIM>;
     using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM>;
-    static constexpr int STAGE_BYTES = 2 * KVTile::BYTES;  // one K tile and one V tile
-    static constexpr int SMEM_BYTES = QTile::BYTES + 2 * STAGE_BYTES;
+    static constexpr int SMEM_BYTES = QTile::BYTES + 2 * KVTile::BYTES;
 
     static_assert(ROWS_PER_WARP % 16 == 0, "each warp owns whole m16 tiles");
-    static_assert(STEP_N % 16 == 0 && BLOCK_N % STEP_N == 0 && HEAD_DIM % 16 == 0, "k16 steps");
+    static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "k16 steps");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STEP_N, int NUM_WARPS,
+// Which (batch, head, query block) a thread block owns. Query blocks of one head
+// are adjacent in the grid (K/V reuse in L2); causal runs each head's heaviest
+// query blocks first. Reading %ctaid through volatile asm lets the epilogue
+// recompute this instead of keeping pointers live across the key loop.
+struct TileCoords {
+    int b, h, h_kv, m_block;
+};
+template <bool IS_CAUSAL>
+__device__ __forceinline__ TileCoords fwd_tile_coords(const FwdParams& p) {
+    uint32 x;
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
+    const int bh = int(x) / p.num_m_blocks;
+    int m_block = int(x) % p.num_m_blocks;
+    if (IS_CAUSAL) m_block = p.num_m_blocks - 1 - m_block;
+    const int h = bh % p.nheads_q;
+    return {bh / p.nheads_q, h, h / (p.nheads_q / p.nheads_kv), m_block};
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS,
           bool IS_CAUSAL, bool EVEN_K, bool VEC, bool IS_SPLIT>
 __global__ void __launch_bounds__(NUM_WARPS * 32)
 flash_fwd_kernel(const FwdParams p) {
-    using Tr = FwdTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, STEP_N, NUM_WARPS>;
+    using Tr = FwdTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
     constexpr int M_TILES = Tr::M_TILES, N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES;
     constexpr int NT = Tr::NUM_THREADS;
     using QTile = typename Tr::QTile;
@@ -62,26 +74,15 @@ flash_fwd_kernel(const FwdParams p) {
 
     extern __shared__ __align__(16) unsigned char smem[];
     const uint32 sQ = smem_addr(smem);
-    const uint32 sStages = sQ + QTile::BYTES;  // stage s: K at sStages + s * STAGE_BYTES, V after it
+    const uint32 sK = sQ + QTile::BYTES;
+    const uint32 sV = sK + KVTile::BYTES;
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, t = lane % 4;
 
-    // ---- which tile: query blocks of one head are adjacent (K/V reuse in L2);
-    //      causal runs each head's heaviest query blocks first.
-    const int bh = blockIdx.x / p.num_m_blocks;
-    int m_block = blockIdx.x % p.num_m_blocks;
-    if (IS_CAUSAL) m_block = p.num_m_blocks - 1 - m_block;
-    const int b = bh / p.nheads_q, h = bh % p.nheads_q;
-    const int h_kv = h / (p.nheads_q / p.nheads_kv);
-    const int m0 = m_block * BLOCK_M;
-    const int rows_valid = min(BLOCK_M, p.seqlen_q - m0);
-
-    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + m0 * p.q_row_stride + h * p.q_head_stride;
-    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
-    const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
-    T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + m0 * p.o_row_stride + h * p.o_head_stride;
-    const int64 row_index0 = int64(bh) * p.seqlen_q + m0;  // into lse (and the split partials)
+    const TileCoords tc = fwd_tile_coords<IS_CAUSAL>(p);
+    const int m0 = tc.m_block * BLOCK_M;
+    const T* q = static_cast<const T*>(p.q) + tc.b * p.q_batch_stride + m0 * p.q_row_stride + tc.h * p.q_head_stride;
 
     int n_begin = 0;
     int n_end = n_block_end<IS_CAUSAL>(m0, BLOCK_M, BLOCK_N, p.seqlen_q, p.seqlen_k);
@@ -101,32 +102,37 @@ flash_fwd_kernel(const FwdParams p) {
         for (int d = 0; d < D_TILES; ++d)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_o[i][d][e] = 0.f;
+    float acc_l[M_TILES][4];  // P·1: the row sums, accumulated on the Tensor Cores
+#pragma unroll
+    for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_l[i][e] = 0.f;
     OnlineSoftmax<M_TILES> softmax;
     softmax.init();
 
-    // Issue the K and V loads of key block n into one stage.
-    auto load_kv = [&](uint32 stage, int n) {
-        const int rows = p.seqlen_k - n * BLOCK_N;
-        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(stage, k + int64(n) * BLOCK_N * p.k_row_stride,
-                                                         p.k_row_stride, rows, p.head_dim);
-        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(stage + KVTile::BYTES,
-                                                         v + int64(n) * BLOCK_N * p.v_row_stride,
-                                                         p.v_row_stride, rows, p.head_dim);
+    // K or V rows of key block n. The base pointer is rebuilt from the tile
+    // coordinates each time (a few integer ops) rather than held in registers
+    // across the loop: at D=128 those registers decide whether it spills.
+    auto load_kv = [&](uint32 dst, const void* base, int64 batch_stride, int64 row_stride, int64 head_stride,
+                       int n) {
+        const TileCoords c = fwd_tile_coords<IS_CAUSAL>(p);
+        const T* src = static_cast<const T*>(base) + c.b * batch_stride + c.h_kv * head_stride +
+                       int64(n) * BLOCK_N * row_stride;
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(dst, src, row_stride, p.seqlen_k - n * BLOCK_N,
+                                                         p.head_dim);
     };
+    auto load_k = [&](int n) { load_kv(sK, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, n); };
+    auto load_v = [&](int n) { load_kv(sV, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, n); };
 
     if (n_begin < n_end) {
-        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ, q, p.q_row_stride, rows_valid, p.head_dim);
-        load_kv(sStages, n_end - 1);
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ, q, p.q_row_stride, p.seqlen_q - m0, p.head_dim);
+        load_k(n_end - 1);
         cp_async_commit();
     }
 
-    // Rows of this block see keys < last_visible_key + 1 at most (causal): sub-steps
-    // wholly past it are skipped.
-    const int last_visible_key = m0 + BLOCK_M - 1 + p.seqlen_k - p.seqlen_q;
-
-    // One sub-step of STEP_N keys starting at key column c0 of stage (sK, sV):
-    // S = Q·Kᵀ, mask, online softmax, O += P·V.
-    auto sub_step = [&](uint32 sK, uint32 sV, int row_in_tile, int c0, auto masked) {
+    // One key block: S = Q·Kᵀ, mask, online softmax, O += P·V. The V load
+    // overlaps Q·Kᵀ, the next K load overlaps softmax and P·V.
+    auto step = [&](int n, auto masked) {
         float s[M_TILES][N_TILES][4];
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i)
@@ -134,6 +140,11 @@ flash_fwd_kernel(const FwdParams p) {
             for (int j = 0; j < N_TILES; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[i][j][e] = 0.f;
+
+        cp_async_wait<0>();
+        __syncthreads();  // K[n] landed; every warp is done reading V[n+1]
+        load_v(n);
+        cp_async_commit();
 
         // ---- S = Q·Kᵀ (rolled over k16 steps: unrolling lets the compiler hoist
         //      fragment loads and spill at HEAD_DIM 128)
@@ -148,7 +159,7 @@ flash_fwd_kernel(const FwdParams p) {
 #pragma unroll
             for (int j = 0; j < N_TILES / 2; ++j) {
                 uint32 bk[4];
-                ldmatrix_x4(bk, sK + KVTile::offset(row_in_tile + j * 16 + (lane & 7) + ((lane >> 4) << 3),
+                ldmatrix_x4(bk, sK + KVTile::offset(j * 16 + (lane & 7) + ((lane >> 4) << 3),
                                                     kk * 2 + ((lane >> 3) & 1)));
 #pragma unroll
                 for (int i = 0; i < M_TILES; ++i) {
@@ -158,53 +169,43 @@ flash_fwd_kernel(const FwdParams p) {
             }
         }
         if constexpr (decltype(masked)::value) {
-            apply_mask<M_TILES, N_TILES, IS_CAUSAL>(s, m0 + r0, c0 + 2 * t, p.seqlen_q, p.seqlen_k);
+            apply_mask<M_TILES, N_TILES, IS_CAUSAL>(s, m0 + r0, n * BLOCK_N + 2 * t, p.seqlen_q, p.seqlen_k);
         }
 
-        // ---- online softmax: s becomes P, acc_o is rescaled
-        softmax.update(s, acc_o, p.softmax_scale_log2);
+        cp_async_wait<0>();
+        __syncthreads();  // V[n] landed; every warp is done reading K[n]
+        if (n > n_begin) {
+            load_k(n - 1);
+            cp_async_commit();
+        }
 
-        // ---- O += P·V, with P repacked from the S accumulators as the A operand
+        // ---- online softmax: s becomes P, acc_o and acc_l are rescaled
+        softmax.update(s, acc_o, acc_l, p.softmax_scale_log2);
+
+        // ---- O += P·V and l += P·1, with P repacked from the S accumulators as the A operand
+        uint32 pa[M_TILES][BLOCK_N / 16][4];
 #pragma unroll
-        for (int kk = 0; kk < STEP_N / 16; ++kk) {
-            uint32 a[M_TILES][4];
+        for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
-            for (int i = 0; i < M_TILES; ++i) {
-                a[i][0] = TypeTraits<T>::pack(s[i][2 * kk][0], s[i][2 * kk][1]);
-                a[i][1] = TypeTraits<T>::pack(s[i][2 * kk][2], s[i][2 * kk][3]);
-                a[i][2] = TypeTraits<T>::pack(s[i][2 * kk + 1][0], s[i][2 * kk + 1][1]);
-                a[i][3] = TypeTraits<T>::pack(s[i][2 * kk + 1][2], s[i][2 * kk + 1][3]);
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+                pa[i][kk][0] = TypeTraits<T>::pack(s[i][2 * kk][0], s[i][2 * kk][1]);
+                pa[i][kk][1] = TypeTraits<T>::pack(s[i][2 * kk][2], s[i][2 * kk][3]);
+                pa[i][kk][2] = TypeTraits<T>::pack(s[i][2 * kk + 1][0], s[i][2 * kk + 1][1]);
+                pa[i][kk][3] = TypeTraits<T>::pack(s[i][2 * kk + 1][2], s[i][2 * kk + 1][3]);
             }
+        }
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
 #pragma unroll
             for (int j = 0; j < D_TILES / 2; ++j) {
                 uint32 bv[4];
-                ldmatrix_x4_trans(bv, sV + KVTile::offset(row_in_tile + kk * 16 + (lane & 15),
-                                                          j * 2 + (lane >> 4)));
+                ldmatrix_x4_trans(bv, sV + KVTile::offset(kk * 16 + (lane & 15), j * 2 + (lane >> 4)));
 #pragma unroll
                 for (int i = 0; i < M_TILES; ++i) {
-                    mma_m16n8k16<T>(acc_o[i][2 * j], a[i], bv[0], bv[1]);
-                    mma_m16n8k16<T>(acc_o[i][2 * j + 1], a[i], bv[2], bv[3]);
+                    mma_m16n8k16<T>(acc_o[i][2 * j], pa[i][kk], bv[0], bv[1]);
+                    mma_m16n8k16<T>(acc_o[i][2 * j + 1], pa[i][kk], bv[2], bv[3]);
                 }
             }
-        }
-    };
-
-    // One key block: wait for its stage, start loading the next block into the
-    // other stage, then compute. The barrier also tells us every warp is done
-    // with the other stage (it held block n+1).
-    auto step = [&](int n, auto masked) {
-        const uint32 stage = sStages + uint32((n_end - 1 - n) & 1) * Tr::STAGE_BYTES;
-        cp_async_wait<0>();
-        __syncthreads();
-        if (n > n_begin) {
-            load_kv(sStages + uint32((n_end - n) & 1) * Tr::STAGE_BYTES, n - 1);
-            cp_async_commit();
-        }
-#pragma unroll
-        for (int sub = 0; sub < BLOCK_N / STEP_N; ++sub) {
-            const int c0 = n * BLOCK_N + sub * STEP_N;
-            if (decltype(masked)::value && IS_CAUSAL && c0 > last_visible_key) break;
-            sub_step(stage, stage + KVTile::BYTES, sub * STEP_N, c0, masked);
         }
     };
 
@@ -213,9 +214,13 @@ flash_fwd_kernel(const FwdParams p) {
     for (; n >= n_unmasked_end; --n) step(n, Bool<true>{});
     for (; n >= n_begin; --n) step(n, Bool<false>{});
 
-    // ---- epilogue
+    // ---- epilogue (tile coordinates recomputed: nothing but accumulators crossed the loop)
     float lse[M_TILES][2];
-    softmax.finalize(acc_o, p.softmax_scale, lse);
+    softmax.finalize(acc_o, acc_l, p.softmax_scale, lse);
+    const TileCoords te = fwd_tile_coords<IS_CAUSAL>(p);
+    const int e_m0 = te.m_block * BLOCK_M;
+    const int rows_valid = min(BLOCK_M, p.seqlen_q - e_m0);
+    const int64 row_index0 = (int64(te.b) * p.nheads_q + te.h) * p.seqlen_q + e_m0;  // into lse
 
     if (IS_SPLIT) {
         // fp32 partials, straight from registers; the combine kernel merges splits by lse.
@@ -262,6 +267,7 @@ flash_fwd_kernel(const FwdParams p) {
         }
     }
     __syncthreads();
+    T* out = static_cast<T*>(p.out) + te.b * p.o_batch_stride + e_m0 * p.o_row_stride + te.h * p.o_head_stride;
     store_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(out, p.o_row_stride, sQ, rows_valid, p.head_dim);
 }
 

@@ -28,7 +28,7 @@ def test_standard_grid_does_not_split(head_dim, causal):
     assert plan.num_splits == 1 and plan.combine is None
     block_m = dispatch.fwd_tiles(head_dim, True)[0]
     assert plan.main.grid == (16 * (2048 // head_dim) * math.ceil(1024 / block_m), 1, 1)
-    assert plan.main.args[6] == ("true" if causal else "false")
+    assert plan.main.args[5] == ("true" if causal else "false")
 
 
 def test_decode_shape_splits_keys_and_covers_them_all():
@@ -46,8 +46,8 @@ def test_decode_shape_splits_keys_and_covers_them_all():
 def test_uneven_head_dim_and_unaligned_data_pick_predicated_variants():
     plan = dispatch.select_fwd(batch=2, seqlen_q=100, seqlen_k=100, nheads_q=4, head_dim=59,
                                dtype="float16", causal=False, vec=False)
-    # <T, HEAD_DIM, BLOCK_M, BLOCK_N, STEP_N, NUM_WARPS, IS_CAUSAL, EVEN_K, VEC, IS_SPLIT>
-    assert plan.main.args[1] == "64" and plan.main.args[7] == "false" and plan.main.args[8] == "false"
+    # <T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, IS_CAUSAL, EVEN_K, VEC, IS_SPLIT>
+    assert plan.main.args[1] == "64" and plan.main.args[6] == "false" and plan.main.args[7] == "false"
 
 
 def test_select_fwd_rejects_old_gpus_and_unknown_dtypes():
@@ -62,9 +62,9 @@ def test_select_fwd_rejects_old_gpus_and_unknown_dtypes():
 def test_every_tile_fits_shared_memory_and_divides_its_warps():
     for launch in dispatch.all_fwd_launches():
         if launch.template.endswith("flash_fwd_kernel"):
-            _, d, block_m, block_n, step_n, warps = launch.args[:6]
+            _, d, block_m, block_n, warps = launch.args[:5]
             assert int(block_m) % (16 * int(warps)) == 0
-            assert int(step_n) % 16 == 0 and int(block_n) % int(step_n) == 0
+            assert int(block_n) % 16 == 0
             assert launch.smem_bytes <= 163 * 1024  # sm_80's opt-in limit (sm_90: 227 KB)
 
 
