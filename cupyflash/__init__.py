@@ -1,0 +1,15 @@
+"""cupyflash: exact FlashAttention (forward and backward) for CuPy arrays.
+
+CuPy arrays run CUDA kernels compiled at run time with NVRTC; NumPy arrays run a
+tiled CPU path with the same semantics.  See :func:`flash_attn_fwd` for the
+conventions (layout, causal alignment, lse, GQA).
+
+Importing this package does not import CuPy.
+"""
+
+from . import reference
+from ._api import flash_attn, flash_attn_bwd, flash_attn_fwd
+
+__version__ = "0.1.0"
+
+__all__ = ["flash_attn_fwd", "flash_attn_bwd", "flash_attn", "reference", "__version__"]

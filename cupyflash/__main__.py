@@ -1,0 +1,5 @@
+"""``python -m cupyflash``: see :mod:`cupyflash.cli`."""
+
+from .cli import main
+
+raise SystemExit(main())

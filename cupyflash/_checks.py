@@ -1,0 +1,207 @@
+"""Argument validation for the public functions.
+
+Every rule raises TypeError, ValueError or NotImplementedError (never assert)
+with a message of one form::
+
+    cupyflash.flash_attn_fwd: k must have the same dtype as q (float16); got bfloat16.
+
+that is: the function, the argument, the rule, and what was given.  Checks are a
+handful of attribute reads so that the per-call overhead stays small.  CuPy is
+never imported here: an array is a CuPy array only if ``cupy`` is already in
+``sys.modules`` and the array is an instance of ``cupy.ndarray``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import sys
+
+import numpy as np
+
+#: dtypes the NumPy (CPU) path takes, by ``dtype.name``.  "bfloat16" is ml_dtypes'
+#: (an array can only have it when ml_dtypes is importable).
+CPU_DTYPES = ("float16", "bfloat16", "float32", "float64")
+#: dtypes the CuPy (GPU) path takes today.  CuPy has no bfloat16 dtype.
+GPU_DTYPES = ("float16",)
+MAX_HEAD_DIM = 256
+
+
+def fail(cls, fn, message):
+    """Raise ``cls`` with the ``cupyflash.<fn>: <message>`` form."""
+    raise cls(f"cupyflash.{fn}: {message}")
+
+
+def _is_gpu_array(x):
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
+def _kind(x):
+    """'numpy', 'cupy' or None for anything else."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if _is_gpu_array(x):
+        return "cupy"
+    return None
+
+
+def _type_name(x):
+    t = type(x)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
+
+
+def _device_name(x):
+    return f"cuda:{x.device.id}"
+
+
+def check_flags(fn, softmax_scale, head_dim, causal, deterministic=False):
+    """Validate the keyword arguments; return the resolved softmax scale (float)."""
+    if not isinstance(causal, (bool, np.bool_)):
+        fail(TypeError, fn, f"causal must be a bool; got {_type_name(causal)}.")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        fail(TypeError, fn, f"deterministic must be a bool; got {_type_name(deterministic)}.")
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
+        fail(TypeError, fn,
+             f"softmax_scale must be a real number or None; got {_type_name(softmax_scale)}.")
+    scale = float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        fail(ValueError, fn, f"softmax_scale must be finite and > 0; got {scale!r}.")
+    return scale
+
+
+def _check_array(fn, name, x, kind, ref_name, rank=4):
+    """Array type (the same side as ``ref_name``) and, unless ``rank`` is None, rank 4."""
+    got = _kind(x)
+    if got is None:
+        fail(TypeError, fn, f"{name} must be a numpy.ndarray or cupy.ndarray; got {_type_name(x)}.")
+    if got != kind:
+        fail(TypeError, fn,
+             f"{name} must be a {kind}.ndarray like {ref_name} (numpy and cupy inputs cannot be "
+             f"mixed); got {got}.ndarray.")
+    if rank is not None and x.ndim != rank:
+        fail(ValueError, fn,
+             f"{name} must have 4 dimensions (batch, seqlen, nheads, head_dim); "
+             f"got {x.ndim} with shape {tuple(x.shape)}.")
+
+
+def _check_last_stride(fn, name, x, what="head_dim"):
+    if x.shape[-1] > 1 and x.strides[-1] != x.itemsize and x.size > 0:
+        fail(ValueError, fn,
+             f"{name} must have unit stride in its last dimension ({what}); "
+             f"got a stride of {x.strides[-1] / x.itemsize:g} elements.")
+
+
+def _check_device(fn, name, x, q):
+    if x.device.id != q.device.id:
+        fail(ValueError, fn,
+             f"{name} must be on the same device as q ({_device_name(q)}); got {_device_name(x)}.")
+
+
+def _check_dtype(fn, q, kind):
+    name = q.dtype.name
+    if kind == "numpy":
+        if name not in CPU_DTYPES:
+            fail(TypeError, fn,
+                 f"q must have dtype float16, bfloat16 (ml_dtypes), float32 or float64 on the "
+                 f"CPU path (numpy arrays); got {name}.")
+    elif name not in GPU_DTYPES:
+        fail(TypeError, fn,
+             f"q must have dtype float16 or bfloat16 on the GPU path (cupy arrays; bfloat16 is "
+             f"not available in cupy yet); got {name}.")
+
+
+def check_qkv(fn, q, k, v):
+    """Validate q, k, v; return True for CuPy (GPU) inputs, False for NumPy."""
+    kind = _kind(q)
+    _check_array(fn, "q", q, kind, "q")
+    _check_array(fn, "k", k, kind, "q")
+    _check_array(fn, "v", v, kind, "q")
+    _check_dtype(fn, q, kind)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            fail(TypeError, fn,
+                 f"{name} must have the same dtype as q ({q.dtype.name}); got {x.dtype.name}.")
+    batch, _, nheads, head_dim = q.shape
+    for name, x in (("k", k), ("v", v)):
+        if x.shape[0] != batch:
+            fail(ValueError, fn,
+                 f"{name} must have the same batch size as q ({batch}); got {x.shape[0]}.")
+        if x.shape[3] != head_dim:
+            fail(ValueError, fn,
+                 f"{name} must have the same head_dim as q ({head_dim}); got {x.shape[3]}.")
+    if v.shape[1] != k.shape[1]:
+        fail(ValueError, fn, f"v must have the same seqlen as k ({k.shape[1]}); got {v.shape[1]}.")
+    if v.shape[2] != k.shape[2]:
+        fail(ValueError, fn, f"v must have the same nheads as k ({k.shape[2]}); got {v.shape[2]}.")
+    nheads_kv = k.shape[2]
+    if (nheads_kv == 0 and nheads > 0) or (nheads_kv > 0 and nheads % nheads_kv):
+        fail(ValueError, fn,
+             f"k must have a number of heads that divides q's ({nheads}); got {nheads_kv}.")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        fail(ValueError, fn,
+             f"q must have head_dim between 1 and {MAX_HEAD_DIM}; got {head_dim}.")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_last_stride(fn, name, x)
+    if kind == "cupy":
+        _check_device(fn, "k", k, q)
+        _check_device(fn, "v", v, q)
+    return kind == "cupy"
+
+
+def check_bwd_extras(fn, dout, out, lse, q):
+    """Validate the backward's dout, out and lse against a validated q."""
+    kind = _kind(q)
+    for name, x in (("dout", dout), ("out", out)):
+        _check_array(fn, name, x, kind, "q")
+        if x.shape != q.shape:
+            fail(ValueError, fn,
+                 f"{name} must have the same shape as q {tuple(q.shape)}; got {tuple(x.shape)}.")
+        if x.dtype != q.dtype:
+            fail(TypeError, fn,
+                 f"{name} must have the same dtype as q ({q.dtype.name}); got {x.dtype.name}.")
+        _check_last_stride(fn, name, x)
+    _check_array(fn, "lse", lse, kind, "q", rank=None)  # its shape is checked below
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    if tuple(lse.shape) != lse_shape:
+        fail(ValueError, fn,
+             f"lse must have shape (batch, nheads_q, seqlen_q) = {lse_shape}; "
+             f"got {tuple(lse.shape)}.")
+    if lse.dtype != np.float32:
+        fail(TypeError, fn, f"lse must have dtype float32; got {lse.dtype.name}.")
+    _check_last_stride(fn, "lse", lse, "seqlen_q")
+    if kind == "cupy":
+        for name, x in (("dout", dout), ("out", out), ("lse", lse)):
+            _check_device(fn, name, x, q)
+
+
+def is_empty(q, k):
+    """True when there is nothing to compute (batch, seqlen or nheads is 0)."""
+    return q.size == 0 or k.shape[1] == 0
+
+
+def _zeros_module(q, gpu):
+    return sys.modules["cupy"] if gpu else np
+
+
+def empty_fwd(q, gpu):
+    """``(out, lse)`` without calling a kernel: out zeros, lse -inf."""
+    xp = _zeros_module(q, gpu)
+    batch, seqlen_q, nheads, _ = q.shape
+    if gpu:
+        with q.device:
+            return (xp.zeros(q.shape, dtype=q.dtype),
+                    xp.full((batch, nheads, seqlen_q), -np.inf, dtype=np.float32))
+    return (np.zeros(q.shape, dtype=q.dtype),
+            np.full((batch, nheads, seqlen_q), -np.inf, dtype=np.float32))
+
+
+def empty_bwd(q, k, v, gpu):
+    """``(dq, dk, dv)`` without calling a kernel: all zeros."""
+    xp = _zeros_module(q, gpu)
+    if gpu:
+        with q.device:
+            return tuple(xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
+    return tuple(np.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))

@@ -1,0 +1,215 @@
+"""Tolerance rules and input helpers shared by the CPU and GPU tests.
+
+The tolerance follows FlashAttention's own tests: a fast path may be off the
+float64 reference by at most ``factor`` times what a naive implementation in
+the same precision is off by, plus a small floor::
+
+    max|actual - ref64| <= factor * max|naive - ref64| + floor
+
+with ``factor`` 2 for outputs and lse and 3 for gradients.  The naive error
+measures what rounding alone costs at this shape and dtype, so the bound
+follows the problem instead of being a fixed atol.  NaN never passes, and
+positions where the reference is ``-inf`` (the lse of a row that sees no key)
+must be exactly ``-inf``.
+
+Everything here works on NumPy arrays and accepts CuPy arrays (copied to the
+host); nothing imports CuPy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import reference
+
+__all__ = [
+    "OUT_FACTOR",
+    "GRAD_FACTOR",
+    "REL_FLOOR",
+    "resolve_dtype",
+    "naive_dtype",
+    "assert_close_to_reference",
+    "assert_fwd_matches_reference",
+    "assert_bwd_matches_reference",
+    "random_qkv",
+    "random_normal",
+    "poison",
+]
+
+OUT_FACTOR = 2.0  # out and lse
+GRAD_FACTOR = 3.0  # dq, dk, dv
+#: floor = REL_FLOOR * max(1, max|ref64|): covers shapes where the naive error is
+#: exactly 0 (one key: softmax is exactly 1) while fp32 summation order is not.
+REL_FLOOR = 1e-5
+
+
+def resolve_dtype(dtype):
+    """A NumPy dtype from a dtype or a name; "bfloat16" means ml_dtypes.bfloat16."""
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def naive_dtype(dtype):
+    """The precision a naive implementation should run in to match a fast path.
+
+    The fast paths accumulate in float32 whatever the input, so float64 inputs
+    are held to a naive float32 implementation; the others to their own dtype.
+    """
+    dtype = resolve_dtype(dtype)
+    return np.dtype(np.float32) if dtype == np.float64 else dtype
+
+
+def _host64(x):
+    if not isinstance(x, np.ndarray) and hasattr(x, "get"):
+        x = x.get()
+    return np.asarray(x).astype(np.float64)
+
+
+def assert_close_to_reference(name, actual, ref64, naive, factor, floor):
+    """Assert ``max|actual - ref64| <= factor * max|naive - ref64| + floor``.
+
+    Parameters
+    ----------
+    name : str
+        What is compared ("out", "lse", "dq", ...), for the message.
+    actual, ref64, naive : array
+        The same shape; NumPy or CuPy, any float dtype.
+    factor, floor : float
+        The bound is ``factor * naive_error + floor``.
+
+    Returns
+    -------
+    float
+        The max absolute error of ``actual`` (over the finite reference values).
+
+    Raises
+    ------
+    AssertionError
+        On a shape mismatch, any NaN in ``actual`` or ``ref64``, a mismatch
+        where ``ref64`` is infinite (it must be matched exactly), a non-finite
+        ``actual`` where ``ref64`` is finite, or an error over the bound.
+    ValueError
+        When ``naive`` is not finite where ``ref64`` is: no bound can be set.
+    """
+    actual, ref64, naive = _host64(actual), _host64(ref64), _host64(naive)
+    if actual.shape != ref64.shape or naive.shape != ref64.shape:
+        raise AssertionError(
+            f"{name}: shape {actual.shape} (naive {naive.shape}) != reference {ref64.shape}"
+        )
+    if np.isnan(ref64).any():
+        raise AssertionError(f"{name}: the reference has NaN at {np.argwhere(np.isnan(ref64))[:5]}")
+    if np.isnan(actual).any():
+        where = np.argwhere(np.isnan(actual))
+        raise AssertionError(f"{name}: {len(where)} NaN values, first at {tuple(where[0])}")
+    finite = np.isfinite(ref64)
+    bad_inf = ~finite & (actual != ref64)
+    if bad_inf.any():
+        where = tuple(np.argwhere(bad_inf)[0])
+        raise AssertionError(
+            f"{name}: {int(bad_inf.sum())} values must be {ref64[where]} like the reference; "
+            f"first at {where} is {actual[where]}"
+        )
+    if not np.isfinite(actual[finite]).all():
+        where = tuple(np.argwhere(finite & ~np.isfinite(actual))[0])
+        raise AssertionError(f"{name}: value {actual[where]} at {where}; the reference is finite")
+    if not np.isfinite(naive[finite]).all():
+        raise ValueError(f"{name}: the naive result is not finite where the reference is")
+    if not finite.any():
+        return 0.0
+    err = np.abs(actual[finite] - ref64[finite])
+    naive_err = np.abs(naive[finite] - ref64[finite])
+    bound = factor * naive_err.max() + floor
+    if not err.max() <= bound:
+        worst = tuple(int(i) for i in np.argwhere(finite)[np.argmax(err)])
+        raise AssertionError(
+            f"{name}: max error {err.max():.3e} (mean {err.mean():.3e}) exceeds "
+            f"{factor:g} x naive max error {naive_err.max():.3e} (mean {naive_err.mean():.3e}) "
+            f"+ floor {floor:.1e} = {bound:.3e}; worst at {worst}: "
+            f"actual {actual[worst]!r}, reference {ref64[worst]!r}"
+        )
+    return float(err.max())
+
+
+def _floor(ref64):
+    finite = ref64[np.isfinite(ref64)]
+    return REL_FLOOR * max(1.0, float(np.abs(finite).max()) if finite.size else 1.0)
+
+
+def assert_fwd_matches_reference(q, k, v, out, lse, *, softmax_scale=None, causal=False):
+    """Check a forward result against the float64 reference with the naive rule.
+
+    Returns
+    -------
+    dict
+        Max absolute errors, ``{"out": ..., "lse": ...}``.
+    """
+    ref_out, ref_lse = reference.attention_fwd(q, k, v, softmax_scale, causal)
+    dtype = naive_dtype(_host_dtype(q))
+    naive_out, naive_lse = reference.naive_attention(q, k, v, softmax_scale, causal, dtype)
+    return {
+        "out": assert_close_to_reference("out", out, ref_out, naive_out, OUT_FACTOR,
+                                         _floor(ref_out)),
+        "lse": assert_close_to_reference("lse", lse, ref_lse, naive_lse, OUT_FACTOR,
+                                         _floor(ref_lse)),
+    }
+
+
+def assert_bwd_matches_reference(dout, q, k, v, dq, dk, dv, *, softmax_scale=None,
+                                 causal=False):
+    """Check gradients against the float64 reference with the naive rule.
+
+    Returns
+    -------
+    dict
+        Max absolute errors, ``{"dq": ..., "dk": ..., "dv": ...}``.
+    """
+    refs = reference.attention_bwd(dout, q, k, v, softmax_scale, causal)
+    dtype = naive_dtype(_host_dtype(q))
+    naives = reference.naive_attention_bwd(dout, q, k, v, softmax_scale, causal, dtype)
+    return {
+        name: assert_close_to_reference(name, got, ref, naive, GRAD_FACTOR, _floor(ref))
+        for name, got, ref, naive in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, naives)
+    }
+
+
+def _host_dtype(x):
+    # cupy dtypes are numpy dtypes
+    return np.dtype(x.dtype)
+
+
+def random_normal(rng, shape, dtype, xp=np):
+    """Fresh standard-normal values of ``dtype`` (drawn on the host, then moved to ``xp``)."""
+    host = rng.standard_normal(shape, dtype=np.float32).astype(resolve_dtype(dtype))
+    return host if xp is np else xp.asarray(host)
+
+
+def random_qkv(rng, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim, dtype, xp=np):
+    """Fresh standard-normal ``(q, k, v)`` in the (batch, seqlen, nheads, head_dim) layout.
+
+    Parameters
+    ----------
+    rng : numpy.random.Generator
+    batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim : int
+    dtype : dtype or str
+        "bfloat16" means ml_dtypes.bfloat16.
+    xp : module, optional
+        ``numpy`` (default) or ``cupy``; values are drawn on the host either way.
+
+    Returns
+    -------
+    q : array, shape (batch, seqlen_q, nheads_q, head_dim)
+    k, v : array, shape (batch, seqlen_k, nheads_kv, head_dim)
+    """
+    return (
+        random_normal(rng, (batch, seqlen_q, nheads_q, head_dim), dtype, xp),
+        random_normal(rng, (batch, seqlen_k, nheads_kv, head_dim), dtype, xp),
+        random_normal(rng, (batch, seqlen_k, nheads_kv, head_dim), dtype, xp),
+    )
+
+
+def poison(shape, dtype, xp=np):
+    """An array of NaN: give it as an output buffer to prove every element is written."""
+    return xp.full(shape, np.nan, dtype=resolve_dtype(dtype))

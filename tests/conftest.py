@@ -1,0 +1,71 @@
+"""Shared fixtures: a fresh random generator per test, and the skip for GPU tests.
+
+Tests marked ``gpu`` are skipped, with the reason, when cupy does not import or
+no CUDA device is usable.  CuPy is imported only when such tests were collected.
+
+Every test that takes ``rng`` gets a generator seeded from fresh entropy; the
+seed is printed in the report of a failing test.  Set ``CUPYFLASH_TEST_SEED``
+to rerun with a given seed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+# The CPU path multiplies small tiles: BLAS threads gain little there and, on a
+# machine whose cores are busy, spin-wait for each other (100x slower seen on 2
+# cores).  One thread keeps the run time predictable.  Must precede numpy.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_unavailable_reason():
+    """None when cupy imports and sees a CUDA device, else why not."""
+    try:
+        import cupy
+    except Exception as exc:
+        return f"cupy not installed or not importable ({type(exc).__name__}: {exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return f"no CUDA device: {type(exc).__name__}: {exc}"
+    if count < 1:
+        return "no CUDA device: cupy reports 0 devices"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    reason = gpu_unavailable_reason()
+    if reason is not None:
+        skip = pytest.mark.skip(reason=reason)
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+    """A ``numpy.random.Generator`` seeded from fresh entropy (or CUPYFLASH_TEST_SEED)."""
+    env = os.environ.get("CUPYFLASH_TEST_SEED")
+    seed = int(env) if env else int(np.random.SeedSequence().entropy)
+    request.node.user_properties.append(("rng_seed", seed))
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for key, value in item.user_properties:
+            if key == "rng_seed":
+                report.sections.append(
+                    ("rng seed", f"rerun with CUPYFLASH_TEST_SEED={value}")
+                )

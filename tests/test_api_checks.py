@@ -1,0 +1,368 @@
+"""Argument validation, empty inputs, and dispatch of cupy arrays to the GPU module.
+
+GPU dispatch is tested without a GPU: a fake ``cupy`` module (whose ``ndarray``
+wraps a NumPy array) goes into ``sys.modules`` and a fake ``cupyflash._gpu``
+records its calls.  The real ``_gpu`` is never imported here.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import _checks, cpu
+
+FUNCTIONS = ("flash_attn_fwd", "flash_attn", "flash_attn_bwd")
+
+
+def _valid_args(dtype=np.float32):
+    """Valid keyword arguments for every function: q (2,5,4,8), k/v (2,7,2,8)."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 5, 4, 8)).astype(dtype)
+    k = rng.standard_normal((2, 7, 2, 8)).astype(dtype)
+    v = rng.standard_normal((2, 7, 2, 8)).astype(dtype)
+    return dict(q=q, k=k, v=v, dout=q.copy(), out=q.copy(),
+                lse=np.zeros((2, 4, 5), dtype=np.float32))
+
+
+def _call(fn_name, args, **kwargs):
+    fn = getattr(cupyflash, fn_name)
+    if fn_name == "flash_attn_bwd":
+        return fn(args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"],
+                  **kwargs)
+    return fn(args["q"], args["k"], args["v"], **kwargs)
+
+
+def _strided(x):
+    """The same shape as ``x`` with a last stride of 2 elements."""
+    wide = np.zeros(x.shape[:-1] + (2 * x.shape[-1],), dtype=x.dtype)
+    return wide[..., ::2]
+
+
+def _set(**changes):
+    """A mutation of the valid arguments; values are callables of the valid args."""
+    def mutate(args):
+        for key, make in changes.items():
+            args[key] = make(args)
+        return args
+    return mutate
+
+
+# (id, exception, argument named in the message, text in the message, mutation, kwargs)
+QKV_CASES = [
+    ("q-list", TypeError, "q", "must be a numpy.ndarray or cupy.ndarray; got list",
+     _set(q=lambda a: a["q"].tolist()), {}),
+    ("k-scalar", TypeError, "k", "must be a numpy.ndarray or cupy.ndarray; got float",
+     _set(k=lambda a: 1.0), {}),
+    ("q-rank3", ValueError, "q", "must have 4 dimensions", _set(q=lambda a: a["q"][0]), {}),
+    ("k-rank5", ValueError, "k", "must have 4 dimensions", _set(k=lambda a: a["k"][None]), {}),
+    ("v-rank3", ValueError, "v", "must have 4 dimensions", _set(v=lambda a: a["v"][0]), {}),
+    ("q-int32", TypeError, "q", "must have dtype float16, bfloat16 (ml_dtypes), float32",
+     _set(q=lambda a: a["q"].astype(np.int32)), {}),
+    ("q-complex", TypeError, "q", "got complex64",
+     _set(q=lambda a: a["q"].astype(np.complex64)), {}),
+    ("k-dtype", TypeError, "k", "must have the same dtype as q (float32); got float64.",
+     _set(k=lambda a: a["k"].astype(np.float64)), {}),
+    ("v-dtype", TypeError, "v", "must have the same dtype as q (float32); got float16.",
+     _set(v=lambda a: a["v"].astype(np.float16)), {}),
+    ("k-batch", ValueError, "k", "must have the same batch size as q (2); got 1.",
+     _set(k=lambda a: a["k"][:1]), {}),
+    ("v-batch", ValueError, "v", "must have the same batch size as q (2); got 1.",
+     _set(v=lambda a: a["v"][:1]), {}),
+    ("k-head_dim", ValueError, "k", "must have the same head_dim as q (8); got 4.",
+     _set(k=lambda a: a["k"][..., :4]), {}),
+    ("v-head_dim", ValueError, "v", "must have the same head_dim as q (8); got 4.",
+     _set(v=lambda a: a["v"][..., :4]), {}),
+    ("v-seqlen", ValueError, "v", "must have the same seqlen as k (7); got 6.",
+     _set(v=lambda a: a["v"][:, :6]), {}),
+    ("v-nheads", ValueError, "v", "must have the same nheads as k (2); got 1.",
+     _set(v=lambda a: a["v"][:, :, :1]), {}),
+    ("nheads-not-multiple", ValueError, "k", "number of heads that divides q's (4); got 3.",
+     _set(k=lambda a: np.zeros((2, 7, 3, 8), np.float32),
+          v=lambda a: np.zeros((2, 7, 3, 8), np.float32)), {}),
+    ("nheads-kv-zero", ValueError, "k", "divides q's (4); got 0.",
+     _set(k=lambda a: a["k"][:, :, :0], v=lambda a: a["v"][:, :, :0]), {}),
+    ("head_dim-zero", ValueError, "q", "head_dim between 1 and 256; got 0.",
+     _set(q=lambda a: a["q"][..., :0], k=lambda a: a["k"][..., :0],
+          v=lambda a: a["v"][..., :0], dout=lambda a: a["q"][..., :0],
+          out=lambda a: a["q"][..., :0]), {}),
+    ("head_dim-257", ValueError, "q", "head_dim between 1 and 256; got 257.",
+     _set(q=lambda a: np.zeros((2, 5, 4, 257), np.float32),
+          k=lambda a: np.zeros((2, 7, 2, 257), np.float32),
+          v=lambda a: np.zeros((2, 7, 2, 257), np.float32),
+          dout=lambda a: np.zeros((2, 5, 4, 257), np.float32),
+          out=lambda a: np.zeros((2, 5, 4, 257), np.float32)), {}),
+    ("q-last-stride", ValueError, "q", "unit stride in its last dimension (head_dim); got a "
+     "stride of 2 elements.", _set(q=lambda a: _strided(a["q"])), {}),
+    ("k-last-stride", ValueError, "k", "unit stride", _set(k=lambda a: _strided(a["k"])), {}),
+    ("v-last-stride", ValueError, "v", "unit stride", _set(v=lambda a: _strided(a["v"])), {}),
+    ("scale-nan", ValueError, "softmax_scale", "must be finite and > 0; got nan.",
+     None, dict(softmax_scale=float("nan"))),
+    ("scale-inf", ValueError, "softmax_scale", "finite and > 0; got inf.",
+     None, dict(softmax_scale=math.inf)),
+    ("scale-zero", ValueError, "softmax_scale", "finite and > 0; got 0.0.",
+     None, dict(softmax_scale=0)),
+    ("scale-negative", ValueError, "softmax_scale", "finite and > 0; got -0.5.",
+     None, dict(softmax_scale=-0.5)),
+    ("scale-str", TypeError, "softmax_scale", "must be a real number or None; got str.",
+     None, dict(softmax_scale="0.1")),
+    ("scale-complex", TypeError, "softmax_scale", "real number", None, dict(softmax_scale=1j)),
+    ("scale-bool", TypeError, "softmax_scale", "real number", None, dict(softmax_scale=True)),
+    ("scale-array", TypeError, "softmax_scale", "got numpy.ndarray",
+     None, dict(softmax_scale=np.array([0.1]))),
+    ("causal-int", TypeError, "causal", "must be a bool; got int.", None, dict(causal=1)),
+    ("causal-none", TypeError, "causal", "must be a bool; got NoneType.", None,
+     dict(causal=None)),
+    ("causal-str", TypeError, "causal", "must be a bool; got str.", None, dict(causal="yes")),
+]
+
+BWD_CASES = [
+    ("dout-list", TypeError, "dout", "numpy.ndarray or cupy.ndarray",
+     _set(dout=lambda a: a["dout"].tolist()), {}),
+    ("dout-shape", ValueError, "dout", "must have the same shape as q (2, 5, 4, 8); "
+     "got (2, 4, 4, 8).", _set(dout=lambda a: a["dout"][:, :4]), {}),
+    ("dout-rank", ValueError, "dout", "4 dimensions", _set(dout=lambda a: a["dout"][0]), {}),
+    ("dout-dtype", TypeError, "dout", "same dtype as q (float32); got float64.",
+     _set(dout=lambda a: a["dout"].astype(np.float64)), {}),
+    ("dout-last-stride", ValueError, "dout", "unit stride",
+     _set(dout=lambda a: _strided(a["dout"])), {}),
+    ("out-shape", ValueError, "out", "same shape as q", _set(out=lambda a: a["out"][:, :, :2]),
+     {}),
+    ("out-dtype", TypeError, "out", "same dtype as q (float32); got float16.",
+     _set(out=lambda a: a["out"].astype(np.float16)), {}),
+    ("out-last-stride", ValueError, "out", "unit stride",
+     _set(out=lambda a: _strided(a["out"])), {}),
+    ("lse-shape", ValueError, "lse", "must have shape (batch, nheads_q, seqlen_q) = (2, 4, 5); "
+     "got (2, 5, 4).", _set(lse=lambda a: np.zeros((2, 5, 4), np.float32)), {}),
+    ("lse-rank", ValueError, "lse", "got (2, 4, 5, 1).",
+     _set(lse=lambda a: a["lse"][..., None]), {}),
+    ("lse-dtype", TypeError, "lse", "must have dtype float32; got float64.",
+     _set(lse=lambda a: a["lse"].astype(np.float64)), {}),
+    ("lse-tuple", TypeError, "lse", "numpy.ndarray or cupy.ndarray; got tuple",
+     _set(lse=lambda a: (1, 2)), {}),
+    ("lse-last-stride", ValueError, "lse", "unit stride in its last dimension (seqlen_q)",
+     _set(lse=lambda a: _strided(a["lse"])), {}),
+    ("deterministic-int", TypeError, "deterministic", "must be a bool; got int.", None,
+     dict(deterministic=0)),
+]
+
+
+def _cases():
+    for fn_name in FUNCTIONS:
+        for case in QKV_CASES:
+            yield pytest.param(fn_name, *case[1:], id=f"{fn_name}-{case[0]}")
+    for case in BWD_CASES:
+        yield pytest.param("flash_attn_bwd", *case[1:], id=f"flash_attn_bwd-{case[0]}")
+
+
+@pytest.mark.parametrize("fn_name,exc_type,arg,text,mutate,kwargs", list(_cases()))
+def test_bad_input(monkeypatch, fn_name, exc_type, arg, text, mutate, kwargs):
+    monkeypatch.setattr(cpu, "fwd", _must_not_run)
+    monkeypatch.setattr(cpu, "bwd", _must_not_run)
+    args = _valid_args()
+    if mutate is not None:
+        args = mutate(args)
+    with pytest.raises(exc_type) as info:
+        _call(fn_name, args, **kwargs)
+    message = str(info.value)
+    assert message.startswith(f"cupyflash.{fn_name}: {arg} must "), message
+    assert text in message, message
+    assert message.endswith(".")
+
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("a kernel ran")
+
+
+def test_valid_arguments_pass(monkeypatch):
+    args = _valid_args()
+    for fn_name in FUNCTIONS:
+        _call(fn_name, args, softmax_scale=np.float32(0.5), causal=np.bool_(True))
+    _call("flash_attn_bwd", args, deterministic=True)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_cpu_dtypes_are_accepted(dtype):
+    if dtype == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        dtype = ml_dtypes.bfloat16
+    args = _valid_args(dtype)
+    out, lse = _call("flash_attn_fwd", args)
+    assert out.dtype == np.dtype(dtype) and lse.dtype == np.float32
+
+
+# ----------------------------------------------------------------------------
+# Empty inputs: correctly shaped results, no kernel
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("q_shape,kv_shape", [
+    ((0, 5, 4, 8), (0, 7, 2, 8)),    # batch 0
+    ((2, 0, 4, 8), (2, 7, 2, 8)),    # seqlen_q 0
+    ((2, 5, 4, 8), (2, 0, 2, 8)),    # seqlen_k 0: every row sees no key
+    ((2, 5, 0, 8), (2, 7, 0, 8)),    # nheads 0
+    ((2, 5, 0, 8), (2, 7, 2, 8)),    # nheads_q 0
+    ((2, 0, 4, 8), (2, 0, 2, 8)),    # both seqlens 0
+], ids=["batch0", "seqlen_q0", "seqlen_k0", "nheads0", "nheads_q0", "seqlens0"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_empty_inputs(monkeypatch, q_shape, kv_shape, causal):
+    monkeypatch.setattr(cpu, "fwd", _must_not_run)
+    monkeypatch.setattr(cpu, "bwd", _must_not_run)
+    q = np.ones(q_shape, np.float16)
+    k = np.ones(kv_shape, np.float16)
+    v = np.ones(kv_shape, np.float16)
+    batch, seqlen_q, nheads, _ = q_shape
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, causal=causal)
+    assert out.shape == q_shape and out.dtype == np.float16 and (out == 0).all()
+    assert lse.shape == (batch, nheads, seqlen_q) and lse.dtype == np.float32
+    assert (lse == -np.inf).all()
+    assert cupyflash.flash_attn(q, k, v, causal=causal).shape == q_shape
+    dq, dk, dv = cupyflash.flash_attn_bwd(q, q, k, v, out, lse, causal=causal)
+    assert dq.shape == q_shape and dk.shape == kv_shape and dv.shape == kv_shape
+    for g in (dq, dk, dv):
+        assert g.dtype == np.float16 and (g == 0).all()
+
+
+# ----------------------------------------------------------------------------
+# GPU dispatch, with a fake cupy and a fake _gpu module
+# ----------------------------------------------------------------------------
+
+
+class _FakeDevice:
+    def __init__(self, device_id):
+        self.id = device_id
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _FakeCupyArray:
+    """Just the attributes the checks read, around a NumPy array."""
+
+    def __init__(self, host, device_id=0):
+        self.host = host
+        self.device = _FakeDevice(device_id)
+        self.shape, self.ndim, self.dtype = host.shape, host.ndim, host.dtype
+        self.strides, self.itemsize, self.size = host.strides, host.itemsize, host.size
+
+    def __getitem__(self, index):
+        return _FakeCupyArray(self.host[index], self.device.id)
+
+    def get(self):
+        return self.host
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Installs fake ``cupy`` and ``cupyflash._gpu`` modules; returns the recorded calls."""
+    fake_cupy = types.ModuleType("cupy")
+    fake_cupy.ndarray = _FakeCupyArray
+    fake_cupy.zeros = lambda shape, dtype: _FakeCupyArray(np.zeros(shape, dtype))
+    fake_cupy.full = lambda shape, value, dtype: _FakeCupyArray(np.full(shape, value, dtype))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+
+    calls = []
+    fake = types.ModuleType("cupyflash._gpu")
+
+    def fwd(q, k, v, **kwargs):
+        calls.append(("fwd", (q, k, v), kwargs))
+        return "out", "lse"
+
+    def bwd(dout, q, k, v, out, lse, **kwargs):
+        calls.append(("bwd", (dout, q, k, v, out, lse), kwargs))
+        return "dq", "dk", "dv"
+
+    fake.fwd, fake.bwd = fwd, bwd
+    monkeypatch.setitem(sys.modules, "cupyflash._gpu", fake)
+    monkeypatch.setattr(cupyflash, "_gpu", fake, raising=False)
+    monkeypatch.setattr(cpu, "fwd", _must_not_run)
+    monkeypatch.setattr(cpu, "bwd", _must_not_run)
+    return calls
+
+
+def _gpu_args(dtype=np.float16, device_id=0):
+    return {name: _FakeCupyArray(x, device_id) for name, x in _valid_args(dtype).items()}
+
+
+def test_cupy_arrays_go_to_gpu_fwd(fake_gpu):
+    a = _gpu_args()
+    assert cupyflash.flash_attn_fwd(a["q"], a["k"], a["v"], causal=np.bool_(True)) == \
+        ("out", "lse")
+    assert cupyflash.flash_attn(a["q"], a["k"], a["v"], softmax_scale=0.25) == "out"
+    (name, args, kwargs), (name2, _, kwargs2) = fake_gpu
+    assert name == name2 == "fwd" and args == (a["q"], a["k"], a["v"])
+    assert kwargs == dict(softmax_scale=1 / math.sqrt(8), causal=True)
+    assert type(kwargs["causal"]) is bool and type(kwargs["softmax_scale"]) is float
+    assert kwargs2 == dict(softmax_scale=0.25, causal=False)
+
+
+def test_cupy_arrays_go_to_gpu_bwd(fake_gpu):
+    a = _gpu_args()
+    got = cupyflash.flash_attn_bwd(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"],
+                                   softmax_scale=2, causal=True, deterministic=np.bool_(True))
+    assert got == ("dq", "dk", "dv")
+    [(name, args, kwargs)] = fake_gpu
+    assert name == "bwd"
+    assert args == (a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"])
+    assert kwargs == dict(softmax_scale=2.0, causal=True, deterministic=True)
+    assert type(kwargs["deterministic"]) is bool
+
+
+def test_cupy_empty_inputs_do_not_reach_the_gpu_module(fake_gpu):
+    q = _FakeCupyArray(np.ones((2, 5, 4, 8), np.float16))
+    kv = _FakeCupyArray(np.ones((2, 0, 2, 8), np.float16))
+    out, lse = cupyflash.flash_attn_fwd(q, kv, kv)
+    assert isinstance(out, _FakeCupyArray) and (out.host == 0).all()
+    assert lse.shape == (2, 4, 5) and (lse.host == -np.inf).all()
+    dq, dk, dv = cupyflash.flash_attn_bwd(q, q, kv, kv, out, lse)
+    assert dq.shape == (2, 5, 4, 8) and dk.shape == (2, 0, 2, 8) and (dq.host == 0).all()
+    assert fake_gpu == []
+
+
+@pytest.mark.parametrize("fn_name", FUNCTIONS)
+def test_cupy_float32_is_rejected(fake_gpu, fn_name):
+    a = _gpu_args(np.float32)
+    with pytest.raises(TypeError, match=rf"^cupyflash\.{fn_name}: q must have dtype float16 or "
+                                        r"bfloat16 on the GPU path .*; got float32\.$"):
+        _call(fn_name, a)
+
+
+@pytest.mark.parametrize("fn_name", FUNCTIONS)
+@pytest.mark.parametrize("arg", ["q", "k", "v"])
+def test_mixed_numpy_and_cupy_is_rejected(fake_gpu, fn_name, arg):
+    a = _gpu_args()
+    a[arg] = a[arg].host
+    with pytest.raises(TypeError, match=rf"^cupyflash\.{fn_name}: . must be a "):
+        _call(fn_name, a)
+
+
+@pytest.mark.parametrize("arg", ["dout", "out", "lse"])
+def test_mixed_numpy_and_cupy_is_rejected_in_bwd(fake_gpu, arg):
+    a = _gpu_args()
+    a[arg] = a[arg].host
+    with pytest.raises(TypeError, match=rf"^cupyflash\.flash_attn_bwd: {arg} must be a "
+                                        r"cupy\.ndarray like q .*; got numpy\.ndarray\.$"):
+        _call("flash_attn_bwd", a)
+
+
+@pytest.mark.parametrize("arg", ["k", "v", "dout", "out", "lse"])
+def test_inputs_on_different_devices_are_rejected(fake_gpu, arg):
+    a = _gpu_args()
+    a[arg] = _FakeCupyArray(a[arg].host, device_id=1)
+    fn_name = "flash_attn_bwd" if arg in ("dout", "out", "lse") else "flash_attn_fwd"
+    with pytest.raises(ValueError, match=rf"^cupyflash\.{fn_name}: {arg} must be on the same "
+                                         r"device as q \(cuda:0\); got cuda:1\.$"):
+        _call(fn_name, a)
+
+
+def test_gpu_dtypes_table():
+    assert _checks.GPU_DTYPES == ("float16",)
+    assert set(_checks.CPU_DTYPES) == {"float16", "bfloat16", "float32", "float64"}
