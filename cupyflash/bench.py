@@ -210,7 +210,8 @@ def main(args: argparse.Namespace) -> int:
         from . import dispatch  # noqa: PLC0415
         for spec in args.fwd_tiles:
             d, tile = spec.split(":")
-            dispatch._FWD_TILES[int(d)] = tuple(int(x) for x in tile.split(","))  # noqa: SLF001
+            t = tuple(int(x) for x in tile.split(","))
+            dispatch._FWD_TILES[int(d)] = (t, t)  # noqa: SLF001
     torch_env = None if args.no_torch else _torch_env()
     head_dims = args.head_dim or [64, 128]
     seqlens = args.seqlen or [512, 1024, 2048, 4096, 8192, 16384]

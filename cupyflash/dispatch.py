@@ -21,18 +21,19 @@ HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 #: Compute capabilities the kernels are built and checked for.
 ARCHS = ((8, 0), (9, 0))
 
-# Forward tiles per padded head_dim: (BLOCK_M, BLOCK_N, NUM_WARPS).
-# Each warp owns BLOCK_M / NUM_WARPS query rows; two m16 tiles per warp halve
-# the shared-memory reads of K and V per mma (64-row blocks measured 25-35%
-# slower). Chosen as the largest tiles that compile with no spills (see
-# kernels_cu/PERF.md).
+# Forward tiles per padded head_dim, (BLOCK_M, BLOCK_N, NUM_WARPS), for
+# (non-causal, causal). Each warp owns BLOCK_M / NUM_WARPS query rows; two m16
+# tiles per warp halve the shared-memory reads of K and V per mma (64-row blocks
+# measured 25-35% slower). The widest key tile that compiles with no spills
+# wins; at D=64 the causal variant's mask code costs the registers of 128 keys.
+# See kernels_cu/PERF.md for the measurements.
 _FWD_TILES = {
-    32: (128, 64, 4),
-    64: (128, 64, 4),
-    96: (128, 32, 4),
-    128: (128, 32, 4),
-    192: (64, 64, 4),
-    256: (64, 64, 4),
+    32: ((128, 64, 4), (128, 64, 4)),
+    64: ((128, 128, 4), (128, 64, 4)),
+    96: ((128, 32, 4), (128, 32, 4)),
+    128: ((128, 32, 4), (128, 32, 4)),
+    192: ((64, 64, 4), (64, 64, 4)),
+    256: ((64, 64, 4), (64, 64, 4)),
 }
 # Unaligned data (VEC=false) loads element by element through registers, which
 # costs registers the big tiles do not have: one m16 tile per warp.
@@ -46,9 +47,11 @@ _FWD_TILES_UNALIGNED = {
 }
 
 
-def fwd_tiles(head_dim_padded: int, vec: bool) -> tuple[int, int, int]:
+def fwd_tiles(head_dim_padded: int, vec: bool, causal: bool) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, NUM_WARPS) of the forward kernel."""
-    return (_FWD_TILES if vec else _FWD_TILES_UNALIGNED)[head_dim_padded]
+    if not vec:
+        return _FWD_TILES_UNALIGNED[head_dim_padded]
+    return _FWD_TILES[head_dim_padded][int(causal)]
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ def _cbool(x: bool) -> str:
 def fwd_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool, vec: bool,
                split: bool, grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
     """The forward kernel instantiation for one set of compile-time choices."""
-    block_m, block_n, num_warps = fwd_tiles(head_dim_padded, vec)
+    block_m, block_n, num_warps = fwd_tiles(head_dim_padded, vec, causal)
     # Q, K and V tiles: kernels_cu/flash_fwd.cu FwdTraits::SMEM_BYTES.
     smem = _smem_tile_bytes(block_m, head_dim_padded) + 2 * _smem_tile_bytes(block_n, head_dim_padded)
     args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(num_warps),
@@ -137,7 +140,7 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     if cc < ARCHS[0]:
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
     d = padded_head_dim(head_dim)
-    block_m, block_n, _ = fwd_tiles(d, vec)
+    block_m, block_n, _ = fwd_tiles(d, vec, causal)
     num_m_blocks = math.ceil(seqlen_q / block_m)
     n_blocks = math.ceil(seqlen_k / block_n)
     splits = num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms)

@@ -110,19 +110,14 @@ flash_fwd_kernel(const FwdParams p) {
     OnlineSoftmax<M_TILES> softmax;
     softmax.init();
 
-    // K or V rows of key block n. The base pointer is rebuilt from the tile
-    // coordinates each time (a few integer ops) rather than held in registers
-    // across the loop: at D=128 those registers decide whether it spills.
-    auto load_kv = [&](uint32 dst, const void* base, int64 batch_stride, int64 row_stride, int64 head_stride,
-                       int n) {
-        const TileCoords c = fwd_tile_coords<IS_CAUSAL>(p);
-        const T* src = static_cast<const T*>(base) + c.b * batch_stride + c.h_kv * head_stride +
-                       int64(n) * BLOCK_N * row_stride;
-        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(dst, src, row_stride, p.seqlen_k - n * BLOCK_N,
-                                                         p.head_dim);
+    const T* k = static_cast<const T*>(p.k) + tc.b * p.k_batch_stride + tc.h_kv * p.k_head_stride;
+    const T* v = static_cast<const T*>(p.v) + tc.b * p.v_batch_stride + tc.h_kv * p.v_head_stride;
+    auto load_kv = [&](uint32 dst, const T* src, int64 row_stride, int n) {
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(dst, src + int64(n) * BLOCK_N * row_stride, row_stride,
+                                                         p.seqlen_k - n * BLOCK_N, p.head_dim);
     };
-    auto load_k = [&](int n) { load_kv(sK, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, n); };
-    auto load_v = [&](int n) { load_kv(sV, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, n); };
+    auto load_k = [&](int n) { load_kv(sK, k, p.k_row_stride, n); };
+    auto load_v = [&](int n) { load_kv(sV, v, p.v_row_stride, n); };
 
     if (n_begin < n_end) {
         load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ, q, p.q_row_stride, p.seqlen_q - m0, p.head_dim);
@@ -192,6 +187,7 @@ flash_fwd_kernel(const FwdParams p) {
                 pa[i][kk][1] = TypeTraits<T>::pack(s[i][2 * kk][2], s[i][2 * kk][3]);
                 pa[i][kk][2] = TypeTraits<T>::pack(s[i][2 * kk + 1][0], s[i][2 * kk + 1][1]);
                 pa[i][kk][3] = TypeTraits<T>::pack(s[i][2 * kk + 1][2], s[i][2 * kk + 1][3]);
+                mma_m16n8k16<T>(acc_l[i], pa[i][kk], TypeTraits<T>::ONE_PAIR, TypeTraits<T>::ONE_PAIR);
             }
         }
 #pragma unroll

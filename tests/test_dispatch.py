@@ -26,7 +26,7 @@ def test_standard_grid_does_not_split(head_dim, causal):
     plan = dispatch.select_fwd(batch=16, seqlen_q=1024, seqlen_k=1024, nheads_q=2048 // head_dim,
                                head_dim=head_dim, dtype="float16", causal=causal, vec=True)
     assert plan.num_splits == 1 and plan.combine is None
-    block_m = dispatch.fwd_tiles(head_dim, True)[0]
+    block_m = dispatch.fwd_tiles(head_dim, True, causal)[0]
     assert plan.main.grid == (16 * (2048 // head_dim) * math.ceil(1024 / block_m), 1, 1)
     assert plan.main.args[5] == ("true" if causal else "false")
 
@@ -34,7 +34,7 @@ def test_standard_grid_does_not_split(head_dim, causal):
 def test_decode_shape_splits_keys_and_covers_them_all():
     plan = dispatch.select_fwd(batch=1, seqlen_q=1, seqlen_k=8192, nheads_q=8, head_dim=128,
                                dtype="bfloat16", causal=False, vec=True, num_sms=132)
-    block_n = dispatch.fwd_tiles(128, True)[1]
+    block_n = dispatch.fwd_tiles(128, True, False)[1]
     n_blocks = math.ceil(8192 / block_n)
     assert plan.num_splits > 1
     assert plan.num_splits * plan.n_blocks_per_split >= n_blocks
