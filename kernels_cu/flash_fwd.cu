@@ -64,7 +64,7 @@ __device__ __forceinline__ TileCoords fwd_tile_coords(const FwdParams& p) {
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS,
           bool IS_CAUSAL, bool EVEN_K, bool VEC, bool IS_SPLIT>
-__global__ void __launch_bounds__(NUM_WARPS * 32)
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_fwd_kernel(const FwdParams p) {
     using Tr = FwdTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
     constexpr int M_TILES = Tr::M_TILES, N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES;
@@ -141,30 +141,38 @@ flash_fwd_kernel(const FwdParams p) {
         load_v(n);
         cp_async_commit();
 
-        // ---- S = Q·Kᵀ (rolled over k16 steps: unrolling lets the compiler hoist
-        //      fragment loads and spill at HEAD_DIM 128)
+        // On the causal diagonal a warp whose rows all end before this key block
+        // skips its mma work (it still takes part in the loads and barriers); the
+        // SM's other block gets its issue slots. Unmasked blocks never branch here.
+        const bool warp_idle = decltype(masked)::value && IS_CAUSAL &&
+                               n * BLOCK_N > m0 + (warp + 1) * Tr::ROWS_PER_WARP - 1 + p.seqlen_k - p.seqlen_q;
+        if (!warp_idle) {
+            // ---- S = Q·Kᵀ (rolled over k16 steps: unrolling lets the compiler hoist
+            //      fragment loads and spill at HEAD_DIM 128)
 #pragma unroll 1
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            uint32 a[M_TILES][4];
-#pragma unroll
-            for (int i = 0; i < M_TILES; ++i) {
-                ldmatrix_x4(a[i], sQ + QTile::offset(warp * Tr::ROWS_PER_WARP + i * 16 + (lane & 15),
-                                                     kk * 2 + (lane >> 4)));
-            }
-#pragma unroll
-            for (int j = 0; j < N_TILES / 2; ++j) {
-                uint32 bk[4];
-                ldmatrix_x4(bk, sK + KVTile::offset(j * 16 + (lane & 7) + ((lane >> 4) << 3),
-                                                    kk * 2 + ((lane >> 3) & 1)));
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                uint32 a[M_TILES][4];
 #pragma unroll
                 for (int i = 0; i < M_TILES; ++i) {
-                    mma_m16n8k16<T>(s[i][2 * j], a[i], bk[0], bk[1]);
-                    mma_m16n8k16<T>(s[i][2 * j + 1], a[i], bk[2], bk[3]);
+                    ldmatrix_x4(a[i], sQ + QTile::offset(warp * Tr::ROWS_PER_WARP + i * 16 + (lane & 15),
+                                                         kk * 2 + (lane >> 4)));
+                }
+#pragma unroll
+                for (int j = 0; j < N_TILES / 2; ++j) {
+                    uint32 bk[4];
+                    ldmatrix_x4(bk, sK + KVTile::offset(j * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                                        kk * 2 + ((lane >> 3) & 1)));
+#pragma unroll
+                    for (int i = 0; i < M_TILES; ++i) {
+                        mma_m16n8k16<T>(s[i][2 * j], a[i], bk[0], bk[1]);
+                        mma_m16n8k16<T>(s[i][2 * j + 1], a[i], bk[2], bk[3]);
+                    }
                 }
             }
-        }
-        if constexpr (decltype(masked)::value) {
-            apply_mask<M_TILES, N_TILES, IS_CAUSAL>(s, m0 + r0, n * BLOCK_N + 2 * t, p.seqlen_q, p.seqlen_k);
+            if constexpr (decltype(masked)::value) {
+                apply_mask<M_TILES, N_TILES, IS_CAUSAL>(s, m0 + r0, n * BLOCK_N + 2 * t, p.seqlen_q, p.seqlen_k);
+            }
+
         }
 
         cp_async_wait<0>();
@@ -174,32 +182,34 @@ flash_fwd_kernel(const FwdParams p) {
             cp_async_commit();
         }
 
-        // ---- online softmax: s becomes P, acc_o and acc_l are rescaled
-        softmax.update(s, acc_o, acc_l, p.softmax_scale_log2);
+        if (!warp_idle) {
+            // ---- online softmax: s becomes P, acc_o and acc_l are rescaled
+            softmax.update(s, acc_o, acc_l, p.softmax_scale_log2);
 
-        // ---- O += P·V and l += P·1, with P repacked from the S accumulators as the A operand
-        uint32 pa[M_TILES][BLOCK_N / 16][4];
+            // ---- O += P·V and l += P·1, with P repacked from the S accumulators as the A operand
+            uint32 pa[M_TILES][BLOCK_N / 16][4];
 #pragma unroll
-        for (int i = 0; i < M_TILES; ++i) {
+            for (int i = 0; i < M_TILES; ++i) {
+#pragma unroll
+                for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+                    pa[i][kk][0] = TypeTraits<T>::pack(s[i][2 * kk][0], s[i][2 * kk][1]);
+                    pa[i][kk][1] = TypeTraits<T>::pack(s[i][2 * kk][2], s[i][2 * kk][3]);
+                    pa[i][kk][2] = TypeTraits<T>::pack(s[i][2 * kk + 1][0], s[i][2 * kk + 1][1]);
+                    pa[i][kk][3] = TypeTraits<T>::pack(s[i][2 * kk + 1][2], s[i][2 * kk + 1][3]);
+                    mma_m16n8k16<T>(acc_l[i], pa[i][kk], TypeTraits<T>::ONE_PAIR, TypeTraits<T>::ONE_PAIR);
+                }
+            }
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-                pa[i][kk][0] = TypeTraits<T>::pack(s[i][2 * kk][0], s[i][2 * kk][1]);
-                pa[i][kk][1] = TypeTraits<T>::pack(s[i][2 * kk][2], s[i][2 * kk][3]);
-                pa[i][kk][2] = TypeTraits<T>::pack(s[i][2 * kk + 1][0], s[i][2 * kk + 1][1]);
-                pa[i][kk][3] = TypeTraits<T>::pack(s[i][2 * kk + 1][2], s[i][2 * kk + 1][3]);
-                mma_m16n8k16<T>(acc_l[i], pa[i][kk], TypeTraits<T>::ONE_PAIR, TypeTraits<T>::ONE_PAIR);
-            }
-        }
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+                for (int j = 0; j < D_TILES / 2; ++j) {
+                    uint32 bv[4];
+                    ldmatrix_x4_trans(bv, sV + KVTile::offset(kk * 16 + (lane & 15), j * 2 + (lane >> 4)));
 #pragma unroll
-            for (int j = 0; j < D_TILES / 2; ++j) {
-                uint32 bv[4];
-                ldmatrix_x4_trans(bv, sV + KVTile::offset(kk * 16 + (lane & 15), j * 2 + (lane >> 4)));
-#pragma unroll
-                for (int i = 0; i < M_TILES; ++i) {
-                    mma_m16n8k16<T>(acc_o[i][2 * j], pa[i][kk], bv[0], bv[1]);
-                    mma_m16n8k16<T>(acc_o[i][2 * j + 1], pa[i][kk], bv[2], bv[3]);
+                    for (int i = 0; i < M_TILES; ++i) {
+                        mma_m16n8k16<T>(acc_o[i][2 * j], pa[i][kk], bv[0], bv[1]);
+                        mma_m16n8k16<T>(acc_o[i][2 * j + 1], pa[i][kk], bv[2], bv[3]);
+                    }
                 }
             }
         }
