@@ -247,9 +247,9 @@ def _run_info(args):
         lines.append(("kernel sources", str(_sources.kernels_dir())))
     except Exception as exc:
         lines.append(("kernel sources", f"not found ({exc})"))
-    cache = os.environ.get("CUPYFLASH_CACHE_DIR")
-    lines.append(("kernel cache", cache if cache else
-                  os.path.join(os.path.expanduser("~"), ".cache", "cupyflash") + " (default)"))
+    from . import _compile
+
+    lines.append(("kernel cache", str(_compile.cache_dir())))
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
         print(f"{key:<{width}}  {value}")
