@@ -24,12 +24,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
 
 
-def _launches(quick: bool, match: str | None):
+def _launches(arch: tuple[int, int], quick: bool, match: str | None):
+    import inspect  # noqa: PLC0415
+
     from . import dispatch  # noqa: PLC0415
 
-    launches = dispatch.all_fwd_launches()
+    launches = dispatch.all_fwd_launches(arch)
     if hasattr(dispatch, "all_bwd_launches"):
-        launches += dispatch.all_bwd_launches()
+        takes_cc = "cc" in inspect.signature(dispatch.all_bwd_launches).parameters
+        launches += dispatch.all_bwd_launches(cc=arch) if takes_cc else dispatch.all_bwd_launches()
     if quick:
         launches = [L for L in launches
                     if L.args[0] == "__half" and "false, true, true, false" in ", ".join(L.args[-4:]) or
@@ -49,9 +52,9 @@ def _compile_one(item):
 
 
 def run(archs, quick=False, match=None, jobs=1, use_cache=True, out=sys.stdout) -> int:
-    launches = _launches(quick, match)
-    items = [(L.source, L.name_expression, a, use_cache) for a in archs for L in launches]
-    smem = {L.name_expression: L.smem_bytes for L in launches}
+    per_arch = {a: _launches(a, quick, match) for a in archs}
+    items = [(L.source, L.name_expression, a, use_cache) for a in archs for L in per_arch[a]]
+    smem = {L.name_expression: L.smem_bytes for a in archs for L in per_arch[a]}
     failures = 0
     print(f"compiling {len(items)} variants for {', '.join(f'sm_{a}{b}' for a, b in archs)} "
           f"with {jobs} jobs", file=out, flush=True)

@@ -35,6 +35,9 @@ _FWD_TILES = {
     192: ((64, 64, 4), (64, 64, 4)),
     256: ((64, 64, 4), (64, 64, 4)),
 }
+# sm_80's ptxas needs a few more registers for the 128x128 tile and spills: it
+# keeps FA2's 128x64 there.
+_FWD_TILES_SM80 = {**_FWD_TILES, 64: ((128, 64, 4), (128, 64, 4))}
 # Unaligned data (VEC=false) loads element by element through registers, which
 # costs registers the big tiles do not have: one m16 tile per warp.
 _FWD_TILES_UNALIGNED = {
@@ -47,11 +50,12 @@ _FWD_TILES_UNALIGNED = {
 }
 
 
-def fwd_tiles(head_dim_padded: int, vec: bool, causal: bool) -> tuple[int, int, int]:
+def fwd_tiles(head_dim_padded: int, vec: bool, causal: bool,
+              cc: tuple[int, int] = (9, 0)) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, NUM_WARPS) of the forward kernel."""
     if not vec:
         return _FWD_TILES_UNALIGNED[head_dim_padded]
-    return _FWD_TILES[head_dim_padded][int(causal)]
+    return (_FWD_TILES if cc >= (9, 0) else _FWD_TILES_SM80)[head_dim_padded][int(causal)]
 
 
 @dataclass(frozen=True)
@@ -99,9 +103,9 @@ def _cbool(x: bool) -> str:
 
 
 def fwd_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool, vec: bool,
-               split: bool, grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
+               split: bool, grid: tuple[int, int, int] = (1, 1, 1), cc: tuple[int, int] = (9, 0)) -> Launch:
     """The forward kernel instantiation for one set of compile-time choices."""
-    block_m, block_n, num_warps = fwd_tiles(head_dim_padded, vec, causal)
+    block_m, block_n, num_warps = fwd_tiles(head_dim_padded, vec, causal, cc)
     # Q, K and V tiles: kernels_cu/flash_fwd.cu FwdTraits::SMEM_BYTES.
     smem = _smem_tile_bytes(block_m, head_dim_padded) + 2 * _smem_tile_bytes(block_n, head_dim_padded)
     args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(num_warps),
@@ -140,7 +144,7 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     if cc < ARCHS[0]:
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
     d = padded_head_dim(head_dim)
-    block_m, block_n, _ = fwd_tiles(d, vec, causal)
+    block_m, block_n, _ = fwd_tiles(d, vec, causal, cc)
     num_m_blocks = math.ceil(seqlen_q / block_m)
     n_blocks = math.ceil(seqlen_k / block_n)
     splits = num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms)
@@ -148,17 +152,17 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     splits = math.ceil(n_blocks / per_split) if n_blocks else 1
     split = splits > 1
     grid = (num_m_blocks * batch * nheads_q, splits, 1)
-    main = fwd_launch(dtype, d, causal, head_dim == d, vec, split, grid)
+    main = fwd_launch(dtype, d, causal, head_dim == d, vec, split, grid, cc)
     combine = combine_launch(dtype, d, batch * nheads_q * seqlen_q) if split else None
     return FwdPlan(main, combine, d, num_m_blocks, splits, per_split)
 
 
-def all_fwd_launches() -> list[Launch]:
-    """Every forward instantiation select_fwd can return (for check-kernels)."""
+def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
+    """Every forward instantiation select_fwd can return on ``cc`` (for check-kernels)."""
     out = []
     for dtype, d, causal, even_k, vec, split in itertools.product(
             CTYPES, HEAD_DIMS, (False, True), (True, False), (True, False), (False, True)):
-        out.append(fwd_launch(dtype, d, causal, even_k, vec, split))
+        out.append(fwd_launch(dtype, d, causal, even_k, vec, split, cc=cc))
     for dtype, d in itertools.product(CTYPES, HEAD_DIMS):
         out.append(combine_launch(dtype, d))
     return out

@@ -25,7 +25,7 @@ def _nvrtc_or_skip():
 @pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True), (256, False)])
 def test_fwd_variant_compiles_without_spills(arch, head_dim, causal):
     _compile = _nvrtc_or_skip()
-    launch = dispatch.fwd_launch("float16", head_dim, causal, True, True, False)
+    launch = dispatch.fwd_launch("float16", head_dim, causal, True, True, False, cc=arch)
     compiled = _compile.compile_variant(launch.source, launch.name_expression, arch, use_cache=False)
     res = _compile.parse_ptxas_log(compiled.log)
     assert res.spill_bytes == 0 and res.stack_bytes == 0, (launch.name_expression, res)

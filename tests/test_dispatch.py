@@ -95,3 +95,10 @@ def test_struct_packer_matches_numpy_layout():
     rec = np.frombuffer(packer.pack(*values), dtype=_params.FWD_PARAMS)[0]
     assert rec["q"] == 1 and rec["o_head_stride"] == 19 and rec["batch"] == 100
     assert rec["n_blocks_per_split"] == 108 and rec["softmax_scale_log2"] == 0.25
+
+
+def test_sm80_keeps_the_narrower_d64_tile():
+    kw = dict(batch=4, seqlen_q=4096, seqlen_k=4096, nheads_q=32, head_dim=64, dtype="float16",
+              causal=False, vec=True)
+    assert dispatch.select_fwd(**kw, cc=(9, 0)).main.args[3] == "128"
+    assert dispatch.select_fwd(**kw, cc=(8, 0)).main.args[3] == "64"
