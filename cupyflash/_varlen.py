@@ -1,0 +1,432 @@
+"""Variable-length (packed) batches: attention over sequences of different lengths.
+
+The sequences of a batch are concatenated along the token axis, with no padding,
+and described by int32 prefix sums ``cu_seqlens`` (flash-attention's varlen
+layout).  Validation follows :mod:`cupyflash._checks`; then
+
+* NumPy arrays loop over the sequences and run the tiled CPU path
+  (:func:`cupyflash.cpu.fwd` / :func:`cupyflash.cpu.bwd`) on ``(1, len, H, D)``
+  views, writing into the packed outputs, so extra memory stays O(tokens);
+* CuPy arrays go to ``_gpu.varlen_fwd`` / ``_gpu.varlen_bwd`` (one launch for
+  the whole batch, reading ``cu_seqlens`` on the device) when the GPU module has
+  them, else to the same per-sequence loop over ``_gpu.fwd`` / ``_gpu.bwd``.
+
+A pair with a zero-length query or key sequence never reaches a kernel: its
+query rows get out 0 and lse ``-inf`` (and dq 0), its key rows dk = dv = 0.
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+
+import numpy as np
+
+from . import _checks, cpu
+from ._checks import fail
+
+__all__ = ["flash_attn_varlen_fwd", "flash_attn_varlen_bwd", "flash_attn_varlen"]
+
+
+# ----------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------
+
+_LAYOUTS = {"q": "(total_q, nheads, head_dim)", "k": "(total_k, nheads_kv, head_dim)",
+            "v": "(total_k, nheads_kv, head_dim)", "dout": "(total_q, nheads, head_dim)",
+            "out": "(total_q, nheads, head_dim)"}
+
+
+def _check_packed(fn, name, x, kind):
+    """Array type (the side of q) and rank 3."""
+    _checks._check_array(fn, name, x, kind, "q", rank=None)
+    if x.ndim != 3:
+        fail(ValueError, fn,
+             f"{name} must have 3 dimensions {_LAYOUTS[name]}; "
+             f"got {x.ndim} with shape {tuple(x.shape)}.")
+
+
+def _check_qkv(fn, q, k, v):
+    """Validate packed q, k, v; return True for CuPy (GPU) inputs, False for NumPy."""
+    kind = _checks._kind(q)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_packed(fn, name, x, kind)
+    _checks._check_dtype(fn, q, kind)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            fail(TypeError, fn,
+                 f"{name} must have the same dtype as q ({q.dtype.name}); got {x.dtype.name}.")
+        if x.shape[2] != q.shape[2]:
+            fail(ValueError, fn,
+                 f"{name} must have the same head_dim as q ({q.shape[2]}); got {x.shape[2]}.")
+    if v.shape[0] != k.shape[0]:
+        fail(ValueError, fn,
+             f"v must have the same total_k as k ({k.shape[0]}); got {v.shape[0]}.")
+    if v.shape[1] != k.shape[1]:
+        fail(ValueError, fn, f"v must have the same nheads as k ({k.shape[1]}); got {v.shape[1]}.")
+    nheads, nheads_kv, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    if (nheads_kv == 0 and nheads > 0) or (nheads_kv > 0 and nheads % nheads_kv):
+        fail(ValueError, fn,
+             f"k must have a number of heads that divides q's ({nheads}); got {nheads_kv}.")
+    if not 1 <= head_dim <= _checks.MAX_HEAD_DIM:
+        fail(ValueError, fn,
+             f"q must have head_dim between 1 and {_checks.MAX_HEAD_DIM}; got {head_dim}.")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _checks._check_last_stride(fn, name, x)
+    if kind == "cupy":
+        _checks._check_device(fn, "k", k, q)
+        _checks._check_device(fn, "v", v, q)
+    return kind == "cupy"
+
+
+def _host_values(x):
+    """The values of a 1-D int32 array as NumPy int64 (a CuPy array is copied)."""
+    if not isinstance(x, np.ndarray):
+        x = x.get()
+    return np.asarray(x, dtype=np.int64)
+
+
+def _check_cu_seqlens(fn, name, cu, q, total, total_name):
+    """Validate one ``cu_seqlens``; return its values on the host (int64)."""
+    kind = _checks._kind(q)
+    _checks._check_array(fn, name, cu, kind, "q", rank=None)
+    if cu.dtype != np.int32:
+        fail(TypeError, fn, f"{name} must have dtype int32; got {cu.dtype.name}.")
+    if cu.ndim != 1:
+        fail(ValueError, fn, f"{name} must be 1-D (batch + 1,); got shape {tuple(cu.shape)}.")
+    if cu.shape[0] == 0:
+        fail(ValueError, fn, f"{name} must have batch + 1 >= 1 elements; got 0.")
+    if cu.shape[0] > 1 and cu.strides[0] != cu.itemsize:
+        fail(ValueError, fn,
+             f"{name} must be contiguous; got a stride of {cu.strides[0] / cu.itemsize:g} "
+             f"elements.")
+    if kind == "cupy":
+        _checks._check_device(fn, name, cu, q)
+    values = _host_values(cu)
+    if values[0] != 0:
+        fail(ValueError, fn, f"{name} must start at 0; got {int(values[0])}.")
+    steps = np.diff(values)
+    if (steps < 0).any():
+        i = int(np.argmax(steps < 0)) + 1
+        fail(ValueError, fn,
+             f"{name} must be non-decreasing; got {int(values[i])} after {int(values[i - 1])} "
+             f"at index {i}.")
+    if values[-1] != total:
+        fail(ValueError, fn,
+             f"{name} must end at {total_name} ({total}); got {int(values[-1])}.")
+    return values
+
+
+def _check_max_seqlen(fn, name, value, cu_values, what):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        fail(TypeError, fn, f"{name} must be an int; got {_checks._type_name(value)}.")
+    if int(value) < 0:
+        fail(ValueError, fn, f"{name} must be >= 0; got {int(value)}.")
+    lengths = np.diff(cu_values)
+    if lengths.size and int(value) < lengths.max():
+        i = int(np.argmax(lengths))
+        fail(ValueError, fn,
+             f"{name} must be at least the longest {what} sequence ({int(lengths[i])}, "
+             f"sequence {i}); got {int(value)}.")
+
+
+def _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """Validate everything but the flags; return ``(gpu, cu_q, cu_k)`` (host int64 values)."""
+    gpu = _check_qkv(fn, q, k, v)
+    cu_q = _check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q, q.shape[0],
+                             "total_q = q.shape[0]")
+    cu_k = _check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, q, k.shape[0],
+                             "total_k = k.shape[0]")
+    if cu_k.shape[0] != cu_q.shape[0]:
+        fail(ValueError, fn,
+             f"cu_seqlens_k must have the same length as cu_seqlens_q ({cu_q.shape[0]} = "
+             f"batch + 1); got {cu_k.shape[0]}.")
+    _check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, cu_q, "query")
+    _check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k, cu_k, "key")
+    return gpu, cu_q, cu_k
+
+
+def _check_bwd_extras(fn, dout, out, lse, q):
+    """Validate the backward's dout, out and packed lse against a validated q."""
+    kind = _checks._kind(q)
+    for name, x in (("dout", dout), ("out", out)):
+        _check_packed(fn, name, x, kind)
+        if x.shape != q.shape:
+            fail(ValueError, fn,
+                 f"{name} must have the same shape as q {tuple(q.shape)}; got {tuple(x.shape)}.")
+        if x.dtype != q.dtype:
+            fail(TypeError, fn,
+                 f"{name} must have the same dtype as q ({q.dtype.name}); got {x.dtype.name}.")
+        _checks._check_last_stride(fn, name, x)
+    _checks._check_array(fn, "lse", lse, kind, "q", rank=None)
+    lse_shape = (q.shape[1], q.shape[0])
+    if tuple(lse.shape) != lse_shape:
+        fail(ValueError, fn,
+             f"lse must have shape (nheads_q, total_q) = {lse_shape}; got {tuple(lse.shape)}.")
+    if lse.dtype != np.float32:
+        fail(TypeError, fn, f"lse must have dtype float32; got {lse.dtype.name}.")
+    _checks._check_last_stride(fn, "lse", lse, "total_q")
+    if kind == "cupy":
+        for name, x in (("dout", dout), ("out", out), ("lse", lse)):
+            _checks._check_device(fn, name, x, q)
+
+
+# ----------------------------------------------------------------------------
+# The per-sequence loop (CPU path, and the GPU path until the kernels take
+# cu_seqlens)
+# ----------------------------------------------------------------------------
+
+
+def _xp(gpu):
+    return sys.modules["cupy"] if gpu else np
+
+
+def _pairs(cu_q, cu_k):
+    """``(q0, q1, k0, k1)`` for each sequence with at least one query and one key."""
+    for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+        if q1 > q0 and k1 > k0:
+            yield int(q0), int(q1), int(k0), int(k1)
+
+
+def _fwd_loop(fwd_one, xp, q, k, v, cu_q, cu_k):
+    """Packed ``(out, lse)`` from ``fwd_one`` applied to each sequence's (1, len, H, D) views.
+
+    Rows of a sequence with no key keep out 0 and lse -inf.
+    """
+    out = xp.zeros(q.shape, dtype=q.dtype)
+    lse = xp.full((q.shape[1], q.shape[0]), -np.inf, dtype=np.float32)
+    for q0, q1, k0, k1 in _pairs(cu_q, cu_k):
+        seq_out, seq_lse = fwd_one(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1])
+        out[q0:q1] = seq_out[0]
+        lse[:, q0:q1] = seq_lse[0]
+    return out, lse
+
+
+def _bwd_loop(bwd_one, xp, dout, q, k, v, out, lse, cu_q, cu_k):
+    """Packed ``(dq, dk, dv)`` from ``bwd_one`` applied to each sequence's views.
+
+    Rows of a sequence with no key (dq) or no query (dk, dv) keep 0.
+    """
+    dq = xp.zeros(q.shape, dtype=q.dtype)
+    dk = xp.zeros(k.shape, dtype=k.dtype)
+    dv = xp.zeros(v.shape, dtype=v.dtype)
+    for q0, q1, k0, k1 in _pairs(cu_q, cu_k):
+        rows, keys = slice(q0, q1), slice(k0, k1)
+        seq_dq, seq_dk, seq_dv = bwd_one(dout[None, rows], q[None, rows], k[None, keys],
+                                         v[None, keys], out[None, rows], lse[None, :, rows])
+        dq[rows] = seq_dq[0]
+        dk[keys] = seq_dk[0]
+        dv[keys] = seq_dv[0]
+    return dq, dk, dv
+
+
+def _empty_fwd(xp, q):
+    return (xp.zeros(q.shape, dtype=q.dtype),
+            xp.full((q.shape[1], q.shape[0]), -np.inf, dtype=np.float32))
+
+
+def _nothing_to_compute(q, k):
+    """No query element, or no key at all: no kernel needs to run."""
+    return q.size == 0 or k.shape[0] == 0
+
+
+def _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+         causal):
+    """Validate, then run the forward on the CPU, the GPU varlen kernel, or the GPU loop."""
+    gpu, cu_q, cu_k = _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k)
+    scale = _checks.check_flags(fn, softmax_scale, q.shape[2], causal)
+    causal = bool(causal)
+    if not gpu:
+        if _nothing_to_compute(q, k):
+            return _empty_fwd(np, q)
+        return _fwd_loop(lambda qs, ks, vs: cpu.fwd(qs, ks, vs, scale, causal),
+                         np, q, k, v, cu_q, cu_k)
+    from . import _gpu
+
+    with q.device:
+        if _nothing_to_compute(q, k):
+            return _empty_fwd(_xp(gpu), q)
+        if hasattr(_gpu, "varlen_fwd"):
+            return _gpu.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                   int(max_seqlen_k), softmax_scale=scale, causal=causal)
+        return _fwd_loop(
+            lambda qs, ks, vs: _gpu.fwd(qs, ks, vs, softmax_scale=scale, causal=causal),
+            _xp(gpu), q, k, v, cu_q, cu_k)
+
+
+# ----------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------
+
+
+def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                          softmax_scale=None, causal=False):
+    """Exact attention forward pass over a packed batch of variable-length sequences.
+
+    Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key
+    rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; its queries attend only to its
+    own keys, so padding never exists and is never attended.  Per sequence the
+    result is that of :func:`cupyflash.flash_attn_fwd` on a batch of one.
+
+    Parameters
+    ----------
+    q : numpy.ndarray or cupy.ndarray, shape (total_q, nheads_q, head_dim)
+        Queries of all sequences, concatenated.  dtype float16, bfloat16,
+        float32 or float64 on the CPU; float16 on the GPU.  Any strides as long
+        as the last one is 1 element.
+    k, v : array, shape (total_k, nheads_kv, head_dim)
+        Keys and values, concatenated the same way; same array type and dtype
+        as ``q``.  ``nheads_q`` must be a multiple of ``nheads_kv`` (GQA):
+        query head ``h`` reads KV head ``h // (nheads_q // nheads_kv)``.
+    cu_seqlens_q, cu_seqlens_k : array, shape (batch + 1,), int32
+        Prefix sums of the sequence lengths: ``[0, len_0, len_0 + len_1, ...]``.
+        Same array type (and device) as ``q``; start at 0, non-decreasing, end
+        at ``total_q`` / ``total_k``.  Zero-length sequences are allowed.
+    max_seqlen_q, max_seqlen_k : int
+        At least the longest query / key sequence (the GPU kernels size their
+        grid with them).
+    softmax_scale : float, optional
+        Scale of ``q @ k.T`` before the softmax; finite and > 0.  Defaults to
+        ``1 / sqrt(head_dim)``.
+    causal : bool, optional
+        Causal mask aligned to the bottom-right corner of each sequence's score
+        matrix: query ``i`` of a sequence sees its key ``j`` iff
+        ``j <= i + len_k - len_q``.  For a sequence with len_q=2, len_k=5 and
+        one with len_q=5, len_k=2 (1 = attended)::
+
+            1 1 1 1 0        0 0
+            1 1 1 1 1        0 0
+                             0 0
+                             1 0
+                             1 1
+
+        A query row that sees no key, including every row of a sequence whose
+        key sequence is empty, gets output 0 and lse ``-inf``.  Nothing is NaN.
+
+    Returns
+    -------
+    out : array, shape (total_q, nheads_q, head_dim)
+        Same array type and dtype as ``q``, C-contiguous.
+    lse : array, shape (nheads_q, total_q), float32
+        The natural-log logsumexp of each row of scaled, masked scores.
+
+    Raises
+    ------
+    TypeError
+        As for :func:`cupyflash.flash_attn_fwd`; also when a ``cu_seqlens`` is
+        not an array of the type of ``q`` or not int32, or a ``max_seqlen`` is
+        not an int.
+    ValueError
+        As for :func:`cupyflash.flash_attn_fwd` (with rank 3 instead of 4);
+        also when a ``cu_seqlens`` is not 1-D, empty, not contiguous, does not
+        start at 0, decreases, or does not end at the number of tokens; when
+        the two ``cu_seqlens`` differ in length; or when a ``max_seqlen`` is
+        smaller than the longest sequence.
+
+    Notes
+    -----
+    The ``cu_seqlens`` values are read on the host to validate them (for CuPy
+    arrays that is a small device-to-host copy).
+
+    Examples
+    --------
+    >>> import numpy as np, cupyflash
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((7, 2, 8), dtype=np.float32)   # sequences of 3 and 4 tokens
+    >>> cu = np.array([0, 3, 7], dtype=np.int32)
+    >>> out, lse = cupyflash.flash_attn_varlen_fwd(q, q, q, cu, cu, 4, 4, causal=True)
+    >>> out.shape, lse.shape
+    ((7, 2, 8), (2, 7))
+    """
+    return _fwd("flash_attn_varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k, softmax_scale, causal)
+
+
+def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, *, softmax_scale=None, causal=False, deterministic=False):
+    """Exact attention backward pass over a packed batch: the gradients of
+    :func:`flash_attn_varlen_fwd`.
+
+    Parameters
+    ----------
+    dout : array, shape (total_q, nheads_q, head_dim)
+        Gradient of the loss with respect to ``out``; same dtype as ``q``.
+    q : array, shape (total_q, nheads_q, head_dim)
+    k, v : array, shape (total_k, nheads_kv, head_dim)
+    out : array, shape (total_q, nheads_q, head_dim)
+        The forward output; same dtype as ``q``.
+    lse : array, shape (nheads_q, total_q), float32
+        The forward logsumexp (natural log).
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+        As for :func:`flash_attn_varlen_fwd`.
+    softmax_scale : float, optional
+        The forward's scale; defaults to ``1 / sqrt(head_dim)``.
+    causal : bool, optional
+        The forward's mask (bottom-right aligned per sequence).
+    deterministic : bool, optional
+        On the GPU, accumulate dq in a fixed order (see
+        :func:`cupyflash.flash_attn_bwd`).  The CPU path ignores it.
+
+    Returns
+    -------
+    dq : array, shape (total_q, nheads_q, head_dim), dtype of ``q``
+    dk, dv : array, shape (total_k, nheads_kv, head_dim), dtype of ``k``
+        With GQA, summed over the query heads that share each KV head.  Rows of
+        a sequence whose other side is empty are 0.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`flash_attn_varlen_fwd`; also when ``dout`` or ``out``
+        differ from ``q`` in shape or dtype, ``lse`` is not
+        ``(nheads_q, total_q)`` float32, or ``deterministic`` is not a bool.
+    """
+    fn = "flash_attn_varlen_bwd"
+    gpu, cu_q, cu_k = _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k)
+    _check_bwd_extras(fn, dout, out, lse, q)
+    scale = _checks.check_flags(fn, softmax_scale, q.shape[2], causal, deterministic)
+    causal, deterministic = bool(causal), bool(deterministic)
+    if not gpu:
+        return _bwd_loop(
+            lambda *a: cpu.bwd(*a, scale, causal), np, dout, q, k, v, out, lse, cu_q, cu_k)
+    from . import _gpu
+
+    with q.device:
+        if _nothing_to_compute(q, k):
+            xp = _xp(gpu)
+            return tuple(xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
+        if hasattr(_gpu, "varlen_bwd"):
+            return _gpu.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                   int(max_seqlen_q), int(max_seqlen_k), softmax_scale=scale,
+                                   causal=causal, deterministic=deterministic)
+        return _bwd_loop(
+            lambda *a: _gpu.bwd(*a, softmax_scale=scale, causal=causal,
+                                deterministic=deterministic),
+            _xp(gpu), dout, q, k, v, out, lse, cu_q, cu_k)
+
+
+def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                      softmax_scale=None, causal=False):
+    """Exact attention over a packed batch of variable-length sequences: the output alone.
+
+    The same as ``flash_attn_varlen_fwd(...)[0]``; see
+    :func:`flash_attn_varlen_fwd` for the layout, the causal alignment and what
+    is raised.
+
+    Parameters
+    ----------
+    q : array, shape (total_q, nheads_q, head_dim)
+    k, v : array, shape (total_k, nheads_kv, head_dim)
+    cu_seqlens_q, cu_seqlens_k : array, shape (batch + 1,), int32
+    max_seqlen_q, max_seqlen_k : int
+    softmax_scale : float, optional
+    causal : bool, optional
+
+    Returns
+    -------
+    out : array, shape (total_q, nheads_q, head_dim), dtype of ``q``
+    """
+    return _fwd("flash_attn_varlen", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k, softmax_scale, causal)[0]
