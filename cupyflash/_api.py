@@ -1,14 +1,17 @@
 """The public functions: validate, then dispatch NumPy arrays to the CPU path and
-CuPy arrays to the GPU kernels."""
+CuPy arrays to the GPU kernels.  Other arrays (torch, JAX, anything with
+``__dlpack__`` or ``__cuda_array_interface__``) go through :mod:`._interop`,
+which views them as NumPy/CuPy arrays without copying, calls back in here and
+hands the results back in the caller's type."""
 
 from __future__ import annotations
 
-from . import _checks, cpu
+from . import _checks, _interop, cpu
 
 __all__ = ["flash_attn_fwd", "flash_attn_bwd", "flash_attn"]
 
 
-def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False):
+def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None):
     """Exact attention forward pass, ``softmax(q @ k.T * softmax_scale) @ v``.
 
     Computed tile by tile with an online softmax (FlashAttention-2), so the
@@ -17,10 +20,14 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False):
 
     Parameters
     ----------
-    q : numpy.ndarray or cupy.ndarray, shape (batch, seqlen_q, nheads_q, head_dim)
-        Queries.  dtype float16, bfloat16, float32 or float64 on the CPU
-        (bfloat16 from ml_dtypes); float16 on the GPU.  Any strides as long as
-        the last one is 1 element; views are read in place, never copied.
+    q : array, shape (batch, seqlen_q, nheads_q, head_dim)
+        Queries: a numpy.ndarray (CPU path), a cupy.ndarray (GPU), or a torch
+        tensor, JAX array or other ``__dlpack__``/``__cuda_array_interface__``
+        array (viewed without copying; see Notes).  dtype float16, bfloat16,
+        float32 or float64 on the CPU (bfloat16 from ml_dtypes); float16 or
+        bfloat16 on the GPU (bfloat16 cupy data as uint16/int16 storage with
+        ``dtype="bfloat16"``).  Any strides as long as the last one is 1
+        element; views are read in place, never copied.
     k : array, shape (batch, seqlen_k, nheads_kv, head_dim)
         Keys; same array type, dtype and device as ``q``.  ``nheads_q`` must be
         a multiple of ``nheads_kv`` (GQA; MQA when ``nheads_kv == 1``): query
@@ -46,11 +53,17 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False):
 
         A query row that sees no key (the top rows on the right) gets output
         0 and lse ``-inf``; its gradients are 0.  Nothing is NaN.
+    dtype : str, optional
+        The element type of cupy arrays held in 2-byte integer storage:
+        ``"bfloat16"`` (or ``"float16"``) for uint16/int16 arrays of raw bits,
+        since CuPy has no bfloat16 dtype.  ``None`` (default) or q's own dtype
+        name otherwise; torch and JAX arrays carry their dtype and take None.
 
     Returns
     -------
     out : array, shape (batch, seqlen_q, nheads_q, head_dim)
-        Same array type and dtype as ``q``, C-contiguous.  Accumulated in float32.
+        Same array type and dtype as ``q`` (uint16 storage stays uint16),
+        C-contiguous.  Accumulated in float32.
     lse : array, shape (batch, nheads_q, seqlen_q), float32
         The natural-log logsumexp of each row of scaled, masked scores,
         ``log(sum_j exp(softmax_scale * q_i . k_j))``; the backward pass needs it.
@@ -58,14 +71,15 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False):
     Raises
     ------
     TypeError
-        An input is not a numpy/cupy array, numpy and cupy arrays are mixed,
-        a dtype is unsupported or differs between q, k and v, ``causal`` is
-        not a bool, or ``softmax_scale`` is not a real number.
+        An input is not an array, array types are mixed (numpy with cupy,
+        torch with cupy, ...), a dtype is unsupported or differs between q, k
+        and v, ``dtype`` does not fit the arrays, ``causal`` is not a bool, or
+        ``softmax_scale`` is not a real number.
     ValueError
         An input is not 4-D; batch or head_dim differ between q, k and v;
         k and v differ in seqlen or nheads; ``nheads_q`` is not a multiple of
         ``nheads_kv``; head_dim is 0 or above 256; a last stride is not 1;
-        arrays are on different GPUs; ``softmax_scale`` is not finite and > 0.
+        arrays are on different devices; ``softmax_scale`` is not finite and > 0.
 
     See Also
     --------
@@ -78,6 +92,16 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False):
     Empty inputs (batch, seqlen_q or nheads 0) give empty results; with
     ``seqlen_k == 0`` every row sees no key (out 0, lse ``-inf``).  No kernel
     runs in either case.
+
+    Other array types are viewed, not copied, and the results come back in
+    the caller's type: torch CUDA tensors run on
+    ``torch.cuda.current_stream()``, torch CPU tensors on the CPU path; JAX
+    GPU arrays are exchanged through DLPack with its stream handshake, JAX
+    CPU arrays run the CPU path.  Results are plain (non-differentiable)
+    arrays: for gradients inside a framework use
+    :func:`cupyflash.torch.flash_attn_func` or
+    :func:`cupyflash.jax.flash_attention`.  All inputs must be of one array
+    type and on one device.
 
     References
     ----------
@@ -93,7 +117,10 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False):
     >>> out.shape, lse.shape
     ((1, 4, 2, 8), (1, 2, 4))
     """
-    gpu = _checks.check_qkv("flash_attn_fwd", q, k, v)
+    if _interop.foreign(q, k, v):
+        return _interop.call("flash_attn_fwd", flash_attn_fwd, ("q", "k", "v"), (q, k, v),
+                             dict(softmax_scale=softmax_scale, causal=causal), dtype)
+    gpu = _checks.check_qkv("flash_attn_fwd", q, k, v, dtype)
     scale = _checks.check_flags("flash_attn_fwd", softmax_scale, q.shape[3], causal)
     causal = bool(causal)
     if _checks.is_empty(q, k):
@@ -102,11 +129,12 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False):
         return cpu.fwd(q, k, v, scale, causal)
     from . import _gpu
 
-    return _gpu.fwd(q, k, v, softmax_scale=scale, causal=causal)
+    return _gpu.fwd(q, k, v, softmax_scale=scale, causal=causal,
+                    **_gpu_dtype("flash_attn_fwd", dtype))
 
 
 def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
-                   deterministic=False):
+                   deterministic=False, dtype=None):
     """Exact attention backward pass: the gradients of ``flash_attn_fwd``.
 
     Recomputes the attention probabilities block by block from ``lse``
@@ -133,6 +161,9 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
         On the GPU, accumulate dq in a fixed order (slower) instead of with
         atomics, so repeated runs give identical bits.  The CPU path is always
         deterministic and ignores it.
+    dtype : str, optional
+        As in :func:`flash_attn_fwd`: ``"bfloat16"`` for cupy arrays of raw
+        bfloat16 bits in uint16/int16 storage (dout, q, k, v and out alike).
 
     Returns
     -------
@@ -158,7 +189,12 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
        and Work Partitioning", 2023, arXiv:2307.08691.  Algorithm 2.
     """
     fn = "flash_attn_bwd"
-    gpu = _checks.check_qkv(fn, q, k, v)
+    if _interop.foreign(dout, q, k, v, out, lse):
+        return _interop.call(fn, flash_attn_bwd, ("dout", "q", "k", "v", "out", "lse"),
+                             (dout, q, k, v, out, lse),
+                             dict(softmax_scale=softmax_scale, causal=causal,
+                                  deterministic=deterministic), dtype)
+    gpu = _checks.check_qkv(fn, q, k, v, dtype)
     _checks.check_bwd_extras(fn, dout, out, lse, q)
     scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal, deterministic)
     causal = bool(causal)
@@ -169,10 +205,10 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
     from . import _gpu
 
     return _gpu.bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal,
-                    deterministic=bool(deterministic))
+                    deterministic=bool(deterministic), **_gpu_dtype(fn, dtype))
 
 
-def flash_attn(q, k, v, *, softmax_scale=None, causal=False):
+def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None):
     """Exact attention, ``softmax(q @ k.T * softmax_scale) @ v``: the output alone.
 
     The same as ``flash_attn_fwd(q, k, v, ...)[0]``; see :func:`flash_attn_fwd`
@@ -186,6 +222,8 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False):
         Defaults to ``1 / sqrt(head_dim)``.
     causal : bool, optional
         Bottom-right aligned causal mask.
+    dtype : str, optional
+        ``"bfloat16"`` for cupy arrays of raw bfloat16 bits (uint16/int16).
 
     Returns
     -------
@@ -201,7 +239,10 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False):
     .. [1] T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism
        and Work Partitioning", 2023, arXiv:2307.08691.  Algorithm 1.
     """
-    gpu = _checks.check_qkv("flash_attn", q, k, v)
+    if _interop.foreign(q, k, v):
+        return _interop.call("flash_attn", flash_attn, ("q", "k", "v"), (q, k, v),
+                             dict(softmax_scale=softmax_scale, causal=causal), dtype)
+    gpu = _checks.check_qkv("flash_attn", q, k, v, dtype)
     scale = _checks.check_flags("flash_attn", softmax_scale, q.shape[3], causal)
     causal = bool(causal)
     if _checks.is_empty(q, k):
@@ -210,4 +251,10 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False):
         return cpu.fwd(q, k, v, scale, causal)[0]
     from . import _gpu
 
-    return _gpu.fwd(q, k, v, softmax_scale=scale, causal=causal)[0]
+    return _gpu.fwd(q, k, v, softmax_scale=scale, causal=causal,
+                    **_gpu_dtype("flash_attn", dtype))[0]
+
+
+def _gpu_dtype(fn, dtype):
+    """``{"dtype": name}`` for the GPU module when ``dtype=`` was given (validated), else ``{}``."""
+    return {} if dtype is None else {"dtype": _checks.dtype_name(fn, dtype)}

@@ -22,8 +22,12 @@ import numpy as np
 #: dtypes the NumPy (CPU) path takes, by ``dtype.name``.  "bfloat16" is ml_dtypes'
 #: (an array can only have it when ml_dtypes is importable).
 CPU_DTYPES = ("float16", "bfloat16", "float32", "float64")
-#: dtypes the CuPy (GPU) path takes today.  CuPy has no bfloat16 dtype.
-GPU_DTYPES = ("float16",)
+#: element types the CuPy (GPU) path computes in.  CuPy has no bfloat16 dtype, so
+#: bfloat16 data arrives as 2-byte integer storage (GPU_STORAGE_DTYPES) with
+#: ``dtype="bfloat16"`` passed explicitly to the public functions.
+GPU_DTYPES = ("float16", "bfloat16")
+#: cupy dtypes that may hold GPU_DTYPES data when ``dtype=`` names the element type.
+GPU_STORAGE_DTYPES = ("uint16", "int16")
 MAX_HEAD_DIM = 256
 
 
@@ -100,26 +104,52 @@ def _check_device(fn, name, x, q):
              f"{name} must be on the same device as q ({_device_name(q)}); got {_device_name(x)}.")
 
 
-def _check_dtype(fn, q, kind):
+def dtype_name(fn, dtype):
+    """The name of a ``dtype=`` argument (a str, or anything ``numpy.dtype`` takes)."""
+    if isinstance(dtype, str):
+        return dtype
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        fail(TypeError, fn,
+             f"dtype must be None or a dtype name such as 'bfloat16'; got {_type_name(dtype)}.")
+
+
+def _check_dtype(fn, q, kind, dtype=None):
     name = q.dtype.name
+    if dtype is not None:
+        given = dtype_name(fn, dtype)
+        if given == name:  # names what q already is: nothing to reinterpret
+            return
+        if kind != "cupy" or name not in GPU_STORAGE_DTYPES:
+            fail(TypeError, fn,
+                 f"dtype must be None or q's own dtype ({name}): dtype= only names the element "
+                 f"type of uint16/int16 storage in cupy arrays (use ml_dtypes.bfloat16 for "
+                 f"numpy); got {given!r}.")
+        if given not in GPU_DTYPES:
+            fail(TypeError, fn,
+                 f"dtype must be 'float16' or 'bfloat16' for {name} storage; got {given!r}.")
+        return
     if kind == "numpy":
         if name not in CPU_DTYPES:
             fail(TypeError, fn,
                  f"q must have dtype float16, bfloat16 (ml_dtypes), float32 or float64 on the "
                  f"CPU path (numpy arrays); got {name}.")
     elif name not in GPU_DTYPES:
+        hint = (" (for bfloat16 data held as uint16/int16, pass dtype='bfloat16')"
+                if name in GPU_STORAGE_DTYPES else "")
         fail(TypeError, fn,
-             f"q must have dtype float16 or bfloat16 on the GPU path (cupy arrays; bfloat16 is "
-             f"not available in cupy yet); got {name}.")
+             f"q must have dtype float16 or bfloat16 on the GPU path (cupy arrays: bfloat16 as "
+             f"uint16/int16 storage with dtype='bfloat16'); got {name}{hint}.")
 
 
-def check_qkv(fn, q, k, v):
-    """Validate q, k, v; return True for CuPy (GPU) inputs, False for NumPy."""
+def check_qkv(fn, q, k, v, dtype=None):
+    """Validate q, k, v (and ``dtype=``); return True for CuPy (GPU) inputs, False for NumPy."""
     kind = _kind(q)
     _check_array(fn, "q", q, kind, "q")
     _check_array(fn, "k", k, kind, "q")
     _check_array(fn, "v", v, kind, "q")
-    _check_dtype(fn, q, kind)
+    _check_dtype(fn, q, kind, dtype)
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             fail(TypeError, fn,

@@ -364,5 +364,6 @@ def test_inputs_on_different_devices_are_rejected(fake_gpu, arg):
 
 
 def test_gpu_dtypes_table():
-    assert _checks.GPU_DTYPES == ("float16",)
+    assert _checks.GPU_DTYPES == ("float16", "bfloat16")  # bfloat16 as uint16/int16 + dtype=
+    assert _checks.GPU_STORAGE_DTYPES == ("uint16", "int16")
     assert set(_checks.CPU_DTYPES) == {"float16", "bfloat16", "float32", "float64"}

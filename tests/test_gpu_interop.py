@@ -1,0 +1,372 @@
+"""torch, JAX and CuPy on the GPU: zero copy, dtypes, streams and gradients (skipped without a GPU).
+
+Each framework's tests skip, with the reason, when it is not installed or has
+no CUDA device.  Tolerances follow ``cupyflash.testing``: against a float64
+reference, the error may be at most 2x (outputs) or 3x (gradients) the error of
+a naive implementation in the same dtype, plus FLOOR.  The naive error is the
+larger of the framework's own attention in that dtype (torch's math SDPA,
+``jax.nn.dot_product_attention``) and ``cupyflash.reference``'s naive one.
+
+Shapes are small and head_dim is 64 throughout, so few kernel variants are
+compiled (fp16/bf16 x causal) and the file runs in well under a minute once
+they are cached.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before JAX starts: leave GPU memory to torch and CuPy (XLA preallocates 75% by default).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import _interop, reference, testing
+
+pytestmark = pytest.mark.gpu
+
+FLOOR = 1e-3
+B, S, HQ, HKV, D = 2, 128, 4, 2, 64
+
+
+def _cp():
+    return pytest.importorskip("cupy")
+
+
+@pytest.fixture(scope="module")
+def torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip(f"torch {torch.__version__} sees no CUDA device")
+    return torch
+
+
+@pytest.fixture(scope="module")
+def jax():
+    jax = pytest.importorskip("jax")
+    try:
+        jax.devices("gpu")
+    except RuntimeError as exc:
+        pytest.skip(f"jax {jax.__version__} has no GPU backend: {exc}")
+    return jax
+
+
+def _host(x):
+    """float64 NumPy copy of a NumPy array, torch tensor, JAX array or CuPy array."""
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float64)
+    if hasattr(x, "detach"):
+        return x.detach().double().cpu().numpy()
+    if hasattr(x, "get"):
+        return np.asarray(x.get(), np.float64)
+    return np.asarray(x.astype("float32"), np.float64)
+
+
+def check(name, got, ref64, naives, factor):
+    """``max|got - ref64| <= factor * max(naive errors) + FLOOR`` (cupyflash.testing's rule)."""
+    ref64 = _host(ref64)
+    naives = [_host(n) for n in naives]
+    worst = max(naives, key=lambda n: float(np.nanmax(np.abs(n - ref64))))
+    testing.assert_close_to_reference(name, _host(got), ref64, worst, factor, FLOOR)
+
+
+def _spy(monkeypatch, name):
+    """Wraps ``cupyflash._gpu.<name>``; records the pointers and stream of each call."""
+    from cupyflash import _gpu
+
+    cp = _cp()
+    calls = []
+    real = getattr(_gpu, name)
+
+    def spy(*arrays, **kwargs):
+        result = real(*arrays, **kwargs)
+        calls.append({"inputs": [a.data.ptr for a in arrays],
+                      "outputs": [a.data.ptr for a in result],
+                      "dtype": kwargs.get("dtype"),
+                      "stream": cp.cuda.get_current_stream().ptr})
+        return result
+
+    monkeypatch.setattr(_gpu, name, spy)
+    return calls
+
+
+# ----------------------------------------------------------------------------
+# torch
+# ----------------------------------------------------------------------------
+
+
+def _draw(rng, seqlen_q=S):
+    """Host float32 (q, k, v) from the test's seeded generator."""
+    return testing.random_qkv(rng, B, seqlen_q, S, HQ, HKV, D, np.float32)
+
+
+def _torch_qkv(torch, rng, dtype, requires_grad=False, seqlen_q=S):
+    return tuple(torch.from_numpy(x).to("cuda", dtype).requires_grad_(requires_grad)
+                 for x in _draw(rng, seqlen_q))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_torch_zero_copy_in_and_out(monkeypatch, torch, rng, dtype):
+    fwd_calls, bwd_calls = _spy(monkeypatch, "fwd"), _spy(monkeypatch, "bwd")
+    # q, k, v strided views into a packed qkv tensor, read in place
+    qkv = torch.from_numpy(testing.random_normal(rng, (B, S, 3, HQ, D), np.float32))
+    qkv = qkv.to("cuda", getattr(torch, dtype))
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1, :HKV], qkv[:, :, 2, :HKV]
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, causal=True)
+    dq, dk, dv = cupyflash.flash_attn_bwd(out, q, k, v, out, lse, causal=True)
+    [f], [b] = fwd_calls, bwd_calls
+    assert f["inputs"] == [x.data_ptr() for x in (q, k, v)]
+    assert f["outputs"] == [out.data_ptr(), lse.data_ptr()]
+    assert b["inputs"] == [x.data_ptr() for x in (out, q, k, v, out, lse)]
+    assert b["outputs"] == [x.data_ptr() for x in (dq, dk, dv)]
+    assert f["dtype"] == b["dtype"] == ("bfloat16" if dtype == "bfloat16" else None)
+    assert f["stream"] == torch.cuda.current_stream().cuda_stream
+    assert out.dtype == q.dtype and lse.dtype == torch.float32 and dq.dtype == q.dtype
+    assert isinstance(out, torch.Tensor) and out.device == q.device
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_fwd_matches_reference(torch, rng, dtype, causal):
+    q, k, v = _torch_qkv(torch, rng, getattr(torch, dtype), seqlen_q=S if causal else 96)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, causal=causal)
+    host = [_host(x) for x in (q, k, v)]
+    ref_out, ref_lse = reference.attention_fwd(*host, causal=causal)
+    naive_out, naive_lse = reference.naive_attention(*host, causal=causal, dtype=dtype)
+    check("out", out, ref_out, [naive_out], testing.OUT_FACTOR)
+    check("lse", lse, ref_lse, [naive_lse], testing.OUT_FACTOR)
+
+
+def _sdpa(torch, q, k, v, causal, dtype=None):
+    """torch's math SDPA in (batch, seqlen, heads, dim) layout, optionally upcast."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if dtype is not None:
+        q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal, enable_gqa=True)
+    return out.transpose(1, 2), (q, k, v)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_flash_attn_func_grads_match_sdpa(torch, rng, dtype, causal):
+    from cupyflash.torch import flash_attn_func
+
+    q, k, v = _torch_qkv(torch, rng, getattr(torch, dtype), requires_grad=True)
+    dout = _torch_qkv(torch, rng, q.dtype)[0]
+    out = flash_attn_func(q, k, v, causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+
+    ref, ref_in = _sdpa(torch, q, k, v, causal, torch.float64)
+    ref_grads = torch.autograd.grad(ref, ref_in, dout.double())
+    naive, naive_in = _sdpa(torch, q, k, v, causal, q.dtype)
+    naive_grads = torch.autograd.grad(naive, naive_in, dout)
+    host = [_host(x) for x in (dout, q, k, v)]
+    ours_naive = reference.naive_attention_bwd(*host, causal=causal, dtype=dtype)
+
+    check("out", out, ref, [naive, reference.naive_attention(*host[1:], causal=causal,
+                                                             dtype=dtype)[0]], testing.OUT_FACTOR)
+    for name, g, r, n, n2 in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads, ours_naive):
+        assert g.dtype == q.dtype and g.shape == r.shape
+        check(name, g, r, [n, n2], testing.GRAD_FACTOR)
+
+
+def test_torch_stream_ordering(monkeypatch, torch, rng):
+    """q is filled on a side stream after a long sleep; the kernels must run after the fill."""
+    calls = _spy(monkeypatch, "fwd")
+    q_src, k, v = _torch_qkv(torch, rng, torch.float16)
+    expected = cupyflash.flash_attn(q_src, k, v)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        q = torch.empty_like(q_src)
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before q is written
+        q.copy_(q_src)
+        out = cupyflash.flash_attn(q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    assert calls[-1]["stream"] == side.cuda_stream
+    assert torch.equal(out, expected)
+
+
+def test_torch_compile_fullgraph(torch, rng):
+    """The custom ops stay in the graph: fullgraph=True, forward and backward."""
+    from cupyflash.torch import flash_attn_func
+
+    q, k, v = _torch_qkv(torch, rng, torch.float16, requires_grad=True)
+    w = torch.eye(D, device="cuda", dtype=torch.float16, requires_grad=True)
+
+    def loss(q, k, v, w):  # deterministic: bitwise comparable with the eager run
+        return flash_attn_func(q @ w, k, v, causal=True,
+                               deterministic=True).float().square().sum()
+
+    eager = torch.autograd.grad(loss(q, k, v, w), (q, k, v, w))
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v, w), (q, k, v, w))
+    for g, e in zip(got, eager):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_torch_compile_inductor(torch, rng):
+    from cupyflash.torch import flash_attn_func
+
+    q, k, v = _torch_qkv(torch, rng, torch.bfloat16, requires_grad=True)
+
+    def loss(q, k, v):
+        return flash_attn_func(q * 2, k, v, causal=True).float().square().sum()
+
+    eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    got = torch.autograd.grad(torch.compile(loss, fullgraph=True)(q, k, v), (q, k, v))
+    for g, e in zip(got, eager):
+        torch.testing.assert_close(g, e, rtol=1e-2, atol=1e-2)
+
+
+def test_torch_and_cupy_mixed_is_rejected(torch, rng):
+    cp = _cp()
+    q, k, v = _torch_qkv(torch, rng, torch.float16)
+    with pytest.raises(TypeError, match=r"k must be a torch\.Tensor like q \(array types cannot "
+                                        r"be mixed\); got cupy\.ndarray\."):
+        cupyflash.flash_attn(q, cp.from_dlpack(k), v)
+
+
+def test_torch_cpu_and_cuda_mixed_is_rejected(torch, rng):
+    q, k, v = _torch_qkv(torch, rng, torch.float16)
+    with pytest.raises(ValueError, match=r"v must have the same device as q \(cuda:0\); got cpu\."):
+        cupyflash.flash_attn(q, k, v.cpu())
+
+
+# ----------------------------------------------------------------------------
+# CuPy, bfloat16 as uint16 storage with dtype="bfloat16"
+# ----------------------------------------------------------------------------
+
+
+def test_cupy_bf16_storage_end_to_end(rng):
+    cp = _cp()
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    host = testing.random_qkv(rng, B, S, S, HQ, HKV, D, "bfloat16")
+    dout = testing.random_normal(rng, host[0].shape, "bfloat16")
+    q, k, v, do = (cp.asarray(x.view(np.uint16)) for x in (*host, dout))
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, causal=True, dtype="bfloat16")
+    dq, dk, dv = cupyflash.flash_attn_bwd(do, q, k, v, out, lse, causal=True, dtype="bfloat16")
+    assert isinstance(out, cp.ndarray) and out.dtype == cp.uint16 and dq.dtype == cp.uint16
+
+    def bf16(x):
+        return x.get().view(ml_dtypes.bfloat16)
+
+    ref_out, ref_lse = reference.attention_fwd(*host, causal=True)
+    naive_out, naive_lse = reference.naive_attention(*host, causal=True, dtype="bfloat16")
+    check("out", bf16(out), ref_out, [naive_out], testing.OUT_FACTOR)
+    check("lse", lse, ref_lse, [naive_lse], testing.OUT_FACTOR)
+    refs = reference.attention_bwd(dout, *host, causal=True)
+    naives = reference.naive_attention_bwd(dout, *host, causal=True, dtype="bfloat16")
+    for name, g, r, n in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, naives):
+        check(name, bf16(g), r, [n], testing.GRAD_FACTOR)
+    with pytest.raises(TypeError, match="pass dtype='bfloat16'"):
+        cupyflash.flash_attn(q, k, v)
+
+
+# ----------------------------------------------------------------------------
+# JAX
+# ----------------------------------------------------------------------------
+
+
+def _jax_qkv(jax, rng, dtype):
+    gpu = jax.devices("gpu")[0]
+    return tuple(jax.device_put(jax.numpy.asarray(x, dtype), gpu) for x in _draw(rng))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_jax_zero_copy_in_and_out(monkeypatch, jax, rng, dtype):
+    calls = _spy(monkeypatch, "fwd")
+    q, k, v = _jax_qkv(jax, rng, dtype)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, causal=True)
+    [f] = calls
+    assert f["inputs"] == [x.unsafe_buffer_pointer() for x in (q, k, v)]
+    assert f["outputs"] == [out.unsafe_buffer_pointer(), lse.unsafe_buffer_pointer()]
+    assert isinstance(out, jax.Array) and out.dtype == q.dtype and lse.dtype == np.float32
+    host = [_host(x) for x in (q, k, v)]
+    check("out", out, reference.attention_fwd(*host, causal=True)[0],
+          [reference.naive_attention(*host, causal=True, dtype=dtype)[0]], testing.OUT_FACTOR)
+    jax.block_until_ready(out)
+    cupyflash.flash_attn(q, k, v)
+    assert len(_interop._PENDING) <= 2  # inputs are released once the kernels are done
+
+
+def test_jax_stream_ordering(jax, rng):
+    """q comes out of a long JAX computation still running; the kernels must wait for it."""
+    jnp = jax.numpy
+    q_src, k, v = _jax_qkv(jax, rng, "float16")
+    expected = np.asarray(cupyflash.flash_attn(q_src, k, v))
+    x = jax.random.normal(jax.random.key(1), (4096, 4096)) / 64
+
+    @jax.jit
+    def late_q(x, q_src):
+        y = jax.lax.fori_loop(0, 200, lambda i, y: jnp.tanh(y @ x), x)
+        return q_src + (jnp.sum(y) > 1e30).astype(q_src.dtype)  # == q_src, only once y is done
+
+    late_q(x, q_src).block_until_ready()  # compile first
+    q = late_q(x, q_src)  # dispatched, still running
+    out = cupyflash.flash_attn(q, k, v)
+    np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_jax_flash_attention_grads_match_dot_product_attention(jax, rng, dtype, causal):
+    from cupyflash.jax import flash_attention
+
+    q, k, v = _jax_qkv(jax, rng, dtype)
+    dout = _jax_qkv(jax, rng, dtype)[0]
+    w = jax.numpy.eye(D, dtype=dtype)
+
+    def vjp(attention, jit):
+        # q and k go through an exact in-graph projection (identity), so the kernels
+        # must be ordered after XLA's own work on its stream
+        def f(q, k, v):
+            return attention(q @ w, k @ w, v)
+
+        if jit:
+            f = jax.jit(f)
+        out, pullback = jax.vjp(f, q, k, v)
+        return out, pullback(dout)
+
+    ours = lambda q, k, v: flash_attention(q, k, v, causal=causal)
+    theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    naive, naive_grads = vjp(theirs, jit=True)
+    host = [_host(x) for x in (dout, q, k, v)]
+    ref = reference.attention_fwd(*host[1:], causal=causal)[0]
+    ref_grads = reference.attention_bwd(*host, causal=causal)
+    ours_naive = reference.naive_attention(*host[1:], causal=causal, dtype=dtype)[0]
+    ours_naive_grads = reference.naive_attention_bwd(*host, causal=causal, dtype=dtype)
+    for jit in (False, True):
+        out, grads = vjp(ours, jit)
+        assert out.dtype == q.dtype
+        check("out", out, ref, [naive, ours_naive], testing.OUT_FACTOR)
+        for name, g, r, n, n2 in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads,
+                                     ours_naive_grads):
+            assert g.dtype == q.dtype
+            check(name, g, r, [n, n2], testing.GRAD_FACTOR)
+
+
+def test_jax_flash_attention_writes_xla_buffers_in_place(monkeypatch, jax, rng):
+    from cupyflash.jax import flash_attention
+
+    calls = _spy(monkeypatch, "fwd")
+    q, k, v = _jax_qkv(jax, rng, "bfloat16")
+    out = flash_attention(q, k, v)
+    [f] = calls
+    assert f["inputs"] == [x.unsafe_buffer_pointer() for x in (q, k, v)]
+    assert f["outputs"][0] == out.unsafe_buffer_pointer()
+    assert f["dtype"] == "bfloat16"
+
+
+def test_jax_and_torch_mixed_is_rejected(jax, torch, rng):
+    q, k, v = _jax_qkv(jax, rng, "float16")
+    with pytest.raises(TypeError, match=r"k must be a jax\.Array like q \(array types cannot be "
+                                        r"mixed\); got torch\.Tensor\."):
+        cupyflash.flash_attn(q, torch.from_dlpack(k), v)

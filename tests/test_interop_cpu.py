@@ -1,0 +1,527 @@
+"""Interop without a GPU: routing, errors, ``dtype=``, DLPack capsules, and torch/JAX on the CPU.
+
+The torch and JAX tests skip (with the reason) where those frameworks are not
+installed; everything else needs only NumPy.  GPU dispatch of ``dtype=`` is
+tested with a fake ``cupy`` module and a fake ``cupyflash._gpu``, as in
+``test_api_checks``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import _interop, cpu
+
+REPO = Path(__file__).resolve().parents[1]
+FUNCTIONS = ("flash_attn_fwd", "flash_attn", "flash_attn_bwd")
+
+
+def _qkv(rng, dtype=np.float32, sq=9, sk=13, hq=4, hkv=2, d=8):
+    def draw(shape):
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+    return draw((2, sq, hq, d)), draw((2, sk, hkv, d)), draw((2, sk, hkv, d))
+
+
+def _call(fn_name, q, k, v, **kwargs):
+    fn = getattr(cupyflash, fn_name)
+    if fn_name == "flash_attn_bwd":
+        out, lse = cupyflash.flash_attn_fwd(*(_plain(x) for x in (q, k, v)))
+        return fn(q, q, k, v, _like(q, out), _like(q, lse), **kwargs)
+    return fn(q, k, v, **kwargs)
+
+
+def _plain(x):
+    return x.array if isinstance(x, DLPackOnly) else x
+
+
+def _like(x, a):
+    return DLPackOnly(a) if isinstance(x, DLPackOnly) else a
+
+
+class DLPackOnly:
+    """An array type cupyflash does not know, with only the DLPack protocol (CPU memory)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+class Opaque:
+    """Not an array at all."""
+
+
+# ----------------------------------------------------------------------------
+# NumPy and CuPy stay on their path; the type of every argument is looked at once
+# ----------------------------------------------------------------------------
+
+
+def test_numpy_path_is_unchanged(monkeypatch, rng):
+    q, k, v = _qkv(rng)
+    want = cpu.fwd(q, k, v, 1 / np.sqrt(8), True)
+
+    def no_interop(*args, **kwargs):
+        raise AssertionError("numpy arrays went through _interop")
+
+    monkeypatch.setattr(_interop, "call", no_interop)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, causal=True)
+    np.testing.assert_array_equal(out, want[0])
+    np.testing.assert_array_equal(lse, want[1])
+    dq, _, _ = cupyflash.flash_attn_bwd(out, q, k, v, out, lse, causal=True)
+    assert isinstance(dq, np.ndarray)
+
+
+@pytest.mark.parametrize("x,kind", [
+    (np.zeros(3), "numpy"), (np.ma.zeros(3), "numpy"), ([1.0], None), (1.0, None),
+    (Opaque(), None), (DLPackOnly(np.zeros(3)), f"other:{__name__.partition('.')[0]}"),
+])
+def test_kind(x, kind):
+    assert _interop.kind(x) == kind
+    assert _interop.foreign(x) == (kind not in ("numpy", "cupy", None))
+
+
+def test_import_does_not_import_frameworks(tmp_path):
+    """Calls on NumPy arrays and on an unknown DLPack type import neither torch, JAX nor cupy."""
+    code = (
+        "import sys, numpy as np, cupyflash, cupyflash._interop\n"
+        "q = np.ones((1, 4, 2, 8), np.float32)\n"
+        "cupyflash.flash_attn(q, q, q)\n"
+        "class D:\n"
+        "    def __init__(self, a): self.a = a\n"
+        "    def __dlpack__(self, **kw): return self.a.__dlpack__(**kw)\n"
+        "    def __dlpack_device__(self): return self.a.__dlpack_device__()\n"
+        "assert type(cupyflash.flash_attn(D(q), D(q), D(q))) is np.ndarray\n"
+        "print(sorted(m for m in ('cupy', 'torch', 'jax', 'jaxlib') if m in sys.modules))\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=tmp_path, env=env, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------
+# Unknown DLPack arrays on the CPU: viewed in place, results are NumPy arrays
+# ----------------------------------------------------------------------------
+
+
+def test_dlpack_object_is_viewed_in_place(monkeypatch, rng):
+    q, k, v = _qkv(rng)
+    seen = {}
+    real_fwd = cpu.fwd
+
+    def spy(q_, k_, v_, *args):
+        seen["ptrs"] = [a.ctypes.data for a in (q_, k_, v_)]
+        return real_fwd(q_, k_, v_, *args)
+
+    monkeypatch.setattr(cpu, "fwd", spy)
+    out = cupyflash.flash_attn(DLPackOnly(q), DLPackOnly(k), DLPackOnly(v), causal=True)
+    assert seen["ptrs"] == [a.ctypes.data for a in (q, k, v)]
+    assert isinstance(out, np.ndarray)
+    np.testing.assert_array_equal(out, real_fwd(q, k, v, 1 / np.sqrt(8), True)[0])
+
+
+# ----------------------------------------------------------------------------
+# Mixed or unsupported arguments: TypeError naming the argument
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn_name", FUNCTIONS)
+@pytest.mark.parametrize("arg", ["k", "v"])
+def test_dlpack_object_mixed_with_numpy_is_rejected(rng, fn_name, arg):
+    q, k, v = _qkv(rng)
+    args = {"q": DLPackOnly(q), "k": DLPackOnly(k), "v": DLPackOnly(v)}
+    args[arg] = args[arg].array
+    with pytest.raises(TypeError, match=rf"^cupyflash\.{fn_name}: {arg} must be a "
+                                        r".*DLPackOnly like q \(array types cannot be mixed\); "
+                                        r"got numpy\.ndarray\.$"):
+        _call(fn_name, args["q"], args["k"], args["v"])
+
+
+def test_numpy_q_with_dlpack_k_is_rejected(rng):
+    q, k, v = _qkv(rng)
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn: k must be a numpy\.ndarray like "
+                                        r"q \(array types cannot be mixed\); got .*DLPackOnly\.$"):
+        cupyflash.flash_attn(q, DLPackOnly(k), v)
+
+
+def test_non_array_q_with_dlpack_k_is_rejected(rng):
+    _, k, v = _qkv(rng)
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn: q must be a numpy\.ndarray, "
+                                        r"cupy\.ndarray, torch\.Tensor, jax\.Array or an array "
+                                        r"with __dlpack__ .*; got list\.$"):
+        cupyflash.flash_attn([1.0], DLPackOnly(k), DLPackOnly(v))
+
+
+def test_opaque_object_is_rejected_by_the_checks(rng):
+    _, k, v = _qkv(rng)
+    with pytest.raises(TypeError, match=r"q must be a numpy\.ndarray or cupy\.ndarray; got "
+                                        r".*Opaque\.$"):
+        cupyflash.flash_attn(Opaque(), k, v)
+
+
+def test_dtype_with_dlpack_object_is_rejected(rng):
+    q, k, v = _qkv(rng)
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn: dtype must be None for "
+                                        r".*DLPackOnly inputs"):
+        cupyflash.flash_attn(DLPackOnly(q), DLPackOnly(k), DLPackOnly(v), dtype="bfloat16")
+
+
+# ----------------------------------------------------------------------------
+# dtype= : only to name the element type of 2-byte storage on the GPU
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn_name", FUNCTIONS)
+@pytest.mark.parametrize("dtype", ["float32", np.float32, np.dtype(np.float32)])
+def test_dtype_naming_the_numpy_dtype_is_accepted(rng, fn_name, dtype):
+    q, k, v = _qkv(rng)
+    _call(fn_name, q, k, v, dtype=dtype)
+
+
+@pytest.mark.parametrize("fn_name", FUNCTIONS)
+@pytest.mark.parametrize("dtype,text", [
+    ("bfloat16", ("dtype must be None or q's own dtype (float32): dtype= only names the element "
+                  "type of uint16/int16 storage in cupy arrays (use ml_dtypes.bfloat16 for "
+                  "numpy); got 'bfloat16'.")),
+    ("float16", "got 'float16'."),
+    (42, "dtype must be None or a dtype name such as 'bfloat16'; got int."),
+    (Opaque(), "dtype must be None or a dtype name such as 'bfloat16'; got "),
+])
+def test_dtype_on_numpy_is_rejected(rng, fn_name, dtype, text):
+    q, k, v = _qkv(rng)
+    with pytest.raises(TypeError) as info:
+        _call(fn_name, q, k, v, dtype=dtype)
+    message = str(info.value)
+    assert message.startswith(f"cupyflash.{fn_name}: dtype must "), message
+    assert text in message and message.endswith("."), message
+
+
+def test_numpy_uint16_with_bfloat16_is_rejected(rng):
+    q, k, v = (x.view(np.uint16) for x in _qkv(rng, np.float16))
+    with pytest.raises(TypeError, match="dtype= only names the element type of uint16/int16 "
+                                        "storage in cupy arrays"):
+        cupyflash.flash_attn(q, k, v, dtype="bfloat16")
+
+
+class _FakeDevice:
+    def __init__(self, device_id=0):
+        self.id = device_id
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _FakeCupyArray:
+    """The attributes the checks read, around a NumPy array."""
+
+    def __init__(self, host):
+        self.host, self.device = host, _FakeDevice()
+        self.shape, self.ndim, self.dtype = host.shape, host.ndim, host.dtype
+        self.strides, self.itemsize, self.size = host.strides, host.itemsize, host.size
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Fake ``cupy`` and ``cupyflash._gpu`` modules; returns the recorded GPU calls."""
+    fake_cupy = types.ModuleType("cupy")
+    fake_cupy.ndarray = _FakeCupyArray
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    calls = []
+    fake = types.ModuleType("cupyflash._gpu")
+    fake.fwd = lambda *a, **kw: calls.append(("fwd", kw)) or ("out", "lse")
+    fake.bwd = lambda *a, **kw: calls.append(("bwd", kw)) or ("dq", "dk", "dv")
+    monkeypatch.setitem(sys.modules, "cupyflash._gpu", fake)
+    monkeypatch.setattr(cupyflash, "_gpu", fake, raising=False)
+    return calls
+
+
+def _gpu_args(rng, storage):
+    q, k, v = (x.view(storage) for x in _qkv(rng, np.float16))
+    lse = np.zeros((2, 4, 9), np.float32)
+    return [_FakeCupyArray(x) for x in (q, k, v, q, lse)]
+
+
+@pytest.mark.parametrize("storage", [np.uint16, np.int16])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gpu_storage_with_dtype_reaches_the_kernels(fake_gpu, rng, storage, dtype):
+    q, k, v, out, lse = _gpu_args(rng, storage)
+    assert cupyflash.flash_attn_fwd(q, k, v, dtype=dtype) == ("out", "lse")
+    assert cupyflash.flash_attn(q, k, v, dtype=dtype, causal=True) == "out"
+    assert cupyflash.flash_attn_bwd(out, q, k, v, out, lse, dtype=dtype) == ("dq", "dk", "dv")
+    assert [kw["dtype"] for _, kw in fake_gpu] == [dtype] * 3
+
+
+def test_gpu_float16_without_dtype_passes_no_dtype(fake_gpu, rng):
+    q, k, v, _, _ = _gpu_args(rng, np.float16)
+    cupyflash.flash_attn(q, k, v)
+    cupyflash.flash_attn(q, k, v, dtype="float16")
+    assert "dtype" not in fake_gpu[0][1] and fake_gpu[1][1]["dtype"] == "float16"
+
+
+@pytest.mark.parametrize("fn_name", FUNCTIONS)
+def test_gpu_storage_without_dtype_is_rejected(fake_gpu, rng, fn_name):
+    q, k, v, out, lse = _gpu_args(rng, np.uint16)
+    fn = getattr(cupyflash, fn_name)
+    args = (out, q, k, v, out, lse) if fn_name == "flash_attn_bwd" else (q, k, v)
+    with pytest.raises(TypeError, match=rf"^cupyflash\.{fn_name}: q must have dtype float16 or "
+                                        r"bfloat16 on the GPU path .*; got uint16 \(for bfloat16 "
+                                        r"data held as uint16/int16, pass dtype='bfloat16'\)\.$"):
+        fn(*args)
+
+
+@pytest.mark.parametrize("storage,dtype,text", [
+    (np.uint16, "float32", ("dtype must be 'float16' or 'bfloat16' for uint16 storage; got "
+                            "'float32'.")),
+    (np.float16, "bfloat16", "dtype must be None or q's own dtype (float16)"),
+    (np.int32, "bfloat16", "dtype must be None or q's own dtype (int32)"),
+])
+def test_gpu_bad_dtype_is_rejected(fake_gpu, rng, storage, dtype, text):
+    q, k, v = (_FakeCupyArray(x.astype(storage)) for x in _qkv(rng))
+    with pytest.raises(TypeError) as info:
+        cupyflash.flash_attn(q, k, v, dtype=dtype)
+    assert text in str(info.value)
+    assert fake_gpu == []
+
+
+def test_gpu_storage_mismatch_is_rejected(fake_gpu, rng):
+    q, k, v, _, _ = _gpu_args(rng, np.uint16)
+    k = _FakeCupyArray(k.host.view(np.int16))
+    with pytest.raises(TypeError, match=r"k must have the same dtype as q \(uint16\); got int16\."):
+        cupyflash.flash_attn(q, k, v, dtype="bfloat16")
+
+
+# ----------------------------------------------------------------------------
+# DLPack capsules: read and relabel in place
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_version", [None, (1, 0)], ids=["legacy", "versioned"])
+def test_capsule_info_reads_a_strided_view(max_version):
+    base = np.arange(3 * 4 * 10, dtype=np.uint16).reshape(3, 4, 10)
+    view = base[:, 1:, ::2]
+    kwargs = {} if max_version is None else {"max_version": max_version}
+    try:
+        capsule = view.__dlpack__(**kwargs)
+    except (TypeError, BufferError) as exc:
+        pytest.skip(f"numpy {np.__version__} cannot export this capsule: {exc}")
+    ptr, shape, strides, device, dtype = _interop.capsule_info(capsule)
+    assert ptr == view.ctypes.data
+    assert shape == (3, 3, 5) and strides == (40, 10, 2)
+    assert device == (_interop.DL_CPU, 0)
+    assert dtype == (1, 16, 1)  # kDLUInt, 16 bits, 1 lane
+
+
+def test_relabel_capsule_changes_only_the_type_code():
+    a = np.zeros((2, 3), np.uint16)
+    capsule = a.__dlpack__()
+    _interop.relabel_capsule(capsule, _interop.DL_BFLOAT, 16)
+    assert _interop.capsule_info(capsule)[4] == (_interop.DL_BFLOAT, 16, 1)
+    assert _interop.capsule_info(capsule)[:2] == (a.ctypes.data, (2, 3))
+    with pytest.raises(BufferError, match="cannot relabel 16-bit data as 32-bit"):
+        _interop.relabel_capsule(capsule, _interop.DL_BFLOAT, 32)
+
+
+def test_consumed_capsule_is_refused():
+    capsule = np.zeros(3, np.uint16).__dlpack__()
+    np.from_dlpack(types.SimpleNamespace(__dlpack__=lambda **kw: capsule,
+                                         __dlpack_device__=lambda: (_interop.DL_CPU, 0)))
+    with pytest.raises(BufferError, match="not an unconsumed DLPack capsule"):
+        _interop.capsule_info(capsule)
+
+
+@pytest.mark.parametrize("shape,strides", [((2, 3, 4), (12, 4, 1)), ((5,), (1,)), ((), ()),
+                                           ((2, 0, 3), (3, 3, 1))])
+def test_c_strides(shape, strides):
+    assert _interop.c_strides(shape) == strides
+
+
+# ----------------------------------------------------------------------------
+# torch CPU tensors (skipped without torch)
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch")
+
+
+def _torch_qkv(torch, rng, dtype, requires_grad=False, sq=17, sk=23):
+    q, k, v = _qkv(rng, np.float32, sq=sq, sk=sk, d=16)
+    return tuple(torch.from_numpy(x).to(dtype).requires_grad_(requires_grad) for x in (q, k, v))
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_torch_cpu_in_torch_out_in_place(monkeypatch, torch, rng, dtype_name):
+    dtype = getattr(torch, dtype_name)
+    q, k, v = _torch_qkv(torch, rng, dtype, requires_grad=True)
+    seen = {}
+    real_fwd = cpu.fwd
+
+    def spy(q_, k_, v_, *args):
+        seen["ptrs"] = [a.ctypes.data for a in (q_, k_, v_)]
+        seen["dtype"] = q_.dtype.name
+        return real_fwd(q_, k_, v_, *args)
+
+    monkeypatch.setattr(cpu, "fwd", spy)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, causal=True)
+    assert seen == {"ptrs": [x.data_ptr() for x in (q, k, v)], "dtype": dtype_name}
+    assert isinstance(out, torch.Tensor) and out.dtype == dtype and lse.dtype == torch.float32
+    assert not out.requires_grad
+    dq, dk, _ = cupyflash.flash_attn_bwd(out, q, k, v, out, lse, causal=True)
+    assert dq.dtype == dtype and dk.shape == k.shape
+
+
+def test_torch_and_numpy_mixed_is_rejected(torch, rng):
+    q, k, v = _torch_qkv(torch, rng, torch.float32)
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn: v must be a torch\.Tensor like "
+                                        r"q \(array types cannot be mixed\); got numpy\.ndarray\.$"):
+        cupyflash.flash_attn(q, k, v.numpy())
+
+
+def test_torch_devices_must_match(torch, rng):
+    q, k, v = _torch_qkv(torch, rng, torch.float32)
+    with pytest.raises(ValueError, match=r"^cupyflash\.flash_attn: k must have the same device as "
+                                         r"q \(cpu\); got meta\.$"):
+        cupyflash.flash_attn(q, k.to("meta"), v)
+
+
+def test_torch_dtypes_must_match(torch, rng):
+    q, k, v = _torch_qkv(torch, rng, torch.float32)
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn: v must have the same dtype as q "
+                                        r"\(float32\); got bfloat16\.$"):
+        cupyflash.flash_attn(q, k, v.bfloat16())
+    out, lse = cupyflash.flash_attn_fwd(q, k, v)
+    with pytest.raises(TypeError, match=r"lse must have dtype float32; got float16\.$"):
+        cupyflash.flash_attn_bwd(out, q, k, v, out, lse.half())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_flash_attn_func_grads_match_sdpa(torch, rng, causal):
+    q, k, v = _torch_qkv(torch, rng, torch.float64, requires_grad=True, sq=23, sk=23)
+    from cupyflash.torch import flash_attn_func
+
+    dout = torch.randn(q.shape, dtype=torch.float64)
+    got = flash_attn_func(q, k, v, causal=causal)
+    grads = torch.autograd.grad(got, (q, k, v), dout)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal, enable_gqa=True).transpose(1, 2)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    # cupyflash accumulates in float32 whatever the input dtype
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-4)
+
+
+def test_torch_expanded_dout_is_accepted(torch, rng):
+    """``out.sum().backward()`` hands the backward an all-zero-stride gradient."""
+    from cupyflash.torch import FlashAttnFunc, flash_attn_func
+
+    q, k, v = _torch_qkv(torch, rng, torch.float32, requires_grad=True)
+    flash_attn_func(q, k, v).sum().backward()
+    first = q.grad.clone()
+    q.grad = None
+    FlashAttnFunc.apply(q, k, v, 16 ** -0.5, False, False).sum().backward()
+    torch.testing.assert_close(q.grad, first, rtol=0, atol=0)
+
+
+def test_torch_custom_ops_pass_opcheck(torch, rng):
+    import cupyflash.torch  # noqa: F401  (registers the ops)
+
+    q, k, v = _torch_qkv(torch, rng, torch.float32, requires_grad=True)
+    torch.library.opcheck(torch.ops.cupyflash.flash_attn, (q, k, v, 0.25, True, False))
+    out, lse = torch.ops.cupyflash.flash_attn(q.detach(), k.detach(), v.detach(), 0.25, True,
+                                              False)
+    torch.library.opcheck(torch.ops.cupyflash.flash_attn_bwd,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse,
+                           0.25, True, False))
+
+
+@pytest.mark.parametrize("option,value", [
+    ("dropout_p", 0.1), ("window_size", (4, 0)), ("alibi_slopes", [0.5]),
+    ("return_attn_probs", True), ("softcap", 30.0),
+])
+def test_torch_unsupported_options_are_named(torch, rng, option, value):
+    from cupyflash.torch import flash_attn_func
+
+    q, k, v = _torch_qkv(torch, rng, torch.float32)
+    with pytest.raises(NotImplementedError,
+                       match=rf"^cupyflash\.torch\.flash_attn_func: {option} must be "):
+        flash_attn_func(q, k, v, **{option: value})
+
+
+# ----------------------------------------------------------------------------
+# JAX CPU arrays (skipped without jax)
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def jax():
+    return pytest.importorskip("jax")
+
+
+def _jax_qkv(jax, rng, dtype="float32", sq=17, sk=17):
+    return tuple(jax.numpy.asarray(x, dtype=dtype) for x in _qkv(rng, sq=sq, sk=sk, d=16))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jax_cpu_in_jax_out(jax, rng, dtype):
+    q, k, v = _jax_qkv(jax, rng, dtype)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, causal=True)
+    assert isinstance(out, jax.Array) and out.dtype == q.dtype and lse.dtype == np.float32
+    want = cupyflash.flash_attn(*(np.asarray(x) for x in (q, k, v)), causal=True)
+    np.testing.assert_array_equal(np.asarray(out), want)
+
+
+def test_jax_tracer_in_core_api_points_to_cupyflash_jax(jax, rng):
+    q, k, v = _jax_qkv(jax, rng)
+    with pytest.raises(TypeError, match=r"q must be a concrete jax\.Array, not a tracer .*use "
+                                        r"cupyflash\.jax\.flash_attention"):
+        jax.jit(cupyflash.flash_attn)(q, k, v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_jax_flash_attention_matches_dot_product_attention(jax, rng, causal):
+    from cupyflash.jax import flash_attention
+
+    q, k, v = _jax_qkv(jax, rng)
+
+    def loss(attention):
+        return lambda q, k, v: (attention(q, k, v) ** 2).sum()
+
+    ours = lambda q, k, v: flash_attention(q, k, v, causal=causal)
+    theirs = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    ref = theirs(q, k, v)
+    ref_grads = jax.grad(loss(theirs), argnums=(0, 1, 2))(q, k, v)
+    for out in (ours(q, k, v), jax.jit(ours)(q, k, v)):
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=0, atol=1e-5)
+    for grad in (jax.grad(loss(ours), argnums=(0, 1, 2)),
+                 jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))):
+        for g, r in zip(grad(q, k, v), ref_grads):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=0, atol=1e-4)
+
+
+def test_jax_flash_attention_validates_at_trace_time(jax, rng):
+    from cupyflash.jax import flash_attention
+
+    q, k, v = _jax_qkv(jax, rng)
+    with pytest.raises(ValueError, match=r"^cupyflash\.jax\.flash_attention: k must have the same "
+                                         r"head_dim as q \(16\); got 8\."):  # + JAX's note
+        jax.jit(flash_attention)(q, k[..., :8], v)
+    with pytest.raises(TypeError, match=r"causal must be a bool"):
+        flash_attention(q, k, v, causal=1)
