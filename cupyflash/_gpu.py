@@ -86,6 +86,11 @@ def _storage_dtype_name(a, dtype: str | None) -> str:
 
 def fwd(q, k, v, *, softmax_scale: float, causal: bool, dtype: str | None = None, out=None, lse=None):
     """Forward on the GPU. Returns ``(out, lse)``; ``out`` has q's storage dtype."""
+    with q.device:  # allocate, compile and launch on the inputs' device
+        return _fwd(q, k, v, softmax_scale, causal, dtype, out, lse)
+
+
+def _fwd(q, k, v, softmax_scale, causal, dtype, out, lse):
     import cupy  # noqa: PLC0415
 
     batch, seqlen_q, nheads_q, head_dim = q.shape
