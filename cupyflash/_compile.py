@@ -142,7 +142,10 @@ def compile_variant(source: str, name_expression: str, arch: tuple[int, int],
             ) from e
         log = nvrtc.getProgramLog(prog)
         lowered = nvrtc.getLoweredName(prog, name_expression)
-        cubin = nvrtc.getCUBIN(prog)
+        # cupy 14.2's getCUBIN drops the image's final byte (a zero the ELF program
+        # headers still cover); put it back so cached files are whole ELF images.
+        # A trailing zero after a complete image is ignored by the loader.
+        cubin = nvrtc.getCUBIN(prog) + b"\0"
     finally:
         nvrtc.destroyProgram(prog)
 

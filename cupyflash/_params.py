@@ -39,7 +39,7 @@ BWD_PARAMS: np.dtype | None = _struct(
     [
         ("q", _PTR), ("k", _PTR), ("v", _PTR), ("out", _PTR), ("dout", _PTR),
         ("dq", _PTR), ("dk", _PTR), ("dv", _PTR),
-        ("lse", _PTR), ("lse_log2", _PTR), ("delta", _PTR), ("dq_accum", _PTR),
+        ("lse", _PTR), ("lse_log2", _PTR), ("delta", _PTR), ("dq_accum", _PTR), ("dkv_accum", _PTR),
         ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),
         ("k_batch_stride", _I64), ("k_row_stride", _I64), ("k_head_stride", _I64),
         ("v_batch_stride", _I64), ("v_row_stride", _I64), ("v_head_stride", _I64),
@@ -51,7 +51,7 @@ BWD_PARAMS: np.dtype | None = _struct(
         ("lse_batch_stride", _I64), ("lse_head_stride", _I64),
         ("batch", _I32), ("nheads_q", _I32), ("nheads_kv", _I32),
         ("seqlen_q", _I32), ("seqlen_k", _I32), ("head_dim", _I32),
-        ("head_dim_padded", _I32), ("seqlen_q_rounded", _I32), ("num_stages", _I32),
+        ("head_dim_padded", _I32), ("seqlen_q_rounded", _I32), ("num_stages", _I32), ("kv_splits", _I32),
         ("softmax_scale", _F32), ("softmax_scale_log2", _F32),
     ]
 )

@@ -13,6 +13,8 @@
 //   flash_bwd_dq_kernel          deterministic mode: one block per query block
 //                                recomputes S, P, dP, dS and sums dQ in a fixed order
 //   flash_bwd_convert_dq_kernel  default mode: dq = scale·dq_accum in the input dtype
+//   flash_bwd_convert_dkv_kernel GQA split over several blocks (kv_splits > 1):
+//                                dk, dv = the sum of the fp32 partials, in a fixed order
 //
 // Padding contract with the preprocess: lse_log2 and delta have
 // seqlen_q_rounded rows per head (a multiple of every BLOCK_M). Rows past
@@ -35,6 +37,27 @@ __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
     return x;
+}
+
+// load_tile, except that the !VEC path (element loads, which the compiler keeps
+// in flight all at once: 64 registers for a 64 x 256 tile) goes one TileMap
+// pass of rows at a time in a rolled loop, since the dK/dV kernel loads Q and
+// dO while dK and dV already hold 128 registers per thread.
+template <typename T, int ROWS, int HEAD_DIM, int NUM_THREADS, bool VEC, bool EVEN_K>
+__device__ __forceinline__ void load_tile_lean(uint32 smem_base, const T* gmem, int64 row_stride, int rows_valid,
+                                               int head_dim) {
+    if constexpr (VEC) {
+        load_tile<T, ROWS, HEAD_DIM, NUM_THREADS, true, EVEN_K>(smem_base, gmem, row_stride, rows_valid, head_dim);
+    } else {
+        using Tile = SmemTile<T, ROWS, HEAD_DIM>;
+        constexpr int PASS = TileMap<T, ROWS, HEAD_DIM, NUM_THREADS>::ROWS_PER_IT;
+#pragma unroll 1
+        for (int r = 0; r < ROWS; r += PASS) {
+            load_tile<T, PASS, HEAD_DIM, NUM_THREADS, false, EVEN_K>(smem_base + Tile::offset(r, 0),
+                                                                    gmem + r * row_stride, row_stride,
+                                                                    rows_valid - r, head_dim);
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -99,18 +122,22 @@ flash_bwd_preprocess_kernel(const BwdParams p) {
 }
 
 // ---------------------------------------------------------------------------
-// dK/dV: one block per (key block, batch, KV head).
+// dK/dV: one block per (key block, batch, KV head, split of the GQA group).
 // ---------------------------------------------------------------------------
 //
 // K and V stay in shared memory and dK, dV in registers while the block walks
-// over the query blocks that see its keys (for GQA, those of every query head
-// sharing the KV head, one after another: deterministic, nothing expanded).
+// over the query blocks that see its keys. With GQA it visits those of the
+// query heads sharing its KV head, one after another (deterministic, nothing
+// expanded); when that leaves too few blocks for the GPU, the group's heads
+// are split over p.kv_splits blocks that write fp32 partials, summed by
+// flash_bwd_convert_dkv_kernel in a fixed order.
 // Per query block:
 //   S = Q·Kᵀ,  P = exp2(S·scale·log2e − lse·log2e),  dP = dO·Vᵀ,  dS = P∘(dP − delta)
 //   P, dS -> shared memory (the next GEMMs read them transposed)
 //   dV += Pᵀ·dO,  dK += dSᵀ·Q,  dQ_partial = dS·K -> atomicAdd into dq_accum
-// Each GEMM has its own grid of warp tiles (the traits below), chosen so every
-// warp tile reuses its ldmatrix fragments across 2+ mma in both directions.
+// Each GEMM has its own grid of warp tiles (the traits below; the warp counts
+// per axis are chosen in cupyflash/dispatch.py so that fragments loaded with
+// ldmatrix feed several mma each).
 //
 // Template parameters, in order:
 //   T            __half or __nv_bfloat16
@@ -149,6 +176,9 @@ struct BwdTraits {
     static constexpr int DQ_ROWS = BLOCK_M / WARPS_M_DQ_;
     static constexpr int DQ_COLS = HEAD_DIM / (NUM_WARPS / WARPS_M_DQ_);
     static constexpr int DQ_MT = DQ_ROWS / 16, DQ_NT = DQ_COLS / 8;
+    // dQ is only a per-step temporary (next to 2 * DKV_MT * DKV_NT * 4 registers
+    // of dK, dV): split wide warp tiles into two column passes.
+    static constexpr int DQ_PASS_COLS = DQ_MT * DQ_NT * 4 > 32 && DQ_COLS % 32 == 0 ? DQ_COLS / 2 : DQ_COLS;
 
     using QTile = SmemTile<T, BLOCK_M, HEAD_DIM>;   // Q and dO
     using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM>;  // K and V (and the dK, dV staging at the end)
@@ -177,7 +207,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     constexpr int NT = Tr::NUM_THREADS;
     constexpr int SDP_MT = Tr::SDP_MT, SDP_NT = Tr::SDP_NT;
     constexpr int DKV_MT = Tr::DKV_MT, DKV_NT = Tr::DKV_NT;
-    constexpr int DQ_MT = Tr::DQ_MT, DQ_NT = Tr::DQ_NT;
+    constexpr int DQ_MT = Tr::DQ_MT;
 
     extern __shared__ __align__(16) unsigned char smem[];
     const uint32 sK = smem_addr(smem);
@@ -194,13 +224,15 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, t = lane % 4;
 
-    // ---- which tile: key blocks of one (batch, KV head) are adjacent (Q/dO reuse
-    //      in L2); causal runs the heaviest key blocks (small n) first.
+    // ---- which tile: key blocks of one (batch, KV head, split) are adjacent
+    //      (Q/dO reuse in L2); causal runs the heaviest key blocks (small n) first.
     const int num_n_blocks = ceil_div(p.seqlen_k, BLOCK_N);
     const int n_block = blockIdx.x % num_n_blocks;
-    const int bh_kv = blockIdx.x / num_n_blocks;
+    const int split = (blockIdx.x / num_n_blocks) % p.kv_splits;
+    const int bh_kv = blockIdx.x / num_n_blocks / p.kv_splits;
     const int b = bh_kv / p.nheads_kv, h_kv = bh_kv % p.nheads_kv;
-    const int group = p.nheads_q / p.nheads_kv;
+    const int heads = p.nheads_q / p.nheads_kv / p.kv_splits;  // query heads this block visits
+    const int h_first = (h_kv * p.kv_splits + split) * heads;
     const int n0 = n_block * BLOCK_N;
     const int keys_valid = min(BLOCK_N, p.seqlen_k - n0);
 
@@ -219,11 +251,13 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     m_begin = min(m_begin, m_end);
     const int m_masked_end = min(max(m_unmasked, m_begin), m_end);
     const int nm = m_end - m_begin;
-    const int num_iters = group * nm;  // (query head of the group, query block) pairs
+    const int num_iters = heads * nm;  // (query head, query block) pairs
     const bool two_stage = p.num_stages == 2;
 
-    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride + int64(n0) * p.k_row_stride;
-    const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride + int64(n0) * p.v_row_stride;
+    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
+                 int64(n0) * p.k_row_stride;
+    const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
+                 int64(n0) * p.v_row_stride;
 
     // Warp tiles of the three GEMM shapes.
     const int sdp_row0 = (warp % WARPS_M_SDP) * Tr::SDP_ROWS, sdp_col0 = (warp / WARPS_M_SDP) * Tr::SDP_COLS;
@@ -232,14 +266,16 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
 
     // Load Q, dO (zero-filled past seqlen_q and head_dim), lse_log2, delta of iteration it.
     auto load_query_block = [&](int it, int stage) {
-        const int h = h_kv * group + it / nm;
+        const int h = h_first + it / nm;
         const int m0 = (m_begin + it % nm) * BLOCK_M;
-        const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + int64(m0) * p.q_row_stride;
+        const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                     int64(m0) * p.q_row_stride;
         const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
                         int64(m0) * p.do_row_stride;
-        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ(stage), q, p.q_row_stride, p.seqlen_q - m0, p.head_dim);
-        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sdO(stage), dout, p.do_row_stride, p.seqlen_q - m0,
-                                                         p.head_dim);
+        const int rows_valid = p.seqlen_q - m0;
+        load_tile_lean<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ(stage), q, p.q_row_stride, rows_valid, p.head_dim);
+        load_tile_lean<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sdO(stage), dout, p.do_row_stride, rows_valid,
+                                                              p.head_dim);
         // the padded preprocess buffers need no predicates
         const int64 row_index = int64(b * p.nheads_q + h) * p.seqlen_q_rounded + m0;
         const uint32 s_rows = sdO(stage) + QTile::BYTES;
@@ -256,14 +292,14 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     clear(acc_dk);
     clear(acc_dv);
 
-    load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(sK, k, p.k_row_stride, keys_valid, p.head_dim);
-    load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(sV, v, p.v_row_stride, keys_valid, p.head_dim);
+    load_tile_lean<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(sK, k, p.k_row_stride, keys_valid, p.head_dim);
+    load_tile_lean<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(sV, v, p.v_row_stride, keys_valid, p.head_dim);
     if (num_iters > 0) load_query_block(0, 0);
     cp_async_commit();
 
     auto step = [&](int it, auto masked) {
         const int stage = two_stage ? (it & 1) : 0;
-        const int h = h_kv * group + it / nm;
+        const int h = h_first + it / nm;
         const int m0 = (m_begin + it % nm) * BLOCK_M;
         const float* s_lse = stage_floats(stage);
         const float* s_delta = s_lse + BLOCK_M;
@@ -344,14 +380,18 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         }
 
         // ---- dQ += dS·K, summed over key blocks in dq_accum by fp32 atomics
-        //      (times softmax_scale in flash_bwd_convert_dq_kernel)
+        //      (times softmax_scale in flash_bwd_convert_dq_kernel), in column
+        //      passes of DQ_PASS_COLS so dQ adds at most 32 live registers
         if constexpr (!DETERMINISTIC) {
-            float dq[DQ_MT][DQ_NT][4];
-            clear(dq);
-            warp_gemm<T, DQ_MT, DQ_NT, BLOCK_N / 16, PTile, false, KVTile, true, true>(dq, sdS, dq_row0, sK,
-                                                                                       dq_col0);
             float* dq_accum = p.dq_accum + (int64(b * p.nheads_q + h) * p.seqlen_q_rounded + m0) * HEAD_DIM;
-            atomic_add_frag(dq_accum, HEAD_DIM, dq, dq_row0, dq_col0);
+#pragma unroll 1
+            for (int c0 = dq_col0; c0 < dq_col0 + Tr::DQ_COLS; c0 += Tr::DQ_PASS_COLS) {
+                float dq[DQ_MT][Tr::DQ_PASS_COLS / 8][4];
+                clear(dq);
+                warp_gemm<T, DQ_MT, Tr::DQ_PASS_COLS / 8, BLOCK_N / 16, PTile, false, KVTile, true, true>(
+                    dq, sdS, dq_row0, sK, c0);
+                atomic_add_frag(dq_accum, HEAD_DIM, dq, dq_row0, c0);
+            }
         }
     };
 
@@ -363,8 +403,34 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         }
     }
 
-    // ---- epilogue: dK·scale and dV to T, staged through sK/sV for 16-byte stores
     cp_async_wait<0>();
+
+    // ---- epilogue, split GQA group: fp32 partials straight from registers
+    if (p.kv_splits > 1) {
+        const int64 part_rows = int64(p.batch) * p.nheads_kv * p.seqlen_k;  // rows of one split
+        float* dk_part = p.dkv_accum + ((int64(split) * p.batch + b) * p.nheads_kv + h_kv) * p.seqlen_k * HEAD_DIM +
+                         int64(n0) * HEAD_DIM;
+        float* dv_part = dk_part + p.kv_splits * part_rows * HEAD_DIM;
+#pragma unroll
+        for (int i = 0; i < DKV_MT; ++i) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int row = dkv_row0 + i * 16 + hh * 8 + g;
+                if (row >= keys_valid) continue;
+#pragma unroll
+                for (int j = 0; j < DKV_NT; ++j) {
+                    const int col = row * HEAD_DIM + dkv_col0 + j * 8 + 2 * t;
+                    *reinterpret_cast<float2*>(dk_part + col) = make_float2(
+                        acc_dk[i][j][2 * hh] * p.softmax_scale, acc_dk[i][j][2 * hh + 1] * p.softmax_scale);
+                    *reinterpret_cast<float2*>(dv_part + col) =
+                        make_float2(acc_dv[i][j][2 * hh], acc_dv[i][j][2 * hh + 1]);
+                }
+            }
+        }
+        return;
+    }
+
+    // ---- epilogue: dK·scale and dV to T, staged through sK/sV for 16-byte stores
     __syncthreads();  // every warp is done with sK, sV
     store_frag<T, KVTile>(sK, acc_dk, dkv_row0, dkv_col0, p.softmax_scale);
     store_frag<T, KVTile>(sV, acc_dv, dkv_row0, dkv_col0);
@@ -463,13 +529,13 @@ flash_bwd_dq_kernel(const BwdParams p) {
     clear(acc_dq);
 
     auto load_kv = [&](uint32 dst, const T* src, int64 row_stride, int n) {
-        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(dst, src + int64(n) * BLOCK_N * row_stride, row_stride,
+        load_tile_lean<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(dst, src + int64(n) * BLOCK_N * row_stride, row_stride,
                                                          p.seqlen_k - n * BLOCK_N, p.head_dim);
     };
 
     if (n_end > 0) {
-        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ, q, p.q_row_stride, rows_valid, p.head_dim);
-        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sdO, dout, p.do_row_stride, rows_valid, p.head_dim);
+        load_tile_lean<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ, q, p.q_row_stride, rows_valid, p.head_dim);
+        load_tile_lean<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sdO, dout, p.do_row_stride, rows_valid, p.head_dim);
         load_kv(sK(0), k, p.k_row_stride, n_end - 1);
         cp_async_commit();
     }
@@ -499,7 +565,9 @@ flash_bwd_dq_kernel(const BwdParams p) {
 #pragma unroll
             for (int j = 0; j < N_TILES; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[i][j][e] = fast_exp2(fmaf(s[i][j][e], p.softmax_scale_log2, -lse2[i][e / 2]));
+                for (int e = 0; e < 4; ++e) {
+                    s[i][j][e] = fast_exp2(fmaf(s[i][j][e], p.softmax_scale_log2, -lse2[i][e / 2]));
+                }
 
         cp_async_wait<1>();
         __syncthreads();  // V[n] landed
@@ -565,6 +633,51 @@ flash_bwd_convert_dq_kernel(const BwdParams p) {
         }
     } else {
         for (int c = lane; c < p.head_dim; c += 32) dst[c] = TypeTraits<T>::from_float(src[c] * scale);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Convert (GQA split): dk, dv = sum over splits of the fp32 partials, in T.
+// One warp per (batch, KV head, key) row, both tensors.
+// ---------------------------------------------------------------------------
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(256)
+flash_bwd_convert_dkv_kernel(const BwdParams p) {
+    const int64 rows = int64(p.batch) * p.nheads_kv * p.seqlen_k;  // rows of one split
+    const int64 row = int64(blockIdx.x) * 8 + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const int n = int(row % p.seqlen_k);
+    const int bh = int(row / p.seqlen_k);
+    const int b = bh / p.nheads_kv, h = bh % p.nheads_kv;
+    const int64 split_stride = rows * p.head_dim_padded;
+#pragma unroll
+    for (int which = 0; which < 2; ++which) {
+        const float* src = p.dkv_accum + (int64(which) * p.kv_splits * rows + row) * p.head_dim_padded;
+        T* dst = which == 0
+                     ? static_cast<T*>(p.dk) + b * p.dk_batch_stride + n * p.dk_row_stride + h * p.dk_head_stride
+                     : static_cast<T*>(p.dv) + b * p.dv_batch_stride + n * p.dv_row_stride + h * p.dv_head_stride;
+        if constexpr (VEC) {
+            // one 16-byte chunk (8 elements) per lane covers head_dim <= 256
+            if (lane * 8 < p.head_dim) {
+                float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                for (int s = 0; s < p.kv_splits; ++s) {
+                    const float4 x0 = reinterpret_cast<const float4*>(src + s * split_stride)[2 * lane];
+                    const float4 x1 = reinterpret_cast<const float4*>(src + s * split_stride)[2 * lane + 1];
+                    x[0] += x0.x; x[1] += x0.y; x[2] += x0.z; x[3] += x0.w;
+                    x[4] += x1.x; x[5] += x1.y; x[6] += x1.z; x[7] += x1.w;
+                }
+                *reinterpret_cast<uint4*>(dst + lane * 8) =
+                    make_uint4(TypeTraits<T>::pack(x[0], x[1]), TypeTraits<T>::pack(x[2], x[3]),
+                               TypeTraits<T>::pack(x[4], x[5]), TypeTraits<T>::pack(x[6], x[7]));
+            }
+        } else {
+            for (int c = lane; c < p.head_dim; c += 32) {
+                float x = 0.f;
+                for (int s = 0; s < p.kv_splits; ++s) x += src[s * split_stride + c];
+                dst[c] = TypeTraits<T>::from_float(x);
+            }
+        }
     }
 }
 

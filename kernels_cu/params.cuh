@@ -46,6 +46,8 @@ struct BwdParams {
     float* lse_log2;        // (batch, nheads_q, seqlen_q_rounded): lse * log2(e); +inf where P must be 0
     float* delta;           // (batch, nheads_q, seqlen_q_rounded): rowsum(dout * out); 0 past seqlen_q
     float* dq_accum;        // (batch, nheads_q, seqlen_q_rounded, head_dim_padded) fp32; null when deterministic
+    float* dkv_accum;       // (2, kv_splits, batch, nheads_kv, seqlen_k, head_dim_padded) fp32 partial
+                            // dK (scaled) and dV of each split of a GQA group; null when kv_splits == 1
     int64 q_batch_stride, q_row_stride, q_head_stride;  // in elements
     int64 k_batch_stride, k_row_stride, k_head_stride;
     int64 v_batch_stride, v_row_stride, v_head_stride;
@@ -57,8 +59,10 @@ struct BwdParams {
     int64 lse_batch_stride, lse_head_stride;
     int32 batch, nheads_q, nheads_kv, seqlen_q, seqlen_k, head_dim;
     int32 head_dim_padded;     // the compiled HEAD_DIM: row length of dq_accum
-    int32 seqlen_q_rounded;    // seqlen_q rounded up to BWD_ROWS_ROUND (every BLOCK_M divides it)
+    int32 seqlen_q_rounded;    // seqlen_q rounded up to a multiple of 128 (every backward BLOCK_M divides it)
     int32 num_stages;          // dK/dV kernel: Q/dO tiles in flight, 2 (double-buffered) or 1
+    int32 kv_splits;           // dK/dV blocks per (key block, KV head), each taking
+                               // nheads_q / nheads_kv / kv_splits of the group's query heads
     float softmax_scale;       // multiplies q.k
     float softmax_scale_log2;  // softmax_scale * log2(e), for exp2
 };

@@ -1,0 +1,245 @@
+"""Backward kernel selection, the BwdParams mirror, and the no-spill compile check.
+
+No GPU is needed: selection is pure Python, and the kernels compile through
+NVRTC (when cupy imports) for sm_80 and sm_90.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cupyflash import _params, dispatch
+
+
+def _plan(**kw):
+    args = dict(batch=2, seqlen_q=1000, seqlen_k=1000, nheads_q=8, nheads_kv=8, head_dim=128,
+                dtype="float16", causal=False, deterministic=False, vec=True)
+    args.update(kw)
+    return dispatch.select_bwd(**args)
+
+
+def _names(plan):
+    return [L.template.rsplit("::", 1)[1] for L in plan.launches]
+
+
+# ---------------------------------------------------------------------------
+# select_bwd
+# ---------------------------------------------------------------------------
+
+
+def test_default_mode_launches_preprocess_dkdv_convert():
+    plan = _plan()
+    assert _names(plan) == ["flash_bwd_preprocess_kernel", "flash_bwd_dkdv_kernel",
+                            "flash_bwd_convert_dq_kernel"]
+    assert plan.dq_accum
+    assert plan.launches[1].args[-1] == "false"  # DETERMINISTIC
+
+
+def test_deterministic_mode_launches_dq_kernel_and_no_accumulator():
+    plan = _plan(deterministic=True)
+    assert _names(plan) == ["flash_bwd_preprocess_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel"]
+    assert not plan.dq_accum
+    assert plan.launches[1].args[-1] == "true"
+
+
+@pytest.mark.parametrize("head_dim,padded,even_k", [(32, 32, True), (40, 64, False), (59, 64, False),
+                                                    (64, 64, True), (96, 96, True), (111, 128, False),
+                                                    (128, 128, True), (192, 192, True), (256, 256, True)])
+def test_head_dim_padding_and_even_k(head_dim, padded, even_k):
+    plan = _plan(head_dim=head_dim)
+    main = plan.launches[1]
+    assert plan.head_dim_padded == padded
+    assert main.args[1] == str(padded)
+    assert main.args[9] == ("true" if even_k else "false")
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (8, 6), (8, 9), (9, 0), (12, 0)])
+@pytest.mark.parametrize("head_dim", dispatch.HEAD_DIMS)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_shared_memory_fits_the_gpu(cc, head_dim, deterministic):
+    plan = _plan(head_dim=head_dim, cc=cc, deterministic=deterministic)
+    for launch in plan.launches:
+        assert launch.smem_bytes <= dispatch.max_smem_per_block(cc)
+
+
+def test_h200_uses_big_double_buffered_tiles():
+    for d in dispatch.HEAD_DIMS:
+        plan = _plan(head_dim=d, cc=(9, 0))
+        assert plan.num_stages == 2
+        assert tuple(int(a) for a in plan.launches[1].args[2:8]) == dispatch._BWD_TILES[d][0]
+
+
+def test_a100_keeps_big_tiles_single_buffered_where_needed():
+    stages = {d: _plan(head_dim=d, cc=(8, 0)).num_stages for d in dispatch.HEAD_DIMS}
+    assert stages == {32: 2, 64: 1, 96: 2, 128: 1, 192: 1, 256: 1}
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,nheads_q,nheads_kv", [(1, 1, 1, 1), (17, 1, 4, 1),
+                                                                   (1000, 3000, 32, 8), (5, 100000, 1, 1)])
+def test_grids(seqlen_q, seqlen_k, nheads_q, nheads_kv):
+    batch = 3
+    plan = _plan(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, nheads_kv=nheads_kv)
+    pre, main, convert = plan.launches[:3]
+    block_m, block_n = int(main.args[2]), int(main.args[3])
+    assert plan.seqlen_q_rounded % dispatch.BWD_ROWS_ROUND == 0
+    assert plan.seqlen_q_rounded >= seqlen_q > plan.seqlen_q_rounded - dispatch.BWD_ROWS_ROUND
+    assert plan.seqlen_q_rounded % block_m == 0
+    assert pre.grid == (plan.seqlen_q_rounded // dispatch.BWD_ROWS_ROUND * batch * nheads_q, 1, 1)
+    assert main.grid == (math.ceil(seqlen_k / block_n) * batch * nheads_kv * plan.kv_splits, 1, 1)
+    assert main.block == (int(main.args[4]) * 32, 1, 1)
+    assert convert.grid == (math.ceil(batch * nheads_q * seqlen_q / 8), 1, 1)
+
+    det = _plan(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, nheads_kv=nheads_kv,
+                deterministic=True)
+    dq = det.launches[2]
+    assert dq.grid == (math.ceil(seqlen_q / int(dq.args[2])) * batch * nheads_q, 1, 1)
+
+
+@pytest.mark.parametrize("num_sms,splits", [(3, 1), (6, 2), (7, 4), (132, 4)])
+def test_gqa_group_is_split_when_the_grid_is_small(num_sms, splits):
+    # 3 key blocks x 1 batch x 2 KV heads = 6 blocks; group of 4 query heads
+    plan = _plan(batch=1, seqlen_q=300, seqlen_k=300, nheads_q=8, nheads_kv=2, num_sms=num_sms)
+    assert plan.kv_splits == splits
+    assert plan.launches[1].grid[0] == 6 * splits
+    names = _names(plan)
+    assert ("flash_bwd_convert_dkv_kernel" in names) == (splits > 1)
+    assert names[-1] == ("flash_bwd_convert_dkv_kernel" if splits > 1 else "flash_bwd_convert_dq_kernel")
+
+
+def test_no_split_without_gqa_or_with_a_full_grid():
+    assert _plan(nheads_q=8, nheads_kv=8, seqlen_k=100).kv_splits == 1
+    assert _plan(batch=8, nheads_q=32, nheads_kv=8, seqlen_k=4096).kv_splits == 1
+
+
+def test_many_heads_go_on_grid_x():
+    plan = _plan(batch=70000, seqlen_q=16, seqlen_k=16, nheads_q=1, nheads_kv=1, head_dim=32)
+    assert all(L.grid[1:] == (1, 1) for L in plan.launches)
+    assert plan.launches[1].grid[0] == 70000
+
+
+def test_rejects_bad_dtype_arch_and_head_dim():
+    with pytest.raises(ValueError, match="dtype"):
+        _plan(dtype="float32")
+    with pytest.raises(NotImplementedError, match="compute capability"):
+        _plan(cc=(7, 5))
+    with pytest.raises(ValueError, match="head_dim"):
+        _plan(head_dim=257)
+
+
+def test_all_bwd_launches_covers_every_selection():
+    every = {L.name_expression for L in dispatch.all_bwd_launches()}
+    for cc in [(8, 0), (8, 9), (9, 0)]:
+        for head_dim in (32, 59, 64, 96, 111, 128, 192, 256):
+            for causal in (False, True):
+                for deterministic in (False, True):
+                    for vec in (False, True):
+                        plan = _plan(head_dim=head_dim, causal=causal, deterministic=deterministic, vec=vec,
+                                     cc=cc, dtype="bfloat16" if vec else "float16")
+                        for launch in plan.launches:
+                            assert launch.name_expression in every
+
+
+def test_table_warp_grids_are_consistent():
+    """The C static_asserts of BwdTraits/BwdDqTraits, checked in Python for every table entry."""
+    for d, tiles in dispatch._BWD_TILES.items():
+        for block_m, block_n, warps, wm_sdp, wn_dkv, wm_dq in tiles:
+            assert dispatch.BWD_ROWS_ROUND % block_m == 0
+            for n_along, rows, cols in ((wm_sdp, block_m, block_n), (wn_dkv, block_n, d), (wm_dq, block_m, d)):
+                assert warps % n_along == 0
+                assert (rows // n_along) % 16 == 0 and (cols // (warps // n_along)) % 16 == 0
+    for d, tiles in dispatch._BWD_DQ_TILES.items():
+        for block_m, block_n, warps in tiles:
+            assert (block_m // warps) % 16 == 0 and block_n % 16 == 0
+            assert dispatch.BWD_ROWS_ROUND % block_m == 0
+
+
+# ---------------------------------------------------------------------------
+# BwdParams mirror
+# ---------------------------------------------------------------------------
+
+
+def test_bwd_params_layout():
+    dt = _params.BWD_PARAMS
+    assert dt is not None and dt.isalignedstruct
+    names = list(dt.names)
+    assert names[:13] == ["q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2", "delta", "dq_accum",
+                          "dkv_accum"]
+    assert all(dt.fields[n][0] == np.uint64 for n in names[:13])
+    strides = [n for n in names if n.endswith("_stride")]
+    assert all(dt.fields[n][0] == np.int64 for n in strides)
+    assert len(strides) == 8 * 3 + 2
+    assert dt.fields["softmax_scale_log2"][0] == np.float32
+    assert dt.itemsize % 8 == 0
+    assert f"-DCUPYFLASH_BWD_PARAMS_BYTES={dt.itemsize}" in _params.size_defines()
+
+
+def _nvrtc_or_skip():
+    try:
+        from cupy.cuda import nvrtc
+    except Exception as exc:  # noqa: BLE001 (any import failure means: no NVRTC here)
+        pytest.skip(f"cupy/NVRTC not importable: {exc}")
+    return nvrtc
+
+
+def test_bwd_params_offsets_match_c():
+    """Every field offset of the numpy mirror equals offsetof in params.cuh (via NVRTC)."""
+    nvrtc = _nvrtc_or_skip()
+    from cupyflash import _compile
+
+    dt = _params.BWD_PARAMS
+    lines = ['#include "params.cuh"']
+    for name in dt.names:
+        lines.append(f'static_assert(__builtin_offsetof(cupyflash::BwdParams, {name}) == {dt.fields[name][1]}, '
+                     f'"{name}");')
+    lines.append(f'static_assert(sizeof(cupyflash::BwdParams) == {dt.itemsize}, "size");')
+    prog = nvrtc.createProgram("\n".join(lines) + "\n", "bwd_params_offsets.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, _compile.compile_options((9, 0)))
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+# ---------------------------------------------------------------------------
+# Compile check: 0 spill bytes and no stack frame
+# ---------------------------------------------------------------------------
+
+
+def _compile_clean(launch, arch):
+    _nvrtc_or_skip()
+    from cupyflash import _compile
+
+    compiled = _compile.compile_variant(launch.source, launch.name_expression, arch, use_cache=False)
+    res = _compile.parse_ptxas_log(compiled.log)
+    assert res.spill_bytes == 0 and res.stack_bytes == 0, (launch.name_expression, arch, res)
+
+
+def _quick_launches():
+    """One D=64 and one D=128 dK/dV kernel (fast path, default mode), the dQ kernel, the helpers."""
+    out = []
+    for d in (64, 128):
+        tile = dispatch._BWD_TILES[d][0]
+        out.append(dispatch.bwd_dkdv_launch("float16", d, tile, True, True, True, False))
+        out.append(dispatch.bwd_dq_launch("float16", d, dispatch._BWD_DQ_TILES[d][0], True, True, True))
+    out.append(dispatch.bwd_preprocess_launch("float16", True))
+    out.append(dispatch.bwd_convert_launch("float16", True))
+    out.append(dispatch.bwd_convert_dkv_launch("float16", True))
+    return out
+
+
+@pytest.mark.parametrize("arch", dispatch.ARCHS, ids=lambda a: f"sm{a[0]}{a[1]}")
+@pytest.mark.parametrize("launch", _quick_launches(), ids=lambda L: L.name_expression)
+def test_quick_variants_compile_without_spills(launch, arch):
+    _compile_clean(launch, arch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", dispatch.ARCHS, ids=lambda a: f"sm{a[0]}{a[1]}")
+@pytest.mark.parametrize("launch", dispatch.all_bwd_launches(), ids=lambda L: L.name_expression)
+def test_every_variant_compiles_without_spills(launch, arch):
+    _compile_clean(launch, arch)
