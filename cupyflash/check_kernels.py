@@ -59,13 +59,13 @@ def run(archs, quick=False, match=None, jobs=1, use_cache=True, out=sys.stdout) 
     print(f"compiling {len(items)} variants for {', '.join(f'sm_{a}{b}' for a, b in archs)} "
           f"with {jobs} jobs", file=out, flush=True)
     with cf.ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
-        results = list(pool.map(_compile_one, items))
-    for (source, name, arch, _), (res, secs) in zip(items, results):
-        bad = res.spill_bytes or res.stack_bytes
-        failures += bool(bad)
-        print(f"{'FAIL' if bad else 'ok  '} sm_{arch[0]}{arch[1]} regs={res.registers:3d} "
-              f"spill={res.spill_bytes:4d}B stack={res.stack_bytes:4d}B smem={smem[name] // 1024:4d}KB "
-              f"{secs:5.1f}s  {name}", file=out)
+        results = pool.map(_compile_one, items)  # in order, as they finish
+        for (source, name, arch, _), (res, secs) in zip(items, results):
+            bad = res.spill_bytes or res.stack_bytes
+            failures += bool(bad)
+            print(f"{'FAIL' if bad else 'ok  '} sm_{arch[0]}{arch[1]} regs={res.registers:3d} "
+                  f"spill={res.spill_bytes:4d}B stack={res.stack_bytes:4d}B smem={smem[name] // 1024:4d}KB "
+                  f"{secs:5.1f}s  {name}", file=out, flush=True)
     print(f"{len(items) - failures} of {len(items)} variants compile with no spills", file=out)
     return 1 if failures else 0
 
