@@ -51,11 +51,13 @@ _FWD_TILES_UNALIGNED = {
 
 
 def fwd_tiles(head_dim_padded: int, vec: bool, causal: bool,
-              cc: tuple[int, int] = (9, 0)) -> tuple[int, int, int]:
+              cc: tuple[int, int] = (9, 0), split: bool = False) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, NUM_WARPS) of the forward kernel."""
     if not vec:
         return _FWD_TILES_UNALIGNED[head_dim_padded]
-    return (_FWD_TILES if cc >= (9, 0) else _FWD_TILES_SM80)[head_dim_padded][int(causal)]
+    # The split-KV epilogue's fp32 stores cost registers too: splits take the
+    # causal column, whose tiles leave that room (NVRTC 13.0 spills otherwise).
+    return (_FWD_TILES if cc >= (9, 0) else _FWD_TILES_SM80)[head_dim_padded][int(causal or split)]
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ def _cbool(x: bool) -> str:
 def fwd_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool, vec: bool,
                split: bool, grid: tuple[int, int, int] = (1, 1, 1), cc: tuple[int, int] = (9, 0)) -> Launch:
     """The forward kernel instantiation for one set of compile-time choices."""
-    block_m, block_n, num_warps = fwd_tiles(head_dim_padded, vec, causal, cc)
+    block_m, block_n, num_warps = fwd_tiles(head_dim_padded, vec, causal, cc, split)
     # Q, K and V tiles: kernels_cu/flash_fwd.cu FwdTraits::SMEM_BYTES.
     smem = _smem_tile_bytes(block_m, head_dim_padded) + 2 * _smem_tile_bytes(block_n, head_dim_padded)
     args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(num_warps),
@@ -145,9 +147,12 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
     d = padded_head_dim(head_dim)
     block_m, block_n, _ = fwd_tiles(d, vec, causal, cc)
+    splits = num_splits_heuristic(batch * nheads_q * math.ceil(seqlen_q / block_m),
+                                  math.ceil(seqlen_k / block_n), num_sms)
+    if splits > 1:
+        block_m, block_n, _ = fwd_tiles(d, vec, causal, cc, split=True)
     num_m_blocks = math.ceil(seqlen_q / block_m)
     n_blocks = math.ceil(seqlen_k / block_n)
-    splits = num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms)
     per_split = math.ceil(n_blocks / splits)
     splits = math.ceil(n_blocks / per_split) if n_blocks else 1
     split = splits > 1
@@ -293,8 +298,20 @@ def bwd_dq_launch(dtype: str, head_dim_padded: int, tile: tuple[int, int, int], 
                   bwd_dq_smem_bytes(head_dim_padded, tile))
 
 
-def _pick_bwd_tile(d: int, smem_limit: int) -> tuple[tuple[int, ...], int]:
-    for tile in _BWD_TILES[d]:
+# (head_dim, tile, causal, deterministic) combinations that spill with some
+# NVRTC 13.x (8 bytes at D=128 with 13.0's ptxas, clean with 13.5): never selected.
+_BWD_TILE_SPILLS = {
+    (128, (64, 128, 8, 2, 4, 2), True, False),
+}
+
+
+def _bwd_tiles(d: int, causal: bool, deterministic: bool) -> tuple[tuple[int, ...], ...]:
+    return tuple(t for t in _BWD_TILES[d] if (d, t, causal, deterministic) not in _BWD_TILE_SPILLS)
+
+
+def _pick_bwd_tile(d: int, smem_limit: int, causal: bool = False,
+                   deterministic: bool = False) -> tuple[tuple[int, ...], int]:
+    for tile in _bwd_tiles(d, causal, deterministic):
         for stages in (2, 1):
             if bwd_smem_bytes(d, tile, stages) <= smem_limit:
                 return tile, stages
@@ -331,7 +348,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     d = padded_head_dim(head_dim)
     even_k = head_dim == d
     smem_limit = max_smem_per_block(cc)
-    tile, stages = _pick_bwd_tile(d, smem_limit)
+    tile, stages = _pick_bwd_tile(d, smem_limit, causal, deterministic)
     block_m, block_n = tile[:2]
     seqlen_q_rounded = math.ceil(seqlen_q / BWD_ROWS_ROUND) * BWD_ROWS_ROUND
 
@@ -359,9 +376,10 @@ def all_bwd_launches() -> list[Launch]:
         out.append(bwd_convert_launch(dtype, vec))
         out.append(bwd_convert_dkv_launch(dtype, vec))
     for dtype, d in itertools.product(CTYPES, HEAD_DIMS):
-        for tile, causal, even_k, vec, det in itertools.product(
-                _BWD_TILES[d], (False, True), (True, False), (True, False), (False, True)):
-            out.append(bwd_dkdv_launch(dtype, d, tile, causal, even_k, vec, det))
+        for causal, even_k, vec, det in itertools.product((False, True), (True, False), (True, False),
+                                                          (False, True)):
+            for tile in _bwd_tiles(d, causal, det):
+                out.append(bwd_dkdv_launch(dtype, d, tile, causal, even_k, vec, det))
         for tile, causal, even_k, vec in itertools.product(
                 _BWD_DQ_TILES[d], (False, True), (True, False), (True, False)):
             out.append(bwd_dq_launch(dtype, d, tile, causal, even_k, vec))

@@ -102,3 +102,24 @@ def test_sm80_keeps_the_narrower_d64_tile():
               causal=False, vec=True)
     assert dispatch.select_fwd(**kw, cc=(9, 0)).main.args[3] == "128"
     assert dispatch.select_fwd(**kw, cc=(8, 0)).main.args[3] == "64"
+
+
+def test_split_kv_takes_the_roomier_tile():
+    plan = dispatch.select_fwd(batch=1, seqlen_q=1, seqlen_k=65536, nheads_q=8, head_dim=64,
+                               dtype="float16", causal=False, vec=True)
+    assert plan.num_splits > 1 and plan.main.args[3] == "64"  # BLOCK_N of the causal column
+    assert plan.num_splits * plan.n_blocks_per_split >= 65536 // 64
+
+
+def test_bwd_never_selects_a_tile_known_to_spill():
+    for causal in (False, True):
+        for det in (False, True):
+            plan = dispatch.select_bwd(batch=2, seqlen_q=1024, seqlen_k=1024, nheads_q=16, nheads_kv=16,
+                                       head_dim=128, dtype="float16", causal=causal, deterministic=det,
+                                       vec=True)
+            dkdv = next(L for L in plan.launches if "dkdv" in L.template)
+            tile = tuple(int(x) for x in dkdv.args[2:8])
+            assert (128, tile, causal, det) not in dispatch._BWD_TILE_SPILLS
+    names = {L.name_expression for L in dispatch.all_bwd_launches()}
+    bad = dispatch.bwd_dkdv_launch("float16", 128, (64, 128, 8, 2, 4, 2), True, True, True, False)
+    assert bad.name_expression not in names
