@@ -298,11 +298,11 @@ def bwd_dq_launch(dtype: str, head_dim_padded: int, tile: tuple[int, int, int], 
                   bwd_dq_smem_bytes(head_dim_padded, tile))
 
 
-# (head_dim, tile, causal, deterministic) combinations that spill with some
-# NVRTC 13.x (8 bytes at D=128 with 13.0's ptxas, clean with 13.5): never selected.
-_BWD_TILE_SPILLS = {
-    (128, (64, 128, 8, 2, 4, 2), True, False),
-}
+# (head_dim, tile, causal, deterministic) combinations never to select. Empty:
+# the causal atomic-dQ dK/dV kernel at D=128 on 64x128 spills 8 bytes under
+# NVRTC 13.0's ptxas (clean under 13.5), but the spill-free 64x64 tile measured
+# 35% slower on the H200 (kernels_cu/PERF.md, run 7), so it stays selected.
+_BWD_TILE_SPILLS: set[tuple[int, tuple[int, ...], bool, bool]] = set()
 
 
 def _bwd_tiles(d: int, causal: bool, deterministic: bool) -> tuple[tuple[int, ...], ...]:
