@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
     parser.add_argument("--no-bwd", action="store_true", help="forward only")
     parser.add_argument("--no-torch", action="store_true", help="do not measure torch SDPA")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="also time the deterministic backward (no dQ atomics)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--plot", default=None, help="save a PNG plot here (needs matplotlib)")
@@ -75,7 +77,7 @@ def _bf16_bits(cupy, x32):
     return (rounded >> 16).astype(cupy.uint16)
 
 
-def run_point(cupy, torch_env, *, head_dim, seqlen, dtype, causal, tokens, reps, bwd):
+def run_point(cupy, torch_env, *, head_dim, seqlen, dtype, causal, tokens, reps, bwd, deterministic=False):
     from . import _gpu  # noqa: PLC0415
 
     batch, nheads = max(1, tokens // seqlen), 2048 // head_dim
@@ -112,6 +114,11 @@ def run_point(cupy, torch_env, *, head_dim, seqlen, dtype, causal, tokens, reps,
             res["bwd_extra_bytes"] = pool.used_bytes() - before
             res["bwd_output_bytes"] = sum(g.nbytes for g in grads)
             del grads
+            if deterministic:
+                ms = _time_ms(lambda: _gpu.bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal,
+                                               dtype=dtype, deterministic=True), reps, cupy)
+                res["ours_bwd_det_ms"], res["ours_bwd_det_tflops"] = ms, f_bwd / ms / 1e9
+                res["ratio_bwd_det_vs_default"] = res["ours_bwd_ms"] / ms
         except Exception as e:  # noqa: BLE001 - report, keep benchmarking the forward
             res["ours_bwd_error"] = f"{type(e).__name__}: {str(e)[:300]}"
 
@@ -222,11 +229,13 @@ def main(args: argparse.Namespace) -> int:
     for i, (d, dt, c, s) in enumerate(
             (d, dt, c, s) for d in head_dims for dt in dtypes for c in causals for s in seqlens):
         r = run_point(cupy, torch_env, head_dim=d, seqlen=s, dtype=dt, causal=c, tokens=args.tokens,
-                      reps=args.reps, bwd=not args.no_bwd)
+                      reps=args.reps, bwd=not args.no_bwd, deterministic=args.deterministic)
         results.append(r)
         print(f"[{i + 1}/{total}] D={d} S={s} {dt} causal={c}: ours fwd {r['ours_fwd_tflops']:.0f} TFLOP/s"
-              + (f", fa2 {r['fa2_fwd_tflops']:.0f}" if "fa2_fwd_tflops" in r else ""), file=sys.stderr,
-              flush=True)
+              + (f", fa2 {r['fa2_fwd_tflops']:.0f}" if "fa2_fwd_tflops" in r else "")
+              + (f"; bwd {r['ours_bwd_tflops']:.0f}" if "ours_bwd_tflops" in r else "")
+              + (f", deterministic {r['ours_bwd_det_tflops']:.0f} ({r['ratio_bwd_det_vs_default']:.2f}x)"
+                 if "ours_bwd_det_tflops" in r else ""), file=sys.stderr, flush=True)
         cupy.get_default_memory_pool().free_all_blocks()
     if args.json:
         with open(args.json, "w") as f:
