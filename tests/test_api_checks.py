@@ -16,6 +16,7 @@ import pytest
 
 import cupyflash
 from cupyflash import _checks, cpu
+from fakes import FakeCupyArray
 
 FUNCTIONS = ("flash_attn_fwd", "flash_attn", "flash_attn_bwd")
 
@@ -233,40 +234,15 @@ def test_empty_inputs(monkeypatch, q_shape, kv_shape, causal):
 # ----------------------------------------------------------------------------
 
 
-class _FakeDevice:
-    def __init__(self, device_id):
-        self.id = device_id
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-class _FakeCupyArray:
-    """Just the attributes the checks read, around a NumPy array."""
-
-    def __init__(self, host, device_id=0):
-        self.host = host
-        self.device = _FakeDevice(device_id)
-        self.shape, self.ndim, self.dtype = host.shape, host.ndim, host.dtype
-        self.strides, self.itemsize, self.size = host.strides, host.itemsize, host.size
-
-    def __getitem__(self, index):
-        return _FakeCupyArray(self.host[index], self.device.id)
-
-    def get(self):
-        return self.host
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """Installs fake ``cupy`` and ``cupyflash._gpu`` modules; returns the recorded calls."""
     fake_cupy = types.ModuleType("cupy")
-    fake_cupy.ndarray = _FakeCupyArray
-    fake_cupy.zeros = lambda shape, dtype: _FakeCupyArray(np.zeros(shape, dtype))
-    fake_cupy.full = lambda shape, value, dtype: _FakeCupyArray(np.full(shape, value, dtype))
+    fake_cupy.ndarray = FakeCupyArray
+    fake_cupy.zeros = lambda shape, dtype: FakeCupyArray(np.zeros(shape, dtype))
+    fake_cupy.full = lambda shape, value, dtype: FakeCupyArray(np.full(shape, value, dtype))
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
 
     calls = []
@@ -289,7 +265,7 @@ def fake_gpu(monkeypatch):
 
 
 def _gpu_args(dtype=np.float16, device_id=0):
-    return {name: _FakeCupyArray(x, device_id) for name, x in _valid_args(dtype).items()}
+    return {name: FakeCupyArray(x, device_id) for name, x in _valid_args(dtype).items()}
 
 
 def test_cupy_arrays_go_to_gpu_fwd(fake_gpu):
@@ -317,10 +293,10 @@ def test_cupy_arrays_go_to_gpu_bwd(fake_gpu):
 
 
 def test_cupy_empty_inputs_do_not_reach_the_gpu_module(fake_gpu):
-    q = _FakeCupyArray(np.ones((2, 5, 4, 8), np.float16))
-    kv = _FakeCupyArray(np.ones((2, 0, 2, 8), np.float16))
+    q = FakeCupyArray(np.ones((2, 5, 4, 8), np.float16))
+    kv = FakeCupyArray(np.ones((2, 0, 2, 8), np.float16))
     out, lse = cupyflash.flash_attn_fwd(q, kv, kv)
-    assert isinstance(out, _FakeCupyArray) and (out.host == 0).all()
+    assert isinstance(out, FakeCupyArray) and (out.host == 0).all()
     assert lse.shape == (2, 4, 5) and (lse.host == -np.inf).all()
     dq, dk, dv = cupyflash.flash_attn_bwd(q, q, kv, kv, out, lse)
     assert dq.shape == (2, 5, 4, 8) and dk.shape == (2, 0, 2, 8) and (dq.host == 0).all()
@@ -356,7 +332,7 @@ def test_mixed_numpy_and_cupy_is_rejected_in_bwd(fake_gpu, arg):
 @pytest.mark.parametrize("arg", ["k", "v", "dout", "out", "lse"])
 def test_inputs_on_different_devices_are_rejected(fake_gpu, arg):
     a = _gpu_args()
-    a[arg] = _FakeCupyArray(a[arg].host, device_id=1)
+    a[arg] = FakeCupyArray(a[arg].host, device_id=1)
     fn_name = "flash_attn_bwd" if arg in ("dout", "out", "lse") else "flash_attn_fwd"
     with pytest.raises(ValueError, match=rf"^cupyflash\.{fn_name}: {arg} must be on the same "
                                          r"device as q \(cuda:0\); got cuda:1\.$"):

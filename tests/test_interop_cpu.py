@@ -19,6 +19,7 @@ import pytest
 
 import cupyflash
 from cupyflash import _interop, cpu
+from fakes import FakeCupyArray
 
 REPO = Path(__file__).resolve().parents[1]
 FUNCTIONS = ("flash_attn_fwd", "flash_attn", "flash_attn_bwd")
@@ -216,31 +217,13 @@ def test_numpy_uint16_with_bfloat16_is_rejected(rng):
         cupyflash.flash_attn(q, k, v, dtype="bfloat16")
 
 
-class _FakeDevice:
-    def __init__(self, device_id=0):
-        self.id = device_id
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-class _FakeCupyArray:
-    """The attributes the checks read, around a NumPy array."""
-
-    def __init__(self, host):
-        self.host, self.device = host, _FakeDevice()
-        self.shape, self.ndim, self.dtype = host.shape, host.ndim, host.dtype
-        self.strides, self.itemsize, self.size = host.strides, host.itemsize, host.size
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """Fake ``cupy`` and ``cupyflash._gpu`` modules; returns the recorded GPU calls."""
     fake_cupy = types.ModuleType("cupy")
-    fake_cupy.ndarray = _FakeCupyArray
+    fake_cupy.ndarray = FakeCupyArray
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     calls = []
     fake = types.ModuleType("cupyflash._gpu")
@@ -254,7 +237,7 @@ def fake_gpu(monkeypatch):
 def _gpu_args(rng, storage):
     q, k, v = (x.view(storage) for x in _qkv(rng, np.float16))
     lse = np.zeros((2, 4, 9), np.float32)
-    return [_FakeCupyArray(x) for x in (q, k, v, q, lse)]
+    return [FakeCupyArray(x) for x in (q, k, v, q, lse)]
 
 
 @pytest.mark.parametrize("storage", [np.uint16, np.int16])
@@ -292,7 +275,7 @@ def test_gpu_storage_without_dtype_is_rejected(fake_gpu, rng, fn_name):
     (np.int32, "bfloat16", "dtype must be None or q's own dtype (int32)"),
 ])
 def test_gpu_bad_dtype_is_rejected(fake_gpu, rng, storage, dtype, text):
-    q, k, v = (_FakeCupyArray(x.astype(storage)) for x in _qkv(rng))
+    q, k, v = (FakeCupyArray(x.astype(storage)) for x in _qkv(rng))
     with pytest.raises(TypeError) as info:
         cupyflash.flash_attn(q, k, v, dtype=dtype)
     assert text in str(info.value)
@@ -301,7 +284,7 @@ def test_gpu_bad_dtype_is_rejected(fake_gpu, rng, storage, dtype, text):
 
 def test_gpu_storage_mismatch_is_rejected(fake_gpu, rng):
     q, k, v, _, _ = _gpu_args(rng, np.uint16)
-    k = _FakeCupyArray(k.host.view(np.int16))
+    k = FakeCupyArray(k.host.view(np.int16))
     with pytest.raises(TypeError, match=r"k must have the same dtype as q \(uint16\); got int16\."):
         cupyflash.flash_attn(q, k, v, dtype="bfloat16")
 

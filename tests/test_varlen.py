@@ -18,6 +18,7 @@ import pytest
 
 import cupyflash
 from cupyflash import cpu, reference, testing
+from fakes import FakeCupyArray
 
 _NO_BF16 = pytest.mark.skipif(importlib.util.find_spec("ml_dtypes") is None,
                               reason="bfloat16 needs ml_dtypes (pip install ml_dtypes)")
@@ -467,51 +468,18 @@ def test_valid_arguments_pass():
 # ----------------------------------------------------------------------------
 
 
-class _FakeDevice:
-    def __init__(self, device_id):
-        self.id = device_id
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-class _FakeCupyArray:
-    """The attributes the checks read, slicing and assignment, around a NumPy array."""
-
-    def __init__(self, host, device_id=0):
-        self.host = host
-        self.device = _FakeDevice(device_id)
-
-    shape = property(lambda self: self.host.shape)
-    ndim = property(lambda self: self.host.ndim)
-    dtype = property(lambda self: self.host.dtype)
-    strides = property(lambda self: self.host.strides)
-    itemsize = property(lambda self: self.host.itemsize)
-    size = property(lambda self: self.host.size)
-
-    def __getitem__(self, index):
-        return _FakeCupyArray(self.host[index], self.device.id)
-
-    def __setitem__(self, index, value):
-        self.host[index] = value.host if isinstance(value, _FakeCupyArray) else value
-
-    def get(self):
-        return self.host
 
 
 def _host(x):
-    return x.host if isinstance(x, _FakeCupyArray) else x
+    return x.host if isinstance(x, FakeCupyArray) else x
 
 
 @pytest.fixture
 def fake_cupy(monkeypatch):
     module = types.ModuleType("cupy")
-    module.ndarray = _FakeCupyArray
-    module.zeros = lambda shape, dtype: _FakeCupyArray(np.zeros(shape, dtype))
-    module.full = lambda shape, value, dtype: _FakeCupyArray(np.full(shape, value, dtype))
+    module.ndarray = FakeCupyArray
+    module.zeros = lambda shape, dtype: FakeCupyArray(np.zeros(shape, dtype))
+    module.full = lambda shape, value, dtype: FakeCupyArray(np.full(shape, value, dtype))
     monkeypatch.setitem(sys.modules, "cupy", module)
     return module
 
@@ -524,13 +492,13 @@ def _install_gpu(monkeypatch, *, varlen):
 
     def fwd(q, k, v, **kwargs):
         calls.append(("fwd", q.shape, k.shape, kwargs))
-        return tuple(_FakeCupyArray(x) for x in real_fwd(q.host, k.host, v.host,
+        return tuple(FakeCupyArray(x) for x in real_fwd(q.host, k.host, v.host,
                                                          kwargs["softmax_scale"],
                                                          kwargs["causal"]))
 
     def bwd(*arrays, **kwargs):
         calls.append(("bwd", arrays[1].shape, arrays[2].shape, kwargs))
-        return tuple(_FakeCupyArray(x) for x in real_bwd(*(_host(a) for a in arrays),
+        return tuple(FakeCupyArray(x) for x in real_bwd(*(_host(a) for a in arrays),
                                                          kwargs["softmax_scale"],
                                                          kwargs["causal"]))
 
@@ -554,7 +522,7 @@ def _install_gpu(monkeypatch, *, varlen):
 
 def _gpu_args(dtype=np.float16, device_id=0):
     a = _valid_args(dtype)
-    return {name: (_FakeCupyArray(x, device_id) if isinstance(x, np.ndarray) else x)
+    return {name: (FakeCupyArray(x, device_id) if isinstance(x, np.ndarray) else x)
             for name, x in a.items()}
 
 
@@ -595,10 +563,10 @@ def test_gpu_without_varlen_kernels_loops_over_sequences(fake_cupy, monkeypatch,
     out, lse = _call("flash_attn_varlen_fwd", a, causal=causal)
     a["out"], a["lse"] = out, lse
     grads = _call("flash_attn_varlen_bwd", a, causal=causal, deterministic=True)
-    assert isinstance(out, _FakeCupyArray) and isinstance(lse, _FakeCupyArray)
+    assert isinstance(out, FakeCupyArray) and isinstance(lse, FakeCupyArray)
     assert np.array_equal(out.host, want_out) and np.array_equal(lse.host, want_lse)
     for got, want in zip(grads, want_grads):
-        assert isinstance(got, _FakeCupyArray) and np.array_equal(got.host, want)
+        assert isinstance(got, FakeCupyArray) and np.array_equal(got.host, want)
     # sequences (5, 7), (0, 3), (7, 5): the empty query sequence reaches no kernel
     assert [(c[0], c[1], c[2]) for c in calls] == [
         ("fwd", (1, 5, 4, 8), (1, 7, 2, 8)), ("fwd", (1, 7, 4, 8), (1, 5, 2, 8)),
@@ -610,9 +578,9 @@ def test_gpu_without_varlen_kernels_loops_over_sequences(fake_cupy, monkeypatch,
 
 def test_cupy_empty_inputs_do_not_reach_the_gpu_module(fake_cupy, monkeypatch):
     calls = _install_gpu(monkeypatch, varlen=True)
-    q = _FakeCupyArray(np.ones((5, 4, 8), np.float16))
-    kv = _FakeCupyArray(np.ones((0, 2, 8), np.float16))
-    cu_q, cu_k = _FakeCupyArray(cu_seqlens([2, 3])), _FakeCupyArray(cu_seqlens([0, 0]))
+    q = FakeCupyArray(np.ones((5, 4, 8), np.float16))
+    kv = FakeCupyArray(np.ones((0, 2, 8), np.float16))
+    cu_q, cu_k = FakeCupyArray(cu_seqlens([2, 3])), FakeCupyArray(cu_seqlens([0, 0]))
     out, lse = cupyflash.flash_attn_varlen_fwd(q, kv, kv, cu_q, cu_k, 3, 0)
     assert (out.host == 0).all() and lse.shape == (4, 5) and (lse.host == -np.inf).all()
     dq, dk, dv = cupyflash.flash_attn_varlen_bwd(q, q, kv, kv, out, lse, cu_q, cu_k, 3, 0)
@@ -628,7 +596,7 @@ def test_cupy_cu_seqlens_must_be_cupy_on_the_same_device(fake_cupy, monkeypatch,
     with pytest.raises(TypeError, match=rf"^cupyflash\.flash_attn_varlen_fwd: {arg} must be a "
                                         r"cupy\.ndarray like q .*; got numpy\.ndarray\.$"):
         _call("flash_attn_varlen_fwd", a)
-    a[arg] = _FakeCupyArray(a[arg], device_id=1)
+    a[arg] = FakeCupyArray(a[arg], device_id=1)
     with pytest.raises(ValueError, match=rf"^cupyflash\.flash_attn_varlen_fwd: {arg} must be on "
                                          r"the same device as q \(cuda:0\); got cuda:1\.$"):
         _call("flash_attn_varlen_fwd", a)
