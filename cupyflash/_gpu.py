@@ -35,6 +35,11 @@ def _struct_packer(dt: np.dtype) -> struct.Struct:
 
 _FWD_PACK = _struct_packer(_params.FWD_PARAMS)
 
+# Plans are pure functions of scalars: memoised here (not in dispatch, whose
+# tables tests and `bench --fwd-tiles` patch) they cost ~0.1 us instead of ~10.
+select_fwd = functools.lru_cache(maxsize=4096)(dispatch.select_fwd)
+select_bwd = functools.lru_cache(maxsize=4096)(dispatch.select_bwd)
+
 
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_id: int) -> int:
@@ -101,7 +106,7 @@ def _fwd(q, k, v, softmax_scale, causal, dtype, out, lse):
     if lse is None:
         lse = cupy.empty((batch, nheads_q, seqlen_q), dtype=cupy.float32)
     dev = q.device.id
-    plan = dispatch.select_fwd(
+    plan = select_fwd(
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, head_dim=head_dim,
         dtype=dtype_name, causal=causal, vec=vec_ok((q, k, v, out), head_dim),
         num_sms=_num_sms(dev), cc=_cc(dev))

@@ -20,7 +20,7 @@ expanded.
 
 from __future__ import annotations
 
-from . import _gpu, _params, dispatch
+from . import _gpu, _params
 
 _BWD_PACK = _gpu._struct_packer(_params.BWD_PARAMS)
 
@@ -47,7 +47,7 @@ def bwd(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, determin
             return dq, dk, dv
 
         dev = q.device.id
-        plan = dispatch.select_bwd(
+        plan = _gpu.select_bwd(
             batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, nheads_kv=nheads_kv,
             head_dim=head_dim, dtype=dtype_name, causal=causal, deterministic=deterministic,
             vec=_gpu.vec_ok((q, k, v, out, dout, dq, dk, dv), head_dim),
