@@ -36,7 +36,8 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None):
     v : array, shape (batch, seqlen_k, nheads_kv, head_dim)
         Values; same array type, dtype and device as ``q``.
     softmax_scale : float, optional
-        Scale of ``q @ k.T`` before the softmax; finite and > 0.  Defaults to
+        Scale of ``q @ k.T`` before the softmax; finite and > 0, within float32
+        range (between 1.4e-45 and 2.36e38, as it is used in float32).  Defaults to
         ``1 / sqrt(head_dim)``.
     causal : bool, optional
         Causal mask aligned to the bottom-right corner of the score matrix:
@@ -71,7 +72,8 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None):
     Raises
     ------
     TypeError
-        An input is not an array, array types are mixed (numpy with cupy,
+        An input is not an array (or is a numpy masked array, whose mask would be
+        ignored), array types are mixed (numpy with cupy,
         torch with cupy, ...), a dtype is unsupported or differs between q, k
         and v, ``dtype`` does not fit the arrays, ``causal`` is not a bool, or
         ``softmax_scale`` is not a real number.
@@ -79,7 +81,8 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None):
         An input is not 4-D; batch or head_dim differ between q, k and v;
         k and v differ in seqlen or nheads; ``nheads_q`` is not a multiple of
         ``nheads_kv``; head_dim is 0 or above 256; a last stride is not 1;
-        arrays are on different devices; ``softmax_scale`` is not finite and > 0.
+        arrays are on different devices; ``softmax_scale`` is not finite and > 0
+        or is outside float32 range.
 
     See Also
     --------

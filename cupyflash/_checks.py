@@ -29,6 +29,12 @@ GPU_DTYPES = ("float16", "bfloat16")
 #: cupy dtypes that may hold GPU_DTYPES data when ``dtype=`` names the element type.
 GPU_STORAGE_DTYPES = ("uint16", "int16")
 MAX_HEAD_DIM = 256
+#: The kernels (and the CPU path) use ``softmax_scale`` and ``softmax_scale * log2(e)``
+#: as float32: outside this range one of them rounds to 0 or overflows, and every
+#: output would be NaN.  The bounds are the smallest float32 subnormal and the
+#: largest scale whose product with log2(e) is a finite float32.
+MIN_SOFTMAX_SCALE = 2.0**-149
+MAX_SOFTMAX_SCALE = float(np.finfo(np.float32).max) / 1.4426950408889634
 
 
 def fail(cls, fn, message):
@@ -70,10 +76,31 @@ def check_flags(fn, softmax_scale, head_dim, causal, deterministic=False):
     if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
         fail(TypeError, fn,
              f"softmax_scale must be a real number or None; got {_type_name(softmax_scale)}.")
-    scale = float(softmax_scale)
+    try:
+        scale = float(softmax_scale)
+    except OverflowError:  # a huge int or Fraction
+        fail(ValueError, fn,
+             f"softmax_scale must be finite and > 0; got a {_type_name(softmax_scale)} too large "
+             f"for a float.")
     if not (math.isfinite(scale) and scale > 0):
         fail(ValueError, fn, f"softmax_scale must be finite and > 0; got {scale!r}.")
+    if not MIN_SOFTMAX_SCALE <= scale <= MAX_SOFTMAX_SCALE:
+        fail(ValueError, fn,
+             f"softmax_scale must be between {MIN_SOFTMAX_SCALE:.2g} and "
+             f"{MAX_SOFTMAX_SCALE:.3g} (it is used in float32); got {scale!r}.")
     return scale
+
+
+def dtype_desc(dtype):
+    """``dtype.name``, prefixed with the byte order when it is not the machine's."""
+    if dtype.isnative:
+        return dtype.name
+    return f"{'big' if dtype.byteorder == '>' else 'little'}-endian {dtype.name}"
+
+
+def _is_masked(x):
+    ma = sys.modules.get("numpy.ma")  # no masked array exists unless numpy.ma was imported
+    return ma is not None and isinstance(x, ma.MaskedArray)
 
 
 def _check_array(fn, name, x, kind, ref_name, rank=4):
@@ -81,6 +108,10 @@ def _check_array(fn, name, x, kind, ref_name, rank=4):
     got = _kind(x)
     if got is None:
         fail(TypeError, fn, f"{name} must be a numpy.ndarray or cupy.ndarray; got {_type_name(x)}.")
+    if got == "numpy" and _is_masked(x):
+        fail(TypeError, fn,
+             f"{name} must not be a numpy.ma.MaskedArray (its mask would be ignored); pass "
+             f"{name}.filled(value) or {name}.data.")
     if got != kind:
         fail(TypeError, fn,
              f"{name} must be a {kind}.ndarray like {ref_name} (numpy and cupy inputs cannot be "
@@ -153,7 +184,8 @@ def check_qkv(fn, q, k, v, dtype=None):
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             fail(TypeError, fn,
-                 f"{name} must have the same dtype as q ({q.dtype.name}); got {x.dtype.name}.")
+                 f"{name} must have the same dtype as q ({dtype_desc(q.dtype)}); "
+                 f"got {dtype_desc(x.dtype)}.")
     batch, _, nheads, head_dim = q.shape
     for name, x in (("k", k), ("v", v)):
         if x.shape[0] != batch:
@@ -191,7 +223,8 @@ def check_bwd_extras(fn, dout, out, lse, q):
                  f"{name} must have the same shape as q {tuple(q.shape)}; got {tuple(x.shape)}.")
         if x.dtype != q.dtype:
             fail(TypeError, fn,
-                 f"{name} must have the same dtype as q ({q.dtype.name}); got {x.dtype.name}.")
+                 f"{name} must have the same dtype as q ({dtype_desc(q.dtype)}); "
+                 f"got {dtype_desc(x.dtype)}.")
         _check_last_stride(fn, name, x)
     _check_array(fn, "lse", lse, kind, "q", rank=None)  # its shape is checked below
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
@@ -200,7 +233,7 @@ def check_bwd_extras(fn, dout, out, lse, q):
              f"lse must have shape (batch, nheads_q, seqlen_q) = {lse_shape}; "
              f"got {tuple(lse.shape)}.")
     if lse.dtype != np.float32:
-        fail(TypeError, fn, f"lse must have dtype float32; got {lse.dtype.name}.")
+        fail(TypeError, fn, f"lse must have dtype float32; got {dtype_desc(lse.dtype)}.")
     _check_last_stride(fn, "lse", lse, "seqlen_q")
     if kind == "cupy":
         for name, x in (("dout", dout), ("out", out), ("lse", lse)):

@@ -55,7 +55,8 @@ def _check_qkv(fn, q, k, v):
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             fail(TypeError, fn,
-                 f"{name} must have the same dtype as q ({q.dtype.name}); got {x.dtype.name}.")
+                 f"{name} must have the same dtype as q ({_checks.dtype_desc(q.dtype)}); "
+                 f"got {_checks.dtype_desc(x.dtype)}.")
         if x.shape[2] != q.shape[2]:
             fail(ValueError, fn,
                  f"{name} must have the same head_dim as q ({q.shape[2]}); got {x.shape[2]}.")
@@ -91,7 +92,7 @@ def _check_cu_seqlens(fn, name, cu, q, total, total_name):
     kind = _checks._kind(q)
     _checks._check_array(fn, name, cu, kind, "q", rank=None)
     if cu.dtype != np.int32:
-        fail(TypeError, fn, f"{name} must have dtype int32; got {cu.dtype.name}.")
+        fail(TypeError, fn, f"{name} must have dtype int32; got {_checks.dtype_desc(cu.dtype)}.")
     if cu.ndim != 1:
         fail(ValueError, fn, f"{name} must be 1-D (batch + 1,); got shape {tuple(cu.shape)}.")
     if cu.shape[0] == 0:
@@ -156,7 +157,8 @@ def _check_bwd_extras(fn, dout, out, lse, q):
                  f"{name} must have the same shape as q {tuple(q.shape)}; got {tuple(x.shape)}.")
         if x.dtype != q.dtype:
             fail(TypeError, fn,
-                 f"{name} must have the same dtype as q ({q.dtype.name}); got {x.dtype.name}.")
+                 f"{name} must have the same dtype as q ({_checks.dtype_desc(q.dtype)}); "
+                 f"got {_checks.dtype_desc(x.dtype)}.")
         _checks._check_last_stride(fn, name, x)
     _checks._check_array(fn, "lse", lse, kind, "q", rank=None)
     lse_shape = (q.shape[1], q.shape[0])
@@ -164,7 +166,7 @@ def _check_bwd_extras(fn, dout, out, lse, q):
         fail(ValueError, fn,
              f"lse must have shape (nheads_q, total_q) = {lse_shape}; got {tuple(lse.shape)}.")
     if lse.dtype != np.float32:
-        fail(TypeError, fn, f"lse must have dtype float32; got {lse.dtype.name}.")
+        fail(TypeError, fn, f"lse must have dtype float32; got {_checks.dtype_desc(lse.dtype)}.")
     _checks._check_last_stride(fn, "lse", lse, "total_q")
     if kind == "cupy":
         for name, x in (("dout", dout), ("out", out), ("lse", lse)):
@@ -287,7 +289,8 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         At least the longest query / key sequence (the GPU kernels size their
         grid with them).
     softmax_scale : float, optional
-        Scale of ``q @ k.T`` before the softmax; finite and > 0.  Defaults to
+        Scale of ``q @ k.T`` before the softmax; finite and > 0, within float32
+        range (between 1.4e-45 and 2.36e38, as it is used in float32).  Defaults to
         ``1 / sqrt(head_dim)``.
     causal : bool, optional
         Causal mask aligned to the bottom-right corner of each sequence's score
@@ -389,6 +392,8 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
     scale = _checks.check_flags(fn, softmax_scale, q.shape[2], causal, deterministic)
     causal, deterministic = bool(causal), bool(deterministic)
     if not gpu:
+        if _nothing_to_compute(q, k):
+            return tuple(np.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
         return _bwd_loop(
             lambda *a: cpu.bwd(*a, scale, causal), np, dout, q, k, v, out, lse, cu_q, cu_k)
     from . import _gpu

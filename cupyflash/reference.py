@@ -62,12 +62,16 @@ def visible_keys(seqlen_q, seqlen_k, causal):
 def _heads_first(x, nheads):
     """(B, S, Hkv, D) -> (B, nheads, S, D), repeating each KV head for its query heads."""
     x = x.transpose(0, 2, 1, 3)
+    if x.shape[1] == 0 and nheads == 0:  # no head at all: nothing to repeat
+        return x
     return np.repeat(x, nheads // x.shape[1], axis=1)
 
 
 def _sum_groups(grad, nheads_kv):
     """(B, Hq, S, D) gradient of the repeated KV heads -> (B, S, Hkv, D)."""
     batch, nheads, seqlen, head_dim = grad.shape
+    if nheads_kv == 0:
+        return np.zeros((batch, seqlen, 0, head_dim), dtype=grad.dtype)
     grad = grad.reshape(batch, nheads_kv, nheads // nheads_kv, seqlen, head_dim).sum(axis=2)
     return grad.transpose(0, 2, 1, 3)
 
@@ -80,6 +84,8 @@ def _softmax_rows(scores, visible):
     from scipy.special import logsumexp, softmax  # imported here: it takes ~0.2 s
 
     empty = ~visible.any(axis=-1)  # (Sq,)
+    if scores.shape[-1] == 0:  # no key at all: scipy cannot reduce an empty axis
+        return np.zeros(scores.shape, scores.dtype), np.full(scores.shape[:-1], -np.inf)
     safe = np.where(empty[:, None], 0.0, scores)
     p = softmax(safe, axis=-1)
     lse = logsumexp(safe, axis=-1)
