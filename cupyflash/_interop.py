@@ -1,7 +1,7 @@
 """Zero-copy views of torch, JAX and other DLPack / CUDA-array-interface arrays.
 
-The public functions in ``_api`` take NumPy and CuPy arrays.  Anything else
-that is an array (``torch.Tensor``, ``jax.Array``, an object with
+The public functions in ``_api`` and ``_varlen`` take NumPy and CuPy arrays.
+Anything else that is an array (``torch.Tensor``, ``jax.Array``, an object with
 ``__dlpack__`` or ``__cuda_array_interface__``) comes here: :func:`call` views
 every argument as a NumPy (CPU) or CuPy (GPU) array without copying, calls the
 public function again with the views, and hands the results back in the
@@ -122,7 +122,9 @@ def _label(x):
 def call(fn_name, fn, names, arrays, kwargs, dtype):
     """Run ``fn`` (a public function) on views of ``arrays``; results in the caller's type.
 
-    ``names`` name the arrays in ``fn``'s order; ``kwargs`` are passed on.
+    ``names`` name the arrays, which are ``fn``'s leading positional arguments in
+    that order; ``kwargs`` (the rest, e.g. varlen's ``max_seqlen_q``) are passed on
+    unchanged.
     """
     qi = names.index("q")
     q = arrays[qi]
@@ -150,13 +152,18 @@ def _map(result, convert):
     return convert(result)
 
 
+#: Arguments whose dtype is fixed, whatever q's is (the others must have q's).
+_FIXED_DTYPES = {"lse": "float32", "cu_seqlens_q": "int32", "cu_seqlens_k": "int32"}
+
+
 def _check_same(fn_name, names, values, what, cls):
-    """Every value equal to q's; ``what`` is 'dtype' or 'device'."""
+    """Every value equal to q's (a fixed dtype: that one); ``what`` is 'dtype' or 'device'."""
     ref = values[names.index("q")]
     for name, value in zip(names, values):
-        if name == "lse" and what == "dtype":
-            if value != "float32":
-                fail(TypeError, fn_name, f"lse must have dtype float32; got {value}.")
+        if name in _FIXED_DTYPES and what == "dtype":
+            if value != _FIXED_DTYPES[name]:
+                fail(TypeError, fn_name,
+                     f"{name} must have dtype {_FIXED_DTYPES[name]}; got {value}.")
         elif value != ref:
             fail(cls, fn_name, f"{name} must have the same {what} as q ({ref}); got {value}.")
 

@@ -9,7 +9,11 @@ layout).  Validation follows :mod:`cupyflash._checks`; then
   views, writing into the packed outputs, so extra memory stays O(tokens);
 * CuPy arrays go to ``_gpu.varlen_fwd`` / ``_gpu.varlen_bwd`` (one launch for
   the whole batch, reading ``cu_seqlens`` on the device) when the GPU module has
-  them, else to the same per-sequence loop over ``_gpu.fwd`` / ``_gpu.bwd``.
+  them, else to the same per-sequence loop over ``_gpu.fwd`` / ``_gpu.bwd``
+  (bfloat16 as uint16/int16 storage with ``dtype="bfloat16"``, as in ``_api``);
+* other arrays (torch, JAX, ``__dlpack__`` objects), ``cu_seqlens`` included, go
+  through :func:`._interop.call` like the dense functions: viewed as NumPy/CuPy
+  arrays without copying, results handed back in the caller's type.
 
 A pair with a zero-length query or key sequence never reaches a kernel: its
 query rows get out 0 and lse ``-inf`` (and dq 0), its key rows dk = dv = 0.
@@ -22,7 +26,8 @@ import sys
 
 import numpy as np
 
-from . import _checks, cpu
+from . import _checks, _interop, cpu
+from ._api import _gpu_dtype
 from ._checks import fail
 
 __all__ = ["flash_attn_varlen_fwd", "flash_attn_varlen_bwd", "flash_attn_varlen"]
@@ -46,12 +51,12 @@ def _check_packed(fn, name, x, kind):
              f"got {x.ndim} with shape {tuple(x.shape)}.")
 
 
-def _check_qkv(fn, q, k, v):
-    """Validate packed q, k, v; return True for CuPy (GPU) inputs, False for NumPy."""
+def _check_qkv(fn, q, k, v, dtype=None):
+    """Validate packed q, k, v (and ``dtype=``); return True for CuPy (GPU) inputs."""
     kind = _checks._kind(q)
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_packed(fn, name, x, kind)
-    _checks._check_dtype(fn, q, kind)
+    _checks._check_dtype(fn, q, kind, dtype)
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             fail(TypeError, fn,
@@ -131,9 +136,10 @@ def _check_max_seqlen(fn, name, value, cu_values, what):
              f"sequence {i}); got {int(value)}.")
 
 
-def _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  dtype=None):
     """Validate everything but the flags; return ``(gpu, cu_q, cu_k)`` (host int64 values)."""
-    gpu = _check_qkv(fn, q, k, v)
+    gpu = _check_qkv(fn, q, k, v, dtype)
     cu_q = _check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q, q.shape[0],
                              "total_q = q.shape[0]")
     cu_k = _check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, q, k.shape[0],
@@ -232,11 +238,15 @@ def _nothing_to_compute(q, k):
     return q.size == 0 or k.shape[0] == 0
 
 
+_FWD_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
+_BWD_NAMES = ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k")
+
+
 def _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-         causal):
+         causal, dtype):
     """Validate, then run the forward on the CPU, the GPU varlen kernel, or the GPU loop."""
     gpu, cu_q, cu_k = _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                    max_seqlen_q, max_seqlen_k)
+                                    max_seqlen_q, max_seqlen_k, dtype)
     scale = _checks.check_flags(fn, softmax_scale, q.shape[2], causal)
     causal = bool(causal)
     if not gpu:
@@ -246,14 +256,17 @@ def _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, so
                          np, q, k, v, cu_q, cu_k)
     from . import _gpu
 
+    kw_dtype = _gpu_dtype(fn, dtype)
     with q.device:
         if _nothing_to_compute(q, k):
             return _empty_fwd(_xp(gpu), q)
         if hasattr(_gpu, "varlen_fwd"):
             return _gpu.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                   int(max_seqlen_k), softmax_scale=scale, causal=causal)
+                                   int(max_seqlen_k), softmax_scale=scale, causal=causal,
+                                   **kw_dtype)
         return _fwd_loop(
-            lambda qs, ks, vs: _gpu.fwd(qs, ks, vs, softmax_scale=scale, causal=causal),
+            lambda qs, ks, vs: _gpu.fwd(qs, ks, vs, softmax_scale=scale, causal=causal,
+                                        **kw_dtype),
             _xp(gpu), q, k, v, cu_q, cu_k)
 
 
@@ -263,7 +276,7 @@ def _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, so
 
 
 def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                          softmax_scale=None, causal=False):
+                          softmax_scale=None, causal=False, dtype=None):
     """Exact attention forward pass over a packed batch of variable-length sequences.
 
     Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key
@@ -273,18 +286,23 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
     Parameters
     ----------
-    q : numpy.ndarray or cupy.ndarray, shape (total_q, nheads_q, head_dim)
-        Queries of all sequences, concatenated.  dtype float16, bfloat16,
-        float32 or float64 on the CPU; float16 on the GPU.  Any strides as long
-        as the last one is 1 element.
+    q : array, shape (total_q, nheads_q, head_dim)
+        Queries of all sequences, concatenated: a numpy.ndarray (CPU path), a
+        cupy.ndarray (GPU), or a torch tensor, JAX array or other
+        ``__dlpack__``/``__cuda_array_interface__`` array (viewed without
+        copying, as in :func:`cupyflash.flash_attn_fwd`).  dtype float16,
+        bfloat16, float32 or float64 on the CPU; float16 or bfloat16 on the GPU
+        (bfloat16 cupy data as uint16/int16 storage with ``dtype="bfloat16"``).
+        Any strides as long as the last one is 1 element.
     k, v : array, shape (total_k, nheads_kv, head_dim)
         Keys and values, concatenated the same way; same array type and dtype
         as ``q``.  ``nheads_q`` must be a multiple of ``nheads_kv`` (GQA):
         query head ``h`` reads KV head ``h // (nheads_q // nheads_kv)``.
     cu_seqlens_q, cu_seqlens_k : array, shape (batch + 1,), int32
         Prefix sums of the sequence lengths: ``[0, len_0, len_0 + len_1, ...]``.
-        Same array type (and device) as ``q``; start at 0, non-decreasing, end
-        at ``total_q`` / ``total_k``.  Zero-length sequences are allowed.
+        Same array type (and device) as ``q`` (an int32 torch tensor or JAX
+        array for torch / JAX inputs); start at 0, non-decreasing, end at
+        ``total_q`` / ``total_k``.  Zero-length sequences are allowed.
     max_seqlen_q, max_seqlen_k : int
         At least the longest query / key sequence (the GPU kernels size their
         grid with them).
@@ -306,11 +324,17 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
         A query row that sees no key, including every row of a sequence whose
         key sequence is empty, gets output 0 and lse ``-inf``.  Nothing is NaN.
+    dtype : str, optional
+        As in :func:`cupyflash.flash_attn_fwd`: ``"bfloat16"`` (or
+        ``"float16"``) for cupy arrays of raw bits in uint16/int16 storage.
+        ``None`` (default) or q's own dtype name otherwise; torch and JAX
+        arrays carry their dtype and take None.
 
     Returns
     -------
     out : array, shape (total_q, nheads_q, head_dim)
-        Same array type and dtype as ``q``, C-contiguous.
+        Same array type and dtype as ``q`` (uint16 storage stays uint16),
+        C-contiguous.
     lse : array, shape (nheads_q, total_q), float32
         The natural-log logsumexp of each row of scaled, masked scores.
 
@@ -332,6 +356,13 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     The ``cu_seqlens`` values are read on the host to validate them (for CuPy
     arrays that is a small device-to-host copy).
 
+    torch tensors and JAX arrays are handled as by :func:`cupyflash.flash_attn_fwd`:
+    viewed without copying (``cu_seqlens`` too), torch CUDA tensors run on
+    ``torch.cuda.current_stream()``, JAX GPU arrays are exchanged through
+    DLPack with its stream handshake, CPU tensors/arrays run the CPU path, and
+    the results come back in the caller's type.  All array arguments must be
+    of one array type and on one device.
+
     Examples
     --------
     >>> import numpy as np, cupyflash
@@ -342,12 +373,19 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     >>> out.shape, lse.shape
     ((7, 2, 8), (2, 7))
     """
-    return _fwd("flash_attn_varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                max_seqlen_k, softmax_scale, causal)
+    fn = "flash_attn_varlen_fwd"
+    if _interop.foreign(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        return _interop.call(fn, flash_attn_varlen_fwd, _FWD_NAMES,
+                             (q, k, v, cu_seqlens_q, cu_seqlens_k),
+                             dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                  softmax_scale=softmax_scale, causal=causal), dtype)
+    return _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, causal, dtype)
 
 
 def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, *, softmax_scale=None, causal=False, deterministic=False):
+                          max_seqlen_k, *, softmax_scale=None, causal=False, deterministic=False,
+                          dtype=None):
     """Exact attention backward pass over a packed batch: the gradients of
     :func:`flash_attn_varlen_fwd`.
 
@@ -370,6 +408,9 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
     deterministic : bool, optional
         On the GPU, accumulate dq in a fixed order (see
         :func:`cupyflash.flash_attn_bwd`).  The CPU path ignores it.
+    dtype : str, optional
+        As in :func:`flash_attn_varlen_fwd`: ``"bfloat16"`` for cupy arrays of
+        raw bfloat16 bits (dout, q, k, v and out alike).
 
     Returns
     -------
@@ -386,8 +427,14 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
         ``(nheads_q, total_q)`` float32, or ``deterministic`` is not a bool.
     """
     fn = "flash_attn_varlen_bwd"
+    if _interop.foreign(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k):
+        return _interop.call(fn, flash_attn_varlen_bwd, _BWD_NAMES,
+                             (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k),
+                             dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                  softmax_scale=softmax_scale, causal=causal,
+                                  deterministic=deterministic), dtype)
     gpu, cu_q, cu_k = _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                    max_seqlen_q, max_seqlen_k)
+                                    max_seqlen_q, max_seqlen_k, dtype)
     _check_bwd_extras(fn, dout, out, lse, q)
     scale = _checks.check_flags(fn, softmax_scale, q.shape[2], causal, deterministic)
     causal, deterministic = bool(causal), bool(deterministic)
@@ -398,6 +445,7 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
             lambda *a: cpu.bwd(*a, scale, causal), np, dout, q, k, v, out, lse, cu_q, cu_k)
     from . import _gpu
 
+    kw_dtype = _gpu_dtype(fn, dtype)
     with q.device:
         if _nothing_to_compute(q, k):
             xp = _xp(gpu)
@@ -405,15 +453,15 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
         if hasattr(_gpu, "varlen_bwd"):
             return _gpu.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                    int(max_seqlen_q), int(max_seqlen_k), softmax_scale=scale,
-                                   causal=causal, deterministic=deterministic)
+                                   causal=causal, deterministic=deterministic, **kw_dtype)
         return _bwd_loop(
             lambda *a: _gpu.bwd(*a, softmax_scale=scale, causal=causal,
-                                deterministic=deterministic),
+                                deterministic=deterministic, **kw_dtype),
             _xp(gpu), dout, q, k, v, out, lse, cu_q, cu_k)
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                      softmax_scale=None, causal=False):
+                      softmax_scale=None, causal=False, dtype=None):
     """Exact attention over a packed batch of variable-length sequences: the output alone.
 
     The same as ``flash_attn_varlen_fwd(...)[0]``; see
@@ -428,10 +476,18 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     max_seqlen_q, max_seqlen_k : int
     softmax_scale : float, optional
     causal : bool, optional
+    dtype : str, optional
+        ``"bfloat16"`` for cupy arrays of raw bfloat16 bits (uint16/int16).
 
     Returns
     -------
     out : array, shape (total_q, nheads_q, head_dim), dtype of ``q``
     """
-    return _fwd("flash_attn_varlen", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                max_seqlen_k, softmax_scale, causal)[0]
+    fn = "flash_attn_varlen"
+    if _interop.foreign(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        return _interop.call(fn, flash_attn_varlen, _FWD_NAMES,
+                             (q, k, v, cu_seqlens_q, cu_seqlens_k),
+                             dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                  softmax_scale=softmax_scale, causal=causal), dtype)
+    return _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale, causal, dtype)[0]

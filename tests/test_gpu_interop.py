@@ -370,3 +370,187 @@ def test_jax_and_torch_mixed_is_rejected(jax, torch, rng):
     with pytest.raises(TypeError, match=r"k must be a jax\.Array like q \(array types cannot be "
                                         r"mixed\); got torch\.Tensor\."):
         cupyflash.flash_attn(q, torch.from_dlpack(k), v)
+
+
+# ----------------------------------------------------------------------------
+# Varlen (packed) functions: torch CUDA and JAX GPU, cu_seqlens viewed in place too
+# ----------------------------------------------------------------------------
+
+# an empty key side, an empty query side, more rows than one tile, len_q > len_k
+VARLEN_LENS_Q, VARLEN_LENS_K = (37, 0, 150, 5, 70), (64, 9, 130, 0, 33)
+VARLEN_MAX = (max(VARLEN_LENS_Q), max(VARLEN_LENS_K))
+
+
+def _varlen_host(rng, dtype):
+    """Host (q, k, v, dout) in ``dtype`` (bfloat16: ml_dtypes), int32 (cu_seqlens_q, _k)."""
+    from test_varlen import cu_seqlens, packed_inputs  # sibling module
+
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    q, k, v = packed_inputs(rng, VARLEN_LENS_Q, VARLEN_LENS_K, HQ, HKV, D, dtype)
+    dout = testing.random_normal(rng, q.shape, dtype)
+    return q, k, v, dout, cu_seqlens(VARLEN_LENS_Q), cu_seqlens(VARLEN_LENS_K)
+
+
+def _varlen_run(q, k, v, dout, cu_q, cu_k, causal):
+    """``({out, lse, dq, dk, dv}, out of flash_attn_varlen)`` in the inputs' type."""
+    args = (cu_q, cu_k, *VARLEN_MAX)
+    out, lse = cupyflash.flash_attn_varlen_fwd(q, k, v, *args, causal=causal)
+    alone = cupyflash.flash_attn_varlen(q, k, v, *args, causal=causal)
+    dq, dk, dv = cupyflash.flash_attn_varlen_bwd(dout, q, k, v, out, lse, *args, causal=causal)
+    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), alone
+
+
+def _check_varlen(results, host, causal):
+    """Each sequence against the float64 reference (test_varlen's packed_reference)."""
+    from test_varlen import packed_reference  # sibling module
+
+    q, k, v, dout, cu_q, cu_k = host
+    refs = packed_reference(q, k, v, dout, cu_q, cu_k, causal)
+    for name, got in results.items():
+        ref, naive = refs[name]
+        factor = testing.OUT_FACTOR if name in ("out", "lse") else testing.GRAD_FACTOR
+        testing.assert_close_to_reference(name, _host(got), ref, naive, factor, FLOOR)
+
+
+def _spy_varlen(monkeypatch):
+    """Records the device pointers the varlen checks see (and dtype=, the stream), and the
+    pointers of the CuPy results before they are handed back."""
+    from cupyflash import _varlen
+
+    cp = _cp()
+    seen = {"inputs": [], "extras": [], "outputs": [], "dtype": [], "stream": []}
+    real_check, real_extras, real_map = (_varlen._check_varlen, _varlen._check_bwd_extras,
+                                         _interop._map)
+
+    def check(fn, q, k, v, cu_q, cu_k, *rest):
+        seen["inputs"].append([a.data.ptr for a in (q, k, v, cu_q, cu_k)])
+        seen["dtype"].append(rest[-1])
+        seen["stream"].append(cp.cuda.get_current_stream().ptr)
+        return real_check(fn, q, k, v, cu_q, cu_k, *rest)
+
+    def extras(fn, dout, out, lse, q):
+        seen["extras"].append([a.data.ptr for a in (dout, out, lse)])
+        return real_extras(fn, dout, out, lse, q)
+
+    def map_(result, convert):
+        seen["outputs"].append([a.data.ptr for a in
+                                (result if isinstance(result, tuple) else (result,))])
+        return real_map(result, convert)
+
+    monkeypatch.setattr(_varlen, "_check_varlen", check)
+    monkeypatch.setattr(_varlen, "_check_bwd_extras", extras)
+    monkeypatch.setattr(_interop, "_map", map_)
+    return seen
+
+
+def _spy_gpu_dtype(monkeypatch):
+    """Records the dtype= of each GPU call (varlen kernels, or the per-sequence fwd/bwd)."""
+    from cupyflash import _gpu
+
+    dtypes = []
+    for name in ("varlen_fwd", "varlen_bwd", "fwd", "bwd"):
+        real = getattr(_gpu, name, None)
+        if real is None:
+            continue
+
+        def spy(*args, _real=real, **kwargs):
+            dtypes.append(kwargs.get("dtype"))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(_gpu, name, spy)
+    return dtypes
+
+
+def _to_torch(torch, x):
+    return _interop.numpy_to_torch(x).to("cuda")  # bfloat16 (ml_dtypes) -> torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_torch_varlen_zero_copy_in_and_out(monkeypatch, torch, rng, dtype):
+    host = _varlen_host(rng, dtype)
+    q, _, _, dout, cu_q, cu_k = (_to_torch(torch, x) for x in host)
+    # k and v strided views into a packed kv tensor, read in place
+    kv = _to_torch(torch, testing.random_normal(rng, (sum(VARLEN_LENS_K), 2, HKV, D), dtype))
+    k, v = kv[:, 0], kv[:, 1]
+    seen, gpu_dtypes = _spy_varlen(monkeypatch), _spy_gpu_dtype(monkeypatch)
+    args = (cu_q, cu_k, *VARLEN_MAX)
+    out, lse = cupyflash.flash_attn_varlen_fwd(q, k, v, *args, causal=True)
+    dq, dk, dv = cupyflash.flash_attn_varlen_bwd(dout, q, k, v, out, lse, *args, causal=True)
+    ptrs = [x.data_ptr() for x in (q, k, v, cu_q, cu_k)]
+    assert seen["inputs"] == [ptrs, ptrs]
+    assert seen["extras"] == [[x.data_ptr() for x in (dout, out, lse)]]
+    assert seen["outputs"] == [[out.data_ptr(), lse.data_ptr()],
+                               [x.data_ptr() for x in (dq, dk, dv)]]
+    want_dtype = "bfloat16" if dtype == "bfloat16" else None
+    assert seen["dtype"] == [want_dtype] * 2
+    assert gpu_dtypes and set(gpu_dtypes) == {want_dtype}
+    assert set(seen["stream"]) == {torch.cuda.current_stream().cuda_stream}
+    for x in (out, lse, dq, dk, dv):
+        assert isinstance(x, torch.Tensor) and x.device == q.device
+    assert out.dtype == dq.dtype == dk.dtype == dv.dtype == q.dtype
+    assert lse.dtype == torch.float32 and lse.shape == (HQ, sum(VARLEN_LENS_Q))
+    assert (dk.shape, dv.shape) == (k.shape, v.shape)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_varlen_matches_reference_per_sequence(torch, rng, dtype, causal):
+    host = _varlen_host(rng, dtype)
+    results, alone = _varlen_run(*(_to_torch(torch, x) for x in host), causal)
+    assert torch.equal(alone, results["out"])
+    for name, x in results.items():
+        assert isinstance(x, torch.Tensor) and x.is_cuda
+        assert x.dtype == (torch.float32 if name == "lse" else getattr(torch, dtype))
+    _check_varlen(results, host, causal)
+
+
+def test_torch_varlen_cu_seqlens_rules(torch, rng):
+    cp = _cp()
+    q, k, v, _, cu_q, cu_k = (_to_torch(torch, x) for x in _varlen_host(rng, "float16"))
+    fn = cupyflash.flash_attn_varlen
+    with pytest.raises(ValueError, match=r"^cupyflash\.flash_attn_varlen: cu_seqlens_q must have "
+                                         r"the same device as q \(cuda:0\); got cpu\.$"):
+        fn(q, k, v, cu_q.cpu(), cu_k, *VARLEN_MAX)
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn_varlen: cu_seqlens_k must be a "
+                                        r"torch\.Tensor like q \(array types cannot be mixed\); "
+                                        r"got cupy\.ndarray\.$"):
+        fn(q, k, v, cu_q, cp.from_dlpack(cu_k), *VARLEN_MAX)
+    with pytest.raises(TypeError, match=r"cu_seqlens_k must have dtype int32; got int64\.$"):
+        fn(q, k, v, cu_q, cu_k.long(), *VARLEN_MAX)
+
+
+def _to_jax(jax, x):
+    return jax.device_put(jax.numpy.asarray(x), jax.devices("gpu")[0])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_jax_varlen_zero_copy_and_matches_reference(monkeypatch, jax, rng, dtype, causal):
+    host = _varlen_host(rng, dtype)
+    q, k, v, dout, cu_q, cu_k = inputs = [_to_jax(jax, x) for x in host]
+    assert cu_q.dtype == np.int32
+    seen, gpu_dtypes = _spy_varlen(monkeypatch), _spy_gpu_dtype(monkeypatch)
+    results, alone = _varlen_run(*inputs, causal)
+    ptrs = [x.unsafe_buffer_pointer() for x in (q, k, v, cu_q, cu_k)]
+    assert seen["inputs"] == [ptrs] * 3
+    out, lse = results["out"], results["lse"]
+    assert seen["extras"] == [[x.unsafe_buffer_pointer() for x in (dout, out, lse)]]
+    assert seen["outputs"] == [[out.unsafe_buffer_pointer(), lse.unsafe_buffer_pointer()],
+                               [alone.unsafe_buffer_pointer()],
+                               [results[n].unsafe_buffer_pointer() for n in ("dq", "dk", "dv")]]
+    want_dtype = "bfloat16" if dtype == "bfloat16" else None
+    assert seen["dtype"] == [want_dtype] * 3
+    assert gpu_dtypes and set(gpu_dtypes) == {want_dtype}
+    for name, x in results.items():
+        assert isinstance(x, jax.Array) and x.devices() == q.devices()
+        assert x.dtype == (np.float32 if name == "lse" else q.dtype)
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(out))
+    _check_varlen(results, host, causal)
+
+
+def test_jax_and_torch_varlen_mixed_is_rejected(jax, torch, rng):
+    q, k, v, _, cu_q, cu_k = (_to_jax(jax, x) for x in _varlen_host(rng, "float16"))
+    with pytest.raises(TypeError, match=r"cu_seqlens_q must be a jax\.Array like q \(array types "
+                                        r"cannot be mixed\); got torch\.Tensor\.$"):
+        cupyflash.flash_attn_varlen(q, k, v, torch.from_dlpack(cu_q), cu_k, *VARLEN_MAX)

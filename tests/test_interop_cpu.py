@@ -508,3 +508,197 @@ def test_jax_flash_attention_validates_at_trace_time(jax, rng):
         jax.jit(flash_attention)(q, k[..., :8], v)
     with pytest.raises(TypeError, match=r"causal must be a bool"):
         flash_attention(q, k, v, causal=1)
+
+
+# ----------------------------------------------------------------------------
+# Varlen (packed) functions: the same routing, cu_seqlens converted alongside
+# ----------------------------------------------------------------------------
+
+VARLEN_FUNCTIONS = ("flash_attn_varlen_fwd", "flash_attn_varlen", "flash_attn_varlen_bwd")
+# sequences with an empty query side, an empty key side, len_q > len_k and len_q < len_k
+VARLEN_LENS_Q, VARLEN_LENS_K = (5, 0, 9, 3, 12), (7, 3, 4, 0, 16)
+
+
+def _cu(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _varlen_numpy(rng, hq=4, hkv=2, d=16):
+    """Host float32 (q, k, v, dout, cu_q, cu_k) of a packed GQA batch."""
+    tq, tk = sum(VARLEN_LENS_Q), sum(VARLEN_LENS_K)
+    q, dout = (rng.standard_normal((tq, hq, d), dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((tk, hkv, d), dtype=np.float32) for _ in range(2))
+    return q, k, v, dout, _cu(VARLEN_LENS_Q), _cu(VARLEN_LENS_K)
+
+
+VARLEN_MAX = (max(VARLEN_LENS_Q), max(VARLEN_LENS_K))
+
+
+def _varlen_all(q, k, v, dout, cu_q, cu_k, causal, wrap=lambda a: a):
+    """``(out, lse, out_alone, dq, dk, dv)`` of the three varlen functions.
+
+    ``wrap`` turns the numpy (out, lse) of the forward into the argument type
+    the backward takes, when the forward's own results are not that type.
+    """
+    out, lse = cupyflash.flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, *VARLEN_MAX, causal=causal)
+    alone = cupyflash.flash_attn_varlen(q, k, v, cu_q, cu_k, *VARLEN_MAX, causal=causal)
+    grads = cupyflash.flash_attn_varlen_bwd(dout, q, k, v, wrap(out), wrap(lse), cu_q, cu_k,
+                                            *VARLEN_MAX, causal=causal)
+    return (out, lse, alone, *grads)
+
+
+def _spy_varlen_checks(monkeypatch, pointer):
+    """Records ``pointer(x)`` of the arrays the varlen checks see, and the dtype= given."""
+    from cupyflash import _varlen
+
+    seen = []
+    real = _varlen._check_varlen
+
+    def spy(fn, q, k, v, cu_q, cu_k, *rest):
+        seen.append(([pointer(a) for a in (q, k, v, cu_q, cu_k)], rest[-1]))
+        return real(fn, q, k, v, cu_q, cu_k, *rest)
+
+    monkeypatch.setattr(_varlen, "_check_varlen", spy)
+    return seen
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_dlpack_objects_are_viewed_in_place(monkeypatch, rng, causal):
+    arrays = _varlen_numpy(rng)
+    want = _varlen_all(*arrays, causal)
+    seen = _spy_varlen_checks(monkeypatch, lambda a: a.ctypes.data)
+    got = _varlen_all(*(DLPackOnly(x) for x in arrays), causal, wrap=DLPackOnly)
+    q, k, v, _, cu_q, cu_k = arrays
+    assert [ptrs for ptrs, _ in seen] == [[a.ctypes.data for a in (q, k, v, cu_q, cu_k)]] * 3
+    for g, w in zip(got, want):
+        assert type(g) is np.ndarray
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("fn_name", VARLEN_FUNCTIONS)
+@pytest.mark.parametrize("arg", ["k", "cu_seqlens_q", "cu_seqlens_k"])
+def test_varlen_dlpack_object_mixed_with_numpy_is_rejected(rng, fn_name, arg):
+    q, k, v, dout, cu_q, cu_k = _varlen_numpy(rng)
+    args = {name: DLPackOnly(x) for name, x in
+            dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k).items()}
+    args[arg] = args[arg].array
+    fn = getattr(cupyflash, fn_name)
+    tail = (args["cu_seqlens_q"], args["cu_seqlens_k"], *VARLEN_MAX)
+    with pytest.raises(TypeError, match=rf"^cupyflash\.{fn_name}: {arg} must be a "
+                                        r".*DLPackOnly like q \(array types cannot be mixed\); "
+                                        r"got numpy\.ndarray\.$"):
+        if fn_name == "flash_attn_varlen_bwd":
+            out, lse = cupyflash.flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, *VARLEN_MAX)
+            fn(DLPackOnly(dout), args["q"], args["k"], args["v"], DLPackOnly(out),
+               DLPackOnly(lse), *tail)
+        else:
+            fn(args["q"], args["k"], args["v"], *tail)
+
+
+@pytest.mark.parametrize("arg", ["cu_seqlens_q", "cu_seqlens_k"])
+def test_varlen_numpy_q_with_dlpack_cu_seqlens_is_rejected(rng, arg):
+    q, k, v, _, cu_q, cu_k = _varlen_numpy(rng)
+    cu = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+    cu[arg] = DLPackOnly(cu[arg])
+    with pytest.raises(TypeError, match=rf"^cupyflash\.flash_attn_varlen: {arg} must be a "
+                                        r"numpy\.ndarray like q \(array types cannot be mixed\); "
+                                        r"got .*DLPackOnly\.$"):
+        cupyflash.flash_attn_varlen(q, k, v, cu["cu_seqlens_q"], cu["cu_seqlens_k"],
+                                    *VARLEN_MAX)
+
+
+def test_varlen_dtype_with_dlpack_object_is_rejected(rng):
+    arrays = [DLPackOnly(x) for x in _varlen_numpy(rng)]
+    q, k, v, _, cu_q, cu_k = arrays
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn_varlen_fwd: dtype must be None "
+                                        r"for .*DLPackOnly inputs"):
+        cupyflash.flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, *VARLEN_MAX, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_cpu_varlen_in_torch_out_in_place(monkeypatch, torch, rng, dtype_name, causal):
+    dtype = getattr(torch, dtype_name)
+    q, k, v, dout, cu_q, cu_k = _varlen_numpy(rng)
+    tq, tk, tv, tdout = (torch.from_numpy(x).to(dtype).requires_grad_() for x in (q, k, v, dout))
+    tcu_q, tcu_k = torch.from_numpy(cu_q), torch.from_numpy(cu_k)
+    # the numpy result on the very same values (bfloat16 as ml_dtypes.bfloat16)
+    host = [_interop.torch_to_numpy(x) for x in (tq, tk, tv, tdout)]
+    want = _varlen_all(*host, cu_q, cu_k, causal)
+
+    seen = _spy_varlen_checks(monkeypatch, lambda a: a.ctypes.data)
+    got = _varlen_all(tq, tk, tv, tdout, tcu_q, tcu_k, causal)
+    assert [ptrs for ptrs, _ in seen] == [[x.data_ptr() for x in (tq, tk, tv, tcu_q, tcu_k)]] * 3
+    out, lse, alone, dq, dk, dv = got
+    for g in got:
+        assert isinstance(g, torch.Tensor) and g.device.type == "cpu" and not g.requires_grad
+    assert out.dtype == alone.dtype == dq.dtype == dk.dtype == dv.dtype == dtype
+    assert lse.dtype == torch.float32 and lse.shape == (4, sum(VARLEN_LENS_Q))
+    assert (out.shape, dq.shape, dk.shape, dv.shape) == (tq.shape, tq.shape, tk.shape, tv.shape)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(_interop.torch_to_numpy(g), w)
+
+
+def test_torch_varlen_cu_seqlens_rules(torch, rng):
+    q, k, v, _, cu_q, cu_k = _varlen_numpy(rng)
+    tq, tk, tv, tcu_q, tcu_k = (torch.from_numpy(x) for x in (q, k, v, cu_q, cu_k))
+    fn = cupyflash.flash_attn_varlen
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn_varlen: cu_seqlens_k must be a "
+                                        r"torch\.Tensor like q \(array types cannot be mixed\); "
+                                        r"got numpy\.ndarray\.$"):
+        fn(tq, tk, tv, tcu_q, cu_k, *VARLEN_MAX)
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn_varlen: cu_seqlens_q must be a "
+                                        r"numpy\.ndarray like q \(array types cannot be mixed\); "
+                                        r"got torch\.Tensor\.$"):
+        fn(q, k, v, tcu_q, cu_k, *VARLEN_MAX)
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn_varlen: cu_seqlens_q must have "
+                                        r"dtype int32; got int64\.$"):
+        fn(tq, tk, tv, tcu_q.long(), tcu_k, *VARLEN_MAX)
+    with pytest.raises(ValueError, match=r"^cupyflash\.flash_attn_varlen: cu_seqlens_k must have "
+                                         r"the same device as q \(cpu\); got meta\.$"):
+        fn(tq, tk, tv, tcu_q, tcu_k.to("meta"), *VARLEN_MAX)
+    with pytest.raises(ValueError, match=r"^cupyflash\.flash_attn_varlen: max_seqlen_q must be at "
+                                         r"least the longest query sequence"):
+        fn(tq, tk, tv, tcu_q, tcu_k, 3, VARLEN_MAX[1])  # the checks run on the views
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn_varlen_fwd: dtype must be None "
+                                        r"for torch\.Tensor inputs"):
+        cupyflash.flash_attn_varlen_fwd(tq, tk, tv, tcu_q, tcu_k, *VARLEN_MAX, dtype="float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_jax_cpu_varlen_in_jax_out(jax, rng, dtype, causal):
+    q, k, v, dout, cu_q, cu_k = _varlen_numpy(rng)
+    jq, jk, jv, jdout = (jax.numpy.asarray(x, dtype=dtype) for x in (q, k, v, dout))
+    jcu_q, jcu_k = jax.numpy.asarray(cu_q), jax.numpy.asarray(cu_k)
+    assert jcu_q.dtype == np.int32
+    want = _varlen_all(*(np.asarray(x) for x in (jq, jk, jv, jdout)), cu_q, cu_k, causal)
+    got = _varlen_all(jq, jk, jv, jdout, jcu_q, jcu_k, causal)
+    out, lse, alone, dq, dk, dv = got
+    for g in got:
+        assert isinstance(g, jax.Array) and g.devices() == jq.devices()
+    assert out.dtype == alone.dtype == dq.dtype == dk.dtype == dv.dtype == jq.dtype
+    assert lse.dtype == np.float32
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), w)
+
+
+def test_jax_varlen_mixed_is_rejected(jax, rng):
+    q, k, v, _, cu_q, cu_k = _varlen_numpy(rng)
+    jq, jk, jv, jcu_q, jcu_k = (jax.numpy.asarray(x) for x in (q, k, v, cu_q, cu_k))
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn_varlen_fwd: cu_seqlens_q must be "
+                                        r"a jax\.Array like q \(array types cannot be mixed\); "
+                                        r"got numpy\.ndarray\.$"):
+        cupyflash.flash_attn_varlen_fwd(jq, jk, jv, cu_q, jcu_k, *VARLEN_MAX)
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn_varlen: cu_seqlens_k must have "
+                                        r"dtype int32; got float32\.$"):
+        cupyflash.flash_attn_varlen(jq, jk, jv, jcu_q, jcu_k.astype("float32"), *VARLEN_MAX)
+
+
+def test_jax_and_torch_varlen_mixed_is_rejected(jax, torch, rng):
+    q, k, v, _, cu_q, cu_k = _varlen_numpy(rng)
+    jq, jk, jv, jcu_q = (jax.numpy.asarray(x) for x in (q, k, v, cu_q))
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn_varlen: cu_seqlens_k must be a "
+                                        r"jax\.Array like q \(array types cannot be mixed\); "
+                                        r"got torch\.Tensor\.$"):
+        cupyflash.flash_attn_varlen(jq, jk, jv, jcu_q, torch.from_numpy(cu_k), *VARLEN_MAX)

@@ -607,3 +607,84 @@ def test_cupy_float32_is_rejected(fake_cupy, monkeypatch):
     with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn_varlen_fwd: q must have dtype "
                                         r"float16 or bfloat16 on the GPU path"):
         _call("flash_attn_varlen_fwd", _gpu_args(np.float32))
+
+
+# ----------------------------------------------------------------------------
+# dtype= : 2-byte cupy storage reaches the GPU module with its element type
+# ----------------------------------------------------------------------------
+
+
+def _storage_args(storage, element=np.float16):
+    """Host arguments in ``element``, and fake cupy ones with q, k, v, dout, out as storage."""
+    host = _valid_args(element)
+    a = _gpu_args()
+    for name in ("q", "k", "v", "dout", "out"):
+        a[name] = FakeCupyArray(host[name].view(storage))
+    return host, a
+
+
+@pytest.mark.parametrize("storage", [np.uint16, np.int16])
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=_NO_BF16)])
+@pytest.mark.parametrize("varlen", [True, False], ids=["kernels", "loop"])
+def test_gpu_storage_with_dtype_reaches_the_gpu_module(fake_cupy, monkeypatch, storage, dtype,
+                                                       varlen):
+    host, a = _storage_args(storage, testing.resolve_dtype(dtype))
+    # what the loop must pack (computed before the fake GPU module forbids the CPU path)
+    want_out, want_lse = cupyflash.flash_attn_varlen_fwd(
+        host["q"], host["k"], host["v"], host["cu_seqlens_q"], host["cu_seqlens_k"], 7, 7,
+        causal=True)
+    want_grads = cupyflash.flash_attn_varlen_bwd(
+        host["dout"], host["q"], host["k"], host["v"], want_out, want_lse,
+        host["cu_seqlens_q"], host["cu_seqlens_k"], 7, 7, causal=True)
+    calls = _install_gpu(monkeypatch, varlen=varlen)
+    if not varlen:  # compute on the element type the bits hold, hand back the storage
+        fake = sys.modules["cupyflash._gpu"]
+        real_fwd, real_bwd = fake.fwd, fake.bwd
+
+        def as_elements(x):
+            return FakeCupyArray(x.host.view(testing.resolve_dtype(dtype)), x.device.id)
+
+        def as_storage(results):
+            return tuple(FakeCupyArray(r.host.view(storage) if r.host.itemsize == 2 else r.host)
+                         for r in results)
+
+        fake.fwd = lambda *xs, **kw: as_storage(real_fwd(*(as_elements(x) for x in xs), **kw))
+        fake.bwd = lambda *xs, **kw: as_storage(real_bwd(
+            *(x if x.dtype == np.float32 else as_elements(x) for x in xs), **kw))
+    out, lse = _call("flash_attn_varlen_fwd", a, causal=True, dtype=dtype)
+    _call("flash_attn_varlen", a, dtype=dtype)
+    if not varlen:
+        a["out"], a["lse"] = out, lse
+    grads = _call("flash_attn_varlen_bwd", a, causal=True, dtype=dtype)
+    assert {c[-1].get("dtype") for c in calls} == {dtype}
+    if varlen:
+        assert [c[0] for c in calls] == ["varlen_fwd", "varlen_fwd", "varlen_bwd"]
+        return
+    # the loop packs what the per-sequence calls computed: the numpy result, as storage bits
+    assert out.dtype == storage and lse.dtype == np.float32
+    assert np.array_equal(out.host, want_out.view(storage))
+    assert np.array_equal(lse.host, want_lse)
+    for got, want in zip(grads, want_grads):
+        assert got.dtype == storage and np.array_equal(got.host, want.view(storage))
+
+
+@pytest.mark.parametrize("fn_name", FUNCTIONS)
+def test_gpu_storage_without_dtype_is_rejected(fake_cupy, monkeypatch, fn_name):
+    calls = _install_gpu(monkeypatch, varlen=True)
+    _, a = _storage_args(np.uint16)
+    with pytest.raises(TypeError, match=rf"^cupyflash\.{fn_name}: q must have dtype float16 or "
+                                        r"bfloat16 on the GPU path .*; got uint16 \(for bfloat16 "
+                                        r"data held as uint16/int16, pass dtype='bfloat16'\)\.$"):
+        _call(fn_name, a)
+    with pytest.raises(TypeError, match=r"dtype must be 'float16' or 'bfloat16' for uint16 "
+                                        r"storage; got 'float32'\.$"):
+        _call(fn_name, a, dtype="float32")
+    assert calls == []
+
+
+@pytest.mark.parametrize("fn_name", FUNCTIONS)
+def test_dtype_on_numpy_is_rejected(fn_name):
+    with pytest.raises(TypeError, match=rf"^cupyflash\.{fn_name}: dtype must be None or q's own "
+                                        r"dtype \(float32\).*; got 'bfloat16'\.$"):
+        _call(fn_name, _valid_args(), dtype="bfloat16")
+    _call(fn_name, _valid_args(), dtype="float32")  # names what q is: accepted
