@@ -34,6 +34,8 @@ __all__ = [
     "random_qkv",
     "random_normal",
     "poison",
+    "to_bf16_bits",
+    "from_bf16_bits",
 ]
 
 OUT_FACTOR = 2.0  # out and lse
@@ -213,3 +215,17 @@ def random_qkv(rng, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim, dt
 def poison(shape, dtype, xp=np):
     """An array of NaN: give it as an output buffer to prove every element is written."""
     return xp.full(shape, np.nan, dtype=resolve_dtype(dtype))
+
+
+def to_bf16_bits(x32):
+    """float32 values -> bfloat16 bit patterns as uint16 (round to nearest even).
+
+    The storage the GPU path takes for bfloat16 cupy data (``dtype="bfloat16"``).
+    """
+    u = np.ascontiguousarray(x32, dtype=np.float32).view(np.uint32)
+    return ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+
+
+def from_bf16_bits(bits):
+    """bfloat16 bit patterns (uint16) -> the float32 values they hold, exactly."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)

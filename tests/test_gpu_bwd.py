@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from cupyflash import reference, testing
+from cupyflash.testing import from_bf16_bits, to_bf16_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -39,16 +40,6 @@ def _cp():
 # ---------------------------------------------------------------------------
 # inputs and checks
 # ---------------------------------------------------------------------------
-
-
-def to_bf16_bits(x32: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
-    u = np.ascontiguousarray(x32, dtype=np.float32).view(np.uint32)
-    return ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
-
-
-def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def to_device(x32: np.ndarray, dtype: str):

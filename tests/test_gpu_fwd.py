@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from cupyflash import testing
+from cupyflash.testing import from_bf16_bits, to_bf16_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -17,16 +18,6 @@ HEAD_DIMS = [8, 32, 40, 59, 64, 96, 111, 128, 192, 256]
 
 def _cp():
     return pytest.importorskip("cupy")
-
-
-def to_bf16_bits(x32: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
-    u = np.ascontiguousarray(x32, dtype=np.float32).view(np.uint32)
-    return ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
-
-
-def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def make_inputs(rng, dtype, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim):
