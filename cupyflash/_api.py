@@ -123,18 +123,7 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None):
     if _interop.foreign(q, k, v):
         return _interop.call("flash_attn_fwd", flash_attn_fwd, ("q", "k", "v"), (q, k, v),
                              dict(softmax_scale=softmax_scale, causal=causal), dtype)
-    gpu = _checks.check_qkv("flash_attn_fwd", q, k, v, dtype)
-    scale = _checks.check_flags("flash_attn_fwd", softmax_scale, q.shape[3], causal)
-    causal = bool(causal)
-    if _checks.is_empty(q, k):
-        return _checks.empty_fwd(q, gpu)
-    if not gpu:
-        return cpu.fwd(q, k, v, scale, causal)
-    from . import _gpu
-
-    return _gpu.fwd(q, k, v, softmax_scale=scale, causal=causal,
-                    **_gpu_dtype("flash_attn_fwd", dtype))
-
+    return _fwd("flash_attn_fwd", q, k, v, softmax_scale, causal, dtype)
 
 def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
                    deterministic=False, dtype=None):
@@ -245,18 +234,21 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None):
     if _interop.foreign(q, k, v):
         return _interop.call("flash_attn", flash_attn, ("q", "k", "v"), (q, k, v),
                              dict(softmax_scale=softmax_scale, causal=causal), dtype)
-    gpu = _checks.check_qkv("flash_attn", q, k, v, dtype)
-    scale = _checks.check_flags("flash_attn", softmax_scale, q.shape[3], causal)
+    return _fwd("flash_attn", q, k, v, softmax_scale, causal, dtype)[0]
+
+
+def _fwd(fn, q, k, v, softmax_scale, causal, dtype):
+    """Validate (errors name ``fn``), then run the CPU path or the GPU kernels."""
+    gpu = _checks.check_qkv(fn, q, k, v, dtype)
+    scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal)
     causal = bool(causal)
     if _checks.is_empty(q, k):
-        return _checks.empty_fwd(q, gpu)[0]
+        return _checks.empty_fwd(q, gpu)
     if not gpu:
-        return cpu.fwd(q, k, v, scale, causal)[0]
+        return cpu.fwd(q, k, v, scale, causal)
     from . import _gpu
 
-    return _gpu.fwd(q, k, v, softmax_scale=scale, causal=causal,
-                    **_gpu_dtype("flash_attn", dtype))[0]
-
+    return _gpu.fwd(q, k, v, softmax_scale=scale, causal=causal, **_gpu_dtype(fn, dtype))
 
 def _gpu_dtype(fn, dtype):
     """``{"dtype": name}`` for the GPU module when ``dtype=`` was given (validated), else ``{}``."""

@@ -213,19 +213,24 @@ def check_qkv(fn, q, k, v, dtype=None):
     return kind == "cupy"
 
 
+def check_like_q(fn, name, x, q):
+    """``x`` (dout or out) has q's shape and dtype and a unit last stride."""
+    if x.shape != q.shape:
+        fail(ValueError, fn,
+             f"{name} must have the same shape as q {tuple(q.shape)}; got {tuple(x.shape)}.")
+    if x.dtype != q.dtype:
+        fail(TypeError, fn,
+             f"{name} must have the same dtype as q ({dtype_desc(q.dtype)}); "
+             f"got {dtype_desc(x.dtype)}.")
+    _check_last_stride(fn, name, x)
+
+
 def check_bwd_extras(fn, dout, out, lse, q):
     """Validate the backward's dout, out and lse against a validated q."""
     kind = _kind(q)
     for name, x in (("dout", dout), ("out", out)):
         _check_array(fn, name, x, kind, "q")
-        if x.shape != q.shape:
-            fail(ValueError, fn,
-                 f"{name} must have the same shape as q {tuple(q.shape)}; got {tuple(x.shape)}.")
-        if x.dtype != q.dtype:
-            fail(TypeError, fn,
-                 f"{name} must have the same dtype as q ({dtype_desc(q.dtype)}); "
-                 f"got {dtype_desc(x.dtype)}.")
-        _check_last_stride(fn, name, x)
+        check_like_q(fn, name, x, q)
     _check_array(fn, "lse", lse, kind, "q", rank=None)  # its shape is checked below
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
     if tuple(lse.shape) != lse_shape:

@@ -35,7 +35,7 @@ FWD_PARAMS = _struct(
     ]
 )
 
-BWD_PARAMS: np.dtype | None = _struct(
+BWD_PARAMS = _struct(
     [
         ("q", _PTR), ("k", _PTR), ("v", _PTR), ("out", _PTR), ("dout", _PTR),
         ("dq", _PTR), ("dk", _PTR), ("dv", _PTR),
@@ -59,7 +59,5 @@ BWD_PARAMS: np.dtype | None = _struct(
 
 def size_defines() -> list[str]:
     """NVRTC ``-D`` options that let params.cuh static_assert the mirrored sizes."""
-    out = [f"-DCUPYFLASH_FWD_PARAMS_BYTES={FWD_PARAMS.itemsize}"]
-    if BWD_PARAMS is not None:
-        out.append(f"-DCUPYFLASH_BWD_PARAMS_BYTES={BWD_PARAMS.itemsize}")
-    return out
+    return [f"-DCUPYFLASH_FWD_PARAMS_BYTES={FWD_PARAMS.itemsize}",
+            f"-DCUPYFLASH_BWD_PARAMS_BYTES={BWD_PARAMS.itemsize}"]

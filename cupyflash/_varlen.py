@@ -158,14 +158,7 @@ def _check_bwd_extras(fn, dout, out, lse, q):
     kind = _checks._kind(q)
     for name, x in (("dout", dout), ("out", out)):
         _check_packed(fn, name, x, kind)
-        if x.shape != q.shape:
-            fail(ValueError, fn,
-                 f"{name} must have the same shape as q {tuple(q.shape)}; got {tuple(x.shape)}.")
-        if x.dtype != q.dtype:
-            fail(TypeError, fn,
-                 f"{name} must have the same dtype as q ({_checks.dtype_desc(q.dtype)}); "
-                 f"got {_checks.dtype_desc(x.dtype)}.")
-        _checks._check_last_stride(fn, name, x)
+        _checks.check_like_q(fn, name, x, q)
     _checks._check_array(fn, "lse", lse, kind, "q", rank=None)
     lse_shape = (q.shape[1], q.shape[0])
     if tuple(lse.shape) != lse_shape:

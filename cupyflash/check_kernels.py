@@ -25,14 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _launches(arch: tuple[int, int], quick: bool, match: str | None):
-    import inspect  # noqa: PLC0415
-
     from . import dispatch  # noqa: PLC0415
 
-    launches = dispatch.all_fwd_launches(arch)
-    if hasattr(dispatch, "all_bwd_launches"):
-        takes_cc = "cc" in inspect.signature(dispatch.all_bwd_launches).parameters
-        launches += dispatch.all_bwd_launches(cc=arch) if takes_cc else dispatch.all_bwd_launches()
+    # The backward's tiles depend on shared memory, not on the architecture: one list.
+    launches = dispatch.all_fwd_launches(arch) + dispatch.all_bwd_launches()
     if quick:
         launches = [L for L in launches
                     if L.args[0] == "__half" and "false, true, true, false" in ", ".join(L.args[-4:]) or
