@@ -65,10 +65,20 @@ def _nvrtc():
     return nvrtc
 
 
+def arch_name(arch: tuple[int, int]) -> str:
+    """NVRTC target for a compute capability.
+
+    sm_90 builds target ``sm_90a``: wgmma (kernels_cu/wgmma.cuh) exists only in
+    the architecture-specific target, whose cubin runs on exactly cc 9.0 -- the
+    device the code was compiled for anyway.
+    """
+    return f"sm_{arch[0]}{arch[1]}" + ("a" if arch == (9, 0) else "")
+
+
 def compile_options(arch: tuple[int, int]) -> list[str]:
     return [
         "-std=c++17",
-        f"-arch=sm_{arch[0]}{arch[1]}",
+        f"-arch={arch_name(arch)}",
         f"-I{kernels_dir()}",
         f"-I{cuda_include_dir()}",
         "-default-device",

@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--plot", default=None, help="save a PNG plot here (needs matplotlib)")
+    parser.add_argument("--fwd-kernel", choices=("auto", "mma"), default="auto",
+                        help="experiment: 'mma' keeps the forward on the mma.sync kernel even where "
+                             "dispatch picks wgmma (cc 9.0), for A/B runs")
     parser.add_argument("--fwd-tiles", action="append", default=None, metavar="D:BLOCK_M,BLOCK_N,WARPS",
                         help="experiment: override the forward tile of one head_dim in this process")
 
@@ -213,6 +216,9 @@ def main(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001
         print(f"bench needs a CUDA GPU and cupy: {e}", file=sys.stderr)
         return 2
+    if args.fwd_kernel == "mma":
+        from . import dispatch  # noqa: PLC0415
+        dispatch._FWD_SM90_BLOCK_N.clear()  # noqa: SLF001
     if args.fwd_tiles:
         from . import dispatch  # noqa: PLC0415
         for spec in args.fwd_tiles:

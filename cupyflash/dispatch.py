@@ -3,7 +3,8 @@
 Every function here is pure (shapes in, frozen plans out), needs no GPU, and is
 unit-tested in ``tests/test_dispatch.py``. The template-argument order follows
 ``kernels_cu/flash_fwd.cu``: ``<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
-IS_CAUSAL, EVEN_K, VEC, IS_SPLIT>``.
+IS_CAUSAL, EVEN_K, VEC, IS_SPLIT>``, and ``kernels_cu/flash_fwd_sm90.cu``:
+``<T, HEAD_DIM, BLOCK_N, IS_CAUSAL, EVEN_K>``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,19 @@ _FWD_TILES_UNALIGNED = {
     192: (64, 32, 4),
     256: (64, 32, 4),
 }
+
+
+# Hopper (cc 9.0, built for sm_90a) runs these padded head_dims on the wgmma kernel
+# (kernels_cu/flash_fwd_sm90.cu): BLOCK_M = 128 query rows (two warpgroups of 64),
+# a 3-stage K/V ring, and BLOCK_N keys per tile for (non-causal, causal).
+# Unaligned data and split-KV stay on the mma.sync kernel.
+_FWD_SM90_BLOCK_N = {
+    64: (128, 128),
+    128: (128, 128),
+}
+SM90_BLOCK_M = 128
+SM90_THREADS = 256
+SM90_STAGES = 3
 
 
 def fwd_tiles(head_dim_padded: int, vec: bool, causal: bool,
@@ -115,6 +129,22 @@ def fwd_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool, vec
     return Launch("flash_fwd.cu", "cupyflash::flash_fwd_kernel", args, grid, (num_warps * 32, 1, 1), smem)
 
 
+def fwd_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
+                    grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
+    """The wgmma forward kernel (cc 9.0) for one set of compile-time choices."""
+    block_n = _FWD_SM90_BLOCK_N[head_dim_padded][int(causal)]
+    # kernels_cu/flash_fwd_sm90.cu FwdSm90Traits::SMEM_BYTES: Q, STAGES x (K, V), and
+    # 1 KB to align the window to the 128-byte swizzle's 1024-byte atom.
+    smem = 2 * head_dim_padded * (SM90_BLOCK_M + 2 * SM90_STAGES * block_n) + 1024
+    args = (CTYPES[dtype], str(head_dim_padded), str(block_n), _cbool(causal), _cbool(even_k))
+    return Launch("flash_fwd_sm90.cu", "cupyflash::flash_fwd_sm90_kernel", args, grid, (SM90_THREADS, 1, 1), smem)
+
+
+def uses_sm90_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int]) -> bool:
+    """Whether the wgmma kernel serves this padded head_dim (before any split-KV)."""
+    return cc == (9, 0) and vec and head_dim_padded in _FWD_SM90_BLOCK_N
+
+
 def combine_launch(dtype: str, head_dim_padded: int, rows: int = 1) -> Launch:
     """The split-KV combine kernel: one warp per (batch, head, query row)."""
     return Launch("flash_fwd.cu", "cupyflash::flash_fwd_combine_kernel",
@@ -146,9 +176,16 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     if cc < ARCHS[0]:
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
     d = padded_head_dim(head_dim)
-    block_m, block_n, _ = fwd_tiles(d, vec, causal, cc)
+    if uses_sm90_fwd(d, vec, cc):
+        block_m, block_n = SM90_BLOCK_M, _FWD_SM90_BLOCK_N[d][int(causal)]
+    else:
+        block_m, block_n, _ = fwd_tiles(d, vec, causal, cc)
     splits = num_splits_heuristic(batch * nheads_q * math.ceil(seqlen_q / block_m),
                                   math.ceil(seqlen_k / block_n), num_sms)
+    if splits == 1 and uses_sm90_fwd(d, vec, cc):
+        num_m_blocks = math.ceil(seqlen_q / block_m)
+        main = fwd_sm90_launch(dtype, d, causal, head_dim == d, (num_m_blocks * batch * nheads_q, 1, 1))
+        return FwdPlan(main, None, d, num_m_blocks, 1, math.ceil(seqlen_k / block_n))
     if splits > 1:
         block_m, block_n, _ = fwd_tiles(d, vec, causal, cc, split=True)
     num_m_blocks = math.ceil(seqlen_q / block_m)
@@ -170,6 +207,9 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
         out.append(fwd_launch(dtype, d, causal, even_k, vec, split, cc=cc))
     for dtype, d in itertools.product(CTYPES, HEAD_DIMS):
         out.append(combine_launch(dtype, d))
+    for dtype, d, causal, even_k in itertools.product(CTYPES, HEAD_DIMS, (False, True), (True, False)):
+        if uses_sm90_fwd(d, True, cc):
+            out.append(fwd_sm90_launch(dtype, d, causal, even_k))
     return out
 
 

@@ -24,11 +24,15 @@ struct SmemTile {
 };
 
 // Copy rows [0, rows_valid) and columns [0, head_dim) of a global tile into
-// shared memory; everything outside is zero-filled (so tails add nothing to a
+// shared memory laid out as Tile (padded SmemTile, or wgmma.cuh's Swizzle128Tile); everything outside is zero-filled (so tails add nothing to a
 // dot product and never bring NaN into P·V).
 //   VEC:  16-byte cp.async (pointer, strides and head_dim are multiples of 8 elements);
 //         the caller commits and waits.
 //   !VEC: element loads for any alignment, completed before returning.
+// The NUM_THREADS threads taking part are the whole block, or (!WHOLE_BLOCK) each
+// group of NUM_THREADS (e.g. a warpgroup, with its own smem_base and gmem rows),
+// thread threadIdx.x % NUM_THREADS of its group. (The modulo is not free: at the
+// edge of the register file it costs the D=64 128x128 mma.sync tile a spill.)
 // Thread -> (row, chunk) map shared by loads and stores: THREADS_PER_ROW
 // threads cover one row (the largest power of two dividing CHUNKS), each taking
 // CHUNKS_PER_THREAD chunks strided by THREADS_PER_ROW.
@@ -42,13 +46,14 @@ struct TileMap {
     static constexpr int ITERS = ROWS / ROWS_PER_IT;
 };
 
-template <typename T, int ROWS, int HEAD_DIM, int NUM_THREADS, bool VEC, bool EVEN_K>
+template <typename T, int ROWS, int HEAD_DIM, int NUM_THREADS, bool VEC, bool EVEN_K,
+          typename Tile = SmemTile<T, ROWS, HEAD_DIM>, bool WHOLE_BLOCK = true>
 __device__ __forceinline__ void load_tile(uint32 smem_base, const T* gmem, int64 row_stride,
                                           int rows_valid, int head_dim) {
-    using Tile = SmemTile<T, ROWS, HEAD_DIM>;
     using Map = TileMap<T, ROWS, HEAD_DIM, NUM_THREADS>;
-    const int row0 = int(threadIdx.x) / Map::THREADS_PER_ROW;
-    const int chunk0 = int(threadIdx.x) % Map::THREADS_PER_ROW;
+    const int tid = WHOLE_BLOCK ? int(threadIdx.x) : int(threadIdx.x) % NUM_THREADS;
+    const int row0 = tid / Map::THREADS_PER_ROW;
+    const int chunk0 = tid % Map::THREADS_PER_ROW;
     const T* src = gmem + row0 * row_stride + chunk0 * 8;
     const int64 step = Map::ROWS_PER_IT * row_stride;
 #pragma unroll
@@ -87,13 +92,14 @@ __device__ __forceinline__ void load_tile(uint32 smem_base, const T* gmem, int64
 }
 
 // Copy a shared tile back to global rows [0, rows_valid), columns [0, head_dim).
-template <typename T, int ROWS, int HEAD_DIM, int NUM_THREADS, bool VEC, bool EVEN_K>
+template <typename T, int ROWS, int HEAD_DIM, int NUM_THREADS, bool VEC, bool EVEN_K,
+          typename Tile = SmemTile<T, ROWS, HEAD_DIM>, bool WHOLE_BLOCK = true>
 __device__ __forceinline__ void store_tile(T* gmem, int64 row_stride, uint32 smem_base,
                                            int rows_valid, int head_dim) {
-    using Tile = SmemTile<T, ROWS, HEAD_DIM>;
     using Map = TileMap<T, ROWS, HEAD_DIM, NUM_THREADS>;
-    const int row0 = int(threadIdx.x) / Map::THREADS_PER_ROW;
-    const int chunk0 = int(threadIdx.x) % Map::THREADS_PER_ROW;
+    const int tid = WHOLE_BLOCK ? int(threadIdx.x) : int(threadIdx.x) % NUM_THREADS;
+    const int row0 = tid / Map::THREADS_PER_ROW;
+    const int chunk0 = tid % Map::THREADS_PER_ROW;
 #pragma unroll
     for (int it = 0; it < Map::ITERS; ++it) {
         const int row = row0 + it * Map::ROWS_PER_IT;

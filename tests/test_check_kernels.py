@@ -32,6 +32,17 @@ def test_fwd_variant_compiles_without_spills(arch, head_dim, causal):
     assert compiled.cubin[:4] == b"\x7fELF"
 
 
+@pytest.mark.parametrize("head_dim,causal,even_k", [(64, False, True), (128, True, False)])
+def test_wgmma_fwd_variant_compiles_for_sm90a_without_spills(head_dim, causal, even_k):
+    _compile = _nvrtc_or_skip()
+    launch = dispatch.fwd_sm90_launch("bfloat16", head_dim, causal, even_k)
+    assert "-arch=sm_90a" in _compile.compile_options((9, 0))
+    compiled = _compile.compile_variant(launch.source, launch.name_expression, (9, 0), use_cache=False)
+    res = _compile.parse_ptxas_log(compiled.log)
+    assert res.spill_bytes == 0 and res.stack_bytes == 0, (launch.name_expression, res)
+    assert "sm_90a" in compiled.log and "warning" not in compiled.log.lower(), compiled.log
+
+
 def test_cache_key_covers_sources_and_variant(tmp_path, monkeypatch):
     _compile = _nvrtc_or_skip()
     monkeypatch.setenv("CUPYFLASH_CACHE_DIR", str(tmp_path))

@@ -22,13 +22,50 @@ def test_padded_head_dim_rejects_over_256():
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_standard_grid_does_not_split(head_dim, causal):
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
+def test_standard_grid_does_not_split(head_dim, causal, cc):
     plan = dispatch.select_fwd(batch=16, seqlen_q=1024, seqlen_k=1024, nheads_q=2048 // head_dim,
-                               head_dim=head_dim, dtype="float16", causal=causal, vec=True)
+                               head_dim=head_dim, dtype="float16", causal=causal, vec=True, cc=cc)
     assert plan.num_splits == 1 and plan.combine is None
-    block_m = dispatch.fwd_tiles(head_dim, True, causal)[0]
+    if cc == (9, 0):  # the wgmma kernel: <T, HEAD_DIM, BLOCK_N, IS_CAUSAL, EVEN_K>
+        assert plan.main.template == "cupyflash::flash_fwd_sm90_kernel"
+        block_m, causal_arg = dispatch.SM90_BLOCK_M, plan.main.args[3]
+    else:
+        assert plan.main.template == "cupyflash::flash_fwd_kernel"
+        block_m, causal_arg = dispatch.fwd_tiles(head_dim, True, causal, cc)[0], plan.main.args[5]
     assert plan.main.grid == (16 * (2048 // head_dim) * math.ceil(1024 / block_m), 1, 1)
-    assert plan.main.args[5] == ("true" if causal else "false")
+    assert plan.num_m_blocks == math.ceil(1024 / block_m)
+    assert causal_arg == ("true" if causal else "false")
+
+
+@pytest.mark.parametrize("case,wgmma", [
+    (dict(), True),
+    (dict(head_dim=128, causal=True, dtype="bfloat16"), True),
+    (dict(head_dim=100), True),          # runs on the 128 specialisation with predicated columns
+    (dict(cc=(8, 0)), False),
+    (dict(cc=(8, 9)), False),
+    (dict(cc=(10, 0)), False),           # sm_90a code runs on cc 9.0 only
+    (dict(vec=False), False),
+    (dict(head_dim=96), False),
+    (dict(head_dim=256), False),
+    (dict(seqlen_q=1, seqlen_k=8192), False),   # split-KV stays on the mma.sync kernel
+])
+def test_which_forward_kernel(case, wgmma):
+    kw = dict(batch=2, seqlen_q=2048, seqlen_k=2048, nheads_q=16, head_dim=64, dtype="float16",
+              causal=False, vec=True, cc=(9, 0))
+    kw.update(case)
+    plan = dispatch.select_fwd(**kw)
+    assert (plan.main.template == "cupyflash::flash_fwd_sm90_kernel") == wgmma
+    if wgmma:
+        assert plan.main.args[4] == ("true" if kw["head_dim"] == plan.head_dim_padded else "false")
+        assert plan.main.block == (dispatch.SM90_THREADS, 1, 1)
+
+
+def test_wgmma_variants_fit_hopper_shared_memory_and_are_checked_on_sm90_only():
+    sm90 = [L for L in dispatch.all_fwd_launches((9, 0)) if L.source == "flash_fwd_sm90.cu"]
+    assert len(sm90) == 2 * 2 * 2 * 2  # dtype x head_dim (64, 128) x causal x even_k
+    assert all(L.smem_bytes <= 227 * 1024 for L in sm90)
+    assert not [L for L in dispatch.all_fwd_launches((8, 0)) if L.source == "flash_fwd_sm90.cu"]
 
 
 def test_decode_shape_splits_keys_and_covers_them_all():
@@ -100,7 +137,7 @@ def test_struct_packer_matches_numpy_layout():
 def test_sm80_keeps_the_narrower_d64_tile():
     kw = dict(batch=4, seqlen_q=4096, seqlen_k=4096, nheads_q=32, head_dim=64, dtype="float16",
               causal=False, vec=True)
-    assert dispatch.select_fwd(**kw, cc=(9, 0)).main.args[3] == "128"
+    assert dispatch.select_fwd(**kw, cc=(12, 0)).main.args[3] == "128"  # mma.sync kernel, cc >= 9.0 tables
     assert dispatch.select_fwd(**kw, cc=(8, 0)).main.args[3] == "64"
 
 

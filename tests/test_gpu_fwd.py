@@ -96,6 +96,30 @@ def test_fwd_full_grid(rng, dtype, head_dim, causal, seqlen_q, seqlen_k, gqa):
     check(host, out, lse, dtype, scale, causal)
 
 
+def _cc():
+    cp = _cp()
+    return tuple(int(c) for c in cp.cuda.Device().compute_capability)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 100])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(384, 384), (1000, 1500), (1500, 1000), (129, 257), (640, 8)])
+def test_fwd_wgmma_kernel(rng, dtype, head_dim, causal, seqlen_q, seqlen_k):
+    """Hopper's wgmma kernel over several key blocks, tails, bottom-right causal, GQA."""
+    from cupyflash import dispatch
+
+    if _cc() != (9, 0):
+        pytest.skip(f"the wgmma kernel runs on compute capability 9.0; this GPU is {_cc()}")
+    plan = dispatch.select_fwd(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=8, head_dim=head_dim,
+                               dtype=dtype, causal=causal, vec=True, num_sms=132, cc=(9, 0))
+    assert plan.main.template == "cupyflash::flash_fwd_sm90_kernel"  # (no split-KV at these sizes)
+    host, dev = make_inputs(rng, dtype, 2, seqlen_q, seqlen_k, 8, 2, head_dim)
+    scale = 1.0 / math.sqrt(head_dim)
+    out, lse = run_fwd(dev, dtype, scale, causal)
+    check(host, out, lse, dtype, scale, causal)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_fwd_public_api_fp16(rng, causal):
     cp = _cp()

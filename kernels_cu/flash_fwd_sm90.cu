@@ -1,0 +1,202 @@
+// flash_fwd_sm90.cu: the FlashAttention-2 forward pass (Dao 2023, Algorithm 1)
+// on Hopper warpgroup MMA (wgmma, sm_90a), in the manner of FlashAttention-3
+// (Shah et al. 2024) without its producer warps: every warp both loads and computes.
+//
+// One thread block owns BLOCK_M = 128 query rows of one (batch, head); each of
+// its two warpgroups owns 64 of them. Q stays in shared memory; K and V tiles of
+// BLOCK_N keys stream through a 3-stage cp.async ring in the 128-byte swizzle
+// that wgmma descriptors read directly. S = Q·Kᵀ takes both operands from shared
+// memory; the online softmax runs on the S accumulators in registers; O += P·V
+// takes P from registers (the S accumulator layout is the A operand layout) and V
+// from shared memory, transposed by the descriptor. One barrier per key block:
+// it publishes block n's tiles and frees the stage the load for block n-2 reuses.
+//
+// Template parameters, in order:
+//   T           __half or __nv_bfloat16
+//   HEAD_DIM    padded head dimension, 64 or 128; runtime head_dim <= HEAD_DIM
+//   BLOCK_N     keys per tile (64 or 128)
+//   IS_CAUSAL   bottom-right aligned causal mask
+//   EVEN_K      head_dim == HEAD_DIM (no column predicates)
+// 16-byte loads are assumed (dispatch sends unaligned data to flash_fwd.cu).
+#include "params.cuh"
+#include "ptx.cuh"
+#include "tile_io.cuh"
+#include "mask.cuh"
+#include "online_softmax.cuh"
+#include "wgmma.cuh"
+
+namespace cupyflash {
+
+template <typename T_, int HEAD_DIM_, int BLOCK_N_>
+struct FwdSm90Traits {
+    using T = T_;
+    static constexpr int HEAD_DIM = HEAD_DIM_;
+    static constexpr int BLOCK_M = 128;
+    static constexpr int BLOCK_N = BLOCK_N_;
+    static constexpr int NUM_WARPGROUPS = 2;
+    static constexpr int NUM_THREADS = NUM_WARPGROUPS * 128;
+    static constexpr int STAGES = 3;            // K/V ring depth
+    static constexpr int N_TILES = BLOCK_N / 8;  // n8 column tiles of S per warp
+    static constexpr int D_TILES = HEAD_DIM / 8;
+    using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;
+    using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;
+    // +1024: the dynamic shared window is aligned up to the swizzle atom in the kernel.
+    static constexpr int SMEM_BYTES = QTile::BYTES + 2 * STAGES * KVTile::BYTES + 1024;
+};
+
+// Same grid order as flash_fwd.cu: a head's query blocks adjacent, causal heaviest first.
+template <bool IS_CAUSAL>
+__device__ __forceinline__ void sm90_tile_coords(const FwdParams& p, int& b, int& h, int& h_kv, int& m_block) {
+    uint32 x;
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
+    const int bh = int(x) / p.num_m_blocks;
+    m_block = int(x) % p.num_m_blocks;
+    if (IS_CAUSAL) m_block = p.num_m_blocks - 1 - m_block;
+    h = bh % p.nheads_q;
+    b = bh / p.nheads_q;
+    h_kv = h / (p.nheads_q / p.nheads_kv);
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_N, bool IS_CAUSAL, bool EVEN_K>
+__global__ void __launch_bounds__(256, 1)
+flash_fwd_sm90_kernel(const FwdParams p) {
+    using Tr = FwdSm90Traits<T, HEAD_DIM, BLOCK_N>;
+    constexpr int BLOCK_M = Tr::BLOCK_M, N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES;
+    constexpr int NT = Tr::NUM_THREADS, STAGES = Tr::STAGES;
+    using QTile = typename Tr::QTile;
+    using KVTile = typename Tr::KVTile;
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    const uint32 sQ = (smem_addr(smem) + 1023u) & ~1023u;
+    const uint32 sK0 = sQ + QTile::BYTES;                       // K stage s at sK0 + s * KVTile::BYTES
+    const uint32 sV0 = sK0 + STAGES * KVTile::BYTES;            // V likewise
+
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int wg = warp / 4;                                    // warpgroup: query rows 64 wg ..
+    const int g = lane / 4, t = lane % 4;
+
+    int b, h, h_kv, m_block;
+    sm90_tile_coords<IS_CAUSAL>(p, b, h, h_kv, m_block);
+    const int m0 = m_block * BLOCK_M;
+    const int n_end = n_block_end<IS_CAUSAL>(m0, BLOCK_M, BLOCK_N, p.seqlen_q, p.seqlen_k);
+    const int n_unmasked_end = n_block_unmasked_end<IS_CAUSAL>(m0, BLOCK_N, p.seqlen_q, p.seqlen_k);
+    // This thread's fragment rows within the block: r0 and r0 + 8.
+    const int r0 = wg * 64 + (warp % 4) * 16 + g;
+
+    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + m0 * p.q_row_stride + h * p.q_head_stride;
+    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
+    const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+    auto load_kv = [&](int n, int stage) {
+        const int rows = p.seqlen_k - n * BLOCK_N;
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(
+            sK0 + stage * KVTile::BYTES, k + int64(n) * BLOCK_N * p.k_row_stride, p.k_row_stride, rows, p.head_dim);
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(
+            sV0 + stage * KVTile::BYTES, v + int64(n) * BLOCK_N * p.v_row_stride, p.v_row_stride, rows, p.head_dim);
+    };
+
+    float acc_o[1][D_TILES][4];
+#pragma unroll
+    for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[0][d][e] = 0.f;
+    float row_sum[1][2] = {{0.f, 0.f}};
+    OnlineSoftmax<1> softmax;
+    softmax.init();
+
+    // Prologue: Q with the first key block, then the second key block (groups 0, 1).
+    if (n_end > 0) {
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sQ, q, p.q_row_stride, p.seqlen_q - m0, p.head_dim);
+        load_kv(n_end - 1, 0);
+    }
+    cp_async_commit();
+    if (n_end > 1) load_kv(n_end - 2, 1);
+    cp_async_commit();
+
+    int stage = 0;  // stage of key block n; block n - 2 goes to stage + 2 (mod 3)
+    auto step = [&](int n, auto masked) {
+        cp_async_wait<1>();        // this thread's copies of block n have landed
+        fence_proxy_async_smem();  // ... and are visible to wgmma
+        __syncthreads();           // everyone's have; everyone is done with block n + 1
+        {
+            const int free_stage = stage == 0 ? 2 : stage - 1;
+            if (n >= 2) load_kv(n - 2, free_stage);
+            cp_async_commit();
+        }
+
+        // ---- S = Q·Kᵀ for this warpgroup's 64 rows
+        float s[1][N_TILES][4];
+        const uint32 sK = sK0 + stage * KVTile::BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            Wgmma<T, BLOCK_N>::ss(s[0], desc_k_major<BLOCK_M>(sQ, wg * 64, kk), desc_k_major<BLOCK_N>(sK, 0, kk),
+                                  kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(s[0]);
+
+        if constexpr (decltype(masked)::value) {
+            apply_mask<1, N_TILES, IS_CAUSAL>(s, m0 + r0, n * BLOCK_N + 2 * t, p.seqlen_q, p.seqlen_k);
+        }
+        // ---- online softmax: s becomes P, acc_o is rescaled
+        fence_operands(acc_o[0]);
+        softmax.update(s, acc_o, row_sum, p.softmax_scale_log2);
+
+        // ---- O += P·V, P repacked from the S accumulators as the register A operand
+        uint32 pa[BLOCK_N / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            pa[kk][0] = TypeTraits<T>::pack(s[0][2 * kk][0], s[0][2 * kk][1]);
+            pa[kk][1] = TypeTraits<T>::pack(s[0][2 * kk][2], s[0][2 * kk][3]);
+            pa[kk][2] = TypeTraits<T>::pack(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+            pa[kk][3] = TypeTraits<T>::pack(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+        }
+        const uint32 sV = sV0 + stage * KVTile::BYTES;
+        fence_operands(acc_o[0]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            Wgmma<T, HEAD_DIM>::rs_trans_b(acc_o[0], pa[kk], desc_mn_major<BLOCK_N>(sV, kk));
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(acc_o[0]);
+        stage = stage == STAGES - 1 ? 0 : stage + 1;
+    };
+
+    // Masked blocks (key tail, causal diagonal) first, then the bulk with no mask code.
+    int n = n_end - 1;
+    for (; n >= n_unmasked_end; --n) step(n, Bool<true>{});
+    for (; n >= 0; --n) step(n, Bool<false>{});
+
+    // ---- epilogue
+    float lse[1][2];
+    softmax.finalize_sums(acc_o, row_sum, p.softmax_scale, lse);
+    const int rows_valid = min(BLOCK_M, p.seqlen_q - m0);
+    const int64 row_index0 = (int64(b) * p.nheads_q + h) * p.seqlen_q + m0;  // into lse
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int row = r0 + hh * 8;
+        if (t == 0 && row < rows_valid) p.lse[row_index0 + row] = lse[0][hh];
+    }
+    // Stage O through this warpgroup's own 64 rows of sQ (no other warpgroup reads
+    // them; its own last wgmma on them has completed), then 16-byte stores.
+    asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg));
+#pragma unroll
+    for (int d = 0; d < D_TILES; ++d) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const uint32 val = TypeTraits<T>::pack(acc_o[0][d][2 * hh], acc_o[0][d][2 * hh + 1]);
+            const uint32 addr = sQ + QTile::offset(r0 + hh * 8, d) + t * 4;  // n8 tile d = chunk d
+            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(addr), "r"(val));
+        }
+    }
+    asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg));
+    T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + int64(m0 + wg * 64) * p.o_row_stride +
+             h * p.o_head_stride;
+    store_tile<T, 64, HEAD_DIM, 128, true, EVEN_K, QTile, false>(out, p.o_row_stride, sQ + wg * 64 * 128,
+                                                          rows_valid - wg * 64, p.head_dim);
+}
+
+}  // namespace cupyflash
