@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fwd-kernel", choices=("auto", "mma"), default="auto",
                         help="experiment: 'mma' keeps the forward on the mma.sync kernel even where "
                              "dispatch picks wgmma (cc 9.0), for A/B runs")
+    parser.add_argument("--fwd-sm90", action="append", default=None, metavar="D:BLOCK_N,CTAS_PER_SM",
+                        help="experiment: override the wgmma forward tile of one head_dim in this process")
     parser.add_argument("--fwd-tiles", action="append", default=None, metavar="D:BLOCK_M,BLOCK_N,WARPS",
                         help="experiment: override the forward tile of one head_dim in this process")
 
@@ -218,7 +220,13 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.fwd_kernel == "mma":
         from . import dispatch  # noqa: PLC0415
-        dispatch._FWD_SM90_BLOCK_N.clear()  # noqa: SLF001
+        dispatch._FWD_SM90.clear()  # noqa: SLF001
+    if args.fwd_sm90:
+        from . import dispatch  # noqa: PLC0415
+        for spec in args.fwd_sm90:
+            d, tile = spec.split(":")
+            t = tuple(int(x) for x in tile.split(","))
+            dispatch._FWD_SM90[int(d)] = (t, t)  # noqa: SLF001
     if args.fwd_tiles:
         from . import dispatch  # noqa: PLC0415
         for spec in args.fwd_tiles:

@@ -4,7 +4,7 @@ Every function here is pure (shapes in, frozen plans out), needs no GPU, and is
 unit-tested in ``tests/test_dispatch.py``. The template-argument order follows
 ``kernels_cu/flash_fwd.cu``: ``<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
 IS_CAUSAL, EVEN_K, VEC, IS_SPLIT>``, and ``kernels_cu/flash_fwd_sm90.cu``:
-``<T, HEAD_DIM, BLOCK_N, IS_CAUSAL, EVEN_K>``.
+``<T, HEAD_DIM, BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K>``.
 """
 
 from __future__ import annotations
@@ -53,11 +53,17 @@ _FWD_TILES_UNALIGNED = {
 
 # Hopper (cc 9.0, built for sm_90a) runs these padded head_dims on the wgmma kernel
 # (kernels_cu/flash_fwd_sm90.cu): BLOCK_M = 128 query rows (two warpgroups of 64),
-# a 3-stage K/V ring, and BLOCK_N keys per tile for (non-causal, causal).
+# a 3-stage K/V ring, and (BLOCK_N, CTAS_PER_SM) for (non-causal, causal): keys per
+# tile, and how many blocks per SM the registers must allow.
 # Unaligned data and split-KV stay on the mma.sync kernel.
-_FWD_SM90_BLOCK_N = {
-    64: (128, 128),
-    128: (128, 128),
+# At D=64 two blocks of 64-key tiles per SM (128 registers, no spill) beat one
+# block of 128-key tiles by 1.15-1.33x: one block's softmax overlaps the other's
+# wgmma, where a block's own two warpgroups run in lockstep between barriers. At
+# D=128 the O accumulators alone take 64 registers: one block per SM
+# (kernels_cu/PERF.md, v6).
+_FWD_SM90 = {
+    64: ((64, 2), (64, 2)),
+    128: ((128, 1), (128, 1)),
 }
 SM90_BLOCK_M = 128
 SM90_THREADS = 256
@@ -132,17 +138,17 @@ def fwd_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool, vec
 def fwd_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
                     grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
     """The wgmma forward kernel (cc 9.0) for one set of compile-time choices."""
-    block_n = _FWD_SM90_BLOCK_N[head_dim_padded][int(causal)]
+    block_n, ctas_per_sm = _FWD_SM90[head_dim_padded][int(causal)]
     # kernels_cu/flash_fwd_sm90.cu FwdSm90Traits::SMEM_BYTES: Q, STAGES x (K, V), and
     # 1 KB to align the window to the 128-byte swizzle's 1024-byte atom.
     smem = 2 * head_dim_padded * (SM90_BLOCK_M + 2 * SM90_STAGES * block_n) + 1024
-    args = (CTYPES[dtype], str(head_dim_padded), str(block_n), _cbool(causal), _cbool(even_k))
+    args = (CTYPES[dtype], str(head_dim_padded), str(block_n), str(ctas_per_sm), _cbool(causal), _cbool(even_k))
     return Launch("flash_fwd_sm90.cu", "cupyflash::flash_fwd_sm90_kernel", args, grid, (SM90_THREADS, 1, 1), smem)
 
 
 def uses_sm90_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int]) -> bool:
     """Whether the wgmma kernel serves this padded head_dim (before any split-KV)."""
-    return cc == (9, 0) and vec and head_dim_padded in _FWD_SM90_BLOCK_N
+    return cc == (9, 0) and vec and head_dim_padded in _FWD_SM90
 
 
 def combine_launch(dtype: str, head_dim_padded: int, rows: int = 1) -> Launch:
@@ -177,7 +183,7 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
     d = padded_head_dim(head_dim)
     if uses_sm90_fwd(d, vec, cc):
-        block_m, block_n = SM90_BLOCK_M, _FWD_SM90_BLOCK_N[d][int(causal)]
+        block_m, block_n = SM90_BLOCK_M, _FWD_SM90[d][int(causal)][0]
     else:
         block_m, block_n, _ = fwd_tiles(d, vec, causal, cc)
     splits = num_splits_heuristic(batch * nheads_q * math.ceil(seqlen_q / block_m),

@@ -15,6 +15,8 @@
 //   T           __half or __nv_bfloat16
 //   HEAD_DIM    padded head dimension, 64 or 128; runtime head_dim <= HEAD_DIM
 //   BLOCK_N     keys per tile (64 or 128)
+//   CTAS_PER_SM blocks the registers must leave room for on one SM (1 or 2); two
+//               blocks drift apart, so one's softmax overlaps the other's wgmma
 //   IS_CAUSAL   bottom-right aligned causal mask
 //   EVEN_K      head_dim == HEAD_DIM (no column predicates)
 // 16-byte loads are assumed (dispatch sends unaligned data to flash_fwd.cu).
@@ -57,8 +59,8 @@ __device__ __forceinline__ void sm90_tile_coords(const FwdParams& p, int& b, int
     h_kv = h / (p.nheads_q / p.nheads_kv);
 }
 
-template <typename T, int HEAD_DIM, int BLOCK_N, bool IS_CAUSAL, bool EVEN_K>
-__global__ void __launch_bounds__(256, 1)
+template <typename T, int HEAD_DIM, int BLOCK_N, int CTAS_PER_SM, bool IS_CAUSAL, bool EVEN_K>
+__global__ void __launch_bounds__(256, CTAS_PER_SM)
 flash_fwd_sm90_kernel(const FwdParams p) {
     using Tr = FwdSm90Traits<T, HEAD_DIM, BLOCK_N>;
     constexpr int BLOCK_M = Tr::BLOCK_M, N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES;

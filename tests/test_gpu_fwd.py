@@ -111,10 +111,10 @@ def test_fwd_wgmma_kernel(rng, dtype, head_dim, causal, seqlen_q, seqlen_k):
 
     if _cc() != (9, 0):
         pytest.skip(f"the wgmma kernel runs on compute capability 9.0; this GPU is {_cc()}")
-    plan = dispatch.select_fwd(batch=2, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=8, head_dim=head_dim,
+    plan = dispatch.select_fwd(batch=4, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=16, head_dim=head_dim,
                                dtype=dtype, causal=causal, vec=True, num_sms=132, cc=(9, 0))
     assert plan.main.template == "cupyflash::flash_fwd_sm90_kernel"  # (no split-KV at these sizes)
-    host, dev = make_inputs(rng, dtype, 2, seqlen_q, seqlen_k, 8, 2, head_dim)
+    host, dev = make_inputs(rng, dtype, 4, seqlen_q, seqlen_k, 16, 4, head_dim)
     scale = 1.0 / math.sqrt(head_dim)
     out, lse = run_fwd(dev, dtype, scale, causal)
     check(host, out, lse, dtype, scale, causal)
