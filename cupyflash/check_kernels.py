@@ -27,8 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _launches(arch: tuple[int, int], quick: bool, match: str | None):
     from . import dispatch  # noqa: PLC0415
 
-    # The backward's tiles depend on shared memory, not on the architecture: one list.
-    launches = dispatch.all_fwd_launches(arch) + dispatch.all_bwd_launches()
+    launches = dispatch.all_fwd_launches(arch) + dispatch.all_bwd_launches(arch)
     if quick:
         launches = [L for L in launches
                     if L.args[0] == "__half" and "false, true, true, false" in ", ".join(L.args[-4:]) or

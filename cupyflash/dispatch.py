@@ -344,6 +344,32 @@ def bwd_dq_launch(dtype: str, head_dim_padded: int, tile: tuple[int, int, int], 
                   bwd_dq_smem_bytes(head_dim_padded, tile))
 
 
+# Hopper (cc 9.0, sm_90a) runs the dK/dV kernel of these padded head_dims on
+# wgmma (kernels_cu/flash_bwd_sm90.cu): 128 keys per block (two warpgroups of
+# 64), query blocks of 64 double-buffered; the preprocess, deterministic dQ and
+# convert kernels stay those of flash_bwd.cu.
+_BWD_SM90_HEAD_DIMS = (64, 128)
+BWD_SM90_BLOCK_M = 64
+BWD_SM90_BLOCK_N = 128
+
+
+def uses_sm90_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int]) -> bool:
+    """Whether the wgmma dK/dV kernel serves this padded head_dim."""
+    return cc == (9, 0) and vec and head_dim_padded in _BWD_SM90_HEAD_DIMS
+
+
+def bwd_dkdv_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool, deterministic: bool,
+                         grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
+    """The wgmma dK/dV kernel (cc 9.0) for one set of compile-time choices."""
+    d = head_dim_padded
+    # kernels_cu/flash_bwd_sm90.cu BwdSm90Traits::SMEM_BYTES: K, V, dSᵀ, two stages of
+    # (Q, dO), two of (lse_log2, delta), and 1 KB to align to the swizzle atom.
+    smem = (2 * BWD_SM90_BLOCK_N * d * 2 + BWD_SM90_BLOCK_N * BWD_SM90_BLOCK_M * 2
+            + 2 * 2 * BWD_SM90_BLOCK_M * d * 2 + 2 * 2 * BWD_SM90_BLOCK_M * 4 + 1024)
+    args = (CTYPES[dtype], str(d), _cbool(causal), _cbool(even_k), _cbool(deterministic))
+    return Launch("flash_bwd_sm90.cu", "cupyflash::flash_bwd_dkdv_sm90_kernel", args, grid, (256, 1, 1), smem)
+
+
 # (head_dim, tile, causal, deterministic) combinations never to select. Empty:
 # the causal atomic-dQ dK/dV kernel at D=128 on 64x128 spills 8 bytes under
 # NVRTC 13.0's ptxas (clean under 13.5), but the spill-free 64x64 tile measured
@@ -394,15 +420,22 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     d = padded_head_dim(head_dim)
     even_k = head_dim == d
     smem_limit = max_smem_per_block(cc)
-    tile, stages = _pick_bwd_tile(d, smem_limit, causal, deterministic)
-    block_m, block_n = tile[:2]
+    sm90 = uses_sm90_bwd(d, vec, cc)
+    if sm90:
+        block_n, stages = BWD_SM90_BLOCK_N, 2
+    else:
+        tile, stages = _pick_bwd_tile(d, smem_limit, causal, deterministic)
+        block_n = tile[1]
     seqlen_q_rounded = math.ceil(seqlen_q / BWD_ROWS_ROUND) * BWD_ROWS_ROUND
 
     launches = [bwd_preprocess_launch(dtype, vec, (seqlen_q_rounded // BWD_ROWS_ROUND) * batch * nheads_q)]
     kv_blocks = math.ceil(seqlen_k / block_n) * batch * nheads_kv
     kv_splits = bwd_kv_splits(kv_blocks, nheads_q // nheads_kv, num_sms)
     dkdv_grid = (kv_blocks * kv_splits, 1, 1)
-    launches.append(bwd_dkdv_launch(dtype, d, tile, causal, even_k, vec, deterministic, stages, dkdv_grid))
+    if sm90:
+        launches.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, deterministic, dkdv_grid))
+    else:
+        launches.append(bwd_dkdv_launch(dtype, d, tile, causal, even_k, vec, deterministic, stages, dkdv_grid))
     if deterministic:
         dq_tile = _pick_bwd_dq_tile(d, smem_limit)
         dq_grid = (math.ceil(seqlen_q / dq_tile[0]) * batch * nheads_q, 1, 1)
@@ -414,9 +447,18 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     return BwdPlan(tuple(launches), d, seqlen_q_rounded, stages, not deterministic, kv_splits)
 
 
-def all_bwd_launches() -> list[Launch]:
-    """Every backward instantiation select_bwd can return, for any GPU (for check-kernels)."""
+def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
+    """Every backward instantiation select_bwd can return (for check-kernels).
+
+    The mma.sync kernels' tiles depend on shared memory, not on the architecture:
+    they are listed for any ``cc``; the wgmma kernels only for cc 9.0.
+    """
     out = []
+    if cc is not None:
+        for dtype, d, causal, even_k, det in itertools.product(CTYPES, HEAD_DIMS, (False, True), (True, False),
+                                                               (False, True)):
+            if uses_sm90_bwd(d, True, cc):
+                out.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, det))
     for dtype, vec in itertools.product(CTYPES, (True, False)):
         out.append(bwd_preprocess_launch(dtype, vec))
         out.append(bwd_convert_launch(dtype, vec))

@@ -27,6 +27,9 @@ template <> struct TypeTraits<__half> {
         __half2 h = __floats2half2_rn(lo, hi);
         return *reinterpret_cast<uint32*>(&h);
     }
+    static __device__ __forceinline__ float2 unpack(uint32 x) {
+        return __half22float2(*reinterpret_cast<__half2*>(&x));
+    }
     static constexpr uint32 ONE_PAIR = 0x3C003C00u;  // (1.0, 1.0)
 };
 template <> struct TypeTraits<__nv_bfloat16> {
@@ -36,6 +39,9 @@ template <> struct TypeTraits<__nv_bfloat16> {
     static __device__ __forceinline__ uint32 pack(float lo, float hi) {
         __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
         return *reinterpret_cast<uint32*>(&h);
+    }
+    static __device__ __forceinline__ float2 unpack(uint32 x) {
+        return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&x));
     }
     static constexpr uint32 ONE_PAIR = 0x3F803F80u;  // (1.0, 1.0)
 };

@@ -131,7 +131,7 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            Wgmma<T, BLOCK_N>::ss(s[0], desc_k_major<BLOCK_M>(sQ, wg * 64, kk), desc_k_major<BLOCK_N>(sK, 0, kk),
+            Wgmma<T, BLOCK_N>::template ss<0, 0>(s[0], desc_k_major<BLOCK_M>(sQ, wg * 64, kk), desc_k_major<BLOCK_N>(sK, 0, kk),
                                   kk > 0);
         }
         wgmma_commit();
@@ -159,7 +159,7 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            Wgmma<T, HEAD_DIM>::rs_trans_b(acc_o[0], pa[kk], desc_mn_major<BLOCK_N>(sV, kk));
+            Wgmma<T, HEAD_DIM>::template rs<1>(acc_o[0], pa[kk], desc_mn_major<BLOCK_N>(sV, kk));
         }
         wgmma_commit();
         wgmma_wait<0>();

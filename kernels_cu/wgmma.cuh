@@ -1,6 +1,7 @@
 // wgmma.cuh: Hopper warpgroup MMA (sm_90a) through inline PTX: shared-memory
 // matrix descriptors for 128-byte-swizzled tiles, the async fences, and
-// wgmma.mma_async for the shapes the forward kernel uses.
+// wgmma.mma_async (m64nNk16, N = 32, 64, 128, fp32 accumulators). The operand
+// lists are spelled out per shape: PTX has no vector syntax for 16-64 registers.
 //
 // A warpgroup is 4 consecutive warps (threads 128w .. 128w+127). For m64nNk16
 // with fp32 accumulators, warp i of the group owns rows 16i .. 16i+15 and holds
@@ -84,14 +85,80 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 
 template <typename T, int N> struct Wgmma;
 
+template <> struct Wgmma<__half, 32> {
+    // D (64x32) (+)= A (64x16) * B (16x32), both from shared memory; TRANS_A / TRANS_B
+    // = 1 read an MN-major operand (M or N contiguous) instead of K-major.
+    template <int TRANS_A, int TRANS_B>
+    static __device__ __forceinline__ void ss(float (&d)[4][4], uint64 a, uint64 b, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+            "%16, %17, p, 1, 1, %19, %20;\n}\n"
+            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+            : "l"(a), "l"(b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
+    }
+    // D (64x32) += A (64x16, registers) * B (16x32, shared).
+    template <int TRANS_B>
+    static __device__ __forceinline__ void rs(float (&d)[4][4], const uint32 (&a)[4], uint64 b) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+            "{%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
+            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(TRANS_B));
+    }
+};
+
+template <> struct Wgmma<__nv_bfloat16, 32> {
+    // D (64x32) (+)= A (64x16) * B (16x32), both from shared memory; TRANS_A / TRANS_B
+    // = 1 read an MN-major operand (M or N contiguous) instead of K-major.
+    template <int TRANS_A, int TRANS_B>
+    static __device__ __forceinline__ void ss(float (&d)[4][4], uint64 a, uint64 b, int accumulate) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+            "%16, %17, p, 1, 1, %19, %20;\n}\n"
+            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+            : "l"(a), "l"(b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
+    }
+    // D (64x32) += A (64x16, registers) * B (16x32, shared).
+    template <int TRANS_B>
+    static __device__ __forceinline__ void rs(float (&d)[4][4], const uint32 (&a)[4], uint64 b) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+            "{%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n"
+            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(TRANS_B));
+    }
+};
+
 template <> struct Wgmma<__half, 64> {
-    // D (64x64) += A (64x16, shared) * B (16x64, shared), both K-major.
+    // D (64x64) (+)= A (64x16) * B (16x64), both from shared memory; TRANS_A / TRANS_B
+    // = 1 read an MN-major operand (M or N contiguous) instead of K-major.
+    template <int TRANS_A, int TRANS_B>
     static __device__ __forceinline__ void ss(float (&d)[8][4], uint64 a, uint64 b, int accumulate) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-            "%32, %33, p, 1, 1, 0, 0;\n}\n"
+            "%32, %33, p, 1, 1, %35, %36;\n}\n"
             : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
               "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
               "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -100,15 +167,16 @@ template <> struct Wgmma<__half, 64> {
               "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
               "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
               "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-            : "l"(a), "l"(b), "r"(accumulate));
+            : "l"(a), "l"(b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
     }
-    // D (64x64) += A (64x16, registers) * B (16x64, shared, MN-major: transposed).
-    static __device__ __forceinline__ void rs_trans_b(float (&d)[8][4], const uint32 (&a)[4], uint64 b) {
+    // D (64x64) += A (64x16, registers) * B (16x64, shared).
+    template <int TRANS_B>
+    static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32 (&a)[4], uint64 b) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-            "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+            "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
             : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
               "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
               "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -117,18 +185,20 @@ template <> struct Wgmma<__half, 64> {
               "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
               "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
               "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(TRANS_B));
     }
 };
 
 template <> struct Wgmma<__nv_bfloat16, 64> {
-    // D (64x64) += A (64x16, shared) * B (16x64, shared), both K-major.
+    // D (64x64) (+)= A (64x16) * B (16x64), both from shared memory; TRANS_A / TRANS_B
+    // = 1 read an MN-major operand (M or N contiguous) instead of K-major.
+    template <int TRANS_A, int TRANS_B>
     static __device__ __forceinline__ void ss(float (&d)[8][4], uint64 a, uint64 b, int accumulate) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-            "%32, %33, p, 1, 1, 0, 0;\n}\n"
+            "%32, %33, p, 1, 1, %35, %36;\n}\n"
             : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
               "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
               "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -137,15 +207,16 @@ template <> struct Wgmma<__nv_bfloat16, 64> {
               "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
               "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
               "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-            : "l"(a), "l"(b), "r"(accumulate));
+            : "l"(a), "l"(b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
     }
-    // D (64x64) += A (64x16, registers) * B (16x64, shared, MN-major: transposed).
-    static __device__ __forceinline__ void rs_trans_b(float (&d)[8][4], const uint32 (&a)[4], uint64 b) {
+    // D (64x64) += A (64x16, registers) * B (16x64, shared).
+    template <int TRANS_B>
+    static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32 (&a)[4], uint64 b) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-            "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+            "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
             : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
               "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
               "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -154,18 +225,20 @@ template <> struct Wgmma<__nv_bfloat16, 64> {
               "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
               "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
               "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(TRANS_B));
     }
 };
 
 template <> struct Wgmma<__half, 128> {
-    // D (64x128) += A (64x16, shared) * B (16x128, shared), both K-major.
+    // D (64x128) (+)= A (64x16) * B (16x128), both from shared memory; TRANS_A / TRANS_B
+    // = 1 read an MN-major operand (M or N contiguous) instead of K-major.
+    template <int TRANS_A, int TRANS_B>
     static __device__ __forceinline__ void ss(float (&d)[16][4], uint64 a, uint64 b, int accumulate) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-            "%64, %65, p, 1, 1, 0, 0;\n}\n"
+            "%64, %65, p, 1, 1, %67, %68;\n}\n"
             : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
               "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
               "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -182,15 +255,16 @@ template <> struct Wgmma<__half, 128> {
               "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
               "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
               "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-            : "l"(a), "l"(b), "r"(accumulate));
+            : "l"(a), "l"(b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
     }
-    // D (64x128) += A (64x16, registers) * B (16x128, shared, MN-major: transposed).
-    static __device__ __forceinline__ void rs_trans_b(float (&d)[16][4], const uint32 (&a)[4], uint64 b) {
+    // D (64x128) += A (64x16, registers) * B (16x128, shared).
+    template <int TRANS_B>
+    static __device__ __forceinline__ void rs(float (&d)[16][4], const uint32 (&a)[4], uint64 b) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-            "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+            "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
             : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
               "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
               "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -207,18 +281,20 @@ template <> struct Wgmma<__half, 128> {
               "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
               "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
               "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(TRANS_B));
     }
 };
 
 template <> struct Wgmma<__nv_bfloat16, 128> {
-    // D (64x128) += A (64x16, shared) * B (16x128, shared), both K-major.
+    // D (64x128) (+)= A (64x16) * B (16x128), both from shared memory; TRANS_A / TRANS_B
+    // = 1 read an MN-major operand (M or N contiguous) instead of K-major.
+    template <int TRANS_A, int TRANS_B>
     static __device__ __forceinline__ void ss(float (&d)[16][4], uint64 a, uint64 b, int accumulate) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-            "%64, %65, p, 1, 1, 0, 0;\n}\n"
+            "%64, %65, p, 1, 1, %67, %68;\n}\n"
             : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
               "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
               "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -235,15 +311,16 @@ template <> struct Wgmma<__nv_bfloat16, 128> {
               "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
               "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
               "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-            : "l"(a), "l"(b), "r"(accumulate));
+            : "l"(a), "l"(b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B));
     }
-    // D (64x128) += A (64x16, registers) * B (16x128, shared, MN-major: transposed).
-    static __device__ __forceinline__ void rs_trans_b(float (&d)[16][4], const uint32 (&a)[4], uint64 b) {
+    // D (64x128) += A (64x16, registers) * B (16x128, shared).
+    template <int TRANS_B>
+    static __device__ __forceinline__ void rs(float (&d)[16][4], const uint32 (&a)[4], uint64 b) {
         asm volatile(
             "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
             "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
             "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-            "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+            "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
             : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
               "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
               "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -260,8 +337,9 @@ template <> struct Wgmma<__nv_bfloat16, 128> {
               "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
               "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
               "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(TRANS_B));
     }
 };
+
 
 }  // namespace cupyflash

@@ -15,8 +15,10 @@ from cupyflash import _params, dispatch
 
 
 def _plan(**kw):
+    # cc 10.0: 227 KB of shared memory like the H200, and the mma.sync dK/dV kernel
+    # at every head_dim (cc 9.0 takes the wgmma kernel at 64 and 128; tested below).
     args = dict(batch=2, seqlen_q=1000, seqlen_k=1000, nheads_q=8, nheads_kv=8, head_dim=128,
-                dtype="float16", causal=False, deterministic=False, vec=True)
+                dtype="float16", causal=False, deterministic=False, vec=True, cc=(10, 0))
     args.update(kw)
     return dispatch.select_bwd(**args)
 
@@ -65,9 +67,9 @@ def test_shared_memory_fits_the_gpu(cc, head_dim, deterministic):
         assert launch.smem_bytes <= dispatch.max_smem_per_block(cc)
 
 
-def test_h200_uses_big_double_buffered_tiles():
+def test_227kb_gpus_use_big_double_buffered_tiles():
     for d in dispatch.HEAD_DIMS:
-        plan = _plan(head_dim=d, cc=(9, 0))
+        plan = _plan(head_dim=d, cc=(10, 0))
         assert plan.num_stages == 2
         assert tuple(int(a) for a in plan.launches[1].args[2:8]) == dispatch._BWD_TILES[d][0]
 
@@ -130,8 +132,8 @@ def test_rejects_bad_dtype_arch_and_head_dim():
 
 
 def test_all_bwd_launches_covers_every_selection():
-    every = {L.name_expression for L in dispatch.all_bwd_launches()}
     for cc in [(8, 0), (8, 9), (9, 0)]:
+        every = {L.name_expression for L in dispatch.all_bwd_launches(cc)}
         for head_dim in (32, 59, 64, 96, 111, 128, 192, 256):
             for causal in (False, True):
                 for deterministic in (False, True):
@@ -238,8 +240,26 @@ def test_quick_variants_compile_without_spills(launch, arch):
     _compile_clean(launch, arch)
 
 
+@pytest.mark.parametrize("head_dim,causal,even_k,deterministic",
+                         [(64, True, True, False), (128, True, False, False), (128, False, True, True)])
+def test_wgmma_dkdv_variant_compiles_for_sm90a_without_spills(head_dim, causal, even_k, deterministic):
+    _compile_clean(dispatch.bwd_dkdv_sm90_launch("bfloat16", head_dim, causal, even_k, deterministic), (9, 0))
+
+
+@pytest.mark.parametrize("cc,wgmma", [((9, 0), True), ((8, 0), False), ((10, 0), False)])
+@pytest.mark.parametrize("head_dim", [40, 64, 100, 128, 96, 256])
+def test_hopper_dkdv_runs_on_wgmma_for_head_dims_64_and_128(cc, wgmma, head_dim):
+    plan = _plan(head_dim=head_dim, cc=cc, vec=True)
+    dkdv = plan.launches[1]
+    uses = dkdv.template == "cupyflash::flash_bwd_dkdv_sm90_kernel"
+    assert uses == (wgmma and dispatch.padded_head_dim(head_dim) in (64, 128))
+    if uses:
+        assert dkdv.smem_bytes <= dispatch.max_smem_per_block(cc) and dkdv.block == (256, 1, 1)
+    assert _plan(head_dim=head_dim, cc=cc, vec=False).launches[1].template == "cupyflash::flash_bwd_dkdv_kernel"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", dispatch.ARCHS, ids=lambda a: f"sm{a[0]}{a[1]}")
-@pytest.mark.parametrize("launch", dispatch.all_bwd_launches(), ids=lambda L: L.name_expression)
+@pytest.mark.parametrize("arch,launch", [(a, L) for a in dispatch.ARCHS for L in dispatch.all_bwd_launches(a)],
+                         ids=lambda x: f"sm{x[0]}{x[1]}" if isinstance(x, tuple) else x.name_expression)
 def test_every_variant_compiles_without_spills(launch, arch):
     _compile_clean(launch, arch)

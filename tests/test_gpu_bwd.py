@@ -237,6 +237,35 @@ def test_bwd_tiles_of_smaller_gpus(rng, monkeypatch, cc, head_dim, deterministic
     check(host, grads, "float16", scale, True)
 
 
+def _wgmma_cases():
+    shapes = [(384, 384), (1000, 1500), (1500, 1000), (129, 257), (640, 8)]
+    for i, (seqlens, head_dim, causal) in enumerate(itertools.product(shapes, (64, 128, 100), (False, True))):
+        dtype = "bfloat16" if i % 2 else "float16"
+        det = i % 3 == 0
+        yield pytest.param(dtype, head_dim, causal, seqlens, det,
+                           id=f"{dtype}-d{head_dim}-{'causal' if causal else 'full'}-{seqlens[0]}x{seqlens[1]}-"
+                              f"{'det' if det else 'atomic'}")
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,seqlens,deterministic", list(_wgmma_cases()))
+def test_bwd_wgmma_kernel(rng, dtype, head_dim, causal, seqlens, deterministic):
+    """Hopper's wgmma dK/dV kernel: several key and query blocks, tails, bottom-right causal, GQA."""
+    from cupyflash import _gpu, dispatch
+
+    cp = _cp()
+    cc = _gpu._cc(cp.cuda.Device().id)
+    if cc != (9, 0):
+        pytest.skip(f"the wgmma kernel runs on compute capability 9.0; this GPU is {cc}")
+    plan = dispatch.select_bwd(batch=1, seqlen_q=seqlens[0], seqlen_k=seqlens[1], nheads_q=4, nheads_kv=2,
+                               head_dim=head_dim, dtype=dtype, causal=causal, deterministic=deterministic,
+                               vec=True, cc=cc)
+    assert plan.launches[1].template == "cupyflash::flash_bwd_dkdv_sm90_kernel"
+    host, dev = make_problem(rng, dtype, 1, *seqlens, 4, 2, head_dim)
+    scale = 1.0 / math.sqrt(head_dim)
+    grads = run(dev, dtype, scale, causal, deterministic)
+    check(host, grads, dtype, scale, causal)
+
+
 @pytest.mark.parametrize("num_sms,splits", [(3, 1), (6, 2), (100, 4)])
 @pytest.mark.parametrize("deterministic", DETERMINISTIC, ids=["atomic", "det"])
 def test_bwd_gqa_group_splits(rng, monkeypatch, num_sms, splits, deterministic):

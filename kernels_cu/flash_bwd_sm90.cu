@@ -1,0 +1,336 @@
+// flash_bwd_sm90.cu: the dK/dV (+ atomic dQ) kernel of the FlashAttention-2
+// backward (Dao 2023, Algorithm 2) on Hopper warpgroup MMA (wgmma, sm_90a).
+// Preprocess, the deterministic dQ kernel and the convert kernels are
+// flash_bwd.cu's; see its header for the padding contract (lse_log2 = +inf and
+// delta = 0 on padded and key-less query rows, so P = 0 there with no mask).
+//
+// One block owns BLOCK_N = 128 keys of one (batch, KV head); each of its two
+// warpgroups owns 64 of them and loops over the query blocks (BLOCK_M = 64) of
+// the group's query heads. Everything is computed transposed, keys as rows, so
+// every product's A operand is either in shared memory or already in registers:
+//   Sᵀ  = K·Qᵀ          A = K (smem), B = Q (smem)               -> registers
+//   dPᵀ = V·dOᵀ         A = V (smem), B = dO (smem)              -> registers
+//   Pᵀ  = exp2(Sᵀ·scale·log2e − lse·log2e),  dSᵀ = Pᵀ∘(dPᵀ − delta)
+//   dV += Pᵀ·dO         A = Pᵀ (registers), B = dO (smem, MN-major)
+//   dK += dSᵀ·Q         A = dSᵀ (registers), B = Q (smem, MN-major)
+//   dQ  = dS·K          A = dSᵀ staged in smem (read MN-major), B = K (smem, MN-major);
+//                       warpgroup w takes columns [w·D/2, (w+1)·D/2) over all 128
+//                       keys, added to dq_accum with fp32 atomics.
+// Q, dO, lse_log2 and delta are double-buffered (cp.async, 128-byte swizzle).
+//
+// Template parameters: T, HEAD_DIM (64 or 128), IS_CAUSAL, EVEN_K, DETERMINISTIC
+// (skip dQ: flash_bwd_dq_kernel computes it). 16-byte loads are assumed.
+#include "params.cuh"
+#include "ptx.cuh"
+#include "tile_io.cuh"
+#include "warp_mma.cuh"
+#include "wgmma.cuh"
+
+namespace cupyflash {
+
+template <typename T_, int HEAD_DIM_>
+struct BwdSm90Traits {
+    using T = T_;
+    static constexpr int HEAD_DIM = HEAD_DIM_;
+    static constexpr int BLOCK_M = 64;    // query rows per step
+    static constexpr int BLOCK_N = 128;   // keys per block, 64 per warpgroup
+    static constexpr int NUM_THREADS = 256;
+    using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;   // K, V (and dK, dV staging)
+    using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;    // Q, dO
+    using DSTile = Swizzle128Tile<T, BLOCK_N, BLOCK_M>;    // dSᵀ: key rows, 64 query columns
+    static constexpr int STAGE_BYTES = 2 * QTile::BYTES;
+    static constexpr int ROWS_OFFSET = 2 * KVTile::BYTES + DSTile::BYTES + 2 * STAGE_BYTES;
+    // lse_log2 and delta: 2 stages x 2 x BLOCK_M floats; +1024 to align the window.
+    static constexpr int SMEM_BYTES = ROWS_OFFSET + 2 * 2 * BLOCK_M * 4 + 1024;
+};
+
+template <typename T, int HEAD_DIM, bool IS_CAUSAL, bool EVEN_K, bool DETERMINISTIC>
+__global__ void __launch_bounds__(256, 1)
+flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
+    using Tr = BwdSm90Traits<T, HEAD_DIM>;
+    constexpr int BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N, NT = Tr::NUM_THREADS;
+    constexpr int D_TILES = HEAD_DIM / 8;        // n8 tiles of dK, dV
+    constexpr int M_TILES = BLOCK_M / 8;         // n8 tiles of Sᵀ, dPᵀ (query columns)
+    constexpr int DQ_COLS = HEAD_DIM / 2;        // dQ columns per warpgroup
+    using KVTile = typename Tr::KVTile;
+    using QTile = typename Tr::QTile;
+    using DSTile = typename Tr::DSTile;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const uint32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    unsigned char* smem = smem_raw + (base - smem_addr(smem_raw));
+    const uint32 sK = base, sV = sK + KVTile::BYTES, sdS = sV + KVTile::BYTES;
+    auto sQ = [&](int stage) { return sdS + DSTile::BYTES + stage * Tr::STAGE_BYTES; };
+    auto sdO = [&](int stage) { return sQ(stage) + QTile::BYTES; };
+    auto stage_floats = [&](int stage) {  // lse_log2[BLOCK_M], then delta[BLOCK_M]
+        return reinterpret_cast<const float*>(smem + Tr::ROWS_OFFSET + stage * 2 * BLOCK_M * 4);
+    };
+
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int wg = warp / 4;
+    const int g = lane / 4, t = lane % 4;
+    // This thread's fragment rows: keys key_row0 and key_row0 + 8 of the block
+    // (Sᵀ, dPᵀ, dK, dV); in dQ, query rows 16 (warp % 4) + g (+ 8) of a step.
+    const int key_row0 = wg * 64 + (warp % 4) * 16 + g;
+
+    // ---- which tile (as flash_bwd_dkdv_kernel): key blocks of one (batch, KV
+    //      head, split) adjacent; causal runs the heaviest key blocks first.
+    const int num_n_blocks = ceil_div(p.seqlen_k, BLOCK_N);
+    const int n_block = blockIdx.x % num_n_blocks;
+    const int split = (blockIdx.x / num_n_blocks) % p.kv_splits;
+    const int bh_kv = blockIdx.x / num_n_blocks / p.kv_splits;
+    const int b = bh_kv / p.nheads_kv, h_kv = bh_kv % p.nheads_kv;
+    const int heads = p.nheads_q / p.nheads_kv / p.kv_splits;
+    const int h_first = (h_kv * p.kv_splits + split) * heads;
+    const int n0 = n_block * BLOCK_N;
+    const int keys_valid = min(BLOCK_N, p.seqlen_k - n0);
+
+    const int num_m_blocks = ceil_div(p.seqlen_q, BLOCK_M);
+    const int off = p.seqlen_k - p.seqlen_q;  // query i sees key j iff j <= i + off
+    int m_begin = 0, m_unmasked = 0;
+    if (IS_CAUSAL) {
+        m_begin = max(0, n0 - off) / BLOCK_M;
+        m_unmasked = ceil_div(max(0, n0 + BLOCK_N - 1 - off), BLOCK_M);
+    }
+    if (keys_valid < BLOCK_N) m_unmasked = num_m_blocks;
+    const int m_end = num_m_blocks;
+    m_begin = min(m_begin, m_end);
+    const int m_masked_end = min(max(m_unmasked, m_begin), m_end);
+    const int nm = m_end - m_begin;
+    const int num_iters = heads * nm;
+
+    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
+                 int64(n0) * p.k_row_stride;
+    const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
+                 int64(n0) * p.v_row_stride;
+
+    auto load_query_block = [&](int it, int stage) {
+        const int h = h_first + it / nm;
+        const int m0 = (m_begin + it % nm) * BLOCK_M;
+        const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                     int64(m0) * p.q_row_stride;
+        const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
+                        int64(m0) * p.do_row_stride;
+        const int rows_valid = p.seqlen_q - m0;
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sQ(stage), q, p.q_row_stride, rows_valid,
+                                                                 p.head_dim);
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sdO(stage), dout, p.do_row_stride, rows_valid,
+                                                                 p.head_dim);
+        const int64 row_index = int64(b * p.nheads_q + h) * p.seqlen_q_rounded + m0;
+        const uint32 s_rows = base + Tr::ROWS_OFFSET + stage * 2 * BLOCK_M * 4;
+        const int tid = threadIdx.x;
+        if (tid < BLOCK_M / 4) {
+            cp_async_16(s_rows + tid * 16, p.lse_log2 + row_index + tid * 4, true);
+        } else if (tid < BLOCK_M / 2) {
+            const int c = tid - BLOCK_M / 4;
+            cp_async_16(s_rows + BLOCK_M * 4 + c * 16, p.delta + row_index + c * 4, true);
+        }
+    };
+
+    float acc_dk[D_TILES][4], acc_dv[D_TILES][4];
+#pragma unroll
+    for (int j = 0; j < D_TILES; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) { acc_dk[j][e] = 0.f; acc_dv[j][e] = 0.f; }
+
+    load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(sK, k, p.k_row_stride, keys_valid, p.head_dim);
+    load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(sV, v, p.v_row_stride, keys_valid, p.head_dim);
+    if (num_iters > 0) load_query_block(0, 0);
+    cp_async_commit();
+
+    auto step = [&](int it, auto masked) {
+        const int stage = it & 1;
+        const int m0 = (m_begin + it % nm) * BLOCK_M;
+        const float* s_lse = stage_floats(stage);
+        const float* s_delta = s_lse + BLOCK_M;
+
+        cp_async_wait<0>();
+        fence_proxy_async_smem();
+        __syncthreads();  // Q, dO, lse, delta [it] landed; every warp is done with step it-1
+        if (it + 1 < num_iters) load_query_block(it + 1, stage ^ 1);
+        cp_async_commit();
+
+        // Loop-invariant tile addresses, made opaque so the compiler rebuilds the
+        // descriptors each step instead of keeping ~60 registers of them live.
+        uint32 sK_ = sK, sV_ = sV, sdS_ = sdS;
+        asm volatile("" : "+r"(sK_), "+r"(sV_), "+r"(sdS_));
+
+        // ---- Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warpgroup's 64 keys
+        float st[M_TILES][4], dpt[M_TILES][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            Wgmma<T, BLOCK_M>::template ss<0, 0>(st, desc_k_major<BLOCK_N>(sK_, wg * 64, kk),
+                                                 desc_k_major<BLOCK_M>(sQ(stage), 0, kk), kk > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            Wgmma<T, BLOCK_M>::template ss<0, 0>(dpt, desc_k_major<BLOCK_N>(sV_, wg * 64, kk),
+                                                 desc_k_major<BLOCK_M>(sdO(stage), 0, kk), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_operands(st);
+
+        // ---- Pᵀ = exp2(Sᵀ·scale·log2e − lse·log2e); 0 past the key tail and above
+        //      the causal diagonal (query tails have lse_log2 = +inf)
+#pragma unroll
+        for (int j = 0; j < M_TILES; ++j) {
+            const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + j * 8 + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? lse2.y : lse2.x)));
+                if constexpr (decltype(masked)::value) {
+                    const int key = n0 + key_row0 + (e / 2) * 8;
+                    const int query = m0 + j * 8 + 2 * t + (e & 1);
+                    if (key >= p.seqlen_k || (IS_CAUSAL && key > query + off)) x = 0.f;
+                }
+                st[j][e] = x;
+            }
+        }
+        // Pᵀ as the A operand (keys x queries): the accumulator layout of n8 tiles 2kk, 2kk+1.
+        uint32 pa[BLOCK_M / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+            pa[kk][0] = TypeTraits<T>::pack(st[2 * kk][0], st[2 * kk][1]);
+            pa[kk][1] = TypeTraits<T>::pack(st[2 * kk][2], st[2 * kk][3]);
+            pa[kk][2] = TypeTraits<T>::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+            pa[kk][3] = TypeTraits<T>::pack(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+        }
+        // ---- dV += Pᵀ·dO
+        fence_operands(acc_dv);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+            Wgmma<T, HEAD_DIM>::template rs<1>(acc_dv, pa[kk], desc_mn_major<BLOCK_M>(sdO(stage), kk));
+        }
+        wgmma_commit();
+        // dPᵀ, and dV too: P·dO reads pa from registers while in flight, and
+        // letting pa live on into the dS code costs the registers D=128 lacks.
+        wgmma_wait<0>();
+        fence_operands(dpt);
+
+        // ---- dSᵀ = Pᵀ∘(dPᵀ − delta), with Pᵀ as rounded for dV (its fp32 copy would
+        //      cost D=128 the last 32 registers)
+        uint32 dsa[BLOCK_M / 16][4];
+#pragma unroll
+        for (int j = 0; j < M_TILES; ++j) {
+            const float2 delta = *reinterpret_cast<const float2*>(s_delta + j * 8 + 2 * t);
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const float2 pr = TypeTraits<T>::unpack(pa[j / 2][(j % 2) * 2 + hh]);
+                dpt[j][2 * hh] = pr.x * (dpt[j][2 * hh] - delta.x);
+                dpt[j][2 * hh + 1] = pr.y * (dpt[j][2 * hh + 1] - delta.y);
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+            dsa[kk][0] = TypeTraits<T>::pack(dpt[2 * kk][0], dpt[2 * kk][1]);
+            dsa[kk][1] = TypeTraits<T>::pack(dpt[2 * kk][2], dpt[2 * kk][3]);
+            dsa[kk][2] = TypeTraits<T>::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+            dsa[kk][3] = TypeTraits<T>::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+        }
+        // ---- dK += dSᵀ·Q (times softmax_scale in the epilogue)
+        fence_operands(acc_dk);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+            Wgmma<T, HEAD_DIM>::template rs<1>(acc_dk, dsa[kk], desc_mn_major<BLOCK_M>(sQ(stage), kk));
+        }
+        wgmma_commit();
+
+        if constexpr (!DETERMINISTIC) {
+            // ---- dSᵀ to shared memory (key rows, query columns) for dQ = dS·K
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    // dsa[kk][hh] = (row key_row0 + 8 hh, columns 16 kk + 2t..), [2 + hh] 8 columns on
+                    const uint32 r = key_row0 + hh * 8;
+                    asm volatile("st.shared.u32 [%0], %1;\n"
+                                 :: "r"(sdS_ + DSTile::offset(r, 2 * kk) + t * 4), "r"(dsa[kk][hh]));
+                    asm volatile("st.shared.u32 [%0], %1;\n"
+                                 :: "r"(sdS_ + DSTile::offset(r, 2 * kk + 1) + t * 4), "r"(dsa[kk][2 + hh]));
+                }
+            }
+            fence_proxy_async_smem();
+            asm volatile("bar.sync 1, 256;\n" ::: "memory");  // all of dSᵀ written
+
+            // ---- dQ[:, wg·D/2 ..] = dS·K over all 128 keys: A = dS read MN-major from
+            //      the dSᵀ tile, B = K read MN-major (its columns from wg·D/2)
+            float dq[1][DQ_COLS / 8][4];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+                Wgmma<T, DQ_COLS>::template ss<1, 1>(
+                    dq[0], desc_mn_major<BLOCK_N>(sdS_, kk),
+                    desc_mn_major<BLOCK_N>(sK_ + (wg * DQ_COLS / 64) * KVTile::BLOCK_BYTES + (wg * DQ_COLS % 64) * 2,
+                                           kk),
+                    kk > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_operands(dq[0]);
+            const int h = h_first + it / nm;
+            float* dq_accum = p.dq_accum + (int64(b * p.nheads_q + h) * p.seqlen_q_rounded + m0) * HEAD_DIM;
+            atomic_add_frag(dq_accum, HEAD_DIM, dq, (warp % 4) * 16, wg * DQ_COLS);
+        } else {
+            wgmma_wait<0>();
+        }
+        fence_operands(acc_dv);
+        fence_operands(acc_dk);
+    };
+
+    for (int it = 0; it < num_iters; ++it) {
+        if (m_begin + it % nm < m_masked_end) {
+            step(it, Bool<true>{});
+        } else {
+            step(it, Bool<false>{});
+        }
+    }
+    cp_async_wait<0>();
+
+    // ---- epilogue, split GQA group: fp32 partials straight from registers
+    if (p.kv_splits > 1) {
+        const int64 part_rows = int64(p.batch) * p.nheads_kv * p.seqlen_k;
+        float* dk_part = p.dkv_accum + ((int64(split) * p.batch + b) * p.nheads_kv + h_kv) * p.seqlen_k * HEAD_DIM +
+                         int64(n0) * HEAD_DIM;
+        float* dv_part = dk_part + p.kv_splits * part_rows * HEAD_DIM;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = key_row0 + hh * 8;
+            if (row >= keys_valid) continue;
+#pragma unroll
+            for (int j = 0; j < D_TILES; ++j) {
+                const int col = row * HEAD_DIM + j * 8 + 2 * t;
+                *reinterpret_cast<float2*>(dk_part + col) =
+                    make_float2(acc_dk[j][2 * hh] * p.softmax_scale, acc_dk[j][2 * hh + 1] * p.softmax_scale);
+                *reinterpret_cast<float2*>(dv_part + col) = make_float2(acc_dv[j][2 * hh], acc_dv[j][2 * hh + 1]);
+            }
+        }
+        return;
+    }
+
+    // ---- epilogue: dK·scale and dV to T, staged through sK / sV for 16-byte stores
+    __syncthreads();  // every warpgroup is done reading sK, sV
+#pragma unroll
+    for (int j = 0; j < D_TILES; ++j) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = key_row0 + hh * 8;
+            const uint32 dk2 = TypeTraits<T>::pack(acc_dk[j][2 * hh] * p.softmax_scale,
+                                                   acc_dk[j][2 * hh + 1] * p.softmax_scale);
+            const uint32 dv2 = TypeTraits<T>::pack(acc_dv[j][2 * hh], acc_dv[j][2 * hh + 1]);
+            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sK + KVTile::offset(r, j) + t * 4), "r"(dk2));
+            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sV + KVTile::offset(r, j) + t * 4), "r"(dv2));
+        }
+    }
+    __syncthreads();
+    T* dk = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + int64(n0) * p.dk_row_stride;
+    T* dv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + int64(n0) * p.dv_row_stride;
+    store_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(dk, p.dk_row_stride, sK, keys_valid, p.head_dim);
+    store_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(dv, p.dv_row_stride, sV, keys_valid, p.head_dim);
+}
+
+}  // namespace cupyflash
