@@ -79,6 +79,20 @@ def lse_strides(lse) -> tuple[int, int]:
     return s[:2] if lse.ndim == 3 else (0, s[0])
 
 
+def batch_shape(q, k, packed) -> tuple[int, int, int, int, int]:
+    """``(batch, seqlen_q, seqlen_k, cu_seqlens_q pointer, cu_seqlens_k pointer)`` for the params.
+
+    ``packed`` is None for a dense batch (pointers 0), else ``(cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k)``, whose maxima stand for the
+    lengths.
+    """
+    if packed is None:
+        return q.shape[0], q.shape[1], k.shape[1], 0, 0
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = packed
+    return (cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k,
+            cu_seqlens_q.data.ptr, cu_seqlens_k.data.ptr)
+
+
 def vec_ok(arrays, head_dim: int) -> bool:
     """16-byte accesses are legal: aligned pointers, strides and head_dim in multiples of 8 elements."""
     if head_dim % 8:
@@ -136,16 +150,8 @@ def _fwd(q, k, v, softmax_scale, causal, dtype, out, lse, packed):
 
     nheads_q, head_dim = q.shape[-2:]
     nheads_kv = k.shape[-2]
-    if packed is None:
-        batch, seqlen_q = q.shape[:2]
-        seqlen_k = k.shape[1]
-        lse_shape = (batch, nheads_q, seqlen_q)
-        cu_q = cu_k = 0
-    else:
-        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = packed
-        batch = cu_seqlens_q.shape[0] - 1
-        lse_shape = (nheads_q, q.shape[0])
-        cu_q, cu_k = cu_seqlens_q.data.ptr, cu_seqlens_k.data.ptr
+    batch, seqlen_q, seqlen_k, cu_q, cu_k = batch_shape(q, k, packed)
+    lse_shape = (batch, nheads_q, seqlen_q) if packed is None else (nheads_q, q.shape[0])
     dtype_name = _storage_dtype_name(q, dtype)
     if out is None:
         out = cupy.empty(q.shape, dtype=q.dtype)

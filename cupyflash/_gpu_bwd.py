@@ -60,18 +60,10 @@ def _bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, p
 
     nheads_q, head_dim = q.shape[-2:]
     nheads_kv = k.shape[-2]
-    if packed is None:
-        batch, seqlen_q = q.shape[:2]
-        seqlen_k = k.shape[1]
-        total_q, total_k = batch * seqlen_q, batch * seqlen_k  # rows of the batch, per head
-        packed_totals = (0, 0)  # BwdParams.total_q/k: packed batches only
-        cu_q = cu_k = 0
-    else:
-        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k = packed
-        batch = cu_seqlens_q.shape[0] - 1
-        total_q, total_k = q.shape[0], k.shape[0]
-        packed_totals = (total_q, total_k)
-        cu_q, cu_k = cu_seqlens_q.data.ptr, cu_seqlens_k.data.ptr
+    batch, seqlen_q, seqlen_k, cu_q, cu_k = _gpu.batch_shape(q, k, packed)
+    # BwdParams.total_q/k and select_bwd's: the packed row counts (0 for a dense batch)
+    packed_totals = (0, 0) if packed is None else (q.shape[0], k.shape[0])
+    total_q, total_k = (batch * seqlen_q, batch * seqlen_k) if packed is None else packed_totals
     dtype_name = dtype if dtype is not None else str(q.dtype)
     with q.device:
         dq = cupy.empty(q.shape, dtype=q.dtype)
@@ -89,6 +81,7 @@ def _bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, p
             vec=_gpu.vec_ok((q, k, v, out, dout, dq, dk, dv), head_dim),
             num_sms=_gpu._num_sms(dev), cc=_gpu._cc(dev), varlen=packed is not None,
             total_q=packed_totals[0], total_k=packed_totals[1])
+        # the row buffers: one row per query (key) row of the batch, per head
         rows_q = nheads_q * total_q
         lse_log2 = cupy.empty(rows_q, dtype=cupy.float32)
         delta = cupy.empty(rows_q, dtype=cupy.float32)
