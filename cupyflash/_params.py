@@ -23,11 +23,12 @@ def _struct(fields):
 FWD_PARAMS = _struct(
     [
         ("q", _PTR), ("k", _PTR), ("v", _PTR), ("out", _PTR), ("lse", _PTR),
-        ("out_accum", _PTR), ("lse_accum", _PTR),
+        ("out_accum", _PTR), ("lse_accum", _PTR), ("cu_seqlens_q", _PTR), ("cu_seqlens_k", _PTR),
         ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),
         ("k_batch_stride", _I64), ("k_row_stride", _I64), ("k_head_stride", _I64),
         ("v_batch_stride", _I64), ("v_row_stride", _I64), ("v_head_stride", _I64),
         ("o_batch_stride", _I64), ("o_row_stride", _I64), ("o_head_stride", _I64),
+        ("lse_batch_stride", _I64), ("lse_head_stride", _I64),
         ("batch", _I32), ("nheads_q", _I32), ("nheads_kv", _I32),
         ("seqlen_q", _I32), ("seqlen_k", _I32), ("head_dim", _I32),
         ("num_m_blocks", _I32), ("num_splits", _I32), ("n_blocks_per_split", _I32),
@@ -40,6 +41,7 @@ BWD_PARAMS = _struct(
         ("q", _PTR), ("k", _PTR), ("v", _PTR), ("out", _PTR), ("dout", _PTR),
         ("dq", _PTR), ("dk", _PTR), ("dv", _PTR),
         ("lse", _PTR), ("lse_log2", _PTR), ("delta", _PTR), ("dq_accum", _PTR), ("dkv_accum", _PTR),
+        ("cu_seqlens_q", _PTR), ("cu_seqlens_k", _PTR),
         ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),
         ("k_batch_stride", _I64), ("k_row_stride", _I64), ("k_head_stride", _I64),
         ("v_batch_stride", _I64), ("v_row_stride", _I64), ("v_head_stride", _I64),
@@ -49,9 +51,9 @@ BWD_PARAMS = _struct(
         ("dk_batch_stride", _I64), ("dk_row_stride", _I64), ("dk_head_stride", _I64),
         ("dv_batch_stride", _I64), ("dv_row_stride", _I64), ("dv_head_stride", _I64),
         ("lse_batch_stride", _I64), ("lse_head_stride", _I64),
-        ("batch", _I32), ("nheads_q", _I32), ("nheads_kv", _I32),
-        ("seqlen_q", _I32), ("seqlen_k", _I32), ("head_dim", _I32),
-        ("head_dim_padded", _I32), ("seqlen_q_rounded", _I32), ("num_stages", _I32), ("kv_splits", _I32),
+        ("batch", _I32), ("nheads_q", _I32), ("nheads_kv", _I32), ("seqlen_q", _I32), ("seqlen_k", _I32),
+        ("total_q", _I32), ("total_k", _I32), ("head_dim", _I32),
+        ("head_dim_padded", _I32), ("num_stages", _I32), ("kv_splits", _I32),
         ("softmax_scale", _F32), ("softmax_scale_log2", _F32),
     ]
 )

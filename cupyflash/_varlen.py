@@ -7,16 +7,20 @@ layout).  Validation follows :mod:`cupyflash._checks`; then
 * NumPy arrays loop over the sequences and run the tiled CPU path
   (:func:`cupyflash.cpu.fwd` / :func:`cupyflash.cpu.bwd`) on ``(1, len, H, D)``
   views, writing into the packed outputs, so extra memory stays O(tokens);
-* CuPy arrays go to ``_gpu.varlen_fwd`` / ``_gpu.varlen_bwd`` (one launch for
-  the whole batch, reading ``cu_seqlens`` on the device) when the GPU module has
-  them, else to the same per-sequence loop over ``_gpu.fwd`` / ``_gpu.bwd``
-  (bfloat16 as uint16/int16 storage with ``dtype="bfloat16"``, as in ``_api``);
+* CuPy arrays go to ``_gpu.varlen_fwd`` / ``_gpu.varlen_bwd`` (bfloat16 as
+  uint16/int16 storage with ``dtype="bfloat16"``, as in ``_api``): one launch
+  of each kernel covers the whole batch, the kernels read ``cu_seqlens`` on the
+  device, and their grids are sized by ``max_seqlen_q/k`` (blocks past the end
+  of a shorter sequence exit at once).  A GPU module without those entry points
+  gets the same per-sequence loop as NumPy, over ``_gpu.fwd`` / ``_gpu.bwd``
+  (the tests run both);
 * other arrays (torch, JAX, ``__dlpack__`` objects), ``cu_seqlens`` included, go
   through :func:`._interop.call` like the dense functions: viewed as NumPy/CuPy
   arrays without copying, results handed back in the caller's type.
 
-A pair with a zero-length query or key sequence never reaches a kernel: its
-query rows get out 0 and lse ``-inf`` (and dq 0), its key rows dk = dv = 0.
+Either way a sequence with no key gets out 0, lse ``-inf`` and dq 0 on its
+query rows, and one with no query dk = dv = 0 on its key rows (the loop skips
+such pairs; the kernels find no key block, or no query block, to visit).
 """
 
 from __future__ import annotations
@@ -173,8 +177,7 @@ def _check_bwd_extras(fn, dout, out, lse, q):
 
 
 # ----------------------------------------------------------------------------
-# The per-sequence loop (CPU path, and the GPU path until the kernels take
-# cu_seqlens)
+# The per-sequence loop (CPU path, and GPU modules without varlen kernels)
 # ----------------------------------------------------------------------------
 
 
@@ -237,7 +240,7 @@ _BWD_NAMES = ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k
 
 def _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
          causal, dtype):
-    """Validate, then run the forward on the CPU, the GPU varlen kernel, or the GPU loop."""
+    """Validate, then run the forward on the CPU, the GPU varlen kernels, or the GPU loop."""
     gpu, cu_q, cu_k = _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, dtype)
     scale = _checks.check_flags(fn, softmax_scale, q.shape[2], causal)
@@ -297,8 +300,9 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         array for torch / JAX inputs); start at 0, non-decreasing, end at
         ``total_q`` / ``total_k``.  Zero-length sequences are allowed.
     max_seqlen_q, max_seqlen_k : int
-        At least the longest query / key sequence (the GPU kernels size their
-        grid with them).
+        At least the longest query / key sequence.  The GPU kernels size their
+        grids with them (blocks past a shorter sequence exit at once), so a
+        value far above the longest sequence only costs idle blocks.
     softmax_scale : float, optional
         Scale of ``q @ k.T`` before the softmax; finite and > 0, within float32
         range (between 1.4e-45 and 2.36e38, as it is used in float32).  Defaults to
@@ -347,7 +351,9 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     Notes
     -----
     The ``cu_seqlens`` values are read on the host to validate them (for CuPy
-    arrays that is a small device-to-host copy).
+    arrays that is a small device-to-host copy).  On the GPU one launch of the
+    forward kernel covers the whole batch, whatever the number of sequences;
+    the kernels read ``cu_seqlens`` on the device.
 
     torch tensors and JAX arrays are handled as by :func:`cupyflash.flash_attn_fwd`:
     viewed without copying (``cu_seqlens`` too), torch CUDA tensors run on
@@ -400,7 +406,10 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
         The forward's mask (bottom-right aligned per sequence).
     deterministic : bool, optional
         On the GPU, accumulate dq in a fixed order (see
-        :func:`cupyflash.flash_attn_bwd`).  The CPU path ignores it.
+        :func:`cupyflash.flash_attn_bwd`).  The CPU path ignores it.  On the
+        GPU, as for the forward, each backward kernel is launched once for the
+        whole batch; its fp32 scratch is O(total_q * nheads_q * head_dim), with
+        no per-sequence padding.
     dtype : str, optional
         As in :func:`flash_attn_varlen_fwd`: ``"bfloat16"`` for cupy arrays of
         raw bfloat16 bits (dout, q, k, v and out alike).

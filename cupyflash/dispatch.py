@@ -171,11 +171,15 @@ def num_splits_heuristic(work_blocks: int, n_blocks: int, num_sms: int) -> int:
 
 def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_dim: int,
                dtype: str, causal: bool, vec: bool, num_sms: int = 132,
-               cc: tuple[int, int] = (9, 0)) -> FwdPlan:
+               cc: tuple[int, int] = (9, 0), varlen: bool = False) -> FwdPlan:
     """Choose the forward kernel, its grid and whether to split the keys.
 
     ``vec`` says 16-byte accesses are legal (data pointers 16-byte aligned,
     batch/row/head strides and head_dim multiples of 8 elements).
+    ``varlen``: a packed batch (``cu_seqlens``), with ``seqlen_q``/``seqlen_k``
+    the longest lengths (``max_seqlen_q/k``); the grid covers them for every
+    sequence and blocks past a shorter sequence return at once. Packed batches
+    are never split over keys (the split-KV partials are laid out densely).
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
@@ -186,8 +190,8 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
         block_m, block_n = SM90_BLOCK_M, _FWD_SM90[d][int(causal)][0]
     else:
         block_m, block_n, _ = fwd_tiles(d, vec, causal, cc)
-    splits = num_splits_heuristic(batch * nheads_q * math.ceil(seqlen_q / block_m),
-                                  math.ceil(seqlen_k / block_n), num_sms)
+    splits = 1 if varlen else num_splits_heuristic(batch * nheads_q * math.ceil(seqlen_q / block_m),
+                                                   math.ceil(seqlen_k / block_n), num_sms)
     if splits == 1 and uses_sm90_fwd(d, vec, cc):
         num_m_blocks = math.ceil(seqlen_q / block_m)
         main = fwd_sm90_launch(dtype, d, causal, head_dim == d, (num_m_blocks * batch * nheads_q, 1, 1))
@@ -223,9 +227,9 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
 # Backward (kernels_cu/flash_bwd.cu)
 # ----------------------------------------------------------------------------
 
-#: seqlen_q is padded to a multiple of this in the backward's fp32 row buffers
-#: (kernels_cu/flash_bwd.cu BWD_ROWS_ROUND); every backward BLOCK_M divides it.
-BWD_ROWS_ROUND = 128
+#: Query rows per block of the backward's preprocess kernel
+#: (kernels_cu/flash_bwd.cu PREPROCESS_ROWS).
+BWD_PREPROCESS_ROWS = 128
 
 # dK/dV kernel tiles per padded head_dim, best first; select_bwd takes the first
 # that fits the GPU's shared memory, double-buffered (Q, dO) if that fits too.
@@ -258,6 +262,7 @@ _BWD_DQ_TILES = {
 }
 
 _BWD_THREADS_AUX = 256  # preprocess and convert kernels: 8 warps, one row per warp at a time
+_SEQLENS_SLOT_BYTES = 16  # dK/dV kernel: the block's SeqLens in shared memory (kernels_cu/seqlens.cuh)
 
 
 def max_smem_per_block(cc: tuple[int, int]) -> int:
@@ -272,7 +277,8 @@ def max_smem_per_block(cc: tuple[int, int]) -> int:
 def bwd_smem_bytes(head_dim_padded: int, tile: tuple[int, ...], stages: int) -> int:
     """Shared memory of the dK/dV kernel (kernels_cu/flash_bwd.cu BwdTraits)."""
     block_m, block_n = tile[:2]
-    fixed = 2 * _smem_tile_bytes(block_n, head_dim_padded) + 2 * _smem_tile_bytes(block_m, block_n)
+    fixed = (2 * _smem_tile_bytes(block_n, head_dim_padded) + 2 * _smem_tile_bytes(block_m, block_n)
+             + _SEQLENS_SLOT_BYTES)
     stage = 2 * _smem_tile_bytes(block_m, head_dim_padded) + 2 * block_m * 4
     return fixed + stages * stage
 
@@ -285,16 +291,25 @@ def bwd_dq_smem_bytes(head_dim_padded: int, tile: tuple[int, int, int]) -> int:
 
 @dataclass(frozen=True)
 class BwdPlan:
+    """The backward's launches and scratch buffers.
+
+    The fp32 row buffers have one row per query row (``lse_log2``, ``delta``:
+    ``nheads_q * total_q`` values; ``dq_accum``: as many rows of
+    ``head_dim_padded``) or per key row (``dkv_accum``: ``(2, kv_splits,
+    nheads_kv * total_k, head_dim_padded)``), with no padding; ``total_q =
+    batch * seqlen_q`` for a dense batch (laid out ``(batch, nheads, seqlen)``)
+    and ``q.shape[0]`` for a packed one (laid out ``(nheads, total)``).
+    """
+
     launches: tuple[Launch, ...]  # in launch order: preprocess, dK/dV, dQ or convert, [convert dK/dV]
     head_dim_padded: int
-    seqlen_q_rounded: int         # rows per head of the fp32 buffers lse_log2, delta, dq_accum
     num_stages: int               # dK/dV kernel: Q/dO buffers in flight (BwdParams.num_stages)
-    dq_accum: bool                # whether dq_accum (batch, nheads_q, seqlen_q_rounded, head_dim_padded) is used
+    dq_accum: bool                # whether dq_accum is used (default mode)
     kv_splits: int                # dK/dV blocks per (key block, KV head); > 1 needs dkv_accum
-                                  # (2, kv_splits, batch, nheads_kv, seqlen_k, head_dim_padded)
 
 
 def bwd_preprocess_launch(dtype: str, vec: bool, blocks: int = 1) -> Launch:
+    """One block per BWD_PREPROCESS_ROWS query rows of one (batch, head) of the row buffers."""
     return Launch("flash_bwd.cu", "cupyflash::flash_bwd_preprocess_kernel", (CTYPES[dtype], _cbool(vec)),
                   (max(1, blocks), 1, 1), (_BWD_THREADS_AUX, 1, 1), 0)
 
@@ -363,9 +378,10 @@ def bwd_dkdv_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k:
     """The wgmma dK/dV kernel (cc 9.0) for one set of compile-time choices."""
     d = head_dim_padded
     # kernels_cu/flash_bwd_sm90.cu BwdSm90Traits::SMEM_BYTES: K, V, dSᵀ, two stages of
-    # (Q, dO), two of (lse_log2, delta), and 1 KB to align to the swizzle atom.
+    # (Q, dO), two of (lse_log2, delta), the block's SeqLens, and 1 KB to align to
+    # the swizzle atom.
     smem = (2 * BWD_SM90_BLOCK_N * d * 2 + BWD_SM90_BLOCK_N * BWD_SM90_BLOCK_M * 2
-            + 2 * 2 * BWD_SM90_BLOCK_M * d * 2 + 2 * 2 * BWD_SM90_BLOCK_M * 4 + 1024)
+            + 2 * 2 * BWD_SM90_BLOCK_M * d * 2 + 2 * 2 * BWD_SM90_BLOCK_M * 4 + _SEQLENS_SLOT_BYTES + 1024)
     args = (CTYPES[dtype], str(d), _cbool(causal), _cbool(even_k), _cbool(deterministic))
     return Launch("flash_bwd_sm90.cu", "cupyflash::flash_bwd_dkdv_sm90_kernel", args, grid, (256, 1, 1), smem)
 
@@ -401,7 +417,8 @@ def _pick_bwd_dq_tile(d: int, smem_limit: int) -> tuple[int, int, int]:
 
 def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nheads_kv: int, head_dim: int,
                dtype: str, causal: bool, deterministic: bool, vec: bool, num_sms: int = 132,
-               cc: tuple[int, int] = (9, 0)) -> BwdPlan:
+               cc: tuple[int, int] = (9, 0), varlen: bool = False, total_q: int = 0,
+               total_k: int = 0) -> BwdPlan:
     """Choose the backward kernels, their grids and the scratch-buffer sizes.
 
     Launch order: preprocess (delta, lse·log2e, zero dq_accum); dK/dV (one
@@ -412,11 +429,22 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     every tensor (see select_fwd). With GQA, when the grid of dK/dV blocks
     would not fill ``num_sms``, each group's query heads are split over several
     blocks (``BwdPlan.kv_splits``) whose fp32 partials a last kernel sums.
+
+    ``varlen``: a packed batch, with ``seqlen_q``/``seqlen_k`` the longest
+    lengths (``max_seqlen_q/k``, which size the dK/dV and dQ grids) and
+    ``total_q``/``total_k`` the packed row counts (``q.shape[0]``,
+    ``k.shape[0]``), which size the row-wise kernels: those walk a packed
+    batch as one sequence of ``total`` rows.
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
     if cc < ARCHS[0]:
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
+    if varlen and (total_q < 1 or total_k < 1):
+        raise ValueError(f"cupyflash: a packed batch needs total_q and total_k >= 1; got {total_q} and {total_k}")
+    # The row buffers' (batches, rows per head): a packed batch is one sequence of total rows.
+    q_rows = (1, total_q) if varlen else (batch, seqlen_q)
+    k_rows = (1, total_k) if varlen else (batch, seqlen_k)
     d = padded_head_dim(head_dim)
     even_k = head_dim == d
     smem_limit = max_smem_per_block(cc)
@@ -426,9 +454,8 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     else:
         tile, stages = _pick_bwd_tile(d, smem_limit, causal, deterministic)
         block_n = tile[1]
-    seqlen_q_rounded = math.ceil(seqlen_q / BWD_ROWS_ROUND) * BWD_ROWS_ROUND
 
-    launches = [bwd_preprocess_launch(dtype, vec, (seqlen_q_rounded // BWD_ROWS_ROUND) * batch * nheads_q)]
+    launches = [bwd_preprocess_launch(dtype, vec, math.ceil(q_rows[1] / BWD_PREPROCESS_ROWS) * q_rows[0] * nheads_q)]
     kv_blocks = math.ceil(seqlen_k / block_n) * batch * nheads_kv
     kv_splits = bwd_kv_splits(kv_blocks, nheads_q // nheads_kv, num_sms)
     dkdv_grid = (kv_blocks * kv_splits, 1, 1)
@@ -441,10 +468,10 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
         dq_grid = (math.ceil(seqlen_q / dq_tile[0]) * batch * nheads_q, 1, 1)
         launches.append(bwd_dq_launch(dtype, d, dq_tile, causal, even_k, vec, dq_grid))
     else:
-        launches.append(bwd_convert_launch(dtype, vec, batch * nheads_q * seqlen_q))
+        launches.append(bwd_convert_launch(dtype, vec, q_rows[0] * q_rows[1] * nheads_q))
     if kv_splits > 1:
-        launches.append(bwd_convert_dkv_launch(dtype, vec, batch * nheads_kv * seqlen_k))
-    return BwdPlan(tuple(launches), d, seqlen_q_rounded, stages, not deterministic, kv_splits)
+        launches.append(bwd_convert_dkv_launch(dtype, vec, k_rows[0] * k_rows[1] * nheads_kv))
+    return BwdPlan(tuple(launches), d, stages, not deterministic, kv_splits)
 
 
 def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:

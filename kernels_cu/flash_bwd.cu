@@ -16,22 +16,34 @@
 //   flash_bwd_convert_dkv_kernel GQA split over several blocks (kv_splits > 1):
 //                                dk, dv = the sum of the fp32 partials, in a fixed order
 //
-// Padding contract with the preprocess: lse_log2 and delta have
-// seqlen_q_rounded rows per head (a multiple of every BLOCK_M). Rows past
-// seqlen_q, and rows that see no key (lse = -inf), get lse_log2 = +inf, so
-// P = exp2(s − inf) = 0 there whatever s is, with no NaN; their delta is 0.
-// Zero-filled Q/dO rows and the +inf then make the query tail contribute
-// exactly 0 with no mask code; key tails and the causal diagonal are masked.
+// Dense and packed (varlen) batches run the same instantiations: seqlens.cuh
+// gives each block its sequence's rows and lengths.
+//
+// Row buffers: lse_log2, delta and dq_accum hold one fp32 row per query row,
+// dkv_accum (per split) one per key row, with no padding, laid out like a
+// contiguous lse: (batch, nheads, seqlen) for a dense batch, (nheads, total)
+// for a packed one. The row-wise kernels (preprocess, converts) walk a packed
+// batch as one sequence of total rows, so they need no cu_seqlens.
+//
+// Query tails need no mask code: rows past seqlen_q load Q, dO, lse_log2 and
+// delta as 0, so S = 0, P = exp2(0 − 0) = 1, dP = dO·Vᵀ = 0 and
+// dS = P∘(dP − delta) = 0: they add nothing to dK, dV, and their dQ is never
+// stored. Rows that see no key (lse = -inf) get lse_log2 = +inf, so
+// P = exp2(s − inf) = 0 there, with no NaN. Key tails and the causal diagonal
+// are masked.
 #include "params.cuh"
 #include "ptx.cuh"
+#include "seqlens.cuh"
+#include "bwd_rows.cuh"
 #include "tile_io.cuh"
 #include "mask.cuh"
 #include "warp_mma.cuh"
 
 namespace cupyflash {
 
-constexpr int BWD_ROWS_ROUND = 128;  // seqlen_q_rounded is a multiple of this
+constexpr int PREPROCESS_ROWS = 128;  // query rows per preprocess block
 #define POS_INF (__int_as_float(0x7f800000))
+
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -61,18 +73,21 @@ __device__ __forceinline__ void load_tile_lean(uint32 smem_base, const T* gmem, 
 }
 
 // ---------------------------------------------------------------------------
-// Preprocess: one block of 8 warps per BWD_ROWS_ROUND query rows of one (batch, head).
+// Preprocess: one block of 8 warps per PREPROCESS_ROWS query rows of one
+// (batch, head) of the row buffers (packed: one head, all total_q rows).
 // ---------------------------------------------------------------------------
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(256)
 flash_bwd_preprocess_kernel(const BwdParams p) {
-    constexpr int ROWS = BWD_ROWS_ROUND, WARPS = 8;
-    const int row_blocks = p.seqlen_q_rounded / ROWS;
+    constexpr int ROWS = PREPROCESS_ROWS, WARPS = 8;
+    const int rows_per_head = query_rows_per_head(p);
+    const int row_blocks = ceil_div(rows_per_head, ROWS);
     const int bh = blockIdx.x / row_blocks;
     const int row_block = blockIdx.x % row_blocks;
-    const int b = bh / p.nheads_q, h = bh % p.nheads_q;
+    const int b = bh / p.nheads_q, h = bh % p.nheads_q;  // b = 0 when packed (batch strides are 0)
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int64 row_index0 = int64(bh) * p.seqlen_q_rounded + row_block * ROWS;
+    const int64 row_index0 = int64(bh) * rows_per_head + row_block * ROWS;
+    const int rows_valid = min(ROWS, rows_per_head - row_block * ROWS);
 
     const T* out = static_cast<const T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride;
     const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
@@ -83,7 +98,7 @@ flash_bwd_preprocess_kernel(const BwdParams p) {
     for (int r = warp; r < ROWS; r += WARPS) {
         const int row = row_block * ROWS + r;
         float dot = 0.f;
-        if (row < p.seqlen_q) {
+        if (r < rows_valid) {
             const T* o = out + row * p.o_row_stride;
             const T* d = dout + row * p.do_row_stride;
             if constexpr (VEC) {
@@ -105,9 +120,9 @@ flash_bwd_preprocess_kernel(const BwdParams p) {
             }
         }
         dot = warp_sum(dot);
-        if (lane == 0) {
-            // ---- lse in log2 units; +inf (P = 0) for padding rows and rows that see no key
-            const float l = row < p.seqlen_q ? lse[row] : NEG_INF;
+        if (lane == 0 && r < rows_valid) {
+            // ---- lse in log2 units; +inf (P = 0) for rows that see no key
+            const float l = lse[row];
             p.delta[row_index0 + r] = dot;
             p.lse_log2[row_index0 + r] = l == NEG_INF ? POS_INF : l * LOG2E;
         }
@@ -116,7 +131,7 @@ flash_bwd_preprocess_kernel(const BwdParams p) {
     // ---- dq_accum = 0 for these rows (default mode; the dK/dV kernel adds to it)
     if (p.dq_accum != nullptr) {
         float4* acc = reinterpret_cast<float4*>(p.dq_accum + row_index0 * p.head_dim_padded);
-        const int count = ROWS * p.head_dim_padded / 4;
+        const int count = rows_valid * p.head_dim_padded / 4;
         for (int i = threadIdx.x; i < count; i += WARPS * 32) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
@@ -183,17 +198,16 @@ struct BwdTraits {
     using QTile = SmemTile<T, BLOCK_M, HEAD_DIM>;   // Q and dO
     using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM>;  // K and V (and the dK, dV staging at the end)
     using PTile = SmemTile<T, BLOCK_M, BLOCK_N>;    // P and dS
-    // Shared memory: K, V, P, dS, then per stage Q, dO, lse_log2, delta.
+    // Shared memory: K, V, P, dS, the block's SeqLens, then per stage Q, dO, lse_log2, delta.
     static constexpr int STAGE_BYTES = 2 * QTile::BYTES + 2 * BLOCK_M * 4;
-    static constexpr int FIXED_BYTES = 2 * KVTile::BYTES + 2 * PTile::BYTES;
+    static constexpr int FIXED_BYTES = 2 * KVTile::BYTES + 2 * PTile::BYTES + SeqLensSlot::BYTES;
 
     static_assert(NUM_WARPS % WARPS_M_SDP_ == 0 && NUM_WARPS % WARPS_N_DKV_ == 0 && NUM_WARPS % WARPS_M_DQ_ == 0,
                   "warp grids must use every warp");
     static_assert(SDP_ROWS % 16 == 0 && DKV_ROWS % 16 == 0 && DQ_ROWS % 16 == 0, "warp tiles hold whole m16 tiles");
     static_assert(SDP_COLS % 16 == 0 && DKV_COLS % 16 == 0 && DQ_COLS % 16 == 0, "warp tiles hold n8 tile pairs");
     static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "k16 steps");
-    static_assert(BWD_ROWS_ROUND % BLOCK_M == 0, "seqlen_q_rounded must be a multiple of BLOCK_M");
-    static_assert(BLOCK_M / 2 <= NUM_THREADS, "one thread per 16-byte chunk of lse and delta");
+    static_assert(BLOCK_M <= NUM_THREADS, "one thread per row of lse_log2 and delta");
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int WARPS_M_SDP, int WARPS_N_DKV,
@@ -214,6 +228,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     const uint32 sV = sK + KVTile::BYTES;
     const uint32 sP = sV + KVTile::BYTES;
     const uint32 sdS = sP + PTile::BYTES;
+    const SeqLensSlot seq_slot{sdS + PTile::BYTES};
     // Per stage: Q, dO, lse_log2 (BLOCK_M floats), delta (BLOCK_M floats).
     auto sQ = [&](int stage) { return sK + Tr::FIXED_BYTES + stage * Tr::STAGE_BYTES; };
     auto sdO = [&](int stage) { return sQ(stage) + QTile::BYTES; };
@@ -231,16 +246,21 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     const int split = (blockIdx.x / num_n_blocks) % p.kv_splits;
     const int bh_kv = blockIdx.x / num_n_blocks / p.kv_splits;
     const int b = bh_kv / p.nheads_kv, h_kv = bh_kv % p.nheads_kv;
+    const SeqLens seq = seq_lens(p, b);
+    const int n0 = n_block * BLOCK_N;
+    if (n0 >= seq.seqlen_k) return;  // past the end of a shorter sequence of a packed batch
     const int heads = p.nheads_q / p.nheads_kv / p.kv_splits;  // query heads this block visits
     const int h_first = (h_kv * p.kv_splits + split) * heads;
-    const int n0 = n_block * BLOCK_N;
-    const int keys_valid = min(BLOCK_N, p.seqlen_k - n0);
+    const int keys_valid = min(BLOCK_N, seq.seqlen_k - n0);
+    // The loop reads the sequence's rows and lengths back from shared memory
+    // (seq is dead after the prologue): held in registers they would spill.
+    if (threadIdx.x == 0) seq_slot.store(seq);
 
     // ---- the query blocks that see these keys: [m_begin, m_end); the first ones
     //      (up to m_masked_end) cross the causal diagonal, or every one does when
     //      this is the key tail block.
-    const int num_m_blocks = ceil_div(p.seqlen_q, BLOCK_M);
-    const int off = p.seqlen_k - p.seqlen_q;  // query i sees key j iff j <= i + off
+    const int num_m_blocks = ceil_div(seq.seqlen_q, BLOCK_M);
+    const int off = seq.seqlen_k - seq.seqlen_q;  // query i sees key j iff j <= i + off
     int m_begin = 0, m_unmasked = 0;
     if (IS_CAUSAL) {
         m_begin = max(0, n0 - off) / BLOCK_M;                              // first row that sees key n0
@@ -255,36 +275,35 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     const bool two_stage = p.num_stages == 2;
 
     const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
-                 int64(n0) * p.k_row_stride;
+                 int64(seq.k_start + n0) * p.k_row_stride;
     const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
-                 int64(n0) * p.v_row_stride;
+                 int64(seq.k_start + n0) * p.v_row_stride;
 
     // Warp tiles of the three GEMM shapes.
     const int sdp_row0 = (warp % WARPS_M_SDP) * Tr::SDP_ROWS, sdp_col0 = (warp / WARPS_M_SDP) * Tr::SDP_COLS;
     const int dkv_row0 = (warp % WARPS_N_DKV) * Tr::DKV_ROWS, dkv_col0 = (warp / WARPS_N_DKV) * Tr::DKV_COLS;
     const int dq_row0 = (warp % WARPS_M_DQ) * Tr::DQ_ROWS, dq_col0 = (warp / WARPS_M_DQ) * Tr::DQ_COLS;
 
-    // Load Q, dO (zero-filled past seqlen_q and head_dim), lse_log2, delta of iteration it.
-    auto load_query_block = [&](int it, int stage) {
+    // Load Q, dO, lse_log2, delta of iteration it, zero-filled past seqlen_q (and head_dim).
+    auto load_query_block = [&](int it, int stage, const SeqLens& seq) {
         const int h = h_first + it / nm;
         const int m0 = (m_begin + it % nm) * BLOCK_M;
         const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                     int64(m0) * p.q_row_stride;
+                     int64(seq.q_start + m0) * p.q_row_stride;
         const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
-                        int64(m0) * p.do_row_stride;
-        const int rows_valid = p.seqlen_q - m0;
+                        int64(seq.q_start + m0) * p.do_row_stride;
+        const int rows_valid = seq.seqlen_q - m0;
         load_tile_lean<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ(stage), q, p.q_row_stride, rows_valid, p.head_dim);
         load_tile_lean<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sdO(stage), dout, p.do_row_stride, rows_valid,
                                                               p.head_dim);
-        // the padded preprocess buffers need no predicates
-        const int64 row_index = int64(b * p.nheads_q + h) * p.seqlen_q_rounded + m0;
-        const uint32 s_rows = sdO(stage) + QTile::BYTES;
-        const int tid = threadIdx.x;
-        if (tid < BLOCK_M / 4) {
-            cp_async_16(s_rows + tid * 16, p.lse_log2 + row_index + tid * 4, true);
-        } else if (tid < BLOCK_M / 2) {
-            const int c = tid - BLOCK_M / 4;
-            cp_async_16(s_rows + BLOCK_M * 4 + c * 16, p.delta + row_index + c * 4, true);
+        // lse_log2 and delta: thread r loads row r of each
+        const int r = threadIdx.x;
+        if (r < BLOCK_M) {
+            const bool valid = r < rows_valid;
+            const int64 row_index = query_row_index(p, b, h, seq, m0) + (valid ? r : 0);
+            const uint32 s_rows = sdO(stage) + QTile::BYTES + r * 4;
+            cp_async_4(s_rows, p.lse_log2 + row_index, valid);
+            cp_async_4(s_rows + BLOCK_M * 4, p.delta + row_index, valid);
         }
     };
 
@@ -294,7 +313,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
 
     load_tile_lean<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(sK, k, p.k_row_stride, keys_valid, p.head_dim);
     load_tile_lean<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(sV, v, p.v_row_stride, keys_valid, p.head_dim);
-    if (num_iters > 0) load_query_block(0, 0);
+    if (num_iters > 0) load_query_block(0, 0, seq);
     cp_async_commit();
 
     auto step = [&](int it, auto masked) {
@@ -307,7 +326,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         cp_async_wait<0>();
         __syncthreads();  // Q, dO, lse, delta [it] landed; every warp is done with step it-1
         if (two_stage && it + 1 < num_iters) {
-            load_query_block(it + 1, stage ^ 1);
+            load_query_block(it + 1, stage ^ 1, seq_slot.load());
             cp_async_commit();
         }
 
@@ -317,8 +336,9 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         warp_gemm<T, SDP_MT, SDP_NT, HEAD_DIM / 16, QTile, false, KVTile, false, true>(s, sQ(stage), sdp_row0,
                                                                                       sK, sdp_col0);
         if constexpr (decltype(masked)::value) {
-            apply_mask<SDP_MT, SDP_NT, IS_CAUSAL>(s, m0 + sdp_row0 + g, n0 + sdp_col0 + 2 * t, p.seqlen_q,
-                                                  p.seqlen_k);
+            const SeqLens seq = seq_slot.load();
+            apply_mask<SDP_MT, SDP_NT, IS_CAUSAL>(s, m0 + sdp_row0 + g, n0 + sdp_col0 + 2 * t, seq.seqlen_q,
+                                                  seq.seqlen_k);
         }
 
         // ---- P = exp2(S·scale·log2e − lse·log2e): 0 where masked (S = -inf) or lse_log2 = +inf
@@ -375,22 +395,25 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
 
         if (!two_stage && it + 1 < num_iters) {
             __syncthreads();  // every warp is done with Q, dO, lse, delta [it]
-            load_query_block(it + 1, 0);
+            load_query_block(it + 1, 0, seq_slot.load());
             cp_async_commit();
         }
 
         // ---- dQ += dS·K, summed over key blocks in dq_accum by fp32 atomics
         //      (times softmax_scale in flash_bwd_convert_dq_kernel), in column
-        //      passes of DQ_PASS_COLS so dQ adds at most 32 live registers
+        //      passes of DQ_PASS_COLS so dQ adds at most 32 live registers;
+        //      rows past seqlen_q are not added (the row buffers have no padding)
         if constexpr (!DETERMINISTIC) {
-            float* dq_accum = p.dq_accum + (int64(b * p.nheads_q + h) * p.seqlen_q_rounded + m0) * HEAD_DIM;
+            const SeqLens seq = seq_slot.load();
+            float* dq_accum = p.dq_accum + query_row_index(p, b, h, seq, m0) * HEAD_DIM;
+            const int rows_valid = seq.seqlen_q - m0;
 #pragma unroll 1
             for (int c0 = dq_col0; c0 < dq_col0 + Tr::DQ_COLS; c0 += Tr::DQ_PASS_COLS) {
                 float dq[DQ_MT][Tr::DQ_PASS_COLS / 8][4];
                 clear(dq);
                 warp_gemm<T, DQ_MT, Tr::DQ_PASS_COLS / 8, BLOCK_N / 16, PTile, false, KVTile, true, true>(
                     dq, sdS, dq_row0, sK, c0);
-                atomic_add_frag(dq_accum, HEAD_DIM, dq, dq_row0, c0);
+                atomic_add_frag(dq_accum, HEAD_DIM, dq, dq_row0, c0, rows_valid);
             }
         }
     };
@@ -404,12 +427,13 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     }
 
     cp_async_wait<0>();
+    __syncthreads();  // seq_slot stored (when the loop ran no step); every warp is done with sK, sV
+    const SeqLens seq_end = seq_slot.load();
 
     // ---- epilogue, split GQA group: fp32 partials straight from registers
     if (p.kv_splits > 1) {
-        const int64 part_rows = int64(p.batch) * p.nheads_kv * p.seqlen_k;  // rows of one split
-        float* dk_part = p.dkv_accum + ((int64(split) * p.batch + b) * p.nheads_kv + h_kv) * p.seqlen_k * HEAD_DIM +
-                         int64(n0) * HEAD_DIM;
+        const int64 part_rows = key_rows(p);  // rows of one split
+        float* dk_part = p.dkv_accum + (split * part_rows + key_row_index(p, b, h_kv, seq_end, n0)) * HEAD_DIM;
         float* dv_part = dk_part + p.kv_splits * part_rows * HEAD_DIM;
 #pragma unroll
         for (int i = 0; i < DKV_MT; ++i) {
@@ -431,12 +455,13 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     }
 
     // ---- epilogue: dK·scale and dV to T, staged through sK/sV for 16-byte stores
-    __syncthreads();  // every warp is done with sK, sV
     store_frag<T, KVTile>(sK, acc_dk, dkv_row0, dkv_col0, p.softmax_scale);
     store_frag<T, KVTile>(sV, acc_dv, dkv_row0, dkv_col0);
     __syncthreads();
-    T* dk = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + int64(n0) * p.dk_row_stride;
-    T* dv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + int64(n0) * p.dv_row_stride;
+    T* dk = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride +
+            int64(seq_end.k_start + n0) * p.dk_row_stride;
+    T* dv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride +
+            int64(seq_end.k_start + n0) * p.dv_row_stride;
     store_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(dk, p.dk_row_stride, sK, keys_valid, p.head_dim);
     store_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(dv, p.dv_row_stride, sV, keys_valid, p.head_dim);
 }
@@ -471,7 +496,6 @@ struct BwdDqTraits {
 
     static_assert(ROWS_PER_WARP % 16 == 0, "each warp owns whole m16 tiles");
     static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "k16 steps");
-    static_assert(BWD_ROWS_ROUND % BLOCK_M == 0, "seqlen_q_rounded must be a multiple of BLOCK_M");
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool IS_CAUSAL, bool EVEN_K, bool VEC>
@@ -500,28 +524,35 @@ flash_bwd_dq_kernel(const BwdParams p) {
     if (IS_CAUSAL) m_block = num_m_blocks - 1 - m_block;
     const int b = bh / p.nheads_q, h = bh % p.nheads_q;
     const int h_kv = h / (p.nheads_q / p.nheads_kv);
+    const SeqLens seq = seq_lens(p, b);
     const int m0 = m_block * BLOCK_M;
-    const int rows_valid = min(BLOCK_M, p.seqlen_q - m0);
+    if (m0 >= seq.seqlen_q) return;  // past the end of a shorter sequence of a packed batch
+    const int rows_valid = min(BLOCK_M, seq.seqlen_q - m0);
 
-    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + int64(m0) * p.q_row_stride;
+    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                 int64(seq.q_start + m0) * p.q_row_stride;
     const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
-                    int64(m0) * p.do_row_stride;
-    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
-    const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+                    int64(seq.q_start + m0) * p.do_row_stride;
+    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
+                 int64(seq.k_start) * p.k_row_stride;
+    const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
+                 int64(seq.k_start) * p.v_row_stride;
 
-    const int n_end = n_block_end<IS_CAUSAL>(m0, BLOCK_M, BLOCK_N, p.seqlen_q, p.seqlen_k);
-    const int n_unmasked_end = n_block_unmasked_end<IS_CAUSAL>(m0, BLOCK_N, p.seqlen_q, p.seqlen_k);
+    const int n_end = n_block_end<IS_CAUSAL>(m0, BLOCK_M, BLOCK_N, seq.seqlen_q, seq.seqlen_k);
+    const int n_unmasked_end = n_block_unmasked_end<IS_CAUSAL>(m0, BLOCK_N, seq.seqlen_q, seq.seqlen_k);
 
-    // Per-thread fragment rows: row r0 + 16 i (+ 8) of this block; their lse_log2 and delta.
+    // Per-thread fragment rows: row r0 + 16 i (+ 8) of this block; their lse_log2
+    // and delta (0 past seqlen_q, like Q and dO: see the top of this file).
     const int r0 = warp * Tr::ROWS_PER_WARP + g;
-    const int64 row_index0 = int64(bh) * p.seqlen_q_rounded + m0;
+    const int64 row_index0 = query_row_index(p, b, h, seq, m0);
     float lse2[M_TILES][2], delta[M_TILES][2];
 #pragma unroll
     for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            lse2[i][hh] = p.lse_log2[row_index0 + r0 + i * 16 + hh * 8];
-            delta[i][hh] = p.delta[row_index0 + r0 + i * 16 + hh * 8];
+            const int r = r0 + i * 16 + hh * 8;
+            lse2[i][hh] = r < rows_valid ? p.lse_log2[row_index0 + r] : 0.f;
+            delta[i][hh] = r < rows_valid ? p.delta[row_index0 + r] : 0.f;
         }
     }
 
@@ -530,7 +561,7 @@ flash_bwd_dq_kernel(const BwdParams p) {
 
     auto load_kv = [&](uint32 dst, const T* src, int64 row_stride, int n) {
         load_tile_lean<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(dst, src + int64(n) * BLOCK_N * row_stride, row_stride,
-                                                         p.seqlen_k - n * BLOCK_N, p.head_dim);
+                                                         seq.seqlen_k - n * BLOCK_N, p.head_dim);
     };
 
     if (n_end > 0) {
@@ -556,7 +587,7 @@ flash_bwd_dq_kernel(const BwdParams p) {
         warp_gemm<T, M_TILES, N_TILES, HEAD_DIM / 16, QTile, false, KVTile, false, true>(
             s, sQ, warp * Tr::ROWS_PER_WARP, sK(buf), 0);
         if constexpr (decltype(masked)::value) {
-            apply_mask<M_TILES, N_TILES, IS_CAUSAL>(s, m0 + r0, n * BLOCK_N + 2 * t, p.seqlen_q, p.seqlen_k);
+            apply_mask<M_TILES, N_TILES, IS_CAUSAL>(s, m0 + r0, n * BLOCK_N + 2 * t, seq.seqlen_q, seq.seqlen_k);
         }
 
         // ---- P = exp2(S·scale·log2e − lse·log2e)
@@ -602,25 +633,28 @@ flash_bwd_dq_kernel(const BwdParams p) {
     __syncthreads();  // every warp is done with sQ
     store_frag<T, QTile>(sQ, acc_dq, warp * Tr::ROWS_PER_WARP, 0, p.softmax_scale);
     __syncthreads();
-    T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + int64(m0) * p.dq_row_stride;
+    T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
+            int64(seq.q_start + m0) * p.dq_row_stride;
     store_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(dq, p.dq_row_stride, sQ, rows_valid, p.head_dim);
 }
 
 // ---------------------------------------------------------------------------
-// Convert (default mode): dq = softmax_scale·dq_accum in T. One warp per query row.
+// Convert (default mode): dq = softmax_scale·dq_accum in T. One warp per query
+// row of the row buffers (packed: one head, all total_q rows).
 // ---------------------------------------------------------------------------
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(256)
 flash_bwd_convert_dq_kernel(const BwdParams p) {
-    const int64 rows = int64(p.batch) * p.nheads_q * p.seqlen_q;
+    const int64 rows = query_rows(p);
     const int64 row = int64(blockIdx.x) * 8 + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= rows) return;
-    const int m = int(row % p.seqlen_q);
-    const int bh = int(row / p.seqlen_q);
-    const int b = bh / p.nheads_q, h = bh % p.nheads_q;
-    const float* src = p.dq_accum + (int64(bh) * p.seqlen_q_rounded + m) * p.head_dim_padded;
-    T* dst = static_cast<T*>(p.dq) + b * p.dq_batch_stride + m * p.dq_row_stride + h * p.dq_head_stride;
+    const int rows_per_head = query_rows_per_head(p);
+    const int m = int(row % rows_per_head);
+    const int bh = int(row / rows_per_head);
+    const int b = bh / p.nheads_q, h = bh % p.nheads_q;  // b = 0 when packed (batch strides are 0)
+    const float* src = p.dq_accum + row * p.head_dim_padded;
+    T* dst = static_cast<T*>(p.dq) + b * p.dq_batch_stride + int64(m) * p.dq_row_stride + h * p.dq_head_stride;
     const float scale = p.softmax_scale;
     if constexpr (VEC) {
         // one 16-byte chunk (8 elements) per lane covers head_dim <= 256
@@ -638,25 +672,26 @@ flash_bwd_convert_dq_kernel(const BwdParams p) {
 
 // ---------------------------------------------------------------------------
 // Convert (GQA split): dk, dv = sum over splits of the fp32 partials, in T.
-// One warp per (batch, KV head, key) row, both tensors.
+// One warp per (batch, KV head, key) row, both tensors (packed: one head, all total_k rows).
 // ---------------------------------------------------------------------------
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(256)
 flash_bwd_convert_dkv_kernel(const BwdParams p) {
-    const int64 rows = int64(p.batch) * p.nheads_kv * p.seqlen_k;  // rows of one split
+    const int64 rows = key_rows(p);  // rows of one split
     const int64 row = int64(blockIdx.x) * 8 + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= rows) return;
-    const int n = int(row % p.seqlen_k);
-    const int bh = int(row / p.seqlen_k);
-    const int b = bh / p.nheads_kv, h = bh % p.nheads_kv;
+    const int rows_per_head = key_rows_per_head(p);
+    const int n = int(row % rows_per_head);
+    const int bh = int(row / rows_per_head);
+    const int b = bh / p.nheads_kv, h = bh % p.nheads_kv;  // b = 0 when packed (batch strides are 0)
     const int64 split_stride = rows * p.head_dim_padded;
 #pragma unroll
     for (int which = 0; which < 2; ++which) {
         const float* src = p.dkv_accum + (int64(which) * p.kv_splits * rows + row) * p.head_dim_padded;
         T* dst = which == 0
-                     ? static_cast<T*>(p.dk) + b * p.dk_batch_stride + n * p.dk_row_stride + h * p.dk_head_stride
-                     : static_cast<T*>(p.dv) + b * p.dv_batch_stride + n * p.dv_row_stride + h * p.dv_head_stride;
+                     ? static_cast<T*>(p.dk) + b * p.dk_batch_stride + int64(n) * p.dk_row_stride + h * p.dk_head_stride
+                     : static_cast<T*>(p.dv) + b * p.dv_batch_stride + int64(n) * p.dv_row_stride + h * p.dv_head_stride;
         if constexpr (VEC) {
             // one 16-byte chunk (8 elements) per lane covers head_dim <= 256
             if (lane * 8 < p.head_dim) {

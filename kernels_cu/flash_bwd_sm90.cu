@@ -1,8 +1,10 @@
 // flash_bwd_sm90.cu: the dK/dV (+ atomic dQ) kernel of the FlashAttention-2
 // backward (Dao 2023, Algorithm 2) on Hopper warpgroup MMA (wgmma, sm_90a).
 // Preprocess, the deterministic dQ kernel and the convert kernels are
-// flash_bwd.cu's; see its header for the padding contract (lse_log2 = +inf and
-// delta = 0 on padded and key-less query rows, so P = 0 there with no mask).
+// flash_bwd.cu's; see its header for the row-buffer contract. Query tails load
+// Q, dO, lse_log2 and delta as 0 (so dS = 0 there, their dQ is not stored);
+// key-less rows have lse_log2 = +inf (P = 0); key tails and the causal diagonal
+// are masked. Dense and packed (varlen) batches alike (seqlens.cuh).
 //
 // One block owns BLOCK_N = 128 keys of one (batch, KV head); each of its two
 // warpgroups owns 64 of them and loops over the query blocks (BLOCK_M = 64) of
@@ -22,6 +24,8 @@
 // (skip dQ: flash_bwd_dq_kernel computes it). 16-byte loads are assumed.
 #include "params.cuh"
 #include "ptx.cuh"
+#include "seqlens.cuh"
+#include "bwd_rows.cuh"
 #include "tile_io.cuh"
 #include "warp_mma.cuh"
 #include "wgmma.cuh"
@@ -40,8 +44,10 @@ struct BwdSm90Traits {
     using DSTile = Swizzle128Tile<T, BLOCK_N, BLOCK_M>;    // dSᵀ: key rows, 64 query columns
     static constexpr int STAGE_BYTES = 2 * QTile::BYTES;
     static constexpr int ROWS_OFFSET = 2 * KVTile::BYTES + DSTile::BYTES + 2 * STAGE_BYTES;
-    // lse_log2 and delta: 2 stages x 2 x BLOCK_M floats; +1024 to align the window.
-    static constexpr int SMEM_BYTES = ROWS_OFFSET + 2 * 2 * BLOCK_M * 4 + 1024;
+    // lse_log2 and delta: 2 stages x 2 x BLOCK_M floats; the block's SeqLens;
+    // +1024 to align the window.
+    static constexpr int SEQ_OFFSET = ROWS_OFFSET + 2 * 2 * BLOCK_M * 4;
+    static constexpr int SMEM_BYTES = SEQ_OFFSET + SeqLensSlot::BYTES + 1024;
 };
 
 template <typename T, int HEAD_DIM, bool IS_CAUSAL, bool EVEN_K, bool DETERMINISTIC>
@@ -82,11 +88,17 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     const int b = bh_kv / p.nheads_kv, h_kv = bh_kv % p.nheads_kv;
     const int heads = p.nheads_q / p.nheads_kv / p.kv_splits;
     const int h_first = (h_kv * p.kv_splits + split) * heads;
+    const SeqLens seq = seq_lens(p, b);
     const int n0 = n_block * BLOCK_N;
-    const int keys_valid = min(BLOCK_N, p.seqlen_k - n0);
+    if (n0 >= seq.seqlen_k) return;  // past the end of a shorter sequence of a packed batch
+    const int keys_valid = min(BLOCK_N, seq.seqlen_k - n0);
+    // The loop reads the sequence's rows and lengths back from shared memory:
+    // held in registers across it they would spill at D=128.
+    const SeqLensSlot seq_slot{base + Tr::SEQ_OFFSET};
+    if (threadIdx.x == 0) seq_slot.store(seq);
 
-    const int num_m_blocks = ceil_div(p.seqlen_q, BLOCK_M);
-    const int off = p.seqlen_k - p.seqlen_q;  // query i sees key j iff j <= i + off
+    const int num_m_blocks = ceil_div(seq.seqlen_q, BLOCK_M);
+    const int off = seq.seqlen_k - seq.seqlen_q;  // query i sees key j iff j <= i + off
     int m_begin = 0, m_unmasked = 0;
     if (IS_CAUSAL) {
         m_begin = max(0, n0 - off) / BLOCK_M;
@@ -100,30 +112,30 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     const int num_iters = heads * nm;
 
     const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
-                 int64(n0) * p.k_row_stride;
+                 int64(seq.k_start + n0) * p.k_row_stride;
     const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
-                 int64(n0) * p.v_row_stride;
+                 int64(seq.k_start + n0) * p.v_row_stride;
 
-    auto load_query_block = [&](int it, int stage) {
+    // Q, dO, lse_log2, delta of iteration it, zero-filled past seqlen_q (and head_dim).
+    auto load_query_block = [&](int it, int stage, const SeqLens& seq) {
         const int h = h_first + it / nm;
         const int m0 = (m_begin + it % nm) * BLOCK_M;
         const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                     int64(m0) * p.q_row_stride;
+                     int64(seq.q_start + m0) * p.q_row_stride;
         const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
-                        int64(m0) * p.do_row_stride;
-        const int rows_valid = p.seqlen_q - m0;
+                        int64(seq.q_start + m0) * p.do_row_stride;
+        const int rows_valid = seq.seqlen_q - m0;
         load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sQ(stage), q, p.q_row_stride, rows_valid,
                                                                  p.head_dim);
         load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sdO(stage), dout, p.do_row_stride, rows_valid,
                                                                  p.head_dim);
-        const int64 row_index = int64(b * p.nheads_q + h) * p.seqlen_q_rounded + m0;
-        const uint32 s_rows = base + Tr::ROWS_OFFSET + stage * 2 * BLOCK_M * 4;
-        const int tid = threadIdx.x;
-        if (tid < BLOCK_M / 4) {
-            cp_async_16(s_rows + tid * 16, p.lse_log2 + row_index + tid * 4, true);
-        } else if (tid < BLOCK_M / 2) {
-            const int c = tid - BLOCK_M / 4;
-            cp_async_16(s_rows + BLOCK_M * 4 + c * 16, p.delta + row_index + c * 4, true);
+        const int r = threadIdx.x;  // thread r loads row r of lse_log2 and of delta
+        if (r < BLOCK_M) {
+            const bool valid = r < rows_valid;
+            const int64 row_index = query_row_index(p, b, h, seq, m0) + (valid ? r : 0);
+            const uint32 s_rows = base + Tr::ROWS_OFFSET + stage * 2 * BLOCK_M * 4 + r * 4;
+            cp_async_4(s_rows, p.lse_log2 + row_index, valid);
+            cp_async_4(s_rows + BLOCK_M * 4, p.delta + row_index, valid);
         }
     };
 
@@ -135,7 +147,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
 
     load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(sK, k, p.k_row_stride, keys_valid, p.head_dim);
     load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(sV, v, p.v_row_stride, keys_valid, p.head_dim);
-    if (num_iters > 0) load_query_block(0, 0);
+    if (num_iters > 0) load_query_block(0, 0, seq);
     cp_async_commit();
 
     auto step = [&](int it, auto masked) {
@@ -147,7 +159,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         cp_async_wait<0>();
         fence_proxy_async_smem();
         __syncthreads();  // Q, dO, lse, delta [it] landed; every warp is done with step it-1
-        if (it + 1 < num_iters) load_query_block(it + 1, stage ^ 1);
+        if (it + 1 < num_iters) load_query_block(it + 1, stage ^ 1, seq_slot.load());
         cp_async_commit();
 
         // Loop-invariant tile addresses, made opaque so the compiler rebuilds the
@@ -174,7 +186,13 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         fence_operands(st);
 
         // ---- Pᵀ = exp2(Sᵀ·scale·log2e − lse·log2e); 0 past the key tail and above
-        //      the causal diagonal (query tails have lse_log2 = +inf)
+        //      the causal diagonal
+        int seqlen_k = 0, diag = 0;  // key n0 + i is masked iff i >= seqlen_k - n0 or i > query + diag
+        if constexpr (decltype(masked)::value) {
+            const SeqLens seq = seq_slot.load();
+            seqlen_k = seq.seqlen_k - n0;
+            diag = seq.seqlen_k - seq.seqlen_q - n0;
+        }
 #pragma unroll
         for (int j = 0; j < M_TILES; ++j) {
             const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + j * 8 + 2 * t);
@@ -182,9 +200,9 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
             for (int e = 0; e < 4; ++e) {
                 float x = fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? lse2.y : lse2.x)));
                 if constexpr (decltype(masked)::value) {
-                    const int key = n0 + key_row0 + (e / 2) * 8;
+                    const int key = key_row0 + (e / 2) * 8;  // within the block
                     const int query = m0 + j * 8 + 2 * t + (e & 1);
-                    if (key >= p.seqlen_k || (IS_CAUSAL && key > query + off)) x = 0.f;
+                    if (key >= seqlen_k || (IS_CAUSAL && key > query + diag)) x = 0.f;
                 }
                 st[j][e] = x;
             }
@@ -273,8 +291,9 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
             wgmma_wait<0>();
             fence_operands(dq[0]);
             const int h = h_first + it / nm;
-            float* dq_accum = p.dq_accum + (int64(b * p.nheads_q + h) * p.seqlen_q_rounded + m0) * HEAD_DIM;
-            atomic_add_frag(dq_accum, HEAD_DIM, dq, (warp % 4) * 16, wg * DQ_COLS);
+            const SeqLens seq = seq_slot.load();
+            float* dq_accum = p.dq_accum + query_row_index(p, b, h, seq, m0) * HEAD_DIM;
+            atomic_add_frag(dq_accum, HEAD_DIM, dq, (warp % 4) * 16, wg * DQ_COLS, seq.seqlen_q - m0);
         } else {
             wgmma_wait<0>();
         }
@@ -290,12 +309,13 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         }
     }
     cp_async_wait<0>();
+    __syncthreads();  // seq_slot stored (when the loop ran no step); every warpgroup is done with sK, sV
+    const SeqLens seq_end = seq_slot.load();
 
     // ---- epilogue, split GQA group: fp32 partials straight from registers
     if (p.kv_splits > 1) {
-        const int64 part_rows = int64(p.batch) * p.nheads_kv * p.seqlen_k;
-        float* dk_part = p.dkv_accum + ((int64(split) * p.batch + b) * p.nheads_kv + h_kv) * p.seqlen_k * HEAD_DIM +
-                         int64(n0) * HEAD_DIM;
+        const int64 part_rows = key_rows(p);  // rows of one split
+        float* dk_part = p.dkv_accum + (split * part_rows + key_row_index(p, b, h_kv, seq_end, n0)) * HEAD_DIM;
         float* dv_part = dk_part + p.kv_splits * part_rows * HEAD_DIM;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -313,7 +333,6 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     }
 
     // ---- epilogue: dK·scale and dV to T, staged through sK / sV for 16-byte stores
-    __syncthreads();  // every warpgroup is done reading sK, sV
 #pragma unroll
     for (int j = 0; j < D_TILES; ++j) {
 #pragma unroll
@@ -327,8 +346,10 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         }
     }
     __syncthreads();
-    T* dk = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride + int64(n0) * p.dk_row_stride;
-    T* dv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride + int64(n0) * p.dv_row_stride;
+    T* dk = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride +
+            int64(seq_end.k_start + n0) * p.dk_row_stride;
+    T* dv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride +
+            int64(seq_end.k_start + n0) * p.dv_row_stride;
     store_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(dk, p.dk_row_stride, sK, keys_valid, p.head_dim);
     store_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(dv, p.dv_row_stride, sV, keys_valid, p.head_dim);
 }

@@ -16,8 +16,12 @@
 //   EVEN_K      head_dim == HEAD_DIM (no column predicates)
 //   VEC         16-byte loads are legal (pointers, strides, head_dim multiples of 8 elements)
 //   IS_SPLIT    split-KV: write fp32 partial (out, lse) for flash_fwd_combine
+//
+// Dense and packed (varlen) batches run the same instantiations: seqlens.cuh
+// gives each block its sequence's rows and lengths (split-KV: dense only).
 #include "params.cuh"
 #include "ptx.cuh"
+#include "seqlens.cuh"
 #include "tile_io.cuh"
 #include "mask.cuh"
 #include "online_softmax.cuh"
@@ -81,16 +85,20 @@ flash_fwd_kernel(const FwdParams p) {
     const int g = lane / 4, t = lane % 4;
 
     const TileCoords tc = fwd_tile_coords<IS_CAUSAL>(p);
+    const SeqLens seq = seq_lens(p, tc.b);
     const int m0 = tc.m_block * BLOCK_M;
-    const T* q = static_cast<const T*>(p.q) + tc.b * p.q_batch_stride + m0 * p.q_row_stride + tc.h * p.q_head_stride;
+    if (m0 >= seq.seqlen_q) return;  // past the end of a shorter sequence of a packed batch
+    const T* q = static_cast<const T*>(p.q) + tc.b * p.q_batch_stride + int64(seq.q_start + m0) * p.q_row_stride +
+                 tc.h * p.q_head_stride;
 
     int n_begin = 0;
-    int n_end = n_block_end<IS_CAUSAL>(m0, BLOCK_M, BLOCK_N, p.seqlen_q, p.seqlen_k);
+    int n_end = n_block_end<IS_CAUSAL>(m0, BLOCK_M, BLOCK_N, seq.seqlen_q, seq.seqlen_k);
     if (IS_SPLIT) {
         n_begin = blockIdx.y * p.n_blocks_per_split;
         n_end = min(n_end, n_begin + p.n_blocks_per_split);
     }
-    const int n_unmasked_end = max(n_begin, n_block_unmasked_end<IS_CAUSAL>(m0, BLOCK_N, p.seqlen_q, p.seqlen_k));
+    const int n_unmasked_end =
+        max(n_begin, n_block_unmasked_end<IS_CAUSAL>(m0, BLOCK_N, seq.seqlen_q, seq.seqlen_k));
 
     // Per-thread fragment rows: row r0 + 16 i (+ 8) of this block, i < M_TILES.
     const int r0 = warp * Tr::ROWS_PER_WARP + g;
@@ -110,17 +118,19 @@ flash_fwd_kernel(const FwdParams p) {
     OnlineSoftmax<M_TILES> softmax;
     softmax.init();
 
-    const T* k = static_cast<const T*>(p.k) + tc.b * p.k_batch_stride + tc.h_kv * p.k_head_stride;
-    const T* v = static_cast<const T*>(p.v) + tc.b * p.v_batch_stride + tc.h_kv * p.v_head_stride;
+    const T* k = static_cast<const T*>(p.k) + tc.b * p.k_batch_stride + int64(seq.k_start) * p.k_row_stride +
+                 tc.h_kv * p.k_head_stride;
+    const T* v = static_cast<const T*>(p.v) + tc.b * p.v_batch_stride + int64(seq.k_start) * p.v_row_stride +
+                 tc.h_kv * p.v_head_stride;
     auto load_kv = [&](uint32 dst, const T* src, int64 row_stride, int n) {
         load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(dst, src + int64(n) * BLOCK_N * row_stride, row_stride,
-                                                         p.seqlen_k - n * BLOCK_N, p.head_dim);
+                                                         seq.seqlen_k - n * BLOCK_N, p.head_dim);
     };
     auto load_k = [&](int n) { load_kv(sK, k, p.k_row_stride, n); };
     auto load_v = [&](int n) { load_kv(sV, v, p.v_row_stride, n); };
 
     if (n_begin < n_end) {
-        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ, q, p.q_row_stride, p.seqlen_q - m0, p.head_dim);
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ, q, p.q_row_stride, seq.seqlen_q - m0, p.head_dim);
         load_k(n_end - 1);
         cp_async_commit();
     }
@@ -145,7 +155,7 @@ flash_fwd_kernel(const FwdParams p) {
         // skips its mma work (it still takes part in the loads and barriers); the
         // SM's other block gets its issue slots. Unmasked blocks never branch here.
         const bool warp_idle = decltype(masked)::value && IS_CAUSAL &&
-                               n * BLOCK_N > m0 + (warp + 1) * Tr::ROWS_PER_WARP - 1 + p.seqlen_k - p.seqlen_q;
+                               n * BLOCK_N > m0 + (warp + 1) * Tr::ROWS_PER_WARP - 1 + seq.seqlen_k - seq.seqlen_q;
         if (!warp_idle) {
             // ---- S = Q·Kᵀ (rolled over k16 steps: unrolling lets the compiler hoist
             //      fragment loads and spill at HEAD_DIM 128)
@@ -170,7 +180,8 @@ flash_fwd_kernel(const FwdParams p) {
                 }
             }
             if constexpr (decltype(masked)::value) {
-                apply_mask<M_TILES, N_TILES, IS_CAUSAL>(s, m0 + r0, n * BLOCK_N + 2 * t, p.seqlen_q, p.seqlen_k);
+                apply_mask<M_TILES, N_TILES, IS_CAUSAL>(s, m0 + r0, n * BLOCK_N + 2 * t, seq.seqlen_q,
+                                                        seq.seqlen_k);
             }
 
         }
@@ -224,12 +235,13 @@ flash_fwd_kernel(const FwdParams p) {
     float lse[M_TILES][2];
     softmax.finalize(acc_o, acc_l, p.softmax_scale, lse);
     const TileCoords te = fwd_tile_coords<IS_CAUSAL>(p);
+    const SeqLens se = seq_lens(p, te.b);
     const int e_m0 = te.m_block * BLOCK_M;
-    const int rows_valid = min(BLOCK_M, p.seqlen_q - e_m0);
-    const int64 row_index0 = (int64(te.b) * p.nheads_q + te.h) * p.seqlen_q + e_m0;  // into lse
+    const int rows_valid = min(BLOCK_M, se.seqlen_q - e_m0);
 
     if (IS_SPLIT) {
         // fp32 partials, straight from registers; the combine kernel merges splits by lse.
+        const int64 row_index0 = (int64(te.b) * p.nheads_q + te.h) * p.seqlen_q + e_m0;
         const int64 split_rows = int64(p.batch) * p.nheads_q * p.seqlen_q;
         float* o_acc = p.out_accum + (int64(blockIdx.y) * split_rows + row_index0) * HEAD_DIM;
         float* l_acc = p.lse_accum + int64(blockIdx.y) * split_rows + row_index0;
@@ -250,12 +262,13 @@ flash_fwd_kernel(const FwdParams p) {
         return;
     }
 
+    float* lse_rows = p.lse + te.b * p.lse_batch_stride + te.h * p.lse_head_stride + se.q_start + e_m0;
 #pragma unroll
     for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int row = r0 + i * 16 + hh * 8;
-            if (t == 0 && row < rows_valid) p.lse[row_index0 + row] = lse[i][hh];
+            if (t == 0 && row < rows_valid) lse_rows[row] = lse[i][hh];
         }
     }
     // Stage O through this warp's own Q rows so the global stores are 16 bytes wide.
@@ -273,12 +286,13 @@ flash_fwd_kernel(const FwdParams p) {
         }
     }
     __syncthreads();
-    T* out = static_cast<T*>(p.out) + te.b * p.o_batch_stride + e_m0 * p.o_row_stride + te.h * p.o_head_stride;
+    T* out = static_cast<T*>(p.out) + te.b * p.o_batch_stride + int64(se.q_start + e_m0) * p.o_row_stride +
+             te.h * p.o_head_stride;
     store_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(out, p.o_row_stride, sQ, rows_valid, p.head_dim);
 }
 
 // Merge split-KV partials: out = sum_s exp(lse_s - lse) * out_s, lse = logsumexp_s lse_s.
-// One warp per (batch, head, query row).
+// One warp per (batch, head, query row); dense batches only.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(128)
 flash_fwd_combine_kernel(const FwdParams p) {
@@ -310,7 +324,7 @@ flash_fwd_combine_kernel(const FwdParams p) {
         }
         out[c] = TypeTraits<T>::from_float(acc);
     }
-    if (lane == 0) p.lse[row] = lse;
+    if (lane == 0) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + m] = lse;
 }
 
 }  // namespace cupyflash

@@ -20,7 +20,9 @@
 //   IS_CAUSAL   bottom-right aligned causal mask
 //   EVEN_K      head_dim == HEAD_DIM (no column predicates)
 // 16-byte loads are assumed (dispatch sends unaligned data to flash_fwd.cu).
+// Dense and packed (varlen) batches alike (seqlens.cuh).
 #include "params.cuh"
+#include "seqlens.cuh"
 #include "ptx.cuh"
 #include "tile_io.cuh"
 #include "mask.cuh"
@@ -80,16 +82,22 @@ flash_fwd_sm90_kernel(const FwdParams p) {
     int b, h, h_kv, m_block;
     sm90_tile_coords<IS_CAUSAL>(p, b, h, h_kv, m_block);
     const int m0 = m_block * BLOCK_M;
-    const int n_end = n_block_end<IS_CAUSAL>(m0, BLOCK_M, BLOCK_N, p.seqlen_q, p.seqlen_k);
-    const int n_unmasked_end = n_block_unmasked_end<IS_CAUSAL>(m0, BLOCK_N, p.seqlen_q, p.seqlen_k);
+    const SeqLens seq = seq_lens(p, b);
+    if (m0 >= seq.seqlen_q) return;  // past the end of a shorter sequence of a packed batch
+    const int n_end = n_block_end<IS_CAUSAL>(m0, BLOCK_M, BLOCK_N, seq.seqlen_q, seq.seqlen_k);
+    const int n_unmasked_end = n_block_unmasked_end<IS_CAUSAL>(m0, BLOCK_N, seq.seqlen_q, seq.seqlen_k);
     // This thread's fragment rows within the block: r0 and r0 + 8.
     const int r0 = wg * 64 + (warp % 4) * 16 + g;
 
-    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + m0 * p.q_row_stride + h * p.q_head_stride;
-    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
-    const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + int64(seq.q_start + m0) * p.q_row_stride +
+                 h * p.q_head_stride;
+    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + int64(seq.k_start) * p.k_row_stride +
+                 h_kv * p.k_head_stride;
+    const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + int64(seq.k_start) * p.v_row_stride +
+                 h_kv * p.v_head_stride;
+    const int seqlen_k = seq.seqlen_k;
     auto load_kv = [&](int n, int stage) {
-        const int rows = p.seqlen_k - n * BLOCK_N;
+        const int rows = seqlen_k - n * BLOCK_N;
         load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(
             sK0 + stage * KVTile::BYTES, k + int64(n) * BLOCK_N * p.k_row_stride, p.k_row_stride, rows, p.head_dim);
         load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(
@@ -107,7 +115,7 @@ flash_fwd_sm90_kernel(const FwdParams p) {
 
     // Prologue: Q with the first key block, then the second key block (groups 0, 1).
     if (n_end > 0) {
-        load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sQ, q, p.q_row_stride, p.seqlen_q - m0, p.head_dim);
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sQ, q, p.q_row_stride, seq.seqlen_q - m0, p.head_dim);
         load_kv(n_end - 1, 0);
     }
     cp_async_commit();
@@ -139,7 +147,8 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         fence_operands(s[0]);
 
         if constexpr (decltype(masked)::value) {
-            apply_mask<1, N_TILES, IS_CAUSAL>(s, m0 + r0, n * BLOCK_N + 2 * t, p.seqlen_q, p.seqlen_k);
+            const SeqLens sl = seq_lens(p, b);
+            apply_mask<1, N_TILES, IS_CAUSAL>(s, m0 + r0, n * BLOCK_N + 2 * t, sl.seqlen_q, sl.seqlen_k);
         }
         // ---- online softmax: s becomes P, acc_o is rescaled
         fence_operands(acc_o[0]);
@@ -175,12 +184,13 @@ flash_fwd_sm90_kernel(const FwdParams p) {
     // ---- epilogue
     float lse[1][2];
     softmax.finalize_sums(acc_o, row_sum, p.softmax_scale, lse);
-    const int rows_valid = min(BLOCK_M, p.seqlen_q - m0);
-    const int64 row_index0 = (int64(b) * p.nheads_q + h) * p.seqlen_q + m0;  // into lse
+    const SeqLens se = seq_lens(p, b);
+    const int rows_valid = min(BLOCK_M, se.seqlen_q - m0);
+    float* lse_rows = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + se.q_start + m0;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
         const int row = r0 + hh * 8;
-        if (t == 0 && row < rows_valid) p.lse[row_index0 + row] = lse[0][hh];
+        if (t == 0 && row < rows_valid) lse_rows[row] = lse[0][hh];
     }
     // Stage O through this warpgroup's own 64 rows of sQ (no other warpgroup reads
     // them; its own last wgmma on them has completed), then 16-byte stores.
@@ -195,7 +205,7 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         }
     }
     asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg));
-    T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + int64(m0 + wg * 64) * p.o_row_stride +
+    T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + int64(se.q_start + m0 + wg * 64) * p.o_row_stride +
              h * p.o_head_stride;
     store_tile<T, 64, HEAD_DIM, 128, true, EVEN_K, QTile, false>(out, p.o_row_stride, sQ + wg * 64 * 128,
                                                           rows_valid - wg * 64, p.head_dim);

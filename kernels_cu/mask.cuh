@@ -2,7 +2,7 @@
 // and the mask itself.
 //
 // Causal masks align to the bottom-right corner: query row i sees key j iff
-// j <= i + seqlen_k - seqlen_q.
+// j <= i + seqlen_k - seqlen_q (the lengths of its own sequence, in a packed batch).
 #pragma once
 
 #include "common.cuh"

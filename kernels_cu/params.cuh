@@ -7,18 +7,25 @@
 
 namespace cupyflash {
 
+// Shapes are those of a dense batch; a packed (varlen) batch has cu_seqlens_q/k
+// set, (total_q, nheads, head_dim) tensors with batch strides 0, lse
+// (nheads_q, total_q) with lse_batch_stride 0, and seqlen_q/k = max_seqlen_q/k
+// (see seqlens.cuh).
 struct FwdParams {
     const void* q;          // (batch, seqlen_q, nheads_q, head_dim)
     const void* k;          // (batch, seqlen_k, nheads_kv, head_dim)
     const void* v;          // (batch, seqlen_k, nheads_kv, head_dim)
     void* out;              // (batch, seqlen_q, nheads_q, head_dim)
-    float* lse;             // (batch, nheads_q, seqlen_q), contiguous, natural log
+    float* lse;             // (batch, nheads_q, seqlen_q), unit row stride, natural log
     float* out_accum;       // split-KV partials: (num_splits, batch, nheads_q, seqlen_q, HEAD_DIM) fp32
     float* lse_accum;       // split-KV partials: (num_splits, batch, nheads_q, seqlen_q) fp32
+    const int* cu_seqlens_q;  // (batch + 1,) prefix sums of the query lengths; null for a dense batch
+    const int* cu_seqlens_k;  // (batch + 1,) prefix sums of the key lengths; null for a dense batch
     int64 q_batch_stride, q_row_stride, q_head_stride;  // in elements
     int64 k_batch_stride, k_row_stride, k_head_stride;
     int64 v_batch_stride, v_row_stride, v_head_stride;
     int64 o_batch_stride, o_row_stride, o_head_stride;
+    int64 lse_batch_stride, lse_head_stride;
     int32 batch, nheads_q, nheads_kv, seqlen_q, seqlen_k, head_dim;
     int32 num_m_blocks;        // ceil(seqlen_q / BLOCK_M)
     int32 num_splits;          // 1 unless split-KV
@@ -33,6 +40,9 @@ static_assert(sizeof(FwdParams) == CUPYFLASH_FWD_PARAMS_BYTES,
 #endif
 
 // The backward pass (flash_bwd.cu): preprocess, dK/dV (+ atomic dQ), dQ, convert.
+// Dense or packed (varlen) as FwdParams. The fp32 row buffers lse_log2, delta
+// and dq_accum have one row per query row, laid out like a contiguous lse:
+// (batch, nheads_q, seqlen_q), or (nheads_q, total_q) for a packed batch.
 struct BwdParams {
     const void* q;          // (batch, seqlen_q, nheads_q, head_dim)
     const void* k;          // (batch, seqlen_k, nheads_kv, head_dim)
@@ -43,11 +53,14 @@ struct BwdParams {
     void* dk;               // (batch, seqlen_k, nheads_kv, head_dim)
     void* dv;               // (batch, seqlen_k, nheads_kv, head_dim)
     const float* lse;       // (batch, nheads_q, seqlen_q), natural log, -inf for rows that see no key
-    float* lse_log2;        // (batch, nheads_q, seqlen_q_rounded): lse * log2(e); +inf where P must be 0
-    float* delta;           // (batch, nheads_q, seqlen_q_rounded): rowsum(dout * out); 0 past seqlen_q
-    float* dq_accum;        // (batch, nheads_q, seqlen_q_rounded, head_dim_padded) fp32; null when deterministic
+    float* lse_log2;        // (batch, nheads_q, seqlen_q): lse * log2(e); +inf where P must be 0
+    float* delta;           // (batch, nheads_q, seqlen_q): rowsum(dout * out)
+    float* dq_accum;        // (batch, nheads_q, seqlen_q, head_dim_padded) fp32; null when deterministic
     float* dkv_accum;       // (2, kv_splits, batch, nheads_kv, seqlen_k, head_dim_padded) fp32 partial
                             // dK (scaled) and dV of each split of a GQA group; null when kv_splits == 1
+                            // (packed: (2, kv_splits, nheads_kv, total_k, head_dim_padded))
+    const int* cu_seqlens_q;  // (batch + 1,) prefix sums of the query lengths; null for a dense batch
+    const int* cu_seqlens_k;  // (batch + 1,) prefix sums of the key lengths; null for a dense batch
     int64 q_batch_stride, q_row_stride, q_head_stride;  // in elements
     int64 k_batch_stride, k_row_stride, k_head_stride;
     int64 v_batch_stride, v_row_stride, v_head_stride;
@@ -57,9 +70,11 @@ struct BwdParams {
     int64 dk_batch_stride, dk_row_stride, dk_head_stride;
     int64 dv_batch_stride, dv_row_stride, dv_head_stride;
     int64 lse_batch_stride, lse_head_stride;
-    int32 batch, nheads_q, nheads_kv, seqlen_q, seqlen_k, head_dim;
-    int32 head_dim_padded;     // the compiled HEAD_DIM: row length of dq_accum
-    int32 seqlen_q_rounded;    // seqlen_q rounded up to a multiple of 128 (every backward BLOCK_M divides it)
+    int32 batch, nheads_q, nheads_kv, seqlen_q, seqlen_k;
+    int32 total_q, total_k;    // packed batches: the query / key rows, q.shape[0] and k.shape[0]
+                               // (the row buffers' rows per head); unused (0) for a dense batch
+    int32 head_dim;
+    int32 head_dim_padded;     // the compiled HEAD_DIM: row length of dq_accum and dkv_accum
     int32 num_stages;          // dK/dV kernel: Q/dO tiles in flight, 2 (double-buffered) or 1
     int32 kv_splits;           // dK/dV blocks per (key block, KV head), each taking
                                // nheads_q / nheads_kv / kv_splits of the group's query heads

@@ -57,6 +57,11 @@ __device__ __forceinline__ void cp_async_16(uint32 dst, const void* src, bool pr
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(dst), "l"(src), "r"(pred ? 16 : 0));
 }
+// 4-byte copy (cached in L1: sizes under 16 bytes have only .ca), zero-filled when !pred.
+__device__ __forceinline__ void cp_async_4(uint32 dst, const void* src, bool pred) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(pred ? 4 : 0));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }

@@ -159,19 +159,22 @@ __device__ __forceinline__ void store_frag(uint32 base, const float (&acc)[MT][N
 }
 
 // dst[row, col] += acc for a warp tile of a row-major fp32 global array
-// (row_stride floats), rows row0.., columns col0..: lane (g, t) adds the pairs
-// (2t, 2t+1). sm_90 has a two-wide vector reduction; older GPUs add one float
-// at a time. Nothing is returned, so these compile to RED, not ATOM.
+// (row_stride floats), rows row0.. below rows_valid, columns col0..: lane
+// (g, t) adds the pairs (2t, 2t+1). sm_90 has a two-wide vector reduction;
+// older GPUs add one float at a time. Nothing is returned, so these compile to
+// RED, not ATOM.
 template <int MT, int NT>
 __device__ __forceinline__ void atomic_add_frag(float* dst, int row_stride, const float (&acc)[MT][NT][4],
-                                                int row0, int col0) {
+                                                int row0, int col0, int rows_valid) {
     const int lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            float* row = dst + (row0 + i * 16 + h * 8 + g) * row_stride + col0 + 2 * t;
+            const int r = row0 + i * 16 + h * 8 + g;
+            if (r >= rows_valid) continue;
+            float* row = dst + r * row_stride + col0 + 2 * t;
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
 #if __CUDA_ARCH__ >= 900

@@ -85,11 +85,8 @@ def test_grids(seqlen_q, seqlen_k, nheads_q, nheads_kv):
     batch = 3
     plan = _plan(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, nheads_kv=nheads_kv)
     pre, main, convert = plan.launches[:3]
-    block_m, block_n = int(main.args[2]), int(main.args[3])
-    assert plan.seqlen_q_rounded % dispatch.BWD_ROWS_ROUND == 0
-    assert plan.seqlen_q_rounded >= seqlen_q > plan.seqlen_q_rounded - dispatch.BWD_ROWS_ROUND
-    assert plan.seqlen_q_rounded % block_m == 0
-    assert pre.grid == (plan.seqlen_q_rounded // dispatch.BWD_ROWS_ROUND * batch * nheads_q, 1, 1)
+    block_n = int(main.args[3])
+    assert pre.grid == (math.ceil(seqlen_q / dispatch.BWD_PREPROCESS_ROWS) * batch * nheads_q, 1, 1)
     assert main.grid == (math.ceil(seqlen_k / block_n) * batch * nheads_kv * plan.kv_splits, 1, 1)
     assert main.block == (int(main.args[4]) * 32, 1, 1)
     assert convert.grid == (math.ceil(batch * nheads_q * seqlen_q / 8), 1, 1)
@@ -148,14 +145,13 @@ def test_table_warp_grids_are_consistent():
     """The C static_asserts of BwdTraits/BwdDqTraits, checked in Python for every table entry."""
     for d, tiles in dispatch._BWD_TILES.items():
         for block_m, block_n, warps, wm_sdp, wn_dkv, wm_dq in tiles:
-            assert dispatch.BWD_ROWS_ROUND % block_m == 0
+            assert block_m <= 32 * warps  # one thread per row of lse_log2 and delta
             for n_along, rows, cols in ((wm_sdp, block_m, block_n), (wn_dkv, block_n, d), (wm_dq, block_m, d)):
                 assert warps % n_along == 0
                 assert (rows // n_along) % 16 == 0 and (cols // (warps // n_along)) % 16 == 0
     for d, tiles in dispatch._BWD_DQ_TILES.items():
         for block_m, block_n, warps in tiles:
             assert (block_m // warps) % 16 == 0 and block_n % 16 == 0
-            assert dispatch.BWD_ROWS_ROUND % block_m == 0
 
 
 # ---------------------------------------------------------------------------
@@ -167,9 +163,9 @@ def test_bwd_params_layout():
     dt = _params.BWD_PARAMS
     assert dt is not None and dt.isalignedstruct
     names = list(dt.names)
-    assert names[:13] == ["q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2", "delta", "dq_accum",
-                          "dkv_accum"]
-    assert all(dt.fields[n][0] == np.uint64 for n in names[:13])
+    assert names[:15] == ["q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2", "delta", "dq_accum",
+                          "dkv_accum", "cu_seqlens_q", "cu_seqlens_k"]
+    assert all(dt.fields[n][0] == np.uint64 for n in names[:15])
     strides = [n for n in names if n.endswith("_stride")]
     assert all(dt.fields[n][0] == np.int64 for n in strides)
     assert len(strides) == 8 * 3 + 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -115,9 +116,11 @@ def test_fwd_params_mirror_layout():
     dt = _params.FWD_PARAMS
     offsets = [dt.fields[n][1] for n in dt.names]
     assert offsets == sorted(offsets)
-    # 7 pointers + 12 int64 strides, then 9 int32 and 2 float32, padded to 8 bytes.
-    assert dt.fields["batch"][1] == 7 * 8 + 12 * 8
-    assert dt.itemsize == 200
+    # 9 pointers + 14 int64 strides, then 9 int32 and 2 float32, padded to 8 bytes.
+    assert dt.fields["cu_seqlens_q"][1] == 7 * 8 and dt.fields["cu_seqlens_k"][1] == 8 * 8
+    assert dt.fields["lse_head_stride"][1] == 9 * 8 + 13 * 8
+    assert dt.fields["batch"][1] == 9 * 8 + 14 * 8
+    assert dt.itemsize == 232
     assert f"-DCUPYFLASH_FWD_PARAMS_BYTES={dt.itemsize}" in _params.size_defines()
 
 
@@ -128,9 +131,10 @@ def test_struct_packer_matches_numpy_layout():
 
     packer = _gpu._struct_packer(_params.FWD_PARAMS)
     assert packer.size == _params.FWD_PARAMS.itemsize
-    values = list(range(1, 20)) + list(range(100, 109)) + [0.5, 0.25]
+    values = list(range(1, 24)) + list(range(100, 109)) + [0.5, 0.25]
     rec = np.frombuffer(packer.pack(*values), dtype=_params.FWD_PARAMS)[0]
-    assert rec["q"] == 1 and rec["o_head_stride"] == 19 and rec["batch"] == 100
+    assert rec["q"] == 1 and rec["cu_seqlens_k"] == 9 and rec["lse_head_stride"] == 23
+    assert rec["batch"] == 100
     assert rec["n_blocks_per_split"] == 108 and rec["softmax_scale_log2"] == 0.25
 
 
@@ -163,3 +167,77 @@ def test_bwd_tile_exclusions_are_honoured(monkeypatch):
     names = {L.name_expression for L in dispatch.all_bwd_launches((8, 0))}
     excluded = dispatch.bwd_dkdv_launch("float16", 128, best, True, True, True, False)
     assert excluded.name_expression not in names
+
+
+# ---------------------------------------------------------------------------
+# Packed (varlen) batches: the same variants, grids over the longest sequence
+# ---------------------------------------------------------------------------
+
+
+def test_varlen_forward_never_splits_and_grids_over_the_longest_sequence():
+    kw = dict(batch=1, seqlen_q=1, seqlen_k=65536, nheads_q=8, head_dim=128, dtype="float16",
+              causal=False, vec=True)
+    assert dispatch.select_fwd(**kw).num_splits > 1  # the dense decode shape splits...
+    plan = dispatch.select_fwd(**kw, varlen=True)    # ...a packed one never does
+    assert plan.num_splits == 1 and plan.combine is None and plan.main.args[-1] == "false"
+    plan = dispatch.select_fwd(batch=5, seqlen_q=300, seqlen_k=70, nheads_q=4, head_dim=64,
+                               dtype="bfloat16", causal=True, vec=True, varlen=True)
+    block_m = dispatch.fwd_tiles(64, True, True)[0]
+    assert plan.num_m_blocks == math.ceil(300 / block_m)
+    assert plan.main.grid == (plan.num_m_blocks * 5 * 4, 1, 1)
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
+def test_varlen_plans_use_checked_variants(cc):
+    every = {L.name_expression for L in dispatch.all_fwd_launches(cc) + dispatch.all_bwd_launches()}
+    for head_dim, causal, vec, deterministic in itertools.product(
+            (40, 64, 128, 256), (False, True), (False, True), (False, True)):
+        fwd = dispatch.select_fwd(batch=3, seqlen_q=500, seqlen_k=9000, nheads_q=8, head_dim=head_dim,
+                                  dtype="float16", causal=causal, vec=vec, cc=cc, varlen=True)
+        bwd = dispatch.select_bwd(batch=3, seqlen_q=500, seqlen_k=9000, nheads_q=8, nheads_kv=2,
+                                  head_dim=head_dim, dtype="float16", causal=causal,
+                                  deterministic=deterministic, vec=vec, cc=cc, varlen=True,
+                                  total_q=700, total_k=9100)
+        for launch in (fwd.main, *bwd.launches):
+            assert launch.name_expression in every
+
+
+def test_varlen_backward_row_kernels_cover_the_packed_rows():
+    """The row-wise kernels see a packed batch as one sequence of total rows; the dK/dV and
+    dQ grids cover the longest sequences of every batch entry."""
+    kw = dict(batch=3, seqlen_q=500, seqlen_k=300, nheads_q=8, nheads_kv=2, head_dim=64,
+              dtype="float16", causal=True, vec=True, num_sms=1000)
+    plan = dispatch.select_bwd(**kw, deterministic=False, varlen=True, total_q=701, total_k=350)
+    pre, dkdv, convert, convert_dkv = plan.launches
+    block_n = int(dkdv.args[3])
+    assert pre.grid == (math.ceil(701 / dispatch.BWD_PREPROCESS_ROWS) * 8, 1, 1)
+    assert dkdv.grid == (math.ceil(300 / block_n) * 3 * 2 * plan.kv_splits, 1, 1)
+    assert convert.grid == (math.ceil(701 * 8 / 8), 1, 1)  # one warp per row, 8 per block
+    assert plan.kv_splits > 1 and convert_dkv.grid == (math.ceil(350 * 2 / 8), 1, 1)
+    det = dispatch.select_bwd(**kw, deterministic=True, varlen=True, total_q=701, total_k=350)
+    dq = det.launches[2]
+    assert dq.grid == (math.ceil(500 / int(dq.args[2])) * 3 * 8, 1, 1)
+    # a dense batch of the same lengths: rows per (batch, head)
+    dense = dispatch.select_bwd(**kw, deterministic=False)
+    assert dense.launches[0].grid == (math.ceil(500 / dispatch.BWD_PREPROCESS_ROWS) * 3 * 8, 1, 1)
+    assert dense.launches[2].grid == (math.ceil(3 * 500 * 8 / 8), 1, 1)
+
+
+def test_varlen_backward_needs_the_packed_row_counts():
+    kw = dict(batch=3, seqlen_q=500, seqlen_k=300, nheads_q=8, nheads_kv=2, head_dim=64,
+              dtype="float16", causal=True, deterministic=False, vec=True, varlen=True)
+    with pytest.raises(ValueError, match="a packed batch needs total_q and total_k >= 1; got 0 and 5"):
+        dispatch.select_bwd(**kw, total_k=5)
+
+
+def test_seq_strides_of_dense_and_packed_tensors():
+    import numpy as np
+
+    from cupyflash import _gpu
+
+    dense = np.zeros((2, 5, 3, 8), np.float16)
+    packed = np.zeros((7, 3, 10), np.float16)[..., 1:9]
+    assert _gpu.seq_strides(dense) == (5 * 3 * 8, 3 * 8, 8)
+    assert _gpu.seq_strides(packed) == (0, 30, 10)
+    assert _gpu.lse_strides(np.zeros((2, 3, 5), np.float32)) == (15, 5)
+    assert _gpu.lse_strides(np.zeros((3, 11), np.float32)[:, :7]) == (0, 11)
