@@ -176,20 +176,23 @@ def test_bwd_tile_exclusions_are_honoured(monkeypatch):
 
 def test_varlen_forward_never_splits_and_grids_over_the_longest_sequence():
     kw = dict(batch=1, seqlen_q=1, seqlen_k=65536, nheads_q=8, head_dim=128, dtype="float16",
-              causal=False, vec=True)
+              causal=False, vec=True, cc=(8, 0))
     assert dispatch.select_fwd(**kw).num_splits > 1  # the dense decode shape splits...
     plan = dispatch.select_fwd(**kw, varlen=True)    # ...a packed one never does
     assert plan.num_splits == 1 and plan.combine is None and plan.main.args[-1] == "false"
+    kw["cc"] = (9, 0)  # Hopper: the wgmma kernel, which has no split-KV
+    plan = dispatch.select_fwd(**kw, varlen=True)
+    assert plan.num_splits == 1 and plan.main.template == "cupyflash::flash_fwd_sm90_kernel"
     plan = dispatch.select_fwd(batch=5, seqlen_q=300, seqlen_k=70, nheads_q=4, head_dim=64,
-                               dtype="bfloat16", causal=True, vec=True, varlen=True)
-    block_m = dispatch.fwd_tiles(64, True, True)[0]
+                               dtype="bfloat16", causal=True, vec=True, varlen=True, cc=(8, 0))
+    block_m = dispatch.fwd_tiles(64, True, True, (8, 0))[0]
     assert plan.num_m_blocks == math.ceil(300 / block_m)
     assert plan.main.grid == (plan.num_m_blocks * 5 * 4, 1, 1)
 
 
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
 def test_varlen_plans_use_checked_variants(cc):
-    every = {L.name_expression for L in dispatch.all_fwd_launches(cc) + dispatch.all_bwd_launches()}
+    every = {L.name_expression for L in dispatch.all_fwd_launches(cc) + dispatch.all_bwd_launches(cc)}
     for head_dim, causal, vec, deterministic in itertools.product(
             (40, 64, 128, 256), (False, True), (False, True), (False, True)):
         fwd = dispatch.select_fwd(batch=3, seqlen_q=500, seqlen_k=9000, nheads_q=8, head_dim=head_dim,
@@ -206,7 +209,7 @@ def test_varlen_backward_row_kernels_cover_the_packed_rows():
     """The row-wise kernels see a packed batch as one sequence of total rows; the dK/dV and
     dQ grids cover the longest sequences of every batch entry."""
     kw = dict(batch=3, seqlen_q=500, seqlen_k=300, nheads_q=8, nheads_kv=2, head_dim=64,
-              dtype="float16", causal=True, vec=True, num_sms=1000)
+              dtype="float16", causal=True, vec=True, num_sms=1000, cc=(8, 0))  # mma.sync tile arguments
     plan = dispatch.select_bwd(**kw, deterministic=False, varlen=True, total_q=701, total_k=350)
     pre, dkdv, convert, convert_dkv = plan.launches
     block_n = int(dkdv.args[3])
