@@ -16,7 +16,11 @@ import math
 import statistics
 import sys
 
-MMA_SYNC_CEILING_TFLOPS = 620.0  # register-only m16n8k16 loop on the H200 (see kernels_cu/PERF.md)
+# Instruction ceilings on the H200 (kernels_cu/PERF.md): a register-only m16n8k16
+# mma.sync loop, and the fp16 GEMM (wgmma) ceiling. "frac" is the forward's share
+# of the ceiling of the path dispatch picked for the point.
+MMA_SYNC_CEILING_TFLOPS = 620.0
+WGMMA_CEILING_TFLOPS = 741.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,7 +111,12 @@ def run_point(cupy, torch_env, *, head_dim, seqlen, dtype, causal, tokens, reps,
     res["fwd_output_bytes"] = out.nbytes + lse.nbytes
     ms = _time_ms(lambda: _gpu.fwd(q, k, v, softmax_scale=scale, causal=causal, dtype=dtype), reps, cupy)
     res["ours_fwd_ms"], res["ours_fwd_tflops"] = ms, f_fwd / ms / 1e9
-    res["ours_fwd_frac_ceiling"] = res["ours_fwd_tflops"] / MMA_SYNC_CEILING_TFLOPS
+    plan = _gpu.select_fwd(batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, nheads_q=nheads, head_dim=head_dim,
+                           dtype=dtype, causal=causal, vec=True, num_sms=_gpu._num_sms(q.device.id),
+                           cc=_gpu._cc(q.device.id))
+    wgmma = plan.main.source == "flash_fwd_sm90.cu"
+    res["fwd_kernel"] = "wgmma" if wgmma else "mma.sync"
+    res["ours_fwd_frac_ceiling"] = res["ours_fwd_tflops"] / (WGMMA_CEILING_TFLOPS if wgmma else MMA_SYNC_CEILING_TFLOPS)
     if bwd:
         try:
             ms = _time_ms(lambda: _gpu.bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal,
