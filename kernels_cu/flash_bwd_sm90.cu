@@ -207,15 +207,9 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
                 st[j][e] = x;
             }
         }
-        // Pᵀ as the A operand (keys x queries): the accumulator layout of n8 tiles 2kk, 2kk+1.
+        // Pᵀ as the A operand (keys x queries)
         uint32 pa[BLOCK_M / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-            pa[kk][0] = TypeTraits<T>::pack(st[2 * kk][0], st[2 * kk][1]);
-            pa[kk][1] = TypeTraits<T>::pack(st[2 * kk][2], st[2 * kk][3]);
-            pa[kk][2] = TypeTraits<T>::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]);
-            pa[kk][3] = TypeTraits<T>::pack(st[2 * kk + 1][2], st[2 * kk + 1][3]);
-        }
+        acc_to_a_operand<T>(st, pa);
         // ---- dV += Pᵀ·dO
         fence_operands(acc_dv);
         wgmma_fence();
@@ -242,13 +236,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
                 dpt[j][2 * hh + 1] = pr.y * (dpt[j][2 * hh + 1] - delta.y);
             }
         }
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-            dsa[kk][0] = TypeTraits<T>::pack(dpt[2 * kk][0], dpt[2 * kk][1]);
-            dsa[kk][1] = TypeTraits<T>::pack(dpt[2 * kk][2], dpt[2 * kk][3]);
-            dsa[kk][2] = TypeTraits<T>::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
-            dsa[kk][3] = TypeTraits<T>::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
-        }
+        acc_to_a_operand<T>(dpt, dsa);
         // ---- dK += dSᵀ·Q (times softmax_scale in the epilogue)
         fence_operands(acc_dk);
         wgmma_fence();

@@ -156,13 +156,7 @@ flash_fwd_sm90_kernel(const FwdParams p) {
 
         // ---- O += P·V, P repacked from the S accumulators as the register A operand
         uint32 pa[BLOCK_N / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            pa[kk][0] = TypeTraits<T>::pack(s[0][2 * kk][0], s[0][2 * kk][1]);
-            pa[kk][1] = TypeTraits<T>::pack(s[0][2 * kk][2], s[0][2 * kk][3]);
-            pa[kk][2] = TypeTraits<T>::pack(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-            pa[kk][3] = TypeTraits<T>::pack(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
-        }
+        acc_to_a_operand<T>(s[0], pa);
         const uint32 sV = sV0 + stage * KVTile::BYTES;
         fence_operands(acc_o[0]);
         wgmma_fence();

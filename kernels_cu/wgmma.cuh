@@ -83,6 +83,19 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// The register A operands (64x16 each) of K_STEPS k16 steps from an m64nN fp32
+// accumulator (N = 16 K_STEPS), rounded to T: step kk takes n8 tiles 2kk, 2kk+1.
+template <typename T, int K_STEPS>
+__device__ __forceinline__ void acc_to_a_operand(const float (&acc)[2 * K_STEPS][4], uint32 (&a)[K_STEPS][4]) {
+#pragma unroll
+    for (int kk = 0; kk < K_STEPS; ++kk) {
+        a[kk][0] = TypeTraits<T>::pack(acc[2 * kk][0], acc[2 * kk][1]);
+        a[kk][1] = TypeTraits<T>::pack(acc[2 * kk][2], acc[2 * kk][3]);
+        a[kk][2] = TypeTraits<T>::pack(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+        a[kk][3] = TypeTraits<T>::pack(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+    }
+}
+
 template <typename T, int N> struct Wgmma;
 
 template <> struct Wgmma<__half, 32> {
