@@ -7,11 +7,11 @@ conventions (layout, causal alignment, lse, GQA).
 Importing this package does not import CuPy.
 """
 
-from . import reference
+from . import reference, testing
 from ._api import flash_attn, flash_attn_bwd, flash_attn_fwd
 from ._varlen import flash_attn_varlen, flash_attn_varlen_bwd, flash_attn_varlen_fwd
 
 __version__ = "0.1.0"
 
 __all__ = ["flash_attn_fwd", "flash_attn_bwd", "flash_attn", "flash_attn_varlen_fwd",
-           "flash_attn_varlen_bwd", "flash_attn_varlen", "reference", "__version__"]
+           "flash_attn_varlen_bwd", "flash_attn_varlen", "reference", "testing", "__version__"]

@@ -38,7 +38,11 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None):
     softmax_scale : float, optional
         Scale of ``q @ k.T`` before the softmax; finite and > 0, within float32
         range (between 1.4e-45 and 2.36e38, as it is used in float32).  Defaults to
-        ``1 / sqrt(head_dim)``.
+        ``1 / sqrt(head_dim)``.  The scaled scores are float32: where
+        ``softmax_scale * q.k`` reaches about 1e7 in magnitude float32 no longer
+        resolves them and accuracy is lost; the CPU backward clamps the exponent
+        of P at 0 there and stays finite, the GPU kernels do not clamp it.  Where
+        the scaled scores overflow float32 the result is undefined.
     causal : bool, optional
         Causal mask aligned to the bottom-right corner of the score matrix:
         query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``.  With

@@ -267,6 +267,10 @@ def _bwd_tile(k_tile, v_tile, dk_acc, dv_acc, dq_acc, q, dout, lse_log2, delta,
         _apply_causal_mask(s, m0, m1, n0, n1, *causal_dims)
     s *= scale_log2
     s -= _stats_rows(lse_log2, m0, m1, nheads_kv)
+    # P <= 1 exactly; at huge softmax_scale the float32 rounding of s*scale and of
+    # lse (their ulp exceeds 1 beyond ~1e7) could push the exponent far above 0
+    # and overflow exp2 to inf (then inf * 0 = NaN in dS). Clamp it.
+    np.minimum(s, 0, out=s)
     p = np.exp2(s, out=s)
     # --- dV += P^T dO (the G query heads of a KV head sum in the product)
     dv_acc += p.swapaxes(-1, -2) @ do_tile

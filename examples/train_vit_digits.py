@@ -454,17 +454,31 @@ def choose_xp(device="auto"):
         return np, "cpu", f"NumPy (CPU path; no usable GPU: {type(exc).__name__})"
 
 
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text}")
+    return value
+
+
+def _positive_float(text):
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0; got {text}")
+    return value
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description="Train a small ViT on scikit-learn's digits with explicit backward and "
                     "cupyflash attention.")
     parser.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
-    parser.add_argument("--steps", type=int,
+    parser.add_argument("--steps", type=_positive_int,
                         help=f"training steps (default: {STEPS['cpu']} on the CPU, "
                              f"{STEPS['gpu']} on the GPU)")
-    parser.add_argument("--batch", type=int, default=Config.batch)
-    parser.add_argument("--lr", type=float, default=Config.lr)
-    parser.add_argument("--depth", type=int, default=Config.depth)
+    parser.add_argument("--batch", type=_positive_int, default=Config.batch)
+    parser.add_argument("--lr", type=_positive_float, default=Config.lr)
+    parser.add_argument("--depth", type=_positive_int, default=Config.depth)
     parser.add_argument("--patch", type=int, choices=(2, 4), default=Config.patch,
                         help="patch side: 4 (5 tokens, default) or 2 (17 tokens)")
     parser.add_argument("--head-dim", type=int, choices=(16, 32), default=16,
@@ -487,7 +501,7 @@ def main(argv=None):
         return 0 if ok else 1
 
     xp, kind, where = choose_xp(args.device)
-    cfg = Config(steps=args.steps or STEPS[kind], batch=args.batch, lr=args.lr,
+    cfg = Config(steps=STEPS[kind] if args.steps is None else args.steps, batch=args.batch, lr=args.lr,
                  depth=args.depth, heads=64 // args.head_dim, patch=args.patch,
                  seed=args.seed)
     print(f"device: {where}")

@@ -273,3 +273,23 @@ def test_odd_strides_match_the_reference(view):
     ref_grads = reference.attention_bwd(np.ones_like(out), q, k, v, causal=True)
     for g, r in zip((dq, dk, dv), ref_grads):
         np.testing.assert_allclose(g, r, atol=1e-4)
+
+
+@pytest.mark.parametrize("scale", [1e7, 1e9])
+def test_huge_softmax_scale_gives_no_nan_on_the_cpu(rng, scale):
+    """P = exp2(s*scale - lse) <= 1 exactly, but in float32 both terms carry rounding
+    errors far above 1 at this scale; the CPU backward clamps the exponent at 0."""
+    q = rng.standard_normal((1, 64, 2, 64)).astype(np.float32)
+    out, lse = cupyflash.flash_attn_fwd(q, q, q, softmax_scale=scale)
+    grads = cupyflash.flash_attn_bwd(np.ones_like(out), q, q, q, out, lse, softmax_scale=scale)
+    for x in (out, lse, *grads):
+        assert not np.isnan(x).any()
+
+
+def test_testing_helpers_are_an_attribute_of_the_package():
+    import subprocess
+    import sys
+
+    code = "import cupyflash; print(cupyflash.testing.GRAD_FACTOR)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "3.0"

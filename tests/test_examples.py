@@ -178,3 +178,13 @@ def test_vit_trains_on_the_gpu(vit):
     result = vit.train(vit.Config(steps=vit.STEPS["gpu"]), cupy)
     assert result["accuracy"] >= vit.TARGET_ACCURACY, result
     assert result["seconds"] < 60, result
+
+
+@pytest.mark.parametrize("argv,text", [(["--steps", "0"], "--steps: must be an integer >= 1; got 0"),
+                                       (["--batch", "-3"], "--batch: must be an integer >= 1; got -3"),
+                                       (["--lr", "0"], "--lr: must be a number > 0; got 0")])
+def test_vit_command_line_rejects_bad_sizes(vit, argv, text, capsys):
+    with pytest.raises(SystemExit) as exc:
+        vit.main(argv)
+    assert exc.value.code == 2
+    assert text in capsys.readouterr().err
