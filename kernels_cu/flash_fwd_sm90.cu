@@ -23,6 +23,7 @@
 // Dense and packed (varlen) batches alike (seqlens.cuh).
 #include "params.cuh"
 #include "seqlens.cuh"
+#include "fwd_grid.cuh"
 #include "ptx.cuh"
 #include "tile_io.cuh"
 #include "mask.cuh"
@@ -48,19 +49,6 @@ struct FwdSm90Traits {
     static constexpr int SMEM_BYTES = QTile::BYTES + 2 * STAGES * KVTile::BYTES + 1024;
 };
 
-// Same grid order as flash_fwd.cu: a head's query blocks adjacent, causal heaviest first.
-template <bool IS_CAUSAL>
-__device__ __forceinline__ void sm90_tile_coords(const FwdParams& p, int& b, int& h, int& h_kv, int& m_block) {
-    uint32 x;
-    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(x));
-    const int bh = int(x) / p.num_m_blocks;
-    m_block = int(x) % p.num_m_blocks;
-    if (IS_CAUSAL) m_block = p.num_m_blocks - 1 - m_block;
-    h = bh % p.nheads_q;
-    b = bh / p.nheads_q;
-    h_kv = h / (p.nheads_q / p.nheads_kv);
-}
-
 template <typename T, int HEAD_DIM, int BLOCK_N, int CTAS_PER_SM, bool IS_CAUSAL, bool EVEN_K>
 __global__ void __launch_bounds__(256, CTAS_PER_SM)
 flash_fwd_sm90_kernel(const FwdParams p) {
@@ -79,8 +67,8 @@ flash_fwd_sm90_kernel(const FwdParams p) {
     const int wg = warp / 4;                                    // warpgroup: query rows 64 wg ..
     const int g = lane / 4, t = lane % 4;
 
-    int b, h, h_kv, m_block;
-    sm90_tile_coords<IS_CAUSAL>(p, b, h, h_kv, m_block);
+    const TileCoords tc = fwd_tile_coords<IS_CAUSAL>(p);
+    const int b = tc.b, h = tc.h, h_kv = tc.h_kv, m_block = tc.m_block;
     const int m0 = m_block * BLOCK_M;
     const SeqLens seq = seq_lens(p, b);
     if (m0 >= seq.seqlen_q) return;  // past the end of a shorter sequence of a packed batch
@@ -115,7 +103,8 @@ flash_fwd_sm90_kernel(const FwdParams p) {
 
     // Prologue: Q with the first key block, then the second key block (groups 0, 1).
     if (n_end > 0) {
-        load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sQ, q, p.q_row_stride, seq.seqlen_q - m0, p.head_dim);
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sQ, q, p.q_row_stride, seq.seqlen_q - m0,
+                                                                 p.head_dim);
         load_kv(n_end - 1, 0);
     }
     cp_async_commit();
@@ -139,8 +128,8 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            Wgmma<T, BLOCK_N>::template ss<0, 0>(s[0], desc_k_major<BLOCK_M>(sQ, wg * 64, kk), desc_k_major<BLOCK_N>(sK, 0, kk),
-                                  kk > 0);
+            Wgmma<T, BLOCK_N>::template ss<0, 0>(s[0], desc_k_major<BLOCK_M>(sQ, wg * 64, kk),
+                                                 desc_k_major<BLOCK_N>(sK, 0, kk), kk > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();

@@ -108,8 +108,9 @@ struct OnlineSoftmax {
     }
     // The same from thread-partial row sums (the wgmma kernels' update).
     template <int D_TILES>
-    __device__ __forceinline__ void finalize_sums(float (&acc_o)[M_TILES][D_TILES][4], const float (&row_sum)[M_TILES][2],
-                                                  float softmax_scale, float (&lse)[M_TILES][2]) {
+    __device__ __forceinline__ void finalize_sums(float (&acc_o)[M_TILES][D_TILES][4],
+                                                  const float (&row_sum)[M_TILES][2], float softmax_scale,
+                                                  float (&lse)[M_TILES][2]) {
         float sums[M_TILES][2];
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
