@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from . import __version__
+from ._checks import MAX_HEAD_DIM
 
 _PLUGINS = (
     ("check-kernels", "check_kernels", "compile every kernel variant and check its resources"),
@@ -37,8 +38,29 @@ def _progress(message):
 # ----------------------------------------------------------------------------
 
 
-def _probe_gpu():
-    """``(cupy_module_or_None, reason)``: cupy with a usable device, or why not."""
+#: The NVIDIA driver's user-space library, by platform.  cupy loads it lazily and,
+#: when it is missing, reports cudaErrorInsufficientDriver (as if it were too old).
+_DRIVER_LIBRARIES = {"win32": ("nvcuda.dll",)}.get(sys.platform, ("libcuda.so.1", "libcuda.so"))
+
+
+def _nvidia_driver_loads():
+    """Whether the NVIDIA driver library (libcuda) can be loaded in this process."""
+    import ctypes
+
+    for name in _DRIVER_LIBRARIES:
+        try:
+            ctypes.CDLL(name)
+        except OSError:
+            continue
+        return True
+    return False
+
+
+def gpu_unavailable_reason():
+    """``(cupy_module_or_None, reason)``: cupy with a usable device, or why not (one line).
+
+    Never raises.  ``tests/conftest.py`` uses it for the skip reason of GPU tests.
+    """
     try:
         import cupy
     except Exception as exc:  # ImportError, or a broken CUDA install raising anything
@@ -46,10 +68,23 @@ def _probe_gpu():
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:
-        return None, f"no CUDA device: {type(exc).__name__}: {exc}"
+        error = f"{type(exc).__name__}: {exc}"
+        try:
+            driver = _nvidia_driver_loads()
+        except Exception:  # the probe is a diagnosis; never let it fail
+            driver = True
+        if not driver:
+            return None, (f"no NVIDIA driver found ({_DRIVER_LIBRARIES[0]} does not load; "
+                          f"cupy said {error})")
+        return None, f"no CUDA device: {error}"
     if count < 1:
         return None, "no CUDA device: cupy reports 0 devices"
     return cupy, None
+
+
+def _probe_gpu():
+    """``(cupy_module_or_None, reason)``: cupy with a usable device, or why not."""
+    return gpu_unavailable_reason()
 
 
 # ----------------------------------------------------------------------------
@@ -57,19 +92,59 @@ def _probe_gpu():
 # ----------------------------------------------------------------------------
 
 
+#: dtypes the demo offers (the GPU path takes _checks.GPU_DTYPES of them).
+_DEMO_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _int_type(minimum, maximum=None):
+    """An argparse type: an int in [minimum, maximum] (argparse prefixes "argument --NAME: ")."""
+    if maximum is not None:
+        rule = f"must be an integer from {minimum} to {maximum}"
+    else:
+        rule = {0: "must be a non-negative integer", 1: "must be a positive integer"}[minimum]
+
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{rule}; got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"{rule}; got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_type(1)
+
+
+def _demo_dtype(text):
+    if text not in _DEMO_DTYPES:
+        raise argparse.ArgumentTypeError(
+            f"must be one of {', '.join(_DEMO_DTYPES)}; got {text!r}")
+    return text
+
+
 def _add_demo_arguments(p):
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
                    help="gpu needs cupy and a CUDA device; auto picks it when usable")
-    p.add_argument("--batch", type=int, help="default 4 on the GPU, 1 on the CPU")
-    p.add_argument("--seqlen", type=int, help="seqlen_q; default 2048 on the GPU, 1024 on the CPU")
-    p.add_argument("--seqlen-k", type=int, help="default: --seqlen")
-    p.add_argument("--nheads", type=int, help="query heads; default 16 on the GPU, 8 on the CPU")
-    p.add_argument("--nheads-kv", type=int, help="KV heads (GQA); default: --nheads")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", help="default float16 on the GPU, float32 on the CPU")
+    p.add_argument("--batch", type=_positive_int, help="default 4 on the GPU, 1 on the CPU")
+    p.add_argument("--seqlen", type=_positive_int,
+                   help="seqlen_q; default 2048 on the GPU, 1024 on the CPU")
+    p.add_argument("--seqlen-k", type=_positive_int, help="default: --seqlen")
+    p.add_argument("--nheads", type=_positive_int,
+                   help="query heads; default 16 on the GPU, 8 on the CPU")
+    p.add_argument("--nheads-kv", type=_positive_int,
+                   help="KV heads (GQA), a divisor of --nheads; default: --nheads")
+    p.add_argument("--head-dim", type=_int_type(1, MAX_HEAD_DIM), default=64,
+                   help=f"1 to {MAX_HEAD_DIM} (default 64)")
+    p.add_argument("--dtype", type=_demo_dtype, metavar="{" + ",".join(_DEMO_DTYPES) + "}",
+                   help="default float16 on the GPU, float32 on the CPU (which computes "
+                        "float16/bfloat16 in float32 with conversions: slower)")
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--repeat", type=int, default=5, help="timed GPU iterations (default 5)")
-    p.add_argument("--seed", type=int, help="random seed (default: fresh)")
+    p.add_argument("--repeat", type=_positive_int, default=5,
+                   help="timed GPU iterations (default 5; the CPU path times one run)")
+    p.add_argument("--seed", type=_int_type(0), help="random seed (default: fresh)")
 
 
 def _demo_config(args, gpu):
@@ -87,6 +162,24 @@ def _demo_config(args, gpu):
         head_dim=args.head_dim,
         dtype=pick(args.dtype, "float16", "float32"),
     )
+
+
+def _demo_config_error(cfg, args):
+    """Why ``cfg`` cannot run (one line naming the argument), or None."""
+    if cfg["nheads_q"] % cfg["nheads_kv"]:
+        nheads = "--nheads" if args.nheads is not None else "the default --nheads"
+        return (f"argument --nheads-kv: must divide {nheads} ({cfg['nheads_q']}); "
+                f"got {cfg['nheads_kv']} (see cupyflash demo --help)")
+    if cfg["dtype"] == "bfloat16":
+        try:
+            import ml_dtypes  # noqa: F401
+        except ImportError as exc:
+            missing = isinstance(exc, ModuleNotFoundError) and exc.name == "ml_dtypes"
+            why = ("is not installed" if missing
+                   else f"does not import ({type(exc).__name__}: {exc})")
+            return (f"argument --dtype: bfloat16 needs the ml_dtypes package, which {why}; "
+                    f"install it with: pip install \"cupyflash[bf16]\"")
+    return None
 
 
 def _flops(cfg, causal):
@@ -127,6 +220,10 @@ def _run_demo(args):
         return 2
     gpu = cupy is not None
     cfg = _demo_config(args, gpu)
+    problem = _demo_config_error(cfg, args)
+    if problem is not None:
+        print(f"cupyflash demo: error: {problem}", file=sys.stderr)
+        return 2
     if gpu and cfg["dtype"] not in _checks.GPU_DTYPES:
         print(f"cupyflash demo: the GPU path takes {', '.join(_checks.GPU_DTYPES)} for now; "
               f"got --dtype {cfg['dtype']} (add --device cpu for the CPU path)", file=sys.stderr)
@@ -142,30 +239,41 @@ def _run_demo(args):
           f"k, v {(cfg['batch'], cfg['seqlen_k'], cfg['nheads_kv'], cfg['head_dim'])}  "
           f"dtype {cfg['dtype']}  causal={causal}  seed {seed}")
 
-    _progress("drawing inputs")
-    q, k, v = testing.random_qkv(rng, cfg["batch"], cfg["seqlen_q"], cfg["seqlen_k"],
-                                 cfg["nheads_q"], cfg["nheads_kv"], cfg["head_dim"],
-                                 cfg["dtype"], xp)
-    dout = testing.random_normal(rng, q.shape, cfg["dtype"], xp)
+    try:
+        _progress("drawing inputs")
+        q, k, v = testing.random_qkv(rng, cfg["batch"], cfg["seqlen_q"], cfg["seqlen_k"],
+                                     cfg["nheads_q"], cfg["nheads_kv"], cfg["head_dim"],
+                                     cfg["dtype"], xp)
+        dout = testing.random_normal(rng, q.shape, cfg["dtype"], xp)
 
-    if gpu:
-        sync = cupy.cuda.get_current_stream().synchronize
-        repeat = max(1, args.repeat)
-        _progress("warm-up (compiles the kernels on first use; this can take a while)")
-        out, lse = cupyflash.flash_attn_fwd(q, k, v, causal=causal)
-        cupyflash.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal)
-    else:
-        sync, repeat = (lambda: None), 1
-    _progress("forward")
-    (out, lse), t_fwd = _timed(lambda: cupyflash.flash_attn_fwd(q, k, v, causal=causal),
-                               sync, repeat)
-    _progress("backward")
-    (dq, dk, dv), t_bwd = _timed(
-        lambda: cupyflash.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal), sync, repeat)
+        if gpu:
+            sync = cupy.cuda.get_current_stream().synchronize
+            repeat = args.repeat
+            _progress("warm-up (compiles the kernels on first use; this can take a while)")
+            out, lse = cupyflash.flash_attn_fwd(q, k, v, causal=causal)
+            cupyflash.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal)
+        else:
+            sync, repeat = (lambda: None), 1
+        _progress("forward")
+        (out, lse), t_fwd = _timed(lambda: cupyflash.flash_attn_fwd(q, k, v, causal=causal),
+                                   sync, repeat)
+        _progress("backward")
+        (dq, dk, dv), t_bwd = _timed(
+            lambda: cupyflash.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal),
+            sync, repeat)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        # cupyflash's own argument errors ("cupyflash.<fn>: ..." / "cupyflash: ...") say
+        # what the arguments broke; anything else is a bug and keeps its traceback.
+        if not str(exc).startswith("cupyflash"):
+            raise
+        print(f"cupyflash demo: error: {exc}", file=sys.stderr)
+        return 2
 
     flops = _flops(cfg, causal)
-    print(f"  forward   {t_fwd * 1e3:10.2f} ms   {flops / t_fwd / 1e12:8.3f} TFLOP/s")
-    print(f"  backward  {t_bwd * 1e3:10.2f} ms   {2.5 * flops / t_bwd / 1e12:8.3f} TFLOP/s")
+    runs = f"median of {repeat} runs" if repeat > 1 else "one run"
+    print(f"  forward   {t_fwd * 1e3:10.2f} ms   {flops / t_fwd / 1e12:8.3f} TFLOP/s   ({runs})")
+    print(f"  backward  {t_bwd * 1e3:10.2f} ms   {2.5 * flops / t_bwd / 1e12:8.3f} TFLOP/s"
+          f"   ({runs})")
 
     b, hq, hkv = _reference_subset(cfg)
     subset = (f"batch {b.start}..{b.stop - 1}, query heads {hq.start}..{hq.stop - 1}"
@@ -268,8 +376,15 @@ def _not_available(name, reason):
     return run
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr (``PROG: error: MESSAGE (see PROG --help)``), status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="cupyflash",
         description="Exact FlashAttention for CuPy arrays (and a tiled NumPy path).",
     )

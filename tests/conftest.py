@@ -1,7 +1,9 @@
 """Shared fixtures: a fresh random generator per test, and the skip for GPU tests.
 
 Tests marked ``gpu`` are skipped, with the reason, when cupy does not import or
-no CUDA device is usable.  CuPy is imported only when such tests were collected.
+no CUDA device is usable (the reason is ``cupyflash.cli.gpu_unavailable_reason``'s,
+as ``python -m cupyflash info`` prints it).  CuPy and the CLI module are imported
+only when such tests were collected.
 
 Every test that takes ``rng`` gets a generator seeded from fresh entropy; the
 seed is printed in the report of a failing test.  Set ``CUPYFLASH_TEST_SEED``
@@ -25,18 +27,10 @@ import pytest  # noqa: E402
 
 @functools.lru_cache(maxsize=None)
 def gpu_unavailable_reason():
-    """None when cupy imports and sees a CUDA device, else why not."""
-    try:
-        import cupy
-    except Exception as exc:
-        return f"cupy not installed or not importable ({type(exc).__name__}: {exc})"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:
-        return f"no CUDA device: {type(exc).__name__}: {exc}"
-    if count < 1:
-        return "no CUDA device: cupy reports 0 devices"
-    return None
+    """None when cupy imports and sees a CUDA device, else why not (the CLI's wording)."""
+    from cupyflash.cli import gpu_unavailable_reason as probe  # imported only when needed
+
+    return probe()[1]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -49,6 +49,7 @@ def test_demo_cpu_small():
     assert "q (1, 200, 4, 40)" in out and "k, v (1, 300, 2, 40)" in out
     assert "causal=True" in out and "seed 3" in out
     assert out.count("TFLOP/s") == 2
+    assert out.count("(one run)") == 2  # the CPU path times a single run
     assert "max |error| vs float64 reference" in out and "check passed" in out
     assert "[cupyflash] forward" in result.stderr  # progress goes to stderr
 
@@ -185,6 +186,7 @@ def test_demo_gpu_branch_with_a_fake_gpu(fake_gpu_stack, monkeypatch, capsys):
                      "--nheads-kv", "4", "--head-dim", "32", "--causal", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
     assert "GPU (Fake GPU, sm_90)" in out and "dtype float16" in out
+    assert out.count("(median of 2 runs)") == 2
     assert "batch 0..0, query heads 0..1" in out and "check passed" in out
     assert fake_gpu_stack == ["fwd", "bwd"] + ["fwd"] * 2 + ["bwd"] * 2  # warm-up, then timed
 

@@ -1,0 +1,174 @@
+"""``python -m cupyflash demo`` with bad arguments, and the reason the GPU is not used.
+
+Bad arguments end in one line on stderr ("argument, requirement, what was given")
+and exit status 2, never in a traceback.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import cupyflash
+from cupyflash import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _demo_error(capsys, *args):
+    """Run ``demo --device cpu ARGS`` in process; return its one error line (exit status 2)."""
+    try:
+        code = cli.main(["demo", "--device", "cpu", "--seqlen", "32", "--nheads", "2", *args])
+    except SystemExit as exc:  # argparse
+        code = exc.code
+    captured = capsys.readouterr()
+    assert code == 2, captured.out + captured.err
+    lines = [line for line in captured.err.strip().splitlines()
+             if not line.startswith("[cupyflash] ")]  # progress lines
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("cupyflash demo: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--dtype", "int8"], ["--dtype", "float16, bfloat16, float32, float64", "'int8'"]),
+    (["--dtype", "foo"], ["--dtype", "must be one of", "'foo'"]),
+    (["--head-dim", "300"], ["--head-dim", "from 1 to 256", "got 300"]),
+    (["--head-dim", "0"], ["--head-dim", "from 1 to 256", "got 0"]),
+    (["--batch", "-1"], ["--batch", "positive integer", "got -1"]),
+    (["--seqlen", "0"], ["--seqlen", "positive integer", "got 0"]),
+    (["--seqlen-k", "x"], ["--seqlen-k", "positive integer", "got 'x'"]),
+    (["--nheads", "0"], ["--nheads", "positive integer", "got 0"]),
+    (["--repeat", "0"], ["--repeat", "positive integer", "got 0"]),
+    (["--seed", "-5"], ["--seed", "non-negative integer", "got -5"]),
+    (["--nheads-kv", "3"], ["--nheads-kv", "must divide --nheads (2)", "got 3"]),
+])
+def test_bad_demo_argument_is_one_line(capsys, args, expected):
+    line = _demo_error(capsys, *args)
+    for text in expected:
+        assert text in line, line
+
+
+def test_nheads_kv_against_the_default_nheads(capsys):
+    try:
+        code = cli.main(["demo", "--device", "cpu", "--nheads-kv", "3"])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    assert "--nheads-kv: must divide the default --nheads (8); got 3" in capsys.readouterr().err
+
+
+def test_bad_demo_argument_from_the_shell():
+    """What the user sees: no traceback, status 2, one line."""
+    result = subprocess.run(
+        [sys.executable, "-m", "cupyflash", "demo", "--device", "cpu", "--dtype", "int8"],
+        check=False, capture_output=True, text=True, cwd=REPO.parent, timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        ("cupyflash demo: error: argument --dtype: must be one of float16, bfloat16, float32, "
+         "float64; got 'int8' (see cupyflash demo --help)")]
+
+
+def test_bfloat16_without_ml_dtypes_names_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # import fails
+    line = _demo_error(capsys, "--dtype", "bfloat16")
+    assert "--dtype" in line and "ml_dtypes" in line and "not installed" in line
+    assert 'pip install "cupyflash[bf16]"' in line
+
+
+def test_library_argument_errors_are_reported_not_raised(monkeypatch, capsys):
+    """Errors the library raises for its arguments end the demo with status 2 ..."""
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("cupyflash: needs compute capability 8.0 or newer; got 7.5")
+
+    monkeypatch.setattr(cupyflash, "flash_attn_fwd", refuse)
+    line = _demo_error(capsys)
+    assert line.endswith("needs compute capability 8.0 or newer; got 7.5")
+
+
+@pytest.mark.parametrize("exc_type", [ValueError, TypeError, ZeroDivisionError])
+def test_unexpected_errors_keep_their_traceback(monkeypatch, exc_type):
+    """... while any other error is a bug and propagates."""
+    def broken(*args, **kwargs):
+        raise exc_type("something internal")
+
+    monkeypatch.setattr(cupyflash, "flash_attn_fwd", broken)
+    with pytest.raises(exc_type, match="something internal"):
+        cli.main(["demo", "--device", "cpu", "--seqlen", "32", "--nheads", "2"])
+
+
+def test_unrecognized_argument_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--device", "cpu", "--bogus"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["cupyflash: error: unrecognized arguments: --bogus (see cupyflash --help)"]
+
+
+# ----------------------------------------------------------------------------
+# Why the GPU is not used
+# ----------------------------------------------------------------------------
+
+
+def _fake_cupy(monkeypatch, error):
+    def count():
+        raise error
+
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=count))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+
+
+class CUDARuntimeError(RuntimeError):
+    pass
+
+
+_INSUFFICIENT = CUDARuntimeError(
+    "cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version")
+
+
+def test_reason_without_a_driver_says_so(monkeypatch):
+    _fake_cupy(monkeypatch, _INSUFFICIENT)
+    monkeypatch.setattr(cli, "_DRIVER_LIBRARIES", ("libcupyflash-no-such-driver.so.1",))
+    cupy, reason = cli.gpu_unavailable_reason()
+    assert cupy is None
+    assert reason.startswith("no NVIDIA driver found (libcupyflash-no-such-driver.so.1 ")
+    assert f"CUDARuntimeError: {_INSUFFICIENT}" in reason  # the original error is kept
+    assert "\n" not in reason
+
+
+def test_reason_with_a_driver_keeps_cupys_error(monkeypatch):
+    libc = ctypes.util.find_library("c")
+    if libc is None:
+        pytest.skip("no loadable C library to pose as the driver")
+    error = "cudaErrorNoDevice: no CUDA-capable device is detected"
+    _fake_cupy(monkeypatch, CUDARuntimeError(error))
+    monkeypatch.setattr(cli, "_DRIVER_LIBRARIES", (libc,))
+    assert cli.gpu_unavailable_reason() == (None, f"no CUDA device: CUDARuntimeError: {error}")
+
+
+def test_reason_without_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    cupy, reason = cli.gpu_unavailable_reason()
+    assert cupy is None and reason.startswith("cupy not importable: ModuleNotFoundError")
+
+
+def test_demo_prints_the_reason(monkeypatch, capsys):
+    _fake_cupy(monkeypatch, _INSUFFICIENT)
+    monkeypatch.setattr(cli, "_DRIVER_LIBRARIES", ("libcupyflash-no-such-driver.so.1",))
+    assert cli.main(["demo", "--device", "gpu"]) == 2
+    assert "GPU is not usable: no NVIDIA driver found" in capsys.readouterr().err
+
+
+def test_conftest_uses_the_cli_reason():
+    import conftest
+
+    assert conftest.gpu_unavailable_reason() == cli.gpu_unavailable_reason()[1]
