@@ -1,6 +1,7 @@
 """cupyflash on NumPy arrays: forward, backward, and the error against float64.
 
-Run: python examples/numpy_quickstart.py
+The README's NumPy quick start (same shapes), plus the dense float64 reference.
+Run: python examples/numpy_quickstart.py   (a few seconds on the CPU)
 """
 
 import numpy as np
@@ -9,7 +10,7 @@ import cupyflash
 from cupyflash import reference
 
 rng = np.random.default_rng()
-batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim = 2, 500, 700, 8, 2, 64
+batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim = 2, 1000, 1200, 8, 2, 64
 q = rng.standard_normal((batch, seqlen_q, nheads_q, head_dim), dtype=np.float32)
 k = rng.standard_normal((batch, seqlen_k, nheads_kv, head_dim), dtype=np.float32)
 v = rng.standard_normal((batch, seqlen_k, nheads_kv, head_dim), dtype=np.float32)
