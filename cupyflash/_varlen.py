@@ -11,7 +11,7 @@ layout).  Validation follows :mod:`cupyflash._checks`; then
   uint16/int16 storage with ``dtype="bfloat16"``, as in ``_api``): one launch
   of each kernel covers the whole batch, the kernels read ``cu_seqlens`` on the
   device, and their grids are sized by ``max_seqlen_q/k`` (blocks past the end
-  of a shorter sequence exit at once).  A GPU module without those entry points
+  of a shorter sequence do no work).  A GPU module without those entry points
   gets the same per-sequence loop as NumPy, over ``_gpu.fwd`` / ``_gpu.bwd``
   (the tests run both);
 * other arrays (torch, JAX, ``__dlpack__`` objects), ``cu_seqlens`` included, go
@@ -301,7 +301,7 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         ``total_q`` / ``total_k``.  Zero-length sequences are allowed.
     max_seqlen_q, max_seqlen_k : int
         At least the longest query / key sequence.  The GPU kernels size their
-        grids with them (blocks past a shorter sequence exit at once), so a
+        grids with them (blocks past a shorter sequence do no work), so a
         value far above the longest sequence only costs idle blocks.
     softmax_scale : float, optional
         Scale of ``q @ k.T`` before the softmax; finite and > 0, within float32

@@ -386,20 +386,24 @@ def bwd_dkdv_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k:
     return Launch("flash_bwd_sm90.cu", "cupyflash::flash_bwd_dkdv_sm90_kernel", args, grid, (256, 1, 1), smem)
 
 
-# (head_dim, tile, causal, deterministic) combinations never to select. Empty:
-# the causal atomic-dQ dK/dV kernel at D=128 on 64x128 spills 8 bytes under
-# NVRTC 13.0's ptxas (clean under 13.5), but the spill-free 64x64 tile measured
-# 35% slower on the H200 (kernels_cu/PERF.md, run 7), so it stays selected.
-_BWD_TILE_SPILLS: set[tuple[int, tuple[int, ...], bool, bool]] = set()
+# (head_dim, tile, causal, deterministic, vec) combinations never to select:
+# the widest atomic-dQ tiles at D=64 and D=128 on unaligned data (VEC=false:
+# Q and dO loaded element by element through registers) spill 8 bytes under
+# NVRTC 13.5 since the kernels read cu_seqlens (kernels_cu/PERF.md, varlen);
+# unaligned data takes the next tile there. (The causal atomic-dQ D=128 64x128
+# tile also spills 8 bytes under NVRTC 13.0's ptxas, but the spill-free 64x64
+# tile measured 35% slower on the H200 (PERF.md, run 7), so it stays selected.)
+_BWD_TILE_SPILLS: set[tuple[int, tuple[int, ...], bool, bool, bool]] = {
+    (d, _BWD_TILES[d][0], causal, False, False) for d in (64, 128) for causal in (False, True)}
 
 
-def _bwd_tiles(d: int, causal: bool, deterministic: bool) -> tuple[tuple[int, ...], ...]:
-    return tuple(t for t in _BWD_TILES[d] if (d, t, causal, deterministic) not in _BWD_TILE_SPILLS)
+def _bwd_tiles(d: int, causal: bool, deterministic: bool, vec: bool) -> tuple[tuple[int, ...], ...]:
+    return tuple(t for t in _BWD_TILES[d] if (d, t, causal, deterministic, vec) not in _BWD_TILE_SPILLS)
 
 
-def _pick_bwd_tile(d: int, smem_limit: int, causal: bool = False,
-                   deterministic: bool = False) -> tuple[tuple[int, ...], int]:
-    for tile in _bwd_tiles(d, causal, deterministic):
+def _pick_bwd_tile(d: int, smem_limit: int, causal: bool = False, deterministic: bool = False,
+                   vec: bool = True) -> tuple[tuple[int, ...], int]:
+    for tile in _bwd_tiles(d, causal, deterministic, vec):
         for stages in (2, 1):
             if bwd_smem_bytes(d, tile, stages) <= smem_limit:
                 return tile, stages
@@ -452,7 +456,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     if sm90:
         block_n, stages = BWD_SM90_BLOCK_N, 2
     else:
-        tile, stages = _pick_bwd_tile(d, smem_limit, causal, deterministic)
+        tile, stages = _pick_bwd_tile(d, smem_limit, causal, deterministic, vec)
         block_n = tile[1]
 
     launches = [bwd_preprocess_launch(dtype, vec, math.ceil(q_rows[1] / BWD_PREPROCESS_ROWS) * q_rows[0] * nheads_q)]
@@ -493,7 +497,7 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
     for dtype, d in itertools.product(CTYPES, HEAD_DIMS):
         for causal, even_k, vec, det in itertools.product((False, True), (True, False), (True, False),
                                                           (False, True)):
-            for tile in _bwd_tiles(d, causal, det):
+            for tile in _bwd_tiles(d, causal, det, vec):
                 out.append(bwd_dkdv_launch(dtype, d, tile, causal, even_k, vec, det))
         for tile, causal, even_k, vec in itertools.product(
                 _BWD_DQ_TILES[d], (False, True), (True, False), (True, False)):

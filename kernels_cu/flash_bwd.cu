@@ -210,9 +210,11 @@ struct BwdTraits {
     static_assert(BLOCK_M <= NUM_THREADS, "one thread per row of lse_log2 and delta");
 };
 
+// At least one block per SM, said explicitly: without it ptxas capped the D=96
+// 64x64 tile at 128 registers (for two blocks per SM) and spilled.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int WARPS_M_SDP, int WARPS_N_DKV,
           int WARPS_M_DQ, bool IS_CAUSAL, bool EVEN_K, bool VEC, bool DETERMINISTIC>
-__global__ void __launch_bounds__(NUM_WARPS * 32)
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_bwd_dkdv_kernel(const BwdParams p) {
     using Tr = BwdTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, WARPS_M_SDP, WARPS_N_DKV, WARPS_M_DQ>;
     using QTile = typename Tr::QTile;
@@ -248,9 +250,11 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     const int b = bh_kv / p.nheads_kv, h_kv = bh_kv % p.nheads_kv;
     const SeqLens seq = seq_lens(p, b);
     const int n0 = n_block * BLOCK_N;
-    if (n0 >= seq.seqlen_k) return;  // past the end of a shorter sequence of a packed batch
     const int heads = p.nheads_q / p.nheads_kv / p.kv_splits;  // query heads this block visits
     const int h_first = (h_kv * p.kv_splits + split) * heads;
+    // <= 0 past the end of a shorter sequence of a packed batch: such a block
+    // visits no query block and stores nothing (an early return instead makes
+    // ptxas spill in the unaligned variants).
     const int keys_valid = min(BLOCK_N, seq.seqlen_k - n0);
     // The loop reads the sequence's rows and lengths back from shared memory
     // (seq is dead after the prologue): held in registers they would spill.
@@ -267,7 +271,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         m_unmasked = ceil_div(max(0, n0 + BLOCK_N - 1 - off), BLOCK_M);    // rows that see key n0+BLOCK_N-1
     }
     if (keys_valid < BLOCK_N) m_unmasked = num_m_blocks;
-    const int m_end = num_m_blocks;
+    const int m_end = keys_valid > 0 ? num_m_blocks : 0;
     m_begin = min(m_begin, m_end);
     const int m_masked_end = min(max(m_unmasked, m_begin), m_end);
     const int nm = m_end - m_begin;

@@ -53,7 +53,7 @@ struct BwdParams {
     void* dk;               // (batch, seqlen_k, nheads_kv, head_dim)
     void* dv;               // (batch, seqlen_k, nheads_kv, head_dim)
     const float* lse;       // (batch, nheads_q, seqlen_q), natural log, -inf for rows that see no key
-    float* lse_log2;        // (batch, nheads_q, seqlen_q): lse * log2(e); +inf where P must be 0
+    float* lse_log2;        // (batch, nheads_q, seqlen_q): lse * log2(e); +inf for rows that see no key (P = 0)
     float* delta;           // (batch, nheads_q, seqlen_q): rowsum(dout * out)
     float* dq_accum;        // (batch, nheads_q, seqlen_q, head_dim_padded) fp32; null when deterministic
     float* dkv_accum;       // (2, kv_splits, batch, nheads_kv, seqlen_k, head_dim_padded) fp32 partial

@@ -8,7 +8,7 @@
 // cu_seqlens_q[b] .. cu_seqlens_q[b+1] and key rows cu_seqlens_k[b] ..
 // cu_seqlens_k[b+1]. The host then passes batch strides of 0, and p.seqlen_q,
 // p.seqlen_k hold the longest lengths (max_seqlen_q, max_seqlen_k), which size
-// the grids; blocks past the end of a shorter sequence return at once.
+// the grids; blocks past the end of a shorter sequence do no work.
 // Either way, row m of sequence b sits at b * batch_stride + (start + m) * row_stride.
 #pragma once
 

@@ -161,12 +161,28 @@ def test_bwd_tile_exclusions_are_honoured(monkeypatch):
         return tuple(int(x) for x in dkdv.args[2:8])
 
     best = dkdv_tile(dispatch.select_bwd(causal=True, **kw))
-    monkeypatch.setattr(dispatch, "_BWD_TILE_SPILLS", {(128, best, True, False)})
+    monkeypatch.setattr(dispatch, "_BWD_TILE_SPILLS", {(128, best, True, False, True)})
     assert dkdv_tile(dispatch.select_bwd(causal=True, **kw)) != best
     assert dkdv_tile(dispatch.select_bwd(causal=False, **kw)) == best
+    assert dkdv_tile(dispatch.select_bwd(causal=True, **{**kw, "vec": False})) == best
     names = {L.name_expression for L in dispatch.all_bwd_launches((8, 0))}
     excluded = dispatch.bwd_dkdv_launch("float16", 128, best, True, True, True, False)
     assert excluded.name_expression not in names
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_unaligned_atomic_backward_avoids_the_widest_tile(head_dim, deterministic):
+    """The widest D=64/128 atomic-dQ tiles spill on unaligned data: those take the next tile."""
+    def dkdv_tile(vec):
+        plan = dispatch.select_bwd(batch=2, seqlen_q=1024, seqlen_k=1024, nheads_q=16, nheads_kv=16,
+                                   head_dim=head_dim, dtype="float16", causal=True,
+                                   deterministic=deterministic, vec=vec)
+        return tuple(int(x) for x in plan.launches[1].args[2:8])
+
+    widest = dispatch._BWD_TILES[head_dim][0]
+    assert dkdv_tile(True) == widest
+    assert (dkdv_tile(False) == widest) == deterministic
 
 
 # ---------------------------------------------------------------------------
