@@ -177,7 +177,7 @@ def test_unaligned_atomic_backward_avoids_the_widest_tile(head_dim, deterministi
     def dkdv_tile(vec):
         plan = dispatch.select_bwd(batch=2, seqlen_q=1024, seqlen_k=1024, nheads_q=16, nheads_kv=16,
                                    head_dim=head_dim, dtype="float16", causal=True,
-                                   deterministic=deterministic, vec=vec)
+                                   deterministic=deterministic, vec=vec, cc=(8, 0))  # mma.sync tiles
         return tuple(int(x) for x in plan.launches[1].args[2:8])
 
     widest = dispatch._BWD_TILES[head_dim][0]
