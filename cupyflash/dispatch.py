@@ -368,6 +368,26 @@ BWD_SM90_BLOCK_M = 64
 BWD_SM90_BLOCK_N = 128
 
 
+# EXPERIMENTAL, not yet run on a GPU, so off by default: deterministic dQ on
+# wgmma (kernels_cu/flash_bwd_sm90.cu flash_bwd_dq_sm90_kernel), (BLOCK_N,
+# CTAS_PER_SM) per padded head_dim; BLOCK_M = 128. `bench --bwd-dq wgmma` and the
+# GPU tests switch it on to measure and check it.
+BWD_DQ_SM90 = False
+_BWD_DQ_SM90 = {64: (128, 1), 128: (64, 1)}
+BWD_DQ_SM90_BLOCK_M = 128
+
+
+def bwd_dq_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
+                       grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
+    """The wgmma deterministic dQ kernel (cc 9.0, experimental)."""
+    d = head_dim_padded
+    block_n, ctas_per_sm = _BWD_DQ_SM90[d]
+    # BwdDqSm90Traits::SMEM_BYTES: Q, dO, 3 stages of (K, V), 1 KB to align.
+    smem = 2 * BWD_DQ_SM90_BLOCK_M * d * 2 + 2 * 3 * block_n * d * 2 + 1024
+    args = (CTYPES[dtype], str(d), str(block_n), str(ctas_per_sm), _cbool(causal), _cbool(even_k))
+    return Launch("flash_bwd_sm90.cu", "cupyflash::flash_bwd_dq_sm90_kernel", args, grid, (256, 1, 1), smem)
+
+
 def uses_sm90_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int]) -> bool:
     """Whether the wgmma dK/dV kernel serves this padded head_dim."""
     return cc == (9, 0) and vec and head_dim_padded in _BWD_SM90_HEAD_DIMS
@@ -467,7 +487,10 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
         launches.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, deterministic, dkdv_grid))
     else:
         launches.append(bwd_dkdv_launch(dtype, d, tile, causal, even_k, vec, deterministic, stages, dkdv_grid))
-    if deterministic:
+    if deterministic and sm90 and BWD_DQ_SM90:
+        dq_grid = (math.ceil(seqlen_q / BWD_DQ_SM90_BLOCK_M) * batch * nheads_q, 1, 1)
+        launches.append(bwd_dq_sm90_launch(dtype, d, causal, even_k, dq_grid))
+    elif deterministic:
         dq_tile = _pick_bwd_dq_tile(d, smem_limit)
         dq_grid = (math.ceil(seqlen_q / dq_tile[0]) * batch * nheads_q, 1, 1)
         launches.append(bwd_dq_launch(dtype, d, dq_tile, causal, even_k, vec, dq_grid))
@@ -490,6 +513,8 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
                                                                (False, True)):
             if uses_sm90_bwd(d, True, cc):
                 out.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, det))
+                if det:
+                    out.append(bwd_dq_sm90_launch(dtype, d, causal, even_k))
     for dtype, vec in itertools.product(CTYPES, (True, False)):
         out.append(bwd_preprocess_launch(dtype, vec))
         out.append(bwd_convert_launch(dtype, vec))

@@ -27,6 +27,7 @@
 #include "seqlens.cuh"
 #include "bwd_rows.cuh"
 #include "tile_io.cuh"
+#include "mask.cuh"
 #include "warp_mma.cuh"
 #include "wgmma.cuh"
 
@@ -340,6 +341,204 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
             int64(seq_end.k_start + n0) * p.dv_row_stride;
     store_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(dk, p.dk_row_stride, sK, keys_valid, p.head_dim);
     store_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(dv, p.dv_row_stride, sV, keys_valid, p.head_dim);
+}
+
+}  // namespace cupyflash
+
+namespace cupyflash {
+
+// ---------------------------------------------------------------------------
+// dQ without atomics (deterministic mode) on wgmma: one block per (128 query
+// rows, batch, head), each warpgroup owning 64 of them; the forward's shape
+// with one more product. K and V stream through the forward's 3-stage ring
+// (one barrier per key block); P and dS never leave registers:
+//   S = Q·Kᵀ, dP = dO·Vᵀ (both operands from shared memory),
+//   dS = P∘(dP − delta), dQ += dS·K (dS from registers, K read MN-major).
+// Key blocks are summed in a fixed order, so dq is bitwise reproducible.
+// EXPERIMENTAL: selected only when dispatch.BWD_DQ_SM90 is set (bench
+// --bwd-dq wgmma); not yet run on a GPU.
+// Template parameters: T, HEAD_DIM (64 or 128), BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K.
+// ---------------------------------------------------------------------------
+template <typename T_, int HEAD_DIM_, int BLOCK_N_>
+struct BwdDqSm90Traits {
+    using T = T_;
+    static constexpr int HEAD_DIM = HEAD_DIM_;
+    static constexpr int BLOCK_M = 128;
+    static constexpr int BLOCK_N = BLOCK_N_;
+    static constexpr int NUM_THREADS = 256;
+    static constexpr int STAGES = 3;
+    using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;   // Q and dO (and the dQ staging, in sQ)
+    using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;  // K and V, STAGES of each
+    static constexpr int SMEM_BYTES = 2 * QTile::BYTES + 2 * STAGES * KVTile::BYTES + 1024;
+};
+
+template <typename T, int HEAD_DIM, int BLOCK_N, int CTAS_PER_SM, bool IS_CAUSAL, bool EVEN_K>
+__global__ void __launch_bounds__(256, CTAS_PER_SM)
+flash_bwd_dq_sm90_kernel(const BwdParams p) {
+    using Tr = BwdDqSm90Traits<T, HEAD_DIM, BLOCK_N>;
+    constexpr int BLOCK_M = Tr::BLOCK_M, NT = Tr::NUM_THREADS, STAGES = Tr::STAGES;
+    constexpr int N_TILES = BLOCK_N / 8, D_TILES = HEAD_DIM / 8;
+    using QTile = typename Tr::QTile;
+    using KVTile = typename Tr::KVTile;
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    const uint32 sQ = (smem_addr(smem) + 1023u) & ~1023u;
+    const uint32 sdO = sQ + QTile::BYTES;
+    const uint32 sK0 = sdO + QTile::BYTES;           // K stage s at sK0 + s * KVTile::BYTES
+    const uint32 sV0 = sK0 + STAGES * KVTile::BYTES;  // V likewise
+
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int wg = warp / 4;
+    const int g = lane / 4, t = lane % 4;
+
+    // ---- which tile (as flash_bwd_dq_kernel): query blocks of one head
+    //      adjacent; causal runs the heaviest (last) query blocks first.
+    const int num_m_blocks = ceil_div(p.seqlen_q, BLOCK_M);
+    const int bh = blockIdx.x / num_m_blocks;
+    int m_block = blockIdx.x % num_m_blocks;
+    if (IS_CAUSAL) m_block = num_m_blocks - 1 - m_block;
+    const int b = bh / p.nheads_q, h = bh % p.nheads_q;
+    const int h_kv = h / (p.nheads_q / p.nheads_kv);
+    const SeqLens seq = seq_lens(p, b);
+    const int m0 = m_block * BLOCK_M;
+    if (m0 >= seq.seqlen_q) return;  // past the end of a shorter sequence of a packed batch
+    const int rows_valid = min(BLOCK_M, seq.seqlen_q - m0);
+
+    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                 int64(seq.q_start + m0) * p.q_row_stride;
+    const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
+                    int64(seq.q_start + m0) * p.do_row_stride;
+    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
+                 int64(seq.k_start) * p.k_row_stride;
+    const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
+                 int64(seq.k_start) * p.v_row_stride;
+    const int seqlen_k = seq.seqlen_k;
+
+    const int n_end = n_block_end<IS_CAUSAL>(m0, BLOCK_M, BLOCK_N, seq.seqlen_q, seq.seqlen_k);
+    const int n_unmasked_end = n_block_unmasked_end<IS_CAUSAL>(m0, BLOCK_N, seq.seqlen_q, seq.seqlen_k);
+
+    // This thread's fragment rows r0, r0 + 8 of the block; their lse_log2 and
+    // delta (0 past seqlen_q, like Q and dO: see flash_bwd.cu).
+    const int r0 = wg * 64 + (warp % 4) * 16 + g;
+    const int64 row_index0 = query_row_index(p, b, h, seq, m0);
+    float lse2[2], delta[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        const int r = r0 + hh * 8;
+        lse2[hh] = r < rows_valid ? p.lse_log2[row_index0 + r] : 0.f;
+        delta[hh] = r < rows_valid ? p.delta[row_index0 + r] : 0.f;
+    }
+
+    float acc_dq[D_TILES][4];
+#pragma unroll
+    for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dq[d][e] = 0.f;
+
+    auto load_kv = [&](int n, int stage) {
+        const int rows = seqlen_k - n * BLOCK_N;
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(
+            sK0 + stage * KVTile::BYTES, k + int64(n) * BLOCK_N * p.k_row_stride, p.k_row_stride, rows, p.head_dim);
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(
+            sV0 + stage * KVTile::BYTES, v + int64(n) * BLOCK_N * p.v_row_stride, p.v_row_stride, rows, p.head_dim);
+    };
+
+    // Prologue: Q, dO with the first key block, then the second (groups 0, 1).
+    if (n_end > 0) {
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sQ, q, p.q_row_stride, rows_valid, p.head_dim);
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sdO, dout, p.do_row_stride, rows_valid, p.head_dim);
+        load_kv(n_end - 1, 0);
+    }
+    cp_async_commit();
+    if (n_end > 1) load_kv(n_end - 2, 1);
+    cp_async_commit();
+
+    int stage = 0;  // stage of key block n; block n - 2 goes to stage + 2 (mod 3)
+    auto step = [&](int n, auto masked) {
+        cp_async_wait<1>();        // this thread's copies of block n have landed
+        fence_proxy_async_smem();  // ... and are visible to wgmma
+        __syncthreads();           // everyone's have; everyone is done with block n + 1
+        {
+            const int free_stage = stage == 0 ? STAGES - 1 : stage - 1;
+            if (n >= 2) load_kv(n - 2, free_stage);
+            cp_async_commit();
+        }
+        const uint32 sK = sK0 + stage * KVTile::BYTES, sV = sV0 + stage * KVTile::BYTES;
+
+        // ---- S = Q·Kᵀ and dP = dO·Vᵀ for this warpgroup's 64 rows
+        float s[1][N_TILES][4], dp[1][N_TILES][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            Wgmma<T, BLOCK_N>::template ss<0, 0>(s[0], desc_k_major<BLOCK_M>(sQ, wg * 64, kk),
+                                                 desc_k_major<BLOCK_N>(sK, 0, kk), kk > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            Wgmma<T, BLOCK_N>::template ss<0, 0>(dp[0], desc_k_major<BLOCK_M>(sdO, wg * 64, kk),
+                                                 desc_k_major<BLOCK_N>(sV, 0, kk), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_operands(s[0]);
+
+        // ---- P = exp2(S·scale·log2e − lse·log2e)
+        if constexpr (decltype(masked)::value) {
+            const SeqLens sl = seq_lens(p, b);
+            apply_mask<1, N_TILES, IS_CAUSAL>(s, m0 + r0, n * BLOCK_N + 2 * t, sl.seqlen_q, sl.seqlen_k);
+        }
+#pragma unroll
+        for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[0][j][e] = fast_exp2(fmaf(s[0][j][e], p.softmax_scale_log2, -lse2[e / 2]));
+
+        // ---- dS = P∘(dP − delta), repacked as the register A operand of dS·K
+        wgmma_wait<0>();
+        fence_operands(dp[0]);
+#pragma unroll
+        for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[0][j][e] = s[0][j][e] * (dp[0][j][e] - delta[e / 2]);
+        uint32 ds[BLOCK_N / 16][4];
+        acc_to_a_operand<T>(dp[0], ds);
+
+        // ---- dQ += dS·K (times softmax_scale in the epilogue)
+        fence_operands(acc_dq);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            Wgmma<T, HEAD_DIM>::template rs<1>(acc_dq, ds[kk], desc_mn_major<BLOCK_N>(sK, kk));
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(acc_dq);
+        stage = stage == STAGES - 1 ? 0 : stage + 1;
+    };
+
+    // Masked key blocks (key tail, causal diagonal) first, then the rest with no mask code.
+    int n = n_end - 1;
+    for (; n >= n_unmasked_end; --n) step(n, Bool<true>{});
+    for (; n >= 0; --n) step(n, Bool<false>{});
+
+    // ---- epilogue: dq = scale·dQ in T, staged through this warpgroup's own 64 rows
+    //      of sQ (no other warpgroup reads them) for 16-byte stores
+    cp_async_wait<0>();
+    asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg));
+#pragma unroll
+    for (int d = 0; d < D_TILES; ++d) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const uint32 val = TypeTraits<T>::pack(acc_dq[d][2 * hh] * p.softmax_scale,
+                                                   acc_dq[d][2 * hh + 1] * p.softmax_scale);
+            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sQ + QTile::offset(r0 + hh * 8, d) + t * 4), "r"(val));
+        }
+    }
+    asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg));
+    T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
+            int64(seq.q_start + m0 + wg * 64) * p.dq_row_stride;
+    store_tile<T, 64, HEAD_DIM, 128, true, EVEN_K, QTile, false>(dq, p.dq_row_stride, sQ + wg * 64 * 128,
+                                                               rows_valid - wg * 64, p.head_dim);
 }
 
 }  // namespace cupyflash

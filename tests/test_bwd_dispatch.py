@@ -259,3 +259,22 @@ def test_hopper_dkdv_runs_on_wgmma_for_head_dims_64_and_128(cc, wgmma, head_dim)
                          ids=lambda x: f"sm{x[0]}{x[1]}" if isinstance(x, tuple) else x.name_expression)
 def test_every_variant_compiles_without_spills(launch, arch):
     _compile_clean(launch, arch)
+
+
+def test_experimental_wgmma_dq_kernel_is_off_by_default_and_checked(monkeypatch):
+    kw = dict(head_dim=128, causal=True, deterministic=True, cc=(9, 0))
+    assert _names(_plan(**kw))[2] == "flash_bwd_dq_kernel"
+    monkeypatch.setattr(dispatch, "BWD_DQ_SM90", True)
+    plan = _plan(**kw)
+    dq = plan.launches[2]
+    assert _names(plan) == ["flash_bwd_preprocess_kernel", "flash_bwd_dkdv_sm90_kernel", "flash_bwd_dq_sm90_kernel"]
+    assert dq.grid == (math.ceil(1000 / dispatch.BWD_DQ_SM90_BLOCK_M) * 2 * 8, 1, 1)
+    assert dq.smem_bytes <= dispatch.max_smem_per_block((9, 0))
+    assert dq.name_expression in {L.name_expression for L in dispatch.all_bwd_launches((9, 0))}
+    assert _names(_plan(**{**kw, "deterministic": False}))[2] == "flash_bwd_convert_dq_kernel"
+    assert _names(_plan(**{**kw, "cc": (8, 0)}))[2] == "flash_bwd_dq_kernel"
+
+
+@pytest.mark.parametrize("head_dim,causal,even_k", [(64, True, True), (128, False, False)])
+def test_wgmma_dq_variant_compiles_for_sm90a_without_spills(head_dim, causal, even_k):
+    _compile_clean(dispatch.bwd_dq_sm90_launch("bfloat16", head_dim, causal, even_k), (9, 0))

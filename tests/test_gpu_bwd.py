@@ -266,6 +266,36 @@ def test_bwd_wgmma_kernel(rng, dtype, head_dim, causal, seqlens, deterministic):
     check(host, grads, dtype, scale, causal)
 
 
+@pytest.mark.parametrize("dtype,head_dim,causal,seqlens", [
+    ("float16", 64, False, (384, 384)), ("bfloat16", 64, True, (1000, 1500)),
+    ("float16", 128, True, (1500, 1000)), ("bfloat16", 128, False, (129, 257)),
+    ("float16", 100, True, (640, 8))])
+def test_bwd_experimental_wgmma_dq_kernel(rng, monkeypatch, dtype, head_dim, causal, seqlens):
+    """The deterministic dQ kernel on wgmma (dispatch.BWD_DQ_SM90, off by default):
+    against the reference, and bitwise equal over two runs."""
+    from cupyflash import _gpu, dispatch
+
+    cp = _cp()
+    cc = _gpu._cc(cp.cuda.Device().id)
+    if cc != (9, 0):
+        pytest.skip(f"the wgmma kernels run on compute capability 9.0; this GPU is {cc}")
+    monkeypatch.setattr(dispatch, "BWD_DQ_SM90", True)
+    _gpu.select_bwd.cache_clear()  # plans are memoised: drop those made with the flag off
+    try:
+        plan = dispatch.select_bwd(batch=1, seqlen_q=seqlens[0], seqlen_k=seqlens[1], nheads_q=4, nheads_kv=2,
+                                   head_dim=head_dim, dtype=dtype, causal=causal, deterministic=True,
+                                   vec=True, cc=cc)
+        assert plan.launches[2].template == "cupyflash::flash_bwd_dq_sm90_kernel"
+        host, dev = make_problem(rng, dtype, 1, *seqlens, 4, 2, head_dim)
+        scale = 1.0 / math.sqrt(head_dim)
+        grads = run(dev, dtype, scale, causal, True)
+        again = run(dev, dtype, scale, causal, True)
+        cp.testing.assert_array_equal(grads[0], again[0])
+        check(host, grads, dtype, scale, causal)
+    finally:
+        _gpu.select_bwd.cache_clear()
+
+
 @pytest.mark.parametrize("num_sms,splits", [(3, 1), (6, 2), (100, 4)])
 @pytest.mark.parametrize("deterministic", DETERMINISTIC, ids=["atomic", "det"])
 def test_bwd_gqa_group_splits(rng, monkeypatch, num_sms, splits, deterministic):
