@@ -15,6 +15,7 @@ import json
 import math
 import statistics
 import sys
+import time
 
 # Instruction ceilings on the H200 (kernels_cu/PERF.md): a register-only m16n8k16
 # mma.sync loop, and the fp16 GEMM (wgmma) ceiling. "frac" is the forward's share
@@ -55,11 +56,20 @@ def flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal, bwd=False):
     return f * (2.5 if bwd else 1.0)
 
 
-def _time_ms(fn, reps, cupy):
-    """Median milliseconds of fn() over reps, with CUDA events on the current cupy stream."""
-    for _ in range(3):
+def _time_ms(fn, reps, cupy, warmup_ms=100.0):
+    """Median milliseconds of fn() over reps, with CUDA events on the current cupy stream.
+
+    Warm-up: at least 3 calls and ``warmup_ms`` of wall time, so module loads,
+    compiles and a GPU that clocked down while the host compiled stay out of the
+    numbers (run 15's one slow point was the first of its group, right after a
+    compile: a possible cause, not a confirmed one).
+    """
+    stream = cupy.cuda.get_current_stream()
+    t0, calls = time.perf_counter(), 0
+    while calls < 3 or (time.perf_counter() - t0) * 1e3 < warmup_ms:
         fn()
-    cupy.cuda.get_current_stream().synchronize()
+        stream.synchronize()
+        calls += 1
     times = []
     for _ in range(reps):
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
