@@ -24,6 +24,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
 
 
+def _quick_sm90(launch) -> bool:
+    """The wgmma kernels (cc 9.0) in --quick: fp16, even head_dim, default (atomic-dQ) mode."""
+    args = launch.args
+    if not launch.source.endswith("_sm90.cu") or args[0] != "__half":
+        return False
+    if launch.template.endswith("flash_bwd_dkdv_sm90_kernel"):  # <T, D, CAUSAL, EVEN_K, DETERMINISTIC>
+        return args[3] == "true" and args[4] == "false"
+    return args[-1] == "true"  # forward and dQ: <..., IS_CAUSAL, EVEN_K>
+
+
 def _launches(arch: tuple[int, int], quick: bool, match: str | None):
     from . import dispatch  # noqa: PLC0415
 
@@ -31,7 +41,8 @@ def _launches(arch: tuple[int, int], quick: bool, match: str | None):
     if quick:
         launches = [L for L in launches
                     if L.args[0] == "__half" and "false, true, true, false" in ", ".join(L.args[-4:]) or
-                    (L.args[0] == "__half" and L.template.endswith("combine_kernel") and L.args[1] == "128")]
+                    (L.args[0] == "__half" and L.template.endswith("combine_kernel") and L.args[1] == "128") or
+                    _quick_sm90(L)]
     if match:
         launches = [L for L in launches if match in L.name_expression]
     return launches

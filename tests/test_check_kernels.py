@@ -69,3 +69,12 @@ def test_ptxas_log_parser():
            "ptxas info    : Used 255 registers, used 1 barriers\n")
     res = _compile.parse_ptxas_log(log)
     assert (res.registers, res.spill_bytes, res.stack_bytes) == (255, 12, 16)
+
+
+def test_quick_selection_covers_the_wgmma_kernels_on_sm90_only():
+    from cupyflash import check_kernels
+
+    names = [L.template.rsplit("::", 1)[1] for L in check_kernels._launches((9, 0), True, None)]
+    for kernel in ("flash_fwd_sm90_kernel", "flash_bwd_dkdv_sm90_kernel", "flash_bwd_dq_sm90_kernel"):
+        assert names.count(kernel) == 4, kernel  # head_dim 64 and 128, causal or not
+    assert not [L for L in check_kernels._launches((8, 0), True, None) if L.source.endswith("_sm90.cu")]
