@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import types
 
 from cupyflash import bench
@@ -27,6 +28,11 @@ def _fake_cupy(elapsed):
 
 def test_timer_warms_up_for_the_given_time_then_takes_the_median():
     calls = []
-    ms = bench._time_ms(lambda: calls.append(1), 5, _fake_cupy([5.0, 1.0, 3.0, 2.0, 4.0]), warmup_ms=20.0)
+
+    def fn():  # 1 ms a call: 30 ms of warm-up is about 30 calls, far more than the minimum 3
+        calls.append(1)
+        time.sleep(0.001)
+
+    ms = bench._time_ms(fn, 5, _fake_cupy([5.0, 1.0, 3.0, 2.0, 4.0]), warmup_ms=30.0)
     assert ms == 3.0
-    assert len(calls) >= 5 + 3  # at least 3 warm-up calls, then one per timed rep
+    assert 5 + 10 <= len(calls) <= 5 + 31  # warm-up stops once 30 ms have passed
