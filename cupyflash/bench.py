@@ -40,9 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fwd-kernel", choices=("auto", "mma"), default="auto",
                         help="experiment: 'mma' keeps the forward on the mma.sync kernel even where "
                              "dispatch picks wgmma (cc 9.0), for A/B runs")
-    parser.add_argument("--bwd-dq", choices=("mma", "wgmma"), default="mma",
-                        help="experiment: the deterministic dQ kernel on Hopper ('wgmma' is not yet "
-                             "validated on a GPU and off by default)")
+    parser.add_argument("--bwd-dq", choices=("mma", "wgmma"), default="wgmma",
+                        help="experiment: 'mma' runs the deterministic dQ on the mma.sync kernel even "
+                             "where dispatch picks wgmma (cc 9.0), for A/B runs")
+    parser.add_argument("--bwd-dq-add", choices=("bulk", "atomic"), default="bulk",
+                        help="experiment: 'atomic' makes the wgmma dK/dV kernel add dQ with fp32 atomics "
+                             "instead of one bulk reduction per query block, for A/B runs")
     parser.add_argument("--fwd-sm90", action="append", default=None, metavar="D:BLOCK_N,CTAS_PER_SM",
                         help="experiment: override the wgmma forward tile of one head_dim in this process")
     parser.add_argument("--fwd-tiles", action="append", default=None, metavar="D:BLOCK_M,BLOCK_N,WARPS",
@@ -240,9 +243,12 @@ def main(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001
         print(f"bench needs a CUDA GPU and cupy: {e}", file=sys.stderr)
         return 2
-    if args.bwd_dq == "wgmma":
+    if args.bwd_dq == "mma":
         from . import dispatch  # noqa: PLC0415
-        dispatch.BWD_DQ_SM90 = True
+        dispatch.BWD_DQ_SM90 = False
+    if args.bwd_dq_add == "atomic":
+        from . import dispatch  # noqa: PLC0415
+        dispatch.BWD_DQ_BULK = False
     if args.fwd_kernel == "mma":
         from . import dispatch  # noqa: PLC0415
         dispatch._FWD_SM90.clear()  # noqa: SLF001

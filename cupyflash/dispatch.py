@@ -366,20 +366,23 @@ def bwd_dq_launch(dtype: str, head_dim_padded: int, tile: tuple[int, int, int], 
 _BWD_SM90_HEAD_DIMS = (64, 128)
 BWD_SM90_BLOCK_M = 64
 BWD_SM90_BLOCK_N = 128
+# How the wgmma dK/dV kernel adds its dQ partials to dq_accum: True, one bulk
+# reduction per query block (kernels_cu/bulk_copy.cuh); False, fp32 atomics per
+# fragment (`bench --bwd-dq-add atomic` A/B).
+BWD_DQ_BULK = True
 
 
-# EXPERIMENTAL, not yet run on a GPU, so off by default: deterministic dQ on
-# wgmma (kernels_cu/flash_bwd_sm90.cu flash_bwd_dq_sm90_kernel), (BLOCK_N,
-# CTAS_PER_SM) per padded head_dim; BLOCK_M = 128. `bench --bwd-dq wgmma` and the
-# GPU tests switch it on to measure and check it.
-BWD_DQ_SM90 = False
+# Deterministic dQ on wgmma (kernels_cu/flash_bwd_sm90.cu flash_bwd_dq_sm90_kernel),
+# (BLOCK_N, CTAS_PER_SM) per padded head_dim; BLOCK_M = 128. False keeps the
+# mma.sync dQ kernel (`bench --bwd-dq mma` A/B).
+BWD_DQ_SM90 = True
 _BWD_DQ_SM90 = {64: (128, 1), 128: (64, 1)}
 BWD_DQ_SM90_BLOCK_M = 128
 
 
 def bwd_dq_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
                        grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
-    """The wgmma deterministic dQ kernel (cc 9.0, experimental)."""
+    """The wgmma deterministic dQ kernel (cc 9.0)."""
     d = head_dim_padded
     block_n, ctas_per_sm = _BWD_DQ_SM90[d]
     # BwdDqSm90Traits::SMEM_BYTES: Q, dO, 3 stages of (K, V), 1 KB to align.
@@ -398,11 +401,13 @@ def bwd_dkdv_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k:
     """The wgmma dK/dV kernel (cc 9.0) for one set of compile-time choices."""
     d = head_dim_padded
     # kernels_cu/flash_bwd_sm90.cu BwdSm90Traits::SMEM_BYTES: K, V, dSᵀ, two stages of
-    # (Q, dO), two of (lse_log2, delta), the block's SeqLens, and 1 KB to align to
-    # the swizzle atom.
+    # (Q, dO), two of (lse_log2, delta), 128 bytes for the block's SeqLens, the
+    # fp32 dQ partial when it is bulk-reduced, and 1 KB to align to the swizzle atom.
+    bulk = BWD_DQ_BULK and not deterministic
     smem = (2 * BWD_SM90_BLOCK_N * d * 2 + BWD_SM90_BLOCK_N * BWD_SM90_BLOCK_M * 2
-            + 2 * 2 * BWD_SM90_BLOCK_M * d * 2 + 2 * 2 * BWD_SM90_BLOCK_M * 4 + _SEQLENS_SLOT_BYTES + 1024)
-    args = (CTYPES[dtype], str(d), _cbool(causal), _cbool(even_k), _cbool(deterministic))
+            + 2 * 2 * BWD_SM90_BLOCK_M * d * 2 + 2 * 2 * BWD_SM90_BLOCK_M * 4 + 128
+            + (BWD_SM90_BLOCK_M * d * 4 if bulk else 0) + 1024)
+    args = (CTYPES[dtype], str(d), _cbool(causal), _cbool(even_k), _cbool(deterministic), _cbool(bulk))
     return Launch("flash_bwd_sm90.cu", "cupyflash::flash_bwd_dkdv_sm90_kernel", args, grid, (256, 1, 1), smem)
 
 
@@ -410,11 +415,16 @@ def bwd_dkdv_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k:
 # the widest atomic-dQ tiles at D=64 and D=128 on unaligned data (VEC=false:
 # Q and dO loaded element by element through registers) spill 8 bytes under
 # NVRTC 13.5 since the kernels read cu_seqlens (kernels_cu/PERF.md, varlen);
-# unaligned data takes the next tile there. (The causal atomic-dQ D=128 64x128
-# tile also spills 8 bytes under NVRTC 13.0's ptxas, but the spill-free 64x64
-# tile measured 35% slower on the H200 (PERF.md, run 7), so it stays selected.)
+# unaligned data takes the next tile there. The widest D=64 atomic-dQ tile
+# spills 8 bytes on aligned data too under NVRTC 13.0's ptxas (the H200's
+# check-kernels, session 3), so D=64 atomic dQ on the mma.sync kernel (cc 8.x,
+# or unaligned data) always takes the 64x128 tile. (The causal atomic-dQ
+# D=128 64x128 tile also spills 8 bytes under NVRTC 13.0's ptxas, but the
+# spill-free 64x64 tile measured 35% slower on the H200 (PERF.md, run 7), so it
+# stays selected.)
 _BWD_TILE_SPILLS: set[tuple[int, tuple[int, ...], bool, bool, bool]] = {
-    (d, _BWD_TILES[d][0], causal, False, False) for d in (64, 128) for causal in (False, True)}
+    (d, _BWD_TILES[d][0], causal, False, False) for d in (64, 128) for causal in (False, True)} | {
+    (64, _BWD_TILES[64][0], causal, False, True) for causal in (False, True)}
 
 
 def _bwd_tiles(d: int, causal: bool, deterministic: bool, vec: bool) -> tuple[tuple[int, ...], ...]:

@@ -17,11 +17,15 @@
 //   dK += dSᵀ·Q         A = dSᵀ (registers), B = Q (smem, MN-major)
 //   dQ  = dS·K          A = dSᵀ staged in smem (read MN-major), B = K (smem, MN-major);
 //                       warpgroup w takes columns [w·D/2, (w+1)·D/2) over all 128
-//                       keys, added to dq_accum with fp32 atomics.
+//                       keys. The block's dQ partial goes to shared memory in
+//                       dq_accum's row layout and one thread adds it to dq_accum
+//                       with a bulk reduction (the copy engine's fp32 adds in L2),
+//                       or (DQ_BULK false) each thread adds its fragment with
+//                       fp32 atomics.
 // Q, dO, lse_log2 and delta are double-buffered (cp.async, 128-byte swizzle).
 //
 // Template parameters: T, HEAD_DIM (64 or 128), IS_CAUSAL, EVEN_K, DETERMINISTIC
-// (skip dQ: flash_bwd_dq_kernel computes it). 16-byte loads are assumed.
+// (skip dQ: a dQ kernel computes it), DQ_BULK. 16-byte loads are assumed.
 #include "params.cuh"
 #include "ptx.cuh"
 #include "seqlens.cuh"
@@ -30,10 +34,11 @@
 #include "mask.cuh"
 #include "warp_mma.cuh"
 #include "wgmma.cuh"
+#include "bulk_copy.cuh"
 
 namespace cupyflash {
 
-template <typename T_, int HEAD_DIM_>
+template <typename T_, int HEAD_DIM_, bool DQ_BULK_ = false>
 struct BwdSm90Traits {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
@@ -48,13 +53,43 @@ struct BwdSm90Traits {
     // lse_log2 and delta: 2 stages x 2 x BLOCK_M floats; the block's SeqLens;
     // +1024 to align the window.
     static constexpr int SEQ_OFFSET = ROWS_OFFSET + 2 * 2 * BLOCK_M * 4;
-    static constexpr int SMEM_BYTES = SEQ_OFFSET + SeqLensSlot::BYTES + 1024;
+    // dQ_partial (BLOCK_M x HEAD_DIM fp32, rows as in dq_accum) for the bulk reduction.
+    static constexpr int DQ_OFFSET = SEQ_OFFSET + 128;
+    static constexpr int SMEM_BYTES = DQ_OFFSET + (DQ_BULK_ ? BLOCK_M * HEAD_DIM * 4 : 0) + 1024;
+    static_assert(SeqLensSlot::BYTES <= 128, "SeqLensSlot overlaps dQ_partial");
 };
 
-template <typename T, int HEAD_DIM, bool IS_CAUSAL, bool EVEN_K, bool DETERMINISTIC>
+// A warpgroup's m64 x (8 NJ) fp32 accumulator into row-major fp32 shared memory
+// (rows of HEAD_DIM floats) at rows row0 + 16 (warp % 4) .., columns col0 ..
+// Rows 128 bytes apart share banks, so lane (g, t) writes its n8 tiles in an
+// order rotated by g within each run of four: a store then touches every bank,
+// twice (rows g and g + 4), instead of eight rows of the same eight banks.
+template <int HEAD_DIM, int NJ>
+__device__ __forceinline__ void store_dq_rows(uint32 s, const float (&acc)[NJ][4], int row0, int col0) {
+    static_assert(NJ % 4 == 0, "n8 tiles in runs of four");
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int i = 0; i < NJ; ++i) {
+        const int run = i & ~3, j_rot = (i + g) & 3;
+        float2 lo, hi;  // rows g and g + 8 of n8 tile run + j_rot
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (j == j_rot) {
+                lo = make_float2(acc[run + j][0], acc[run + j][1]);
+                hi = make_float2(acc[run + j][2], acc[run + j][3]);
+            }
+        }
+        const uint32 a = s + ((row0 + g) * HEAD_DIM + col0 + (run + j_rot) * 8 + 2 * t) * 4;
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(a), "f"(lo.x), "f"(lo.y));
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(a + 8 * HEAD_DIM * 4), "f"(hi.x), "f"(hi.y));
+    }
+}
+
+template <typename T, int HEAD_DIM, bool IS_CAUSAL, bool EVEN_K, bool DETERMINISTIC, bool DQ_BULK>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
-    using Tr = BwdSm90Traits<T, HEAD_DIM>;
+    using Tr = BwdSm90Traits<T, HEAD_DIM, DQ_BULK && !DETERMINISTIC>;
     constexpr int BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N, NT = Tr::NUM_THREADS;
     constexpr int D_TILES = HEAD_DIM / 8;        // n8 tiles of dK, dV
     constexpr int M_TILES = BLOCK_M / 8;         // n8 tiles of Sᵀ, dPᵀ (query columns)
@@ -67,6 +102,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     const uint32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
     unsigned char* smem = smem_raw + (base - smem_addr(smem_raw));
     const uint32 sK = base, sV = sK + KVTile::BYTES, sdS = sV + KVTile::BYTES;
+    const uint32 sdQ = base + Tr::DQ_OFFSET;
     auto sQ = [&](int stage) { return sdS + DSTile::BYTES + stage * Tr::STAGE_BYTES; };
     auto sdO = [&](int stage) { return sQ(stage) + QTile::BYTES; };
     auto stage_floats = [&](int stage) {  // lse_log2[BLOCK_M], then delta[BLOCK_M]
@@ -165,8 +201,8 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
 
         // Loop-invariant tile addresses, made opaque so the compiler rebuilds the
         // descriptors each step instead of keeping ~60 registers of them live.
-        uint32 sK_ = sK, sV_ = sV, sdS_ = sdS;
-        asm volatile("" : "+r"(sK_), "+r"(sV_), "+r"(sdS_));
+        uint32 sK_ = sK, sV_ = sV, sdS_ = sdS, sdQ_ = sdQ;
+        asm volatile("" : "+r"(sK_), "+r"(sV_), "+r"(sdS_), "+r"(sdQ_));
 
         // ---- Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warpgroup's 64 keys
         float st[M_TILES][4], dpt[M_TILES][4];
@@ -262,6 +298,9 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
                 }
             }
             fence_proxy_async_smem();
+            // sdQ is free again once the last step's bulk reduction has read it
+            // (issued a whole step ago, so this wait is normally already met).
+            if (DQ_BULK && threadIdx.x == 0) bulk_wait_read<0>();
             asm volatile("bar.sync 1, 256;\n" ::: "memory");  // all of dSᵀ written
 
             // ---- dQ[:, wg·D/2 ..] = dS·K over all 128 keys: A = dS read MN-major from
@@ -282,7 +321,20 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
             const int h = h_first + it / nm;
             const SeqLens seq = seq_slot.load();
             float* dq_accum = p.dq_accum + query_row_index(p, b, h, seq, m0) * HEAD_DIM;
-            atomic_add_frag(dq_accum, HEAD_DIM, dq, (warp % 4) * 16, wg * DQ_COLS, seq.seqlen_q - m0);
+            if constexpr (DQ_BULK) {
+                // ---- the block's BLOCK_M x HEAD_DIM fp32 partial, laid out as in
+                //      dq_accum (rows of HEAD_DIM floats), added by one bulk reduction
+                store_dq_rows<HEAD_DIM, DQ_COLS / 8>(sdQ_, dq[0], (warp % 4) * 16, wg * DQ_COLS);
+                fence_proxy_async_smem();
+                asm volatile("bar.sync 1, 256;\n" ::: "memory");  // sdQ complete
+                if (threadIdx.x == 0) {
+                    const int rows = min(BLOCK_M, seq.seqlen_q - m0);
+                    bulk_reduce_add_f32(dq_accum, sdQ_, rows * HEAD_DIM * 4);
+                    bulk_commit();
+                }
+            } else {
+                atomic_add_frag(dq_accum, HEAD_DIM, dq, (warp % 4) * 16, wg * DQ_COLS, seq.seqlen_q - m0);
+            }
         } else {
             wgmma_wait<0>();
         }
@@ -297,6 +349,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
             step(it, Bool<false>{});
         }
     }
+    if (DQ_BULK && !DETERMINISTIC && threadIdx.x == 0) bulk_wait<0>();  // sdQ read, dQ added
     cp_async_wait<0>();
     __syncthreads();  // seq_slot stored (when the loop ran no step); every warpgroup is done with sK, sV
     const SeqLens seq_end = seq_slot.load();
@@ -355,8 +408,6 @@ namespace cupyflash {
 //   S = Q·Kᵀ, dP = dO·Vᵀ (both operands from shared memory),
 //   dS = P∘(dP − delta), dQ += dS·K (dS from registers, K read MN-major).
 // Key blocks are summed in a fixed order, so dq is bitwise reproducible.
-// EXPERIMENTAL: selected only when dispatch.BWD_DQ_SM90 is set (bench
-// --bwd-dq wgmma); not yet run on a GPU.
 // Template parameters: T, HEAD_DIM (64 or 128), BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K.
 // ---------------------------------------------------------------------------
 template <typename T_, int HEAD_DIM_, int BLOCK_N_>

@@ -71,12 +71,13 @@ def test_227kb_gpus_use_big_double_buffered_tiles():
     for d in dispatch.HEAD_DIMS:
         plan = _plan(head_dim=d, cc=(10, 0))
         assert plan.num_stages == 2
-        assert tuple(int(a) for a in plan.launches[1].args[2:8]) == dispatch._BWD_TILES[d][0]
+        widest = dispatch._bwd_tiles(d, False, False, True)[0]  # the widest that does not spill
+        assert tuple(int(a) for a in plan.launches[1].args[2:8]) == widest
 
 
 def test_a100_keeps_big_tiles_single_buffered_where_needed():
     stages = {d: _plan(head_dim=d, cc=(8, 0)).num_stages for d in dispatch.HEAD_DIMS}
-    assert stages == {32: 2, 64: 1, 96: 2, 128: 1, 192: 1, 256: 1}
+    assert stages == {32: 2, 64: 2, 96: 2, 128: 1, 192: 1, 256: 1}  # D=64: the 64x128 tile (spills)
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k,nheads_q,nheads_kv", [(1, 1, 1, 1), (17, 1, 4, 1),
@@ -261,10 +262,8 @@ def test_every_variant_compiles_without_spills(launch, arch):
     _compile_clean(launch, arch)
 
 
-def test_experimental_wgmma_dq_kernel_is_off_by_default_and_checked(monkeypatch):
+def test_wgmma_dq_kernel_serves_deterministic_mode_on_hopper(monkeypatch):
     kw = dict(head_dim=128, causal=True, deterministic=True, cc=(9, 0))
-    assert _names(_plan(**kw))[2] == "flash_bwd_dq_kernel"
-    monkeypatch.setattr(dispatch, "BWD_DQ_SM90", True)
     plan = _plan(**kw)
     dq = plan.launches[2]
     assert _names(plan) == ["flash_bwd_preprocess_kernel", "flash_bwd_dkdv_sm90_kernel", "flash_bwd_dq_sm90_kernel"]
@@ -273,6 +272,8 @@ def test_experimental_wgmma_dq_kernel_is_off_by_default_and_checked(monkeypatch)
     assert dq.name_expression in {L.name_expression for L in dispatch.all_bwd_launches((9, 0))}
     assert _names(_plan(**{**kw, "deterministic": False}))[2] == "flash_bwd_convert_dq_kernel"
     assert _names(_plan(**{**kw, "cc": (8, 0)}))[2] == "flash_bwd_dq_kernel"
+    monkeypatch.setattr(dispatch, "BWD_DQ_SM90", False)  # the A/B switch
+    assert _names(_plan(**kw))[2] == "flash_bwd_dq_kernel"
 
 
 @pytest.mark.parametrize("head_dim,causal,even_k", [(64, True, True), (128, False, False)])

@@ -270,28 +270,49 @@ def test_bwd_wgmma_kernel(rng, dtype, head_dim, causal, seqlens, deterministic):
     ("float16", 64, False, (384, 384)), ("bfloat16", 64, True, (1000, 1500)),
     ("float16", 128, True, (1500, 1000)), ("bfloat16", 128, False, (129, 257)),
     ("float16", 100, True, (640, 8))])
-def test_bwd_experimental_wgmma_dq_kernel(rng, monkeypatch, dtype, head_dim, causal, seqlens):
-    """The deterministic dQ kernel on wgmma (dispatch.BWD_DQ_SM90, off by default):
-    against the reference, and bitwise equal over two runs."""
+def test_bwd_wgmma_dq_kernel_is_deterministic(rng, dtype, head_dim, causal, seqlens):
+    """The deterministic dQ kernel on wgmma: against the reference, and bitwise
+    equal over two runs."""
     from cupyflash import _gpu, dispatch
 
     cp = _cp()
     cc = _gpu._cc(cp.cuda.Device().id)
     if cc != (9, 0):
         pytest.skip(f"the wgmma kernels run on compute capability 9.0; this GPU is {cc}")
-    monkeypatch.setattr(dispatch, "BWD_DQ_SM90", True)
-    _gpu.select_bwd.cache_clear()  # plans are memoised: drop those made with the flag off
+    plan = dispatch.select_bwd(batch=1, seqlen_q=seqlens[0], seqlen_k=seqlens[1], nheads_q=4, nheads_kv=2,
+                               head_dim=head_dim, dtype=dtype, causal=causal, deterministic=True,
+                               vec=True, cc=cc)
+    assert plan.launches[2].template == "cupyflash::flash_bwd_dq_sm90_kernel"
+    host, dev = make_problem(rng, dtype, 1, *seqlens, 4, 2, head_dim)
+    scale = 1.0 / math.sqrt(head_dim)
+    grads = run(dev, dtype, scale, causal, True)
+    again = run(dev, dtype, scale, causal, True)
+    cp.testing.assert_array_equal(grads[0], again[0])
+    check(host, grads, dtype, scale, causal)
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,seqlens", [
+    ("float16", 64, False, (384, 384)), ("bfloat16", 64, True, (1000, 1500)),
+    ("float16", 128, True, (1500, 1000)), ("bfloat16", 128, False, (129, 257))])
+def test_bwd_wgmma_kernel_with_atomic_dq(rng, monkeypatch, dtype, head_dim, causal, seqlens):
+    """The A/B alternative to the bulk reduction (dispatch.BWD_DQ_BULK = False):
+    dQ added by fp32 atomics per fragment."""
+    from cupyflash import _gpu, dispatch
+
+    cp = _cp()
+    cc = _gpu._cc(cp.cuda.Device().id)
+    if cc != (9, 0):
+        pytest.skip(f"the wgmma kernels run on compute capability 9.0; this GPU is {cc}")
+    monkeypatch.setattr(dispatch, "BWD_DQ_BULK", False)
+    _gpu.select_bwd.cache_clear()  # plans are memoised: drop those made with the flag on
     try:
         plan = dispatch.select_bwd(batch=1, seqlen_q=seqlens[0], seqlen_k=seqlens[1], nheads_q=4, nheads_kv=2,
-                                   head_dim=head_dim, dtype=dtype, causal=causal, deterministic=True,
+                                   head_dim=head_dim, dtype=dtype, causal=causal, deterministic=False,
                                    vec=True, cc=cc)
-        assert plan.launches[2].template == "cupyflash::flash_bwd_dq_sm90_kernel"
+        assert plan.launches[1].args[-1] == "false"  # DQ_BULK
         host, dev = make_problem(rng, dtype, 1, *seqlens, 4, 2, head_dim)
         scale = 1.0 / math.sqrt(head_dim)
-        grads = run(dev, dtype, scale, causal, True)
-        again = run(dev, dtype, scale, causal, True)
-        cp.testing.assert_array_equal(grads[0], again[0])
-        check(host, grads, dtype, scale, causal)
+        check(host, run(dev, dtype, scale, causal, False), dtype, scale, causal)
     finally:
         _gpu.select_bwd.cache_clear()
 
