@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bwd-dq-add", choices=("bulk", "atomic"), default="bulk",
                         help="experiment: 'atomic' makes the wgmma dK/dV kernel add dQ with fp32 atomics "
                              "instead of one bulk reduction per query block, for A/B runs")
+    parser.add_argument("--bwd-sm90", action="append", default=None, metavar="D:WARPGROUPS",
+                        help="experiment: override the warpgroups per block (1 or 2) of the wgmma dK/dV "
+                             "kernel at one head_dim in this process")
     parser.add_argument("--fwd-sm90", action="append", default=None, metavar="D:BLOCK_N,CTAS_PER_SM",
                         help="experiment: override the wgmma forward tile of one head_dim in this process")
     parser.add_argument("--fwd-tiles", action="append", default=None, metavar="D:BLOCK_M,BLOCK_N,WARPS",
@@ -252,6 +255,11 @@ def main(args: argparse.Namespace) -> int:
     if args.fwd_kernel == "mma":
         from . import dispatch  # noqa: PLC0415
         dispatch._FWD_SM90.clear()  # noqa: SLF001
+    if args.bwd_sm90:
+        from . import dispatch  # noqa: PLC0415
+        for spec in args.bwd_sm90:
+            d, wgs = spec.split(":")
+            dispatch._BWD_SM90[int(d)] = int(wgs)  # noqa: SLF001
     if args.fwd_sm90:
         from . import dispatch  # noqa: PLC0415
         for spec in args.fwd_sm90:

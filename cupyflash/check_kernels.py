@@ -29,8 +29,8 @@ def _quick_sm90(launch) -> bool:
     args = launch.args
     if not launch.source.endswith("_sm90.cu") or args[0] != "__half":
         return False
-    if launch.template.endswith("flash_bwd_dkdv_sm90_kernel"):  # <T, D, CAUSAL, EVEN_K, DETERMINISTIC, DQ_BULK>
-        return args[3] == "true" and args[4] == "false"
+    if launch.template.endswith("flash_bwd_dkdv_sm90_kernel"):  # <T, D, WGS, CAUSAL, EVEN_K, DETERMINISTIC, BULK>
+        return args[4] == "true" and args[5] == "false"
     return args[-1] == "true"  # forward and dQ: <..., IS_CAUSAL, EVEN_K>
 
 

@@ -360,12 +360,20 @@ def bwd_dq_launch(dtype: str, head_dim_padded: int, tile: tuple[int, int, int], 
 
 
 # Hopper (cc 9.0, sm_90a) runs the dK/dV kernel of these padded head_dims on
-# wgmma (kernels_cu/flash_bwd_sm90.cu): 128 keys per block (two warpgroups of
-# 64), query blocks of 64 double-buffered; the preprocess, deterministic dQ and
-# convert kernels stay those of flash_bwd.cu.
-_BWD_SM90_HEAD_DIMS = (64, 128)
+# wgmma (kernels_cu/flash_bwd_sm90.cu): 64 keys per warpgroup, query blocks of
+# 64 double-buffered; the preprocess and convert kernels stay those of
+# flash_bwd.cu. Warpgroups per block: at D=64 one (two blocks per SM, which
+# run out of step), at D=128 two (its accumulators leave room for one block).
+_BWD_SM90 = {64: 1, 128: 2}
+_BWD_SM90_HEAD_DIMS = tuple(_BWD_SM90)
 BWD_SM90_BLOCK_M = 64
-BWD_SM90_BLOCK_N = 128
+
+
+def bwd_sm90_block_n(head_dim_padded: int) -> int:
+    """Keys per block of the wgmma dK/dV kernel."""
+    return 64 * _BWD_SM90[head_dim_padded]
+
+
 # How the wgmma dK/dV kernel adds its dQ partials to dq_accum: True, one bulk
 # reduction per query block (kernels_cu/bulk_copy.cuh); False, fp32 atomics per
 # fragment (`bench --bwd-dq-add atomic` A/B).
@@ -404,11 +412,14 @@ def bwd_dkdv_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k:
     # (Q, dO), two of (lse_log2, delta), 128 bytes for the block's SeqLens, the
     # fp32 dQ partial when it is bulk-reduced, and 1 KB to align to the swizzle atom.
     bulk = BWD_DQ_BULK and not deterministic
-    smem = (2 * BWD_SM90_BLOCK_N * d * 2 + BWD_SM90_BLOCK_N * BWD_SM90_BLOCK_M * 2
+    warpgroups, block_n = _BWD_SM90[d], bwd_sm90_block_n(d)
+    smem = (2 * block_n * d * 2 + block_n * BWD_SM90_BLOCK_M * 2
             + 2 * 2 * BWD_SM90_BLOCK_M * d * 2 + 2 * 2 * BWD_SM90_BLOCK_M * 4 + 128
             + (BWD_SM90_BLOCK_M * d * 4 if bulk else 0) + 1024)
-    args = (CTYPES[dtype], str(d), _cbool(causal), _cbool(even_k), _cbool(deterministic), _cbool(bulk))
-    return Launch("flash_bwd_sm90.cu", "cupyflash::flash_bwd_dkdv_sm90_kernel", args, grid, (256, 1, 1), smem)
+    args = (CTYPES[dtype], str(d), str(warpgroups), _cbool(causal), _cbool(even_k), _cbool(deterministic),
+            _cbool(bulk))
+    return Launch("flash_bwd_sm90.cu", "cupyflash::flash_bwd_dkdv_sm90_kernel", args, grid,
+                  (128 * warpgroups, 1, 1), smem)
 
 
 # (head_dim, tile, causal, deterministic, vec) combinations never to select:
@@ -484,7 +495,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     smem_limit = max_smem_per_block(cc)
     sm90 = uses_sm90_bwd(d, vec, cc)
     if sm90:
-        block_n, stages = BWD_SM90_BLOCK_N, 2
+        block_n, stages = bwd_sm90_block_n(d), 2
     else:
         tile, stages = _pick_bwd_tile(d, smem_limit, causal, deterministic, vec)
         block_n = tile[1]

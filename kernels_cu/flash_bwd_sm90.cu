@@ -38,13 +38,13 @@
 
 namespace cupyflash {
 
-template <typename T_, int HEAD_DIM_, bool DQ_BULK_ = false>
+template <typename T_, int HEAD_DIM_, int WARPGROUPS_, bool DQ_BULK_ = false>
 struct BwdSm90Traits {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
-    static constexpr int BLOCK_M = 64;    // query rows per step
-    static constexpr int BLOCK_N = 128;   // keys per block, 64 per warpgroup
-    static constexpr int NUM_THREADS = 256;
+    static constexpr int BLOCK_M = 64;                  // query rows per step
+    static constexpr int BLOCK_N = 64 * WARPGROUPS_;    // keys per block, 64 per warpgroup
+    static constexpr int NUM_THREADS = 128 * WARPGROUPS_;
     using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;   // K, V (and dK, dV staging)
     using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;    // Q, dO
     using DSTile = Swizzle128Tile<T, BLOCK_N, BLOCK_M>;    // dSᵀ: key rows, 64 query columns
@@ -86,14 +86,14 @@ __device__ __forceinline__ void store_dq_rows(uint32 s, const float (&acc)[NJ][4
     }
 }
 
-template <typename T, int HEAD_DIM, bool IS_CAUSAL, bool EVEN_K, bool DETERMINISTIC, bool DQ_BULK>
-__global__ void __launch_bounds__(256, 1)
+template <typename T, int HEAD_DIM, int WARPGROUPS, bool IS_CAUSAL, bool EVEN_K, bool DETERMINISTIC, bool DQ_BULK>
+__global__ void __launch_bounds__(128 * WARPGROUPS, 2 / WARPGROUPS)
 flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
-    using Tr = BwdSm90Traits<T, HEAD_DIM, DQ_BULK && !DETERMINISTIC>;
+    using Tr = BwdSm90Traits<T, HEAD_DIM, WARPGROUPS, DQ_BULK && !DETERMINISTIC>;
     constexpr int BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N, NT = Tr::NUM_THREADS;
-    constexpr int D_TILES = HEAD_DIM / 8;        // n8 tiles of dK, dV
-    constexpr int M_TILES = BLOCK_M / 8;         // n8 tiles of Sᵀ, dPᵀ (query columns)
-    constexpr int DQ_COLS = HEAD_DIM / 2;        // dQ columns per warpgroup
+    constexpr int D_TILES = HEAD_DIM / 8;           // n8 tiles of dK, dV
+    constexpr int M_TILES = BLOCK_M / 8;            // n8 tiles of Sᵀ, dPᵀ (query columns)
+    constexpr int DQ_COLS = HEAD_DIM / WARPGROUPS;  // dQ columns per warpgroup
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
     using DSTile = typename Tr::DSTile;
@@ -301,7 +301,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
             // sdQ is free again once the last step's bulk reduction has read it
             // (issued a whole step ago, so this wait is normally already met).
             if (DQ_BULK && threadIdx.x == 0) bulk_wait_read<0>();
-            asm volatile("bar.sync 1, 256;\n" ::: "memory");  // all of dSᵀ written
+            named_barrier_sync<1, NT>();  // all of dSᵀ written
 
             // ---- dQ[:, wg·D/2 ..] = dS·K over all 128 keys: A = dS read MN-major from
             //      the dSᵀ tile, B = K read MN-major (its columns from wg·D/2)
@@ -326,7 +326,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
                 //      dq_accum (rows of HEAD_DIM floats), added by one bulk reduction
                 store_dq_rows<HEAD_DIM, DQ_COLS / 8>(sdQ_, dq[0], (warp % 4) * 16, wg * DQ_COLS);
                 fence_proxy_async_smem();
-                asm volatile("bar.sync 1, 256;\n" ::: "memory");  // sdQ complete
+                named_barrier_sync<1, NT>();  // sdQ complete
                 if (threadIdx.x == 0) {
                     const int rows = min(BLOCK_M, seq.seqlen_q - m0);
                     bulk_reduce_add_f32(dq_accum, sdQ_, rows * HEAD_DIM * 4);
