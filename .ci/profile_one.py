@@ -1,18 +1,13 @@
 """One fp16 forward and backward on the standard grid's shape, twice (for ncu:
 skip the first launch).
-    python .ci/profile_one.py HEAD_DIM SEQLEN CAUSAL [BWD_WARPGROUPS [bulk|atomic]]"""
+    python .ci/profile_one.py HEAD_DIM SEQLEN CAUSAL"""
 import sys
 
 import cupy as cp
 
 import cupyflash
-from cupyflash import dispatch
 
 d, s, causal = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
-if len(sys.argv) > 4:
-    dispatch._BWD_SM90[d] = int(sys.argv[4])  # noqa: SLF001
-if len(sys.argv) > 5:
-    dispatch.BWD_DQ_BULK = sys.argv[5] == "bulk"
 h, b = 2048 // d, 16384 // s
 rng = cp.random.default_rng(0)
 q, k, v, dout = (rng.standard_normal((b, s, h, d), dtype=cp.float32).astype(cp.float16) for _ in range(4))

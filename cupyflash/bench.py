@@ -43,12 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bwd-dq", choices=("mma", "wgmma"), default="wgmma",
                         help="experiment: 'mma' runs the deterministic dQ on the mma.sync kernel even "
                              "where dispatch picks wgmma (cc 9.0), for A/B runs")
-    parser.add_argument("--bwd-dq-add", choices=("bulk", "atomic"), default="bulk",
-                        help="experiment: 'atomic' makes the wgmma dK/dV kernel add dQ with fp32 atomics "
-                             "instead of one bulk reduction per query block, for A/B runs")
-    parser.add_argument("--bwd-sm90", action="append", default=None, metavar="D:WARPGROUPS",
-                        help="experiment: override the warpgroups per block (1 or 2) of the wgmma dK/dV "
-                             "kernel at one head_dim in this process")
     parser.add_argument("--fwd-sm90", action="append", default=None, metavar="D:BLOCK_N,CTAS_PER_SM",
                         help="experiment: override the wgmma forward tile of one head_dim in this process")
     parser.add_argument("--fwd-tiles", action="append", default=None, metavar="D:BLOCK_M,BLOCK_N,WARPS",
@@ -249,17 +243,9 @@ def main(args: argparse.Namespace) -> int:
     if args.bwd_dq == "mma":
         from . import dispatch  # noqa: PLC0415
         dispatch.BWD_DQ_SM90 = False
-    if args.bwd_dq_add == "atomic":
-        from . import dispatch  # noqa: PLC0415
-        dispatch.BWD_DQ_BULK = False
     if args.fwd_kernel == "mma":
         from . import dispatch  # noqa: PLC0415
         dispatch._FWD_SM90.clear()  # noqa: SLF001
-    if args.bwd_sm90:
-        from . import dispatch  # noqa: PLC0415
-        for spec in args.bwd_sm90:
-            d, wgs = spec.split(":")
-            dispatch._BWD_SM90[int(d)] = int(wgs)  # noqa: SLF001
     if args.fwd_sm90:
         from . import dispatch  # noqa: PLC0415
         for spec in args.fwd_sm90:

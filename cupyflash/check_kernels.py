@@ -29,8 +29,8 @@ def _quick_sm90(launch) -> bool:
     args = launch.args
     if not launch.source.endswith("_sm90.cu") or args[0] != "__half":
         return False
-    if launch.template.endswith("flash_bwd_dkdv_sm90_kernel"):  # <T, D, WGS, CAUSAL, EVEN_K, DETERMINISTIC, BULK>
-        return args[4] == "true" and args[5] == "false"
+    if launch.template.endswith("flash_bwd_dkdv_sm90_kernel"):  # <T, D, CAUSAL, EVEN_K, DETERMINISTIC>
+        return args[3] == "true" and args[4] == "false"
     return args[-1] == "true"  # forward and dQ: <..., IS_CAUSAL, EVEN_K>
 
 
@@ -40,8 +40,7 @@ def _launches(arch: tuple[int, int], quick: bool, match: str | None):
     launches = dispatch.all_fwd_launches(arch) + dispatch.all_bwd_launches(arch)
     if quick:
         launches = [L for L in launches
-                    if not L.source.endswith("_sm90.cu") and L.args[0] == "__half"
-                    and "false, true, true, false" in ", ".join(L.args[-4:]) or
+                    if L.args[0] == "__half" and "false, true, true, false" in ", ".join(L.args[-4:]) or
                     (L.args[0] == "__half" and L.template.endswith("combine_kernel") and L.args[1] == "128") or
                     _quick_sm90(L)]
     if match:

@@ -360,24 +360,12 @@ def bwd_dq_launch(dtype: str, head_dim_padded: int, tile: tuple[int, int, int], 
 
 
 # Hopper (cc 9.0, sm_90a) runs the dK/dV kernel of these padded head_dims on
-# wgmma (kernels_cu/flash_bwd_sm90.cu): 64 keys per warpgroup, query blocks of
-# 64 double-buffered; the preprocess and convert kernels stay those of
-# flash_bwd.cu. Warpgroups per block: at D=64 one (two blocks per SM, which
-# run out of step), at D=128 two (its accumulators leave room for one block).
-_BWD_SM90 = {64: 1, 128: 2}
-_BWD_SM90_HEAD_DIMS = tuple(_BWD_SM90)
+# wgmma (kernels_cu/flash_bwd_sm90.cu): 128 keys per block (two warpgroups of
+# 64), query blocks of 64 double-buffered; the preprocess and convert kernels
+# stay those of flash_bwd.cu.
+_BWD_SM90_HEAD_DIMS = (64, 128)
 BWD_SM90_BLOCK_M = 64
-
-
-def bwd_sm90_block_n(head_dim_padded: int) -> int:
-    """Keys per block of the wgmma dK/dV kernel."""
-    return 64 * _BWD_SM90[head_dim_padded]
-
-
-# How the wgmma dK/dV kernel adds its dQ partials to dq_accum: True, one bulk
-# reduction per query block (kernels_cu/bulk_copy.cuh); False, fp32 atomics per
-# fragment (`bench --bwd-dq-add atomic` A/B).
-BWD_DQ_BULK = True
+BWD_SM90_BLOCK_N = 128
 
 
 # Deterministic dQ on wgmma (kernels_cu/flash_bwd_sm90.cu flash_bwd_dq_sm90_kernel),
@@ -409,17 +397,12 @@ def bwd_dkdv_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k:
     """The wgmma dK/dV kernel (cc 9.0) for one set of compile-time choices."""
     d = head_dim_padded
     # kernels_cu/flash_bwd_sm90.cu BwdSm90Traits::SMEM_BYTES: K, V, dSᵀ, two stages of
-    # (Q, dO), two of (lse_log2, delta), 128 bytes for the block's SeqLens, the
-    # fp32 dQ partial when it is bulk-reduced, and 1 KB to align to the swizzle atom.
-    bulk = BWD_DQ_BULK and not deterministic
-    warpgroups, block_n = _BWD_SM90[d], bwd_sm90_block_n(d)
-    smem = (2 * block_n * d * 2 + block_n * BWD_SM90_BLOCK_M * 2
-            + 2 * 2 * BWD_SM90_BLOCK_M * d * 2 + 2 * 2 * BWD_SM90_BLOCK_M * 4 + 128
-            + (BWD_SM90_BLOCK_M * d * 4 if bulk else 0) + 1024)
-    args = (CTYPES[dtype], str(d), str(warpgroups), _cbool(causal), _cbool(even_k), _cbool(deterministic),
-            _cbool(bulk))
-    return Launch("flash_bwd_sm90.cu", "cupyflash::flash_bwd_dkdv_sm90_kernel", args, grid,
-                  (128 * warpgroups, 1, 1), smem)
+    # (Q, dO), two of (lse_log2, delta), the block's SeqLens, and 1 KB to align to
+    # the swizzle atom.
+    smem = (2 * BWD_SM90_BLOCK_N * d * 2 + BWD_SM90_BLOCK_N * BWD_SM90_BLOCK_M * 2
+            + 2 * 2 * BWD_SM90_BLOCK_M * d * 2 + 2 * 2 * BWD_SM90_BLOCK_M * 4 + _SEQLENS_SLOT_BYTES + 1024)
+    args = (CTYPES[dtype], str(d), _cbool(causal), _cbool(even_k), _cbool(deterministic))
+    return Launch("flash_bwd_sm90.cu", "cupyflash::flash_bwd_dkdv_sm90_kernel", args, grid, (256, 1, 1), smem)
 
 
 # (head_dim, tile, causal, deterministic, vec) combinations never to select:
@@ -495,7 +478,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     smem_limit = max_smem_per_block(cc)
     sm90 = uses_sm90_bwd(d, vec, cc)
     if sm90:
-        block_n, stages = bwd_sm90_block_n(d), 2
+        block_n, stages = BWD_SM90_BLOCK_N, 2
     else:
         tile, stages = _pick_bwd_tile(d, smem_limit, causal, deterministic, vec)
         block_n = tile[1]

@@ -17,15 +17,11 @@
 //   dK += dSᵀ·Q         A = dSᵀ (registers), B = Q (smem, MN-major)
 //   dQ  = dS·K          A = dSᵀ staged in smem (read MN-major), B = K (smem, MN-major);
 //                       warpgroup w takes columns [w·D/2, (w+1)·D/2) over all 128
-//                       keys. The block's dQ partial goes to shared memory in
-//                       dq_accum's row layout and one thread adds it to dq_accum
-//                       with a bulk reduction (the copy engine's fp32 adds in L2),
-//                       or (DQ_BULK false) each thread adds its fragment with
-//                       fp32 atomics.
+//                       keys, added to dq_accum with fp32 atomics.
 // Q, dO, lse_log2 and delta are double-buffered (cp.async, 128-byte swizzle).
 //
 // Template parameters: T, HEAD_DIM (64 or 128), IS_CAUSAL, EVEN_K, DETERMINISTIC
-// (skip dQ: a dQ kernel computes it), DQ_BULK. 16-byte loads are assumed.
+// (skip dQ: flash_bwd_dq_kernel computes it). 16-byte loads are assumed.
 #include "params.cuh"
 #include "ptx.cuh"
 #include "seqlens.cuh"
@@ -34,17 +30,16 @@
 #include "mask.cuh"
 #include "warp_mma.cuh"
 #include "wgmma.cuh"
-#include "bulk_copy.cuh"
 
 namespace cupyflash {
 
-template <typename T_, int HEAD_DIM_, int WARPGROUPS_, bool DQ_BULK_ = false>
+template <typename T_, int HEAD_DIM_>
 struct BwdSm90Traits {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
-    static constexpr int BLOCK_M = 64;                  // query rows per step
-    static constexpr int BLOCK_N = 64 * WARPGROUPS_;    // keys per block, 64 per warpgroup
-    static constexpr int NUM_THREADS = 128 * WARPGROUPS_;
+    static constexpr int BLOCK_M = 64;    // query rows per step
+    static constexpr int BLOCK_N = 128;   // keys per block, 64 per warpgroup
+    static constexpr int NUM_THREADS = 256;
     using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;   // K, V (and dK, dV staging)
     using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;    // Q, dO
     using DSTile = Swizzle128Tile<T, BLOCK_N, BLOCK_M>;    // dSᵀ: key rows, 64 query columns
@@ -53,47 +48,17 @@ struct BwdSm90Traits {
     // lse_log2 and delta: 2 stages x 2 x BLOCK_M floats; the block's SeqLens;
     // +1024 to align the window.
     static constexpr int SEQ_OFFSET = ROWS_OFFSET + 2 * 2 * BLOCK_M * 4;
-    // dQ_partial (BLOCK_M x HEAD_DIM fp32, rows as in dq_accum) for the bulk reduction.
-    static constexpr int DQ_OFFSET = SEQ_OFFSET + 128;
-    static constexpr int SMEM_BYTES = DQ_OFFSET + (DQ_BULK_ ? BLOCK_M * HEAD_DIM * 4 : 0) + 1024;
-    static_assert(SeqLensSlot::BYTES <= 128, "SeqLensSlot overlaps dQ_partial");
+    static constexpr int SMEM_BYTES = SEQ_OFFSET + SeqLensSlot::BYTES + 1024;
 };
 
-// A warpgroup's m64 x (8 NJ) fp32 accumulator into row-major fp32 shared memory
-// (rows of HEAD_DIM floats) at rows row0 + 16 (warp % 4) .., columns col0 ..
-// Rows 128 bytes apart share banks, so lane (g, t) writes its n8 tiles in an
-// order rotated by g within each run of four: a store then touches every bank,
-// twice (rows g and g + 4), instead of eight rows of the same eight banks.
-template <int HEAD_DIM, int NJ>
-__device__ __forceinline__ void store_dq_rows(uint32 s, const float (&acc)[NJ][4], int row0, int col0) {
-    static_assert(NJ % 4 == 0, "n8 tiles in runs of four");
-    const int lane = threadIdx.x % 32;
-    const int g = lane / 4, t = lane % 4;
-#pragma unroll
-    for (int i = 0; i < NJ; ++i) {
-        const int run = i & ~3, j_rot = (i + g) & 3;
-        float2 lo, hi;  // rows g and g + 8 of n8 tile run + j_rot
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            if (j == j_rot) {
-                lo = make_float2(acc[run + j][0], acc[run + j][1]);
-                hi = make_float2(acc[run + j][2], acc[run + j][3]);
-            }
-        }
-        const uint32 a = s + ((row0 + g) * HEAD_DIM + col0 + (run + j_rot) * 8 + 2 * t) * 4;
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(a), "f"(lo.x), "f"(lo.y));
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(a + 8 * HEAD_DIM * 4), "f"(hi.x), "f"(hi.y));
-    }
-}
-
-template <typename T, int HEAD_DIM, int WARPGROUPS, bool IS_CAUSAL, bool EVEN_K, bool DETERMINISTIC, bool DQ_BULK>
-__global__ void __launch_bounds__(128 * WARPGROUPS, 2 / WARPGROUPS)
+template <typename T, int HEAD_DIM, bool IS_CAUSAL, bool EVEN_K, bool DETERMINISTIC>
+__global__ void __launch_bounds__(256, 1)
 flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
-    using Tr = BwdSm90Traits<T, HEAD_DIM, WARPGROUPS, DQ_BULK && !DETERMINISTIC>;
+    using Tr = BwdSm90Traits<T, HEAD_DIM>;
     constexpr int BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N, NT = Tr::NUM_THREADS;
-    constexpr int D_TILES = HEAD_DIM / 8;           // n8 tiles of dK, dV
-    constexpr int M_TILES = BLOCK_M / 8;            // n8 tiles of Sᵀ, dPᵀ (query columns)
-    constexpr int DQ_COLS = HEAD_DIM / WARPGROUPS;  // dQ columns per warpgroup
+    constexpr int D_TILES = HEAD_DIM / 8;        // n8 tiles of dK, dV
+    constexpr int M_TILES = BLOCK_M / 8;         // n8 tiles of Sᵀ, dPᵀ (query columns)
+    constexpr int DQ_COLS = HEAD_DIM / 2;        // dQ columns per warpgroup
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
     using DSTile = typename Tr::DSTile;
@@ -102,7 +67,6 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     const uint32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
     unsigned char* smem = smem_raw + (base - smem_addr(smem_raw));
     const uint32 sK = base, sV = sK + KVTile::BYTES, sdS = sV + KVTile::BYTES;
-    const uint32 sdQ = base + Tr::DQ_OFFSET;
     auto sQ = [&](int stage) { return sdS + DSTile::BYTES + stage * Tr::STAGE_BYTES; };
     auto sdO = [&](int stage) { return sQ(stage) + QTile::BYTES; };
     auto stage_floats = [&](int stage) {  // lse_log2[BLOCK_M], then delta[BLOCK_M]
@@ -153,10 +117,10 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
                  int64(seq.k_start + n0) * p.v_row_stride;
 
-    // Q, dO, lse_log2, delta of iteration it, zero-filled past seqlen_q (and head_dim).
-    auto load_query_block = [&](int it, int stage, const SeqLens& seq) {
-        const int h = h_first + it / nm;
-        const int m0 = (m_begin + it % nm) * BLOCK_M;
+    // Q, dO, lse_log2, delta of query block m_block of head h, zero-filled past
+    // seqlen_q (and head_dim).
+    auto load_query_block = [&](int h, int m_block, int stage, const SeqLens& seq) {
+        const int m0 = m_block * BLOCK_M;
         const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
                      int64(seq.q_start + m0) * p.q_row_stride;
         const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
@@ -184,25 +148,24 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
 
     load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(sK, k, p.k_row_stride, keys_valid, p.head_dim);
     load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(sV, v, p.v_row_stride, keys_valid, p.head_dim);
-    if (num_iters > 0) load_query_block(0, 0, seq);
+    if (num_iters > 0) load_query_block(h_first, m_begin, 0, seq);
     cp_async_commit();
 
-    auto step = [&](int it, auto masked) {
+    // Step it: query block m_block of head h; the next step's is (h_next, m_next).
+    auto step = [&](int it, int h, int m_block, int h_next, int m_next, auto masked) {
         const int stage = it & 1;
-        const int m0 = (m_begin + it % nm) * BLOCK_M;
+        const int m0 = m_block * BLOCK_M;
         const float* s_lse = stage_floats(stage);
         const float* s_delta = s_lse + BLOCK_M;
 
         cp_async_wait<0>();
         fence_proxy_async_smem();
         __syncthreads();  // Q, dO, lse, delta [it] landed; every warp is done with step it-1
-        if (it + 1 < num_iters) load_query_block(it + 1, stage ^ 1, seq_slot.load());
-        cp_async_commit();
 
         // Loop-invariant tile addresses, made opaque so the compiler rebuilds the
         // descriptors each step instead of keeping ~60 registers of them live.
-        uint32 sK_ = sK, sV_ = sV, sdS_ = sdS, sdQ_ = sdQ;
-        asm volatile("" : "+r"(sK_), "+r"(sV_), "+r"(sdS_), "+r"(sdQ_));
+        uint32 sK_ = sK, sV_ = sV, sdS_ = sdS;
+        asm volatile("" : "+r"(sK_), "+r"(sV_), "+r"(sdS_));
 
         // ---- Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warpgroup's 64 keys
         float st[M_TILES][4], dpt[M_TILES][4];
@@ -219,6 +182,10 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
                                                  desc_k_major<BLOCK_M>(sdO(stage), 0, kk), kk > 0);
         }
         wgmma_commit();
+        // The next step's loads, issued while the tensor cores work on Sᵀ and dPᵀ
+        // (their address arithmetic would otherwise sit on this step's critical path).
+        if (it + 1 < num_iters) load_query_block(h_next, m_next, stage ^ 1, seq_slot.load());
+        cp_async_commit();
         wgmma_wait<1>();
         fence_operands(st);
 
@@ -255,9 +222,11 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
             Wgmma<T, HEAD_DIM>::template rs<1>(acc_dv, pa[kk], desc_mn_major<BLOCK_M>(sdO(stage), kk));
         }
         wgmma_commit();
-        // dPᵀ, and dV too: P·dO reads pa from registers while in flight, and
-        // letting pa live on into the dS code costs the registers D=128 lacks.
-        wgmma_wait<0>();
+        // dPᵀ; at D=128 dV too: P·dO reads pa from registers while in flight, so pa
+        // must stay live until it completes, which costs D=128 registers it lacks;
+        // D=64 has them, and computes dS while P·dO runs.
+        constexpr bool DS_UNDER_DV = HEAD_DIM <= 64;
+        wgmma_wait<DS_UNDER_DV ? 1 : 0>();
         fence_operands(dpt);
 
         // ---- dSᵀ = Pᵀ∘(dPᵀ − delta), with Pᵀ as rounded for dV (its fp32 copy would
@@ -298,10 +267,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
                 }
             }
             fence_proxy_async_smem();
-            // sdQ is free again once the last step's bulk reduction has read it
-            // (issued a whole step ago, so this wait is normally already met).
-            if (DQ_BULK && threadIdx.x == 0) bulk_wait_read<0>();
-            named_barrier_sync<1, NT>();  // all of dSᵀ written
+            asm volatile("bar.sync 1, 256;\n" ::: "memory");  // all of dSᵀ written
 
             // ---- dQ[:, wg·D/2 ..] = dS·K over all 128 keys: A = dS read MN-major from
             //      the dSᵀ tile, B = K read MN-major (its columns from wg·D/2)
@@ -318,38 +284,30 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
             wgmma_commit();
             wgmma_wait<0>();
             fence_operands(dq[0]);
-            const int h = h_first + it / nm;
             const SeqLens seq = seq_slot.load();
             float* dq_accum = p.dq_accum + query_row_index(p, b, h, seq, m0) * HEAD_DIM;
-            if constexpr (DQ_BULK) {
-                // ---- the block's BLOCK_M x HEAD_DIM fp32 partial, laid out as in
-                //      dq_accum (rows of HEAD_DIM floats), added by one bulk reduction
-                store_dq_rows<HEAD_DIM, DQ_COLS / 8>(sdQ_, dq[0], (warp % 4) * 16, wg * DQ_COLS);
-                fence_proxy_async_smem();
-                named_barrier_sync<1, NT>();  // sdQ complete
-                if (threadIdx.x == 0) {
-                    const int rows = min(BLOCK_M, seq.seqlen_q - m0);
-                    bulk_reduce_add_f32(dq_accum, sdQ_, rows * HEAD_DIM * 4);
-                    bulk_commit();
-                }
-            } else {
-                atomic_add_frag(dq_accum, HEAD_DIM, dq, (warp % 4) * 16, wg * DQ_COLS, seq.seqlen_q - m0);
-            }
+            atomic_add_frag(dq_accum, HEAD_DIM, dq, (warp % 4) * 16, wg * DQ_COLS, seq.seqlen_q - m0);
         } else {
             wgmma_wait<0>();
         }
+        if constexpr (DS_UNDER_DV) fence_operands(pa);  // live until P·dO completed
         fence_operands(acc_dv);
         fence_operands(acc_dk);
     };
 
+    // Query blocks m_begin .. m_end - 1 of each head of the group, in that order.
+    int h = h_first, m_block = m_begin;
     for (int it = 0; it < num_iters; ++it) {
-        if (m_begin + it % nm < m_masked_end) {
-            step(it, Bool<true>{});
+        int h_next = h, m_next = m_block + 1;
+        if (m_next == m_end) { m_next = m_begin; ++h_next; }
+        if (m_block < m_masked_end) {
+            step(it, h, m_block, h_next, m_next, Bool<true>{});
         } else {
-            step(it, Bool<false>{});
+            step(it, h, m_block, h_next, m_next, Bool<false>{});
         }
+        h = h_next;
+        m_block = m_next;
     }
-    if (DQ_BULK && !DETERMINISTIC && threadIdx.x == 0) bulk_wait<0>();  // sdQ read, dQ added
     cp_async_wait<0>();
     __syncthreads();  // seq_slot stored (when the loop ran no step); every warpgroup is done with sK, sV
     const SeqLens seq_end = seq_slot.load();

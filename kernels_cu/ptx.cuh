@@ -66,12 +66,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
-// Barrier ID among the block's first THREADS threads (ID 0 is __syncthreads's).
-template <int ID, int THREADS>
-__device__ __forceinline__ void named_barrier_sync() {
-    asm volatile("bar.sync %0, %1;\n" :: "n"(ID), "n"(THREADS) : "memory");
-}
-
 }  // namespace cupyflash
 
 namespace cupyflash {

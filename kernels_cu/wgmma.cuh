@@ -76,6 +76,13 @@ __device__ __forceinline__ void fence_operands(float (&d)[N][4]) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e]) :: "memory");
 }
+template <int N>
+__device__ __forceinline__ void fence_operands(uint32 (&a)[N][4]) {
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[j][e]) :: "memory");
+}
 
 // Shared memory written by the generic proxy (cp.async, st.shared) must be fenced
 // by each writing thread before a barrier that precedes a wgmma reading it.

@@ -291,32 +291,6 @@ def test_bwd_wgmma_dq_kernel_is_deterministic(rng, dtype, head_dim, causal, seql
     check(host, grads, dtype, scale, causal)
 
 
-@pytest.mark.parametrize("dtype,head_dim,causal,seqlens", [
-    ("float16", 64, False, (384, 384)), ("bfloat16", 64, True, (1000, 1500)),
-    ("float16", 128, True, (1500, 1000)), ("bfloat16", 128, False, (129, 257))])
-def test_bwd_wgmma_kernel_with_atomic_dq(rng, monkeypatch, dtype, head_dim, causal, seqlens):
-    """The A/B alternative to the bulk reduction (dispatch.BWD_DQ_BULK = False):
-    dQ added by fp32 atomics per fragment."""
-    from cupyflash import _gpu, dispatch
-
-    cp = _cp()
-    cc = _gpu._cc(cp.cuda.Device().id)
-    if cc != (9, 0):
-        pytest.skip(f"the wgmma kernels run on compute capability 9.0; this GPU is {cc}")
-    monkeypatch.setattr(dispatch, "BWD_DQ_BULK", False)
-    _gpu.select_bwd.cache_clear()  # plans are memoised: drop those made with the flag on
-    try:
-        plan = dispatch.select_bwd(batch=1, seqlen_q=seqlens[0], seqlen_k=seqlens[1], nheads_q=4, nheads_kv=2,
-                                   head_dim=head_dim, dtype=dtype, causal=causal, deterministic=False,
-                                   vec=True, cc=cc)
-        assert plan.launches[1].args[-1] == "false"  # DQ_BULK
-        host, dev = make_problem(rng, dtype, 1, *seqlens, 4, 2, head_dim)
-        scale = 1.0 / math.sqrt(head_dim)
-        check(host, run(dev, dtype, scale, causal, False), dtype, scale, causal)
-    finally:
-        _gpu.select_bwd.cache_clear()
-
-
 @pytest.mark.parametrize("num_sms,splits", [(3, 1), (6, 2), (100, 4)])
 @pytest.mark.parametrize("deterministic", DETERMINISTIC, ids=["atomic", "det"])
 def test_bwd_gqa_group_splits(rng, monkeypatch, num_sms, splits, deterministic):
