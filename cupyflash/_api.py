@@ -154,9 +154,12 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
     causal : bool, optional
         The forward's mask (see :func:`flash_attn_fwd` for the alignment).
     deterministic : bool, optional
-        On the GPU, accumulate dq in a fixed order (slower) instead of with
-        atomics, so repeated runs give identical bits.  The CPU path is always
-        deterministic and ignores it.
+        On the GPU, accumulate dq in a fixed order instead of with atomics, so
+        repeated runs give identical bits (on the H200 at 0.94-1.14x the
+        default's speed).  ``False`` promises no particular order: on compute
+        capability 9.0, at head_dim 33-64 with 16-byte aligned inputs, the
+        default takes the fixed-order path too, which measured faster there.  The CPU path is always deterministic
+        and ignores it.
     dtype : str, optional
         As in :func:`flash_attn_fwd`: ``"bfloat16"`` for cupy arrays of raw
         bfloat16 bits in uint16/int16 storage (dout, q, k, v and out alike).

@@ -374,6 +374,11 @@ BWD_SM90_BLOCK_N = 128
 BWD_DQ_SM90 = True
 _BWD_DQ_SM90 = {64: (128, 1), 128: (64, 1)}
 BWD_DQ_SM90_BLOCK_M = 128
+# Padded head_dims whose default (non-deterministic) backward on Hopper also
+# takes dQ from the wgmma dQ kernel instead of atomics in the dK/dV kernel: at
+# D=64 the two-kernel path measured faster in 38 of 40 grid points over two H200
+# runs (median 1.03x; kernels_cu/PERF.md v10). At D=128 it did not (0.94-1.06x).
+_BWD_SM90_SEPARATE_DQ = (64,)
 
 
 def bwd_dq_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
@@ -453,7 +458,9 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     block per key block and (batch, KV head), looping over the group's query
     heads; dQ by fp32 atomics unless ``deterministic``); then either the dQ
     kernel (``deterministic``: one block per query block, no atomics) or the
-    convert kernel (dq_accum -> dq). ``vec`` says 16-byte accesses are legal for
+    convert kernel (dq_accum -> dq). On Hopper at padded head_dim 64 the default
+    mode takes the dQ kernel too (measured faster there), so it is deterministic
+    as well. ``vec`` says 16-byte accesses are legal for
     every tensor (see select_fwd). With GQA, when the grid of dK/dV blocks
     would not fill ``num_sms``, each group's query heads are split over several
     blocks (``BwdPlan.kv_splits``) whose fp32 partials a last kernel sums.
@@ -477,6 +484,8 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     even_k = head_dim == d
     smem_limit = max_smem_per_block(cc)
     sm90 = uses_sm90_bwd(d, vec, cc)
+    # dQ by its own kernel (no atomics): always when deterministic, and where measured faster
+    separate_dq = deterministic or (sm90 and BWD_DQ_SM90 and d in _BWD_SM90_SEPARATE_DQ)
     if sm90:
         block_n, stages = BWD_SM90_BLOCK_N, 2
     else:
@@ -488,10 +497,10 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     kv_splits = bwd_kv_splits(kv_blocks, nheads_q // nheads_kv, num_sms)
     dkdv_grid = (kv_blocks * kv_splits, 1, 1)
     if sm90:
-        launches.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, deterministic, dkdv_grid))
+        launches.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, separate_dq, dkdv_grid))
     else:
         launches.append(bwd_dkdv_launch(dtype, d, tile, causal, even_k, vec, deterministic, stages, dkdv_grid))
-    if deterministic and sm90 and BWD_DQ_SM90:
+    if separate_dq and sm90 and BWD_DQ_SM90:
         dq_grid = (math.ceil(seqlen_q / BWD_DQ_SM90_BLOCK_M) * batch * nheads_q, 1, 1)
         launches.append(bwd_dq_sm90_launch(dtype, d, causal, even_k, dq_grid))
     elif deterministic:
@@ -502,7 +511,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
         launches.append(bwd_convert_launch(dtype, vec, q_rows[0] * q_rows[1] * nheads_q))
     if kv_splits > 1:
         launches.append(bwd_convert_dkv_launch(dtype, vec, k_rows[0] * k_rows[1] * nheads_kv))
-    return BwdPlan(tuple(launches), d, stages, not deterministic, kv_splits)
+    return BwdPlan(tuple(launches), d, stages, not separate_dq, kv_splits)
 
 
 def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:

@@ -276,6 +276,20 @@ def test_wgmma_dq_kernel_serves_deterministic_mode_on_hopper(monkeypatch):
     assert _names(_plan(**kw))[2] == "flash_bwd_dq_kernel"
 
 
+@pytest.mark.parametrize("head_dim,separate", [(64, True), (40, True), (128, False), (100, False)])
+def test_hopper_default_mode_takes_the_dq_kernel_where_measured_faster(monkeypatch, head_dim, separate):
+    plan = _plan(head_dim=head_dim, causal=False, deterministic=False, cc=(9, 0))
+    names = _names(plan)
+    if separate:
+        assert names[1:3] == ["flash_bwd_dkdv_sm90_kernel", "flash_bwd_dq_sm90_kernel"]
+        assert not plan.dq_accum and plan.launches[1].args[-1] == "true"  # dK/dV skips dQ
+    else:
+        assert names[2] == "flash_bwd_convert_dq_kernel" and plan.dq_accum
+    assert _names(_plan(head_dim=head_dim, deterministic=False, cc=(8, 0)))[2] == "flash_bwd_convert_dq_kernel"
+    monkeypatch.setattr(dispatch, "BWD_DQ_SM90", False)  # the A/B switch restores atomics
+    assert _names(_plan(head_dim=head_dim, deterministic=False, cc=(9, 0)))[2] == "flash_bwd_convert_dq_kernel"
+
+
 @pytest.mark.parametrize("head_dim,causal,even_k", [(64, True, True), (128, False, False)])
 def test_wgmma_dq_variant_compiles_for_sm90a_without_spills(head_dim, causal, even_k):
     _compile_clean(dispatch.bwd_dq_sm90_launch("bfloat16", head_dim, causal, even_k), (9, 0))

@@ -266,6 +266,30 @@ def test_bwd_wgmma_kernel(rng, dtype, head_dim, causal, seqlens, deterministic):
     check(host, grads, dtype, scale, causal)
 
 
+@pytest.mark.parametrize("dtype,causal,seqlens", [("float16", False, (384, 384)), ("bfloat16", True, (1000, 1500)),
+                                                  ("float16", True, (129, 257))])
+def test_bwd_wgmma_atomic_dq_at_head_dim_64(rng, monkeypatch, dtype, causal, seqlens):
+    """The dK/dV kernel's atomic dQ at head_dim 64, which the default no longer takes
+    on Hopper (the dQ kernel measured faster there) but `bench --bwd-dq mma` does."""
+    from cupyflash import _gpu, dispatch
+
+    cp = _cp()
+    cc = _gpu._cc(cp.cuda.Device().id)
+    if cc != (9, 0):
+        pytest.skip(f"the wgmma kernels run on compute capability 9.0; this GPU is {cc}")
+    monkeypatch.setattr(dispatch, "BWD_DQ_SM90", False)
+    _gpu.select_bwd.cache_clear()  # plans are memoised: drop those made with the flag on
+    try:
+        plan = dispatch.select_bwd(batch=1, seqlen_q=seqlens[0], seqlen_k=seqlens[1], nheads_q=4, nheads_kv=2,
+                                   head_dim=64, dtype=dtype, causal=causal, deterministic=False, vec=True, cc=cc)
+        assert plan.dq_accum and plan.launches[2].template == "cupyflash::flash_bwd_convert_dq_kernel"
+        host, dev = make_problem(rng, dtype, 1, *seqlens, 4, 2, 64)
+        scale = 1.0 / math.sqrt(64)
+        check(host, run(dev, dtype, scale, causal, False), dtype, scale, causal)
+    finally:
+        _gpu.select_bwd.cache_clear()
+
+
 @pytest.mark.parametrize("dtype,head_dim,causal,seqlens", [
     ("float16", 64, False, (384, 384)), ("bfloat16", 64, True, (1000, 1500)),
     ("float16", 128, True, (1500, 1000)), ("bfloat16", 128, False, (129, 257)),
