@@ -116,6 +116,17 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         cp_async_wait<1>();        // this thread's copies of block n have landed
         fence_proxy_async_smem();  // ... and are visible to wgmma
         __syncthreads();           // everyone's have; everyone is done with block n + 1
+        // Block n - 2's loads: at D=128 issued behind the S wgmma (their address
+        // arithmetic then runs while the tensor cores work: +8% median, PERF.md v11);
+        // at D=64, whose S is short, before it (issued behind it, they delayed the
+        // softmax: -5%).
+        constexpr bool LOADS_UNDER_S = HEAD_DIM >= 128;
+        auto load_next = [&] {
+            const int free_stage = stage == 0 ? 2 : stage - 1;
+            if (n >= 2) load_kv(n - 2, free_stage);
+            cp_async_commit();
+        };
+        if constexpr (!LOADS_UNDER_S) load_next();
 
         // ---- S = Q·Kᵀ for this warpgroup's 64 rows
         float s[1][N_TILES][4];
@@ -127,11 +138,7 @@ flash_fwd_sm90_kernel(const FwdParams p) {
                                                  desc_k_major<BLOCK_N>(sK, 0, kk), kk > 0);
         }
         wgmma_commit();
-        {   // block n - 2's loads, issued while the tensor cores work on S
-            const int free_stage = stage == 0 ? 2 : stage - 1;
-            if (n >= 2) load_kv(n - 2, free_stage);
-            cp_async_commit();
-        }
+        if constexpr (LOADS_UNDER_S) load_next();
         wgmma_wait<0>();
         fence_operands(s[0]);
 
