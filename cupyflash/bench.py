@@ -43,10 +43,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bwd-dq", choices=("mma", "wgmma"), default="wgmma",
                         help="experiment: 'mma' runs the deterministic dQ on the mma.sync kernel even "
                              "where dispatch picks wgmma (cc 9.0), for A/B runs")
+    parser.add_argument("--bwd-sm90-block-m", action="append", default=None, metavar="D:BLOCK_M",
+                        help="experiment: query rows per step of the wgmma dK/dV kernel (cc 9.0) for one "
+                             "padded head_dim in this process, e.g. 64:128 (dispatch._BWD_SM90_BLOCK_MS "
+                             "lists the compiled values)")
     parser.add_argument("--fwd-sm90", action="append", default=None, metavar="D:BLOCK_N,CTAS_PER_SM",
                         help="experiment: override the wgmma forward tile of one head_dim in this process")
     parser.add_argument("--fwd-tiles", action="append", default=None, metavar="D:BLOCK_M,BLOCK_N,WARPS",
                         help="experiment: override the forward tile of one head_dim in this process")
+
+
+def parse_bwd_sm90_block_m(specs) -> dict[int, int]:
+    """``--bwd-sm90-block-m`` values (``D:BLOCK_M``) -> {padded head_dim: BLOCK_M}."""
+    out = {}
+    for spec in specs or ():
+        d, _, block_m = spec.partition(":")
+        try:
+            out[int(d)] = int(block_m)
+        except ValueError:
+            raise ValueError(f"--bwd-sm90-block-m takes D:BLOCK_M (e.g. 64:128); got {spec!r}") from None
+    return out
 
 
 def flops(batch, nheads, seqlen_q, seqlen_k, head_dim, causal, bwd=False):
@@ -135,6 +151,12 @@ def run_point(cupy, torch_env, *, head_dim, seqlen, dtype, causal, tokens, reps,
             ms = _time_ms(lambda: _gpu.bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal,
                                            dtype=dtype), reps, cupy)
             res["ours_bwd_ms"], res["ours_bwd_tflops"] = ms, f_bwd / ms / 1e9
+            dkdv = _gpu.select_bwd(batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, nheads_q=nheads,
+                                   nheads_kv=nheads, head_dim=head_dim, dtype=dtype, causal=causal,
+                                   deterministic=False, vec=True, num_sms=_gpu._num_sms(q.device.id),
+                                   cc=_gpu._cc(q.device.id)).launches[1]
+            res["bwd_kernel"] = "wgmma" if dkdv.source == "flash_bwd_sm90.cu" else "mma.sync"
+            res["bwd_dkdv_block_m"] = int(dkdv.args[2])  # both dK/dV kernels: <T, HEAD_DIM, BLOCK_M, ...>
             before = pool.used_bytes()
             grads = _gpu.bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal, dtype=dtype)
             cupy.cuda.get_current_stream().synchronize()
@@ -234,6 +256,15 @@ def _plot(results, path):
 
 
 def main(args: argparse.Namespace) -> int:
+    try:  # the experiment switches first: a bad one fails before any GPU work
+        block_ms = parse_bwd_sm90_block_m(args.bwd_sm90_block_m)
+        if block_ms:
+            from . import dispatch  # noqa: PLC0415
+            for d, block_m in block_ms.items():
+                dispatch.set_bwd_sm90_block_m(d, block_m)
+    except ValueError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
     try:
         import cupy  # noqa: PLC0415
         cupy.cuda.runtime.getDeviceCount()

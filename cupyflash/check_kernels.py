@@ -29,8 +29,11 @@ def _quick_sm90(launch) -> bool:
     args = launch.args
     if not launch.source.endswith("_sm90.cu") or args[0] != "__half":
         return False
-    if launch.template.endswith("flash_bwd_dkdv_sm90_kernel"):  # <T, D, CAUSAL, EVEN_K, DETERMINISTIC>
-        return args[3] == "true" and args[4] == "false"
+    if launch.template.endswith("flash_bwd_dkdv_sm90_kernel"):  # <T, D, BLOCK_M, CAUSAL, EVEN_K, DETERMINISTIC>
+        from . import dispatch  # noqa: PLC0415
+
+        # the selected BLOCK_M only (the experiments' variants in the full run)
+        return args[2] == str(dispatch.bwd_sm90_block_m(int(args[1]))) and args[4] == "true" and args[5] == "false"
     return args[-1] == "true"  # forward and dQ: <..., IS_CAUSAL, EVEN_K>
 
 

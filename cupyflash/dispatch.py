@@ -361,11 +361,37 @@ def bwd_dq_launch(dtype: str, head_dim_padded: int, tile: tuple[int, int, int], 
 
 # Hopper (cc 9.0, sm_90a) runs the dK/dV kernel of these padded head_dims on
 # wgmma (kernels_cu/flash_bwd_sm90.cu): 128 keys per block (two warpgroups of
-# 64), query blocks of 64 double-buffered; the preprocess and convert kernels
-# stay those of flash_bwd.cu.
+# 64), query blocks of BLOCK_M rows double-buffered; the preprocess and convert
+# kernels stay those of flash_bwd.cu.
 _BWD_SM90_HEAD_DIMS = (64, 128)
-BWD_SM90_BLOCK_M = 64
 BWD_SM90_BLOCK_N = 128
+# Query rows per step (BLOCK_M) of the wgmma dK/dV kernel per padded head_dim: the
+# selected value, and every value compiled (check-kernels) and allowed to be
+# selected. BLOCK_M = 128 at D=64 is an experiment (not yet measured): twice the
+# MMA per step (Sᵀ and dPᵀ as m64n128k16) to amortise the per-step index, barrier
+# and load overhead an ncu profile found dominant at 64. D=128 has no registers
+# for it. Override in one process with `bench --bwd-sm90-block-m 64:128`
+# (set_bwd_sm90_block_m); the grid does not depend on it.
+_BWD_SM90_BLOCK_M = {64: 64, 128: 64}
+_BWD_SM90_BLOCK_MS = {64: (64, 128), 128: (64,)}
+
+
+def bwd_sm90_block_m(head_dim_padded: int) -> int:
+    """BLOCK_M of the wgmma dK/dV kernel that select_bwd picks for this padded head_dim."""
+    return _BWD_SM90_BLOCK_M[head_dim_padded]
+
+
+def set_bwd_sm90_block_m(head_dim_padded: int, block_m: int) -> None:
+    """Experiment switch: select BLOCK_M query rows per step for this padded head_dim
+    in this process (plans memoised by ``_gpu.select_bwd`` must be dropped by the caller)."""
+    allowed = _BWD_SM90_BLOCK_MS.get(head_dim_padded)
+    if allowed is None:
+        raise ValueError(f"cupyflash: the wgmma dK/dV kernel serves head_dim {sorted(_BWD_SM90_BLOCK_MS)}; "
+                         f"got {head_dim_padded}")
+    if block_m not in allowed:
+        raise ValueError(f"cupyflash: the wgmma dK/dV kernel at head_dim {head_dim_padded} is built for "
+                         f"BLOCK_M in {allowed}; got {block_m}")
+    _BWD_SM90_BLOCK_M[head_dim_padded] = block_m
 
 
 # Deterministic dQ on wgmma (kernels_cu/flash_bwd_sm90.cu flash_bwd_dq_sm90_kernel),
@@ -397,16 +423,26 @@ def uses_sm90_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int]) -> bool:
     return cc == (9, 0) and vec and head_dim_padded in _BWD_SM90_HEAD_DIMS
 
 
+def bwd_dkdv_sm90_smem_bytes(head_dim_padded: int, block_m: int) -> int:
+    """kernels_cu/flash_bwd_sm90.cu BwdSm90Traits::SMEM_BYTES: K, V, dSᵀ (keys x
+    BLOCK_M), two stages of (Q, dO), two of (lse_log2, delta), the block's SeqLens,
+    and 1 KB to align to the swizzle atom."""
+    d, n = head_dim_padded, BWD_SM90_BLOCK_N
+    return (2 * n * d * 2 + n * block_m * 2 + 2 * 2 * block_m * d * 2 + 2 * 2 * block_m * 4
+            + _SEQLENS_SLOT_BYTES + 1024)
+
+
 def bwd_dkdv_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool, deterministic: bool,
-                         grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
-    """The wgmma dK/dV kernel (cc 9.0) for one set of compile-time choices."""
+                         grid: tuple[int, int, int] = (1, 1, 1), block_m: int | None = None) -> Launch:
+    """The wgmma dK/dV kernel (cc 9.0) for one set of compile-time choices;
+    ``block_m`` defaults to the selected one (bwd_sm90_block_m)."""
     d = head_dim_padded
-    # kernels_cu/flash_bwd_sm90.cu BwdSm90Traits::SMEM_BYTES: K, V, dSᵀ, two stages of
-    # (Q, dO), two of (lse_log2, delta), the block's SeqLens, and 1 KB to align to
-    # the swizzle atom.
-    smem = (2 * BWD_SM90_BLOCK_N * d * 2 + BWD_SM90_BLOCK_N * BWD_SM90_BLOCK_M * 2
-            + 2 * 2 * BWD_SM90_BLOCK_M * d * 2 + 2 * 2 * BWD_SM90_BLOCK_M * 4 + _SEQLENS_SLOT_BYTES + 1024)
-    args = (CTYPES[dtype], str(d), _cbool(causal), _cbool(even_k), _cbool(deterministic))
+    block_m = bwd_sm90_block_m(d) if block_m is None else block_m
+    if block_m not in _BWD_SM90_BLOCK_MS[d]:
+        raise ValueError(f"cupyflash: the wgmma dK/dV kernel at head_dim {d} is built for BLOCK_M in "
+                         f"{_BWD_SM90_BLOCK_MS[d]}; got {block_m}")
+    smem = bwd_dkdv_sm90_smem_bytes(d, block_m)
+    args = (CTYPES[dtype], str(d), str(block_m), _cbool(causal), _cbool(even_k), _cbool(deterministic))
     return Launch("flash_bwd_sm90.cu", "cupyflash::flash_bwd_dkdv_sm90_kernel", args, grid, (256, 1, 1), smem)
 
 
@@ -525,7 +561,8 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
         for dtype, d, causal, even_k, det in itertools.product(CTYPES, HEAD_DIMS, (False, True), (True, False),
                                                                (False, True)):
             if uses_sm90_bwd(d, True, cc):
-                out.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, det))
+                for block_m in _BWD_SM90_BLOCK_MS[d]:  # the experiments' too
+                    out.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, det, block_m=block_m))
                 if det:
                     out.append(bwd_dq_sm90_launch(dtype, d, causal, even_k))
     for dtype, vec in itertools.product(CTYPES, (True, False)):

@@ -7,21 +7,25 @@
 // are masked. Dense and packed (varlen) batches alike (seqlens.cuh).
 //
 // One block owns BLOCK_N = 128 keys of one (batch, KV head); each of its two
-// warpgroups owns 64 of them and loops over the query blocks (BLOCK_M = 64) of
-// the group's query heads. Everything is computed transposed, keys as rows, so
-// every product's A operand is either in shared memory or already in registers:
+// warpgroups owns 64 of them and loops over the query blocks (BLOCK_M = 64; 128
+// at D=64 as an experiment, see dispatch.py) of the group's query heads.
+// Everything is computed transposed, keys as rows, so every product's A operand
+// is either in shared memory or already in registers:
 //   Sᵀ  = K·Qᵀ          A = K (smem), B = Q (smem)               -> registers
 //   dPᵀ = V·dOᵀ         A = V (smem), B = dO (smem)              -> registers
 //   Pᵀ  = exp2(Sᵀ·scale·log2e − lse·log2e),  dSᵀ = Pᵀ∘(dPᵀ − delta)
 //   dV += Pᵀ·dO         A = Pᵀ (registers), B = dO (smem, MN-major)
 //   dK += dSᵀ·Q         A = dSᵀ (registers), B = Q (smem, MN-major)
 //   dQ  = dS·K          A = dSᵀ staged in smem (read MN-major), B = K (smem, MN-major);
-//                       warpgroup w takes columns [w·D/2, (w+1)·D/2) over all 128
-//                       keys, added to dq_accum with fp32 atomics.
+//                       over all 128 keys, warpgroup w takes columns [w·D/2, (w+1)·D/2)
+//                       of the 64 query rows (BLOCK_M = 64), or query rows
+//                       [64w, 64w + 64) with every column (BLOCK_M = 128); added to
+//                       dq_accum with fp32 atomics.
 // Q, dO, lse_log2 and delta are double-buffered (cp.async, 128-byte swizzle).
 //
-// Template parameters: T, HEAD_DIM (64 or 128), IS_CAUSAL, EVEN_K, DETERMINISTIC
-// (skip dQ: flash_bwd_dq_kernel computes it). 16-byte loads are assumed.
+// Template parameters: T, HEAD_DIM (64 or 128), BLOCK_M (64; or 128 at D=64),
+// IS_CAUSAL, EVEN_K, DETERMINISTIC (skip dQ: flash_bwd_dq_kernel computes it).
+// 16-byte loads are assumed.
 #include "params.cuh"
 #include "ptx.cuh"
 #include "seqlens.cuh"
@@ -33,16 +37,19 @@
 
 namespace cupyflash {
 
-template <typename T_, int HEAD_DIM_>
+template <typename T_, int HEAD_DIM_, int BLOCK_M_>
 struct BwdSm90Traits {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
-    static constexpr int BLOCK_M = 64;    // query rows per step
-    static constexpr int BLOCK_N = 128;   // keys per block, 64 per warpgroup
+    static constexpr int BLOCK_M = BLOCK_M_;  // query rows per step
+    static constexpr int BLOCK_N = 128;       // keys per block, 64 per warpgroup
+    // Sᵀ and dPᵀ hold BLOCK_M fp32 per thread next to dK and dV's HEAD_DIM: 128 query
+    // rows make that 192 at D=64 (250 registers in all), 256 at D=128.
+    static_assert(BLOCK_M == 64 || (BLOCK_M == 128 && HEAD_DIM == 64), "BLOCK_M: 64, or 128 at D=64");
     static constexpr int NUM_THREADS = 256;
     using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;   // K, V (and dK, dV staging)
     using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;    // Q, dO
-    using DSTile = Swizzle128Tile<T, BLOCK_N, BLOCK_M>;    // dSᵀ: key rows, 64 query columns
+    using DSTile = Swizzle128Tile<T, BLOCK_N, BLOCK_M>;    // dSᵀ: key rows, BLOCK_M query columns
     static constexpr int STAGE_BYTES = 2 * QTile::BYTES;
     static constexpr int ROWS_OFFSET = 2 * KVTile::BYTES + DSTile::BYTES + 2 * STAGE_BYTES;
     // lse_log2 and delta: 2 stages x 2 x BLOCK_M floats; the block's SeqLens;
@@ -51,14 +58,19 @@ struct BwdSm90Traits {
     static constexpr int SMEM_BYTES = SEQ_OFFSET + SeqLensSlot::BYTES + 1024;
 };
 
-template <typename T, int HEAD_DIM, bool IS_CAUSAL, bool EVEN_K, bool DETERMINISTIC>
+template <typename T, int HEAD_DIM, int BLOCK_M_, bool IS_CAUSAL, bool EVEN_K, bool DETERMINISTIC>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
-    using Tr = BwdSm90Traits<T, HEAD_DIM>;
+    using Tr = BwdSm90Traits<T, HEAD_DIM, BLOCK_M_>;
     constexpr int BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N, NT = Tr::NUM_THREADS;
     constexpr int D_TILES = HEAD_DIM / 8;        // n8 tiles of dK, dV
     constexpr int M_TILES = BLOCK_M / 8;         // n8 tiles of Sᵀ, dPᵀ (query columns)
-    constexpr int DQ_COLS = HEAD_DIM / 2;        // dQ columns per warpgroup
+    // dQ's BLOCK_M x HEAD_DIM per step, split over the two warpgroups as 64-row
+    // wgmmas: the 64 rows, half the columns each (BLOCK_M = 64), or 64 rows each,
+    // every column (BLOCK_M = 128: one m64n64 accumulator, as many registers as
+    // 128 rows x 32 columns, but half the wgmmas, and the K tile read once).
+    constexpr bool DQ_SPLIT_ROWS = BLOCK_M == 128;
+    constexpr int DQ_COLS = DQ_SPLIT_ROWS ? HEAD_DIM : HEAD_DIM / 2;  // dQ columns per warpgroup
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
     using DSTile = typename Tr::DSTile;
@@ -77,8 +89,10 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     const int wg = warp / 4;
     const int g = lane / 4, t = lane % 4;
     // This thread's fragment rows: keys key_row0 and key_row0 + 8 of the block
-    // (Sᵀ, dPᵀ, dK, dV); in dQ, query rows 16 (warp % 4) + g (+ 8) of a step.
+    // (Sᵀ, dPᵀ, dK, dV); in dQ, query rows dq_row0 + 16 (warp % 4) + g (+ 8) of a
+    // step, columns from dq_col0.
     const int key_row0 = wg * 64 + (warp % 4) * 16 + g;
+    const int dq_row0 = DQ_SPLIT_ROWS ? wg * 64 : 0, dq_col0 = DQ_SPLIT_ROWS ? 0 : wg * DQ_COLS;
 
     // ---- which tile (as flash_bwd_dkdv_kernel): key blocks of one (batch, KV
     //      head, split) adjacent; causal runs the heaviest key blocks first.
@@ -269,16 +283,16 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
             fence_proxy_async_smem();
             asm volatile("bar.sync 1, 256;\n" ::: "memory");  // all of dSᵀ written
 
-            // ---- dQ[:, wg·D/2 ..] = dS·K over all 128 keys: A = dS read MN-major from
-            //      the dSᵀ tile, B = K read MN-major (its columns from wg·D/2)
+            // ---- dQ[dq_row0 .. + 64, dq_col0 .. + DQ_COLS] = dS·K over all 128 keys:
+            //      A = dS read MN-major from the dSᵀ tile (its 64-column block of those
+            //      query rows), B = K read MN-major (its columns from dq_col0)
             float dq[1][DQ_COLS / 8][4];
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
                 Wgmma<T, DQ_COLS>::template ss<1, 1>(
-                    dq[0], desc_mn_major<BLOCK_N>(sdS_, kk),
-                    desc_mn_major<BLOCK_N>(sK_ + (wg * DQ_COLS / 64) * KVTile::BLOCK_BYTES + (wg * DQ_COLS % 64) * 2,
-                                           kk),
+                    dq[0], desc_mn_major<BLOCK_N>(sdS_ + (dq_row0 / 64) * DSTile::BLOCK_BYTES, kk),
+                    desc_mn_major<BLOCK_N>(sK_ + (dq_col0 / 64) * KVTile::BLOCK_BYTES + (dq_col0 % 64) * 2, kk),
                     kk > 0);
             }
             wgmma_commit();
@@ -286,7 +300,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
             fence_operands(dq[0]);
             const SeqLens seq = seq_slot.load();
             float* dq_accum = p.dq_accum + query_row_index(p, b, h, seq, m0) * HEAD_DIM;
-            atomic_add_frag(dq_accum, HEAD_DIM, dq, (warp % 4) * 16, wg * DQ_COLS, seq.seqlen_q - m0);
+            atomic_add_frag(dq_accum, HEAD_DIM, dq, dq_row0 + (warp % 4) * 16, dq_col0, seq.seqlen_q - m0);
         } else {
             wgmma_wait<0>();
         }
