@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="experiment: query rows per step of the wgmma dK/dV kernel (cc 9.0) for one "
                              "padded head_dim in this process, e.g. 64:128 (dispatch._BWD_SM90_BLOCK_MS "
                              "lists the compiled values)")
+    parser.add_argument("--fwd-overlap", action="store_true",
+                        help="experiment: the software-pipelined wgmma forward (softmax of one key block "
+                             "overlapping the previous block's P·V; dispatch.FWD_SM90_OVERLAP), for A/B runs")
     parser.add_argument("--fwd-sm90", action="append", default=None, metavar="D:BLOCK_N,CTAS_PER_SM",
                         help="experiment: override the wgmma forward tile of one head_dim in this process")
     parser.add_argument("--fwd-tiles", action="append", default=None, metavar="D:BLOCK_M,BLOCK_N,WARPS",
@@ -144,7 +147,7 @@ def run_point(cupy, torch_env, *, head_dim, seqlen, dtype, causal, tokens, reps,
                            dtype=dtype, causal=causal, vec=True, num_sms=_gpu._num_sms(q.device.id),
                            cc=_gpu._cc(q.device.id))
     wgmma = plan.main.source == "flash_fwd_sm90.cu"
-    res["fwd_kernel"] = "wgmma" if wgmma else "mma.sync"
+    res["fwd_kernel"] = ("wgmma-overlap" if plan.main.args[-1] == "true" else "wgmma") if wgmma else "mma.sync"
     res["ours_fwd_frac_ceiling"] = res["ours_fwd_tflops"] / (WGMMA_CEILING_TFLOPS if wgmma else MMA_SYNC_CEILING_TFLOPS)
     if bwd:
         try:
@@ -274,6 +277,9 @@ def main(args: argparse.Namespace) -> int:
     if args.bwd_dq == "mma":
         from . import dispatch  # noqa: PLC0415
         dispatch.BWD_DQ_SM90 = False
+    if args.fwd_overlap:
+        from . import dispatch  # noqa: PLC0415
+        dispatch.FWD_SM90_OVERLAP = True
     if args.fwd_kernel == "mma":
         from . import dispatch  # noqa: PLC0415
         dispatch._FWD_SM90.clear()  # noqa: SLF001

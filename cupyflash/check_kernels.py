@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _quick_sm90(launch) -> bool:
-    """The wgmma kernels (cc 9.0) in --quick: fp16, even head_dim, default (atomic-dQ) mode."""
+    """The wgmma kernels (cc 9.0) in --quick: fp16, even head_dim, default (atomic-dQ, no
+    overlap) mode."""
     args = launch.args
     if not launch.source.endswith("_sm90.cu") or args[0] != "__half":
         return False
@@ -34,7 +35,9 @@ def _quick_sm90(launch) -> bool:
 
         # the selected BLOCK_M only (the experiments' variants in the full run)
         return args[2] == str(dispatch.bwd_sm90_block_m(int(args[1]))) and args[4] == "true" and args[5] == "false"
-    return args[-1] == "true"  # forward and dQ: <..., IS_CAUSAL, EVEN_K>
+    if launch.template.endswith("flash_fwd_sm90_kernel"):  # <..., IS_CAUSAL, EVEN_K, OVERLAP>
+        return args[5] == "true" and args[6] == "false"
+    return args[-1] == "true"  # dQ: <..., IS_CAUSAL, EVEN_K>
 
 
 def _launches(arch: tuple[int, int], quick: bool, match: str | None):

@@ -4,7 +4,7 @@ Every function here is pure (shapes in, frozen plans out), needs no GPU, and is
 unit-tested in ``tests/test_dispatch.py``. The template-argument order follows
 ``kernels_cu/flash_fwd.cu``: ``<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
 IS_CAUSAL, EVEN_K, VEC, IS_SPLIT>``, and ``kernels_cu/flash_fwd_sm90.cu``:
-``<T, HEAD_DIM, BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K>``.
+``<T, HEAD_DIM, BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K, OVERLAP>``.
 """
 
 from __future__ import annotations
@@ -65,6 +65,13 @@ _FWD_SM90 = {
     64: ((64, 2), (64, 2)),
     128: ((128, 1), (128, 1)),
 }
+# Experiment, off by default (`bench --fwd-overlap`): the software-pipelined key
+# loop (OVERLAP; FlashAttention-3's intra-warpgroup overlap: the softmax of one key
+# block runs while the tensor cores do the previous block's P·V) on the same tiles
+# and 3-stage ring, V streamed one block behind K. No spill on either tile under
+# NVRTC 13.5 (D=64: 127-128 registers, so still two blocks per SM; D=128: 243-248).
+# Compile-checked and SASS-inspected only, not yet run on a GPU (kernels_cu/PERF.md).
+FWD_SM90_OVERLAP = False
 SM90_BLOCK_M = 128
 SM90_THREADS = 256
 SM90_STAGES = 3
@@ -136,13 +143,18 @@ def fwd_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool, vec
 
 
 def fwd_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
-                    grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
-    """The wgmma forward kernel (cc 9.0) for one set of compile-time choices."""
+                    grid: tuple[int, int, int] = (1, 1, 1), overlap: bool = False) -> Launch:
+    """The wgmma forward kernel (cc 9.0) for one set of compile-time choices.
+
+    ``overlap``: the software-pipelined key loop (see ``FWD_SM90_OVERLAP``).
+    """
     block_n, ctas_per_sm = _FWD_SM90[head_dim_padded][int(causal)]
     # kernels_cu/flash_fwd_sm90.cu FwdSm90Traits::SMEM_BYTES: Q, STAGES x (K, V), and
-    # 1 KB to align the window to the 128-byte swizzle's 1024-byte atom.
+    # 1 KB to align the window to the 128-byte swizzle's 1024-byte atom. (OVERLAP
+    # adds 8 bytes of static shared memory: 225 KB + 8 B at D=128, under 227 KB.)
     smem = 2 * head_dim_padded * (SM90_BLOCK_M + 2 * SM90_STAGES * block_n) + 1024
-    args = (CTYPES[dtype], str(head_dim_padded), str(block_n), str(ctas_per_sm), _cbool(causal), _cbool(even_k))
+    args = (CTYPES[dtype], str(head_dim_padded), str(block_n), str(ctas_per_sm), _cbool(causal), _cbool(even_k),
+            _cbool(overlap))
     return Launch("flash_fwd_sm90.cu", "cupyflash::flash_fwd_sm90_kernel", args, grid, (SM90_THREADS, 1, 1), smem)
 
 
@@ -194,7 +206,8 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
                                                    math.ceil(seqlen_k / block_n), num_sms)
     if splits == 1 and uses_sm90_fwd(d, vec, cc):
         num_m_blocks = math.ceil(seqlen_q / block_m)
-        main = fwd_sm90_launch(dtype, d, causal, head_dim == d, (num_m_blocks * batch * nheads_q, 1, 1))
+        main = fwd_sm90_launch(dtype, d, causal, head_dim == d, (num_m_blocks * batch * nheads_q, 1, 1),
+                               FWD_SM90_OVERLAP)
         return FwdPlan(main, None, d, num_m_blocks, 1, math.ceil(seqlen_k / block_n))
     if splits > 1:
         block_m, block_n, _ = fwd_tiles(d, vec, causal, cc, split=True)
@@ -217,9 +230,11 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
         out.append(fwd_launch(dtype, d, causal, even_k, vec, split, cc=cc))
     for dtype, d in itertools.product(CTYPES, HEAD_DIMS):
         out.append(combine_launch(dtype, d))
-    for dtype, d, causal, even_k in itertools.product(CTYPES, HEAD_DIMS, (False, True), (True, False)):
+    # The OVERLAP experiment too, whether or not it is switched on, so check-kernels keeps it clean.
+    for dtype, d, causal, even_k, overlap in itertools.product(CTYPES, HEAD_DIMS, (False, True), (True, False),
+                                                               (False, True)):
         if uses_sm90_fwd(d, True, cc):
-            out.append(fwd_sm90_launch(dtype, d, causal, even_k))
+            out.append(fwd_sm90_launch(dtype, d, causal, even_k, overlap=overlap))
     return out
 
 

@@ -75,19 +75,42 @@ struct OnlineSoftmax {
     template <int N_TILES, int D_TILES>
     __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float (&acc_o)[M_TILES][D_TILES][4],
                                            float (&row_sum)[M_TILES][2], float scale_log2) {
+        float alpha[M_TILES][2];
+        update_sums(s, row_sum, scale_log2, alpha);
+        rescale(acc_o, alpha);
+    }
+
+    // update() in two parts, for kernels whose O += P·V of the previous key block is
+    // still in flight when the next block's scores arrive (FlashAttention-3's
+    // intra-warpgroup overlap): update_sums turns s into P and rescales and adds to
+    // the thread-partial row sums, leaving in alpha each row's factor for acc_o;
+    // rescale applies it once that product has landed (before the next one is issued).
+    template <int N_TILES>
+    __device__ __forceinline__ void update_sums(float (&s)[M_TILES][N_TILES][4], float (&row_sum)[M_TILES][2],
+                                                float scale_log2, float (&alpha)[M_TILES][2]) {
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const float alpha = exp_row(s, i, h, scale_log2);
+                alpha[i][h] = exp_row(s, i, h, scale_log2);
                 float sum = 0.f;
 #pragma unroll
                 for (int j = 0; j < N_TILES; ++j) sum += s[i][j][2 * h] + s[i][j][2 * h + 1];
-                row_sum[i][h] = fmaf(row_sum[i][h], alpha, sum);
+                row_sum[i][h] = fmaf(row_sum[i][h], alpha[i][h], sum);
+            }
+        }
+    }
+    template <int D_TILES>
+    __device__ __forceinline__ static void rescale(float (&acc_o)[M_TILES][D_TILES][4],
+                                                   const float (&alpha)[M_TILES][2]) {
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
 #pragma unroll
                 for (int d = 0; d < D_TILES; ++d) {
-                    acc_o[i][d][2 * h] *= alpha;
-                    acc_o[i][d][2 * h + 1] *= alpha;
+                    acc_o[i][d][2 * h] *= alpha[i][h];
+                    acc_o[i][d][2 * h + 1] *= alpha[i][h];
                 }
             }
         }

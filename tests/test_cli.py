@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cupyflash import cli, cpu
+from cupyflash import bench, cli, cpu
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -128,6 +129,13 @@ def test_plugin_is_registered(monkeypatch, command, module):
     monkeypatch.delattr(f"cupyflash.{module}", raising=False)
     assert cli.main([command, "--arch", "9.0"]) == 7
     assert seen == ["9.0"]
+
+
+def test_bench_has_the_fwd_overlap_experiment_switch():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args([]).fwd_overlap is False
+    assert parser.parse_args(["--fwd-overlap"]).fwd_overlap is True
 
 
 class _FakeGpuArray:

@@ -28,7 +28,7 @@ def test_standard_grid_does_not_split(head_dim, causal, cc):
     plan = dispatch.select_fwd(batch=16, seqlen_q=1024, seqlen_k=1024, nheads_q=2048 // head_dim,
                                head_dim=head_dim, dtype="float16", causal=causal, vec=True, cc=cc)
     assert plan.num_splits == 1 and plan.combine is None
-    if cc == (9, 0):  # the wgmma kernel: <T, HEAD_DIM, BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K>
+    if cc == (9, 0):  # the wgmma kernel: <T, HEAD_DIM, BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K, OVERLAP>
         assert plan.main.template == "cupyflash::flash_fwd_sm90_kernel"
         block_m, causal_arg = dispatch.SM90_BLOCK_M, plan.main.args[4]
     else:
@@ -64,9 +64,54 @@ def test_which_forward_kernel(case, wgmma):
 
 def test_wgmma_variants_fit_hopper_shared_memory_and_are_checked_on_sm90_only():
     sm90 = [L for L in dispatch.all_fwd_launches((9, 0)) if L.source == "flash_fwd_sm90.cu"]
-    assert len(sm90) == 2 * 2 * 2 * 2  # dtype x head_dim (64, 128) x causal x even_k
-    assert all(L.smem_bytes <= 227 * 1024 for L in sm90)
+    assert len(sm90) == 2 * 2 * 2 * 2 * 2  # dtype x head_dim (64, 128) x causal x even_k x overlap
+    # + 8 bytes of static shared memory for the overlap variants
+    assert all(L.smem_bytes + 8 <= 227 * 1024 for L in sm90)
     assert not [L for L in dispatch.all_fwd_launches((8, 0)) if L.source == "flash_fwd_sm90.cu"]
+
+
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (64, True), (100, True), (128, False)])
+def test_overlap_flag_selects_the_pipelined_wgmma_loop(monkeypatch, head_dim, causal):
+    """dispatch.FWD_SM90_OVERLAP (off by default) flips only OVERLAP, the last template
+    argument: same tile, grid, block and shared memory."""
+    kw = dict(batch=2, seqlen_q=1000, seqlen_k=1500, nheads_q=16, head_dim=head_dim, dtype="bfloat16",
+              causal=causal, vec=True, cc=(9, 0))
+    assert dispatch.FWD_SM90_OVERLAP is False
+    serial = dispatch.select_fwd(**kw)
+    monkeypatch.setattr(dispatch, "FWD_SM90_OVERLAP", True)
+    overlap = dispatch.select_fwd(**kw)
+    assert serial.main.template == overlap.main.template == "cupyflash::flash_fwd_sm90_kernel"
+    assert (serial.main.args[-1], overlap.main.args[-1]) == ("false", "true")
+    assert serial.main.args[:-1] == overlap.main.args[:-1]
+    assert (serial.main.grid, serial.main.block, serial.main.smem_bytes) == \
+        (overlap.main.grid, overlap.main.block, overlap.main.smem_bytes)
+    assert serial.n_blocks_per_split == overlap.n_blocks_per_split
+
+
+@pytest.mark.parametrize("case", [dict(cc=(8, 0)), dict(vec=False), dict(head_dim=256),
+                                  dict(seqlen_q=1, seqlen_k=8192)])
+def test_overlap_flag_leaves_the_mma_sync_kernel_alone(monkeypatch, case):
+    kw = dict(batch=2, seqlen_q=2048, seqlen_k=2048, nheads_q=16, head_dim=64, dtype="float16",
+              causal=False, vec=True, cc=(9, 0))
+    kw.update(case)
+    before = dispatch.select_fwd(**kw)
+    monkeypatch.setattr(dispatch, "FWD_SM90_OVERLAP", True)
+    assert dispatch.select_fwd(**kw) == before
+    assert before.main.template == "cupyflash::flash_fwd_kernel"
+
+
+def test_check_kernels_lists_the_overlap_variants():
+    """check-kernels compiles the overlap variants whether or not the flag is on (--quick
+    keeps to the default loop)."""
+    from cupyflash import check_kernels
+
+    names = {L.name_expression for L in check_kernels._launches((9, 0), False, "flash_fwd_sm90")}
+    for dtype, d, causal, even_k in itertools.product(dispatch.CTYPES, (64, 128), (False, True), (True, False)):
+        for overlap in (False, True):
+            assert dispatch.fwd_sm90_launch(dtype, d, causal, even_k, overlap=overlap).name_expression in names
+    assert len(names) == 32
+    assert all(n.endswith(", false>") for n in
+               (L.name_expression for L in check_kernels._launches((9, 0), True, "flash_fwd_sm90")))
 
 
 def test_decode_shape_splits_keys_and_covers_them_all():
