@@ -417,8 +417,9 @@ _BWD_DQ_SM90 = {64: (128, 1), 128: (64, 1)}
 BWD_DQ_SM90_BLOCK_M = 128
 # Padded head_dims whose default (non-deterministic) backward on Hopper also
 # takes dQ from the wgmma dQ kernel instead of atomics in the dK/dV kernel: at
-# D=64 the two-kernel path measured faster in 38 of 40 grid points over two H200
-# runs (median 1.03x; kernels_cu/PERF.md v10). At D=128 it did not (0.94-1.06x).
+# D=64 the two-kernel path measured faster in 34 of 40 grid points over two H200
+# runs (median 1.03x, worst 0.97x; kernels_cu/PERF.md v12). At D=128 it did not
+# (0.94-1.06x).
 _BWD_SM90_SEPARATE_DQ = (64,)
 
 
