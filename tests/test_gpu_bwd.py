@@ -250,12 +250,10 @@ def _wgmma_cases():
 @pytest.mark.parametrize("dtype,head_dim,causal,seqlens,deterministic", list(_wgmma_cases()))
 def test_bwd_wgmma_kernel(rng, dtype, head_dim, causal, seqlens, deterministic):
     """Hopper's wgmma dK/dV kernel: several key and query blocks, tails, bottom-right causal, GQA."""
-    from cupyflash import _gpu, dispatch
+    from cupyflash import dispatch
 
     cp = _cp()
-    cc = _gpu._cc(cp.cuda.Device().id)
-    if cc != (9, 0):
-        pytest.skip(f"the wgmma kernel runs on compute capability 9.0; this GPU is {cc}")
+    cc = _skip_unless_hopper(cp)
     plan = dispatch.select_bwd(batch=1, seqlen_q=seqlens[0], seqlen_k=seqlens[1], nheads_q=4, nheads_kv=2,
                                head_dim=head_dim, dtype=dtype, causal=causal, deterministic=deterministic,
                                vec=True, cc=cc)
@@ -274,9 +272,7 @@ def test_bwd_wgmma_atomic_dq_at_head_dim_64(rng, monkeypatch, dtype, causal, seq
     from cupyflash import _gpu, dispatch
 
     cp = _cp()
-    cc = _gpu._cc(cp.cuda.Device().id)
-    if cc != (9, 0):
-        pytest.skip(f"the wgmma kernels run on compute capability 9.0; this GPU is {cc}")
+    cc = _skip_unless_hopper(cp)
     monkeypatch.setattr(dispatch, "BWD_DQ_SM90", False)
     _gpu.select_bwd.cache_clear()  # plans are memoised: drop those made with the flag on
     try:
@@ -297,12 +293,10 @@ def test_bwd_wgmma_atomic_dq_at_head_dim_64(rng, monkeypatch, dtype, causal, seq
 def test_bwd_wgmma_dq_kernel_is_deterministic(rng, dtype, head_dim, causal, seqlens):
     """The deterministic dQ kernel on wgmma: against the reference, and bitwise
     equal over two runs."""
-    from cupyflash import _gpu, dispatch
+    from cupyflash import dispatch
 
     cp = _cp()
-    cc = _gpu._cc(cp.cuda.Device().id)
-    if cc != (9, 0):
-        pytest.skip(f"the wgmma kernels run on compute capability 9.0; this GPU is {cc}")
+    cc = _skip_unless_hopper(cp)
     plan = dispatch.select_bwd(batch=1, seqlen_q=seqlens[0], seqlen_k=seqlens[1], nheads_q=4, nheads_kv=2,
                                head_dim=head_dim, dtype=dtype, causal=causal, deterministic=True,
                                vec=True, cc=cc)
