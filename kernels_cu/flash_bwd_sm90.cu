@@ -29,6 +29,7 @@
 #include "params.cuh"
 #include "ptx.cuh"
 #include "seqlens.cuh"
+#include "query_grid.cuh"
 #include "bwd_rows.cuh"
 #include "tile_io.cuh"
 #include "mask.cuh"
@@ -414,14 +415,10 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
     const int wg = warp / 4;
     const int g = lane / 4, t = lane % 4;
 
-    // ---- which tile (as flash_bwd_dq_kernel): query blocks of one head
-    //      adjacent; causal runs the heaviest (last) query blocks first.
-    const int num_m_blocks = ceil_div(p.seqlen_q, BLOCK_M);
-    const int bh = blockIdx.x / num_m_blocks;
-    int m_block = blockIdx.x % num_m_blocks;
-    if (IS_CAUSAL) m_block = num_m_blocks - 1 - m_block;
-    const int b = bh / p.nheads_q, h = bh % p.nheads_q;
-    const int h_kv = h / (p.nheads_q / p.nheads_kv);
+    // ---- which tile (query_grid.cuh)
+    const TileCoords tc = query_tile_coords<IS_CAUSAL>(blockIdx.x, ceil_div(p.seqlen_q, BLOCK_M), p.nheads_q,
+                                                       p.nheads_kv);
+    const int b = tc.b, h = tc.h, h_kv = tc.h_kv, m_block = tc.m_block;
     const SeqLens seq = seq_lens(p, b);
     const int m0 = m_block * BLOCK_M;
     if (m0 >= seq.seqlen_q) return;  // past the end of a shorter sequence of a packed batch

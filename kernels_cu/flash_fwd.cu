@@ -22,7 +22,7 @@
 #include "params.cuh"
 #include "ptx.cuh"
 #include "seqlens.cuh"
-#include "fwd_grid.cuh"
+#include "query_grid.cuh"
 #include "tile_io.cuh"
 #include "mask.cuh"
 #include "online_softmax.cuh"

@@ -31,7 +31,7 @@
 // Dense and packed (varlen) batches alike (seqlens.cuh).
 #include "params.cuh"
 #include "seqlens.cuh"
-#include "fwd_grid.cuh"
+#include "query_grid.cuh"
 #include "ptx.cuh"
 #include "tile_io.cuh"
 #include "mask.cuh"

@@ -121,139 +121,60 @@ __device__ __forceinline__ void acc_to_a_operand(const float (&acc)[2 * K_STEPS]
 // Wgmma<T, N>::ss<TRANS_A, TRANS_B>(d, a_desc, b_desc, accumulate): D (64xN) (+)= A (64x16)
 // * B (16xN), both from shared memory; TRANS = 1 reads that operand MN-major (M or N
 // contiguous) instead of K-major. Wgmma<T, N>::rs<TRANS_B>(d, a, b_desc): D += A (64x16,
-// registers) * B. One macro per N spells the operand list once for both input types.
+// registers) * B.
 template <typename T, int N> struct Wgmma;
 
-#define CUPYFLASH_WGMMA_N32(CTYPE, PTX) \
-template <> struct Wgmma<CTYPE, 32> { \
-    template <int TRANS_A, int TRANS_B> \
-    static __device__ __forceinline__ void ss(float (&d)[4][4], uint64 a, uint64 b, int accumulate) { \
-        asm volatile( \
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
-            "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTX "." PTX " " \
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
-            "%16, %17, p, 1, 1, %19, %20;\n}\n" \
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]) \
-            : "l"(a), "l"(b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B)); \
-    } \
-    template <int TRANS_B> \
-    static __device__ __forceinline__ void rs(float (&d)[4][4], const uint32 (&a)[4], uint64 b) { \
-        asm volatile( \
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n" \
-            "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTX "." PTX " " \
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, " \
-            "{%16, %17, %18, %19}, %20, p, 1, 1, %22;\n}\n" \
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]) \
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(TRANS_B)); \
-    } \
-};
-CUPYFLASH_WGMMA_N32(__half, "f16")
-CUPYFLASH_WGMMA_N32(__nv_bfloat16, "bf16")
-#undef CUPYFLASH_WGMMA_N32
+// The fp32 accumulator operands of an m64nN tile: N / 2 registers per thread.
+#define CUPYFLASH_ACC4(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define CUPYFLASH_ACC_32 CUPYFLASH_ACC4(0), CUPYFLASH_ACC4(1), CUPYFLASH_ACC4(2), CUPYFLASH_ACC4(3)
+#define CUPYFLASH_ACC_64 CUPYFLASH_ACC_32, CUPYFLASH_ACC4(4), CUPYFLASH_ACC4(5), CUPYFLASH_ACC4(6), CUPYFLASH_ACC4(7)
+#define CUPYFLASH_ACC_128 CUPYFLASH_ACC_64, \
+    CUPYFLASH_ACC4(8), CUPYFLASH_ACC4(9), CUPYFLASH_ACC4(10), CUPYFLASH_ACC4(11), \
+    CUPYFLASH_ACC4(12), CUPYFLASH_ACC4(13), CUPYFLASH_ACC4(14), CUPYFLASH_ACC4(15)
+#define CUPYFLASH_REGS_32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define CUPYFLASH_REGS_64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define CUPYFLASH_REGS_128 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
-#define CUPYFLASH_WGMMA_N64(CTYPE, PTX) \
-template <> struct Wgmma<CTYPE, 64> { \
+// One specialisation per (input type, N). The operands after the N / 2
+// accumulators are numbered I0.. : ss takes a_desc, b_desc, accumulate (as the
+// predicate), TRANS_A, TRANS_B = I0..I4; rs the four A registers, b_desc, the
+// predicate, TRANS_B = I0..I6.
+#define CUPYFLASH_WGMMA(CTYPE, PTX, N, I0, I1, I2, I3, I4, I5, I6) \
+template <> struct Wgmma<CTYPE, N> { \
     template <int TRANS_A, int TRANS_B> \
-    static __device__ __forceinline__ void ss(float (&d)[8][4], uint64 a, uint64 b, int accumulate) { \
+    static __device__ __forceinline__ void ss(float (&d)[N / 8][4], uint64 a, uint64 b, int accumulate) { \
         asm volatile( \
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX " " \
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
-            "%32, %33, p, 1, 1, %35, %36;\n}\n" \
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]) \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %" #I2 ", 0;\n" \
+            "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " CUPYFLASH_REGS_##N ", " \
+            "%" #I0 ", %" #I1 ", p, 1, 1, %" #I3 ", %" #I4 ";\n}\n" \
+            : CUPYFLASH_ACC_##N \
             : "l"(a), "l"(b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B)); \
     } \
     template <int TRANS_B> \
-    static __device__ __forceinline__ void rs(float (&d)[8][4], const uint32 (&a)[4], uint64 b) { \
+    static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const uint32 (&a)[4], uint64 b) { \
         asm volatile( \
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX "." PTX " " \
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
-            "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n" \
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]) \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %" #I5 ", 0;\n" \
+            "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " CUPYFLASH_REGS_##N ", " \
+            "{%" #I0 ", %" #I1 ", %" #I2 ", %" #I3 "}, %" #I4 ", p, 1, 1, %" #I6 ";\n}\n" \
+            : CUPYFLASH_ACC_##N \
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(TRANS_B)); \
     } \
 };
-CUPYFLASH_WGMMA_N64(__half, "f16")
-CUPYFLASH_WGMMA_N64(__nv_bfloat16, "bf16")
-#undef CUPYFLASH_WGMMA_N64
-
-#define CUPYFLASH_WGMMA_N128(CTYPE, PTX) \
-template <> struct Wgmma<CTYPE, 128> { \
-    template <int TRANS_A, int TRANS_B> \
-    static __device__ __forceinline__ void ss(float (&d)[16][4], uint64 a, uint64 b, int accumulate) { \
-        asm volatile( \
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX " " \
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
-            "%64, %65, p, 1, 1, %67, %68;\n}\n" \
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
-              "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
-              "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
-              "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
-              "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
-              "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
-              "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
-              "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
-              "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]) \
-            : "l"(a), "l"(b), "r"(accumulate), "n"(TRANS_A), "n"(TRANS_B)); \
-    } \
-    template <int TRANS_B> \
-    static __device__ __forceinline__ void rs(float (&d)[16][4], const uint32 (&a)[4], uint64 b) { \
-        asm volatile( \
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX "." PTX " " \
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
-            "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n" \
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
-              "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
-              "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
-              "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
-              "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
-              "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
-              "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
-              "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
-              "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]) \
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(TRANS_B)); \
-    } \
-};
-CUPYFLASH_WGMMA_N128(__half, "f16")
-CUPYFLASH_WGMMA_N128(__nv_bfloat16, "bf16")
-#undef CUPYFLASH_WGMMA_N128
+CUPYFLASH_WGMMA(__half, "f16", 32, 16, 17, 18, 19, 20, 21, 22)
+CUPYFLASH_WGMMA(__nv_bfloat16, "bf16", 32, 16, 17, 18, 19, 20, 21, 22)
+CUPYFLASH_WGMMA(__half, "f16", 64, 32, 33, 34, 35, 36, 37, 38)
+CUPYFLASH_WGMMA(__nv_bfloat16, "bf16", 64, 32, 33, 34, 35, 36, 37, 38)
+CUPYFLASH_WGMMA(__half, "f16", 128, 64, 65, 66, 67, 68, 69, 70)
+CUPYFLASH_WGMMA(__nv_bfloat16, "bf16", 128, 64, 65, 66, 67, 68, 69, 70)
+#undef CUPYFLASH_WGMMA
+#undef CUPYFLASH_REGS_128
+#undef CUPYFLASH_REGS_64
+#undef CUPYFLASH_REGS_32
+#undef CUPYFLASH_ACC_128
+#undef CUPYFLASH_ACC_64
+#undef CUPYFLASH_ACC_32
+#undef CUPYFLASH_ACC4
 
 
 }  // namespace cupyflash
