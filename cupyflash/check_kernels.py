@@ -25,16 +25,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _quick_sm90(launch) -> bool:
-    """The wgmma kernels (cc 9.0) in --quick: fp16, even head_dim, default (atomic-dQ, no
-    overlap) mode."""
+    """The wgmma kernels (cc 9.0) in --quick: fp16, even head_dim, the variants the
+    default (non-deterministic) mode launches."""
     args = launch.args
     if not launch.source.endswith("_sm90.cu") or args[0] != "__half":
         return False
     if launch.template.endswith("flash_bwd_dkdv_sm90_kernel"):  # <T, D, BLOCK_M, CAUSAL, EVEN_K, DETERMINISTIC>
         from . import dispatch  # noqa: PLC0415
 
-        # the selected BLOCK_M only (the experiments' variants in the full run)
-        return args[2] == str(dispatch.bwd_sm90_block_m(int(args[1]))) and args[4] == "true" and args[5] == "false"
+        # the selected BLOCK_M only (the experiments' variants in the full run); no dQ
+        # where the default takes dQ from its own kernel
+        d = int(args[1])
+        no_dq = dispatch.BWD_DQ_SM90 and d in dispatch._BWD_SM90_SEPARATE_DQ  # noqa: SLF001
+        return args[2] == str(dispatch.bwd_sm90_block_m(d)) and args[4] == "true" and args[5] == str(no_dq).lower()
     if launch.template.endswith("flash_fwd_sm90_kernel"):  # <..., IS_CAUSAL, EVEN_K, OVERLAP>
         return args[5] == "true" and args[6] == "false"
     return args[-1] == "true"  # dQ: <..., IS_CAUSAL, EVEN_K>

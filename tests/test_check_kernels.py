@@ -81,3 +81,21 @@ def test_quick_selection_covers_the_wgmma_kernels_on_sm90_only():
     for kernel in ("flash_fwd_sm90_kernel", "flash_bwd_dkdv_sm90_kernel", "flash_bwd_dq_sm90_kernel"):
         assert names.count(kernel) == 4, kernel  # head_dim 64 and 128, causal or not
     assert not [L for L in check_kernels._launches((8, 0), True, None) if L.source.endswith("_sm90.cu")]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_quick_selection_holds_the_default_plans_wgmma_kernels(head_dim, causal):
+    """--quick compiles what an fp16 default call on the H200 launches (at head_dim 64
+    that is the dK/dV variant without dQ, then the dQ kernel)."""
+    from cupyflash import check_kernels, dispatch
+
+    quick = {L.name_expression for L in check_kernels._launches((9, 0), True, None)}
+    shape = dict(batch=2, seqlen_q=1024, seqlen_k=1024, nheads_q=8, head_dim=head_dim, dtype="float16",
+                 causal=causal, vec=True, cc=(9, 0))
+    launches = [dispatch.select_fwd(**shape).main,
+                *dispatch.select_bwd(nheads_kv=8, deterministic=False, **shape).launches]
+    wgmma = [L for L in launches if L.source.endswith("_sm90.cu")]
+    assert len(wgmma) == (3 if head_dim == 64 else 2)  # fwd, dK/dV (, dQ)
+    for launch in wgmma:
+        assert launch.name_expression in quick, launch.name_expression
