@@ -2,16 +2,28 @@
 CuPy arrays to the GPU kernels.  Other arrays (torch, JAX, anything with
 ``__dlpack__`` or ``__cuda_array_interface__``) go through :mod:`._interop`,
 which views them as NumPy/CuPy arrays without copying, calls back in here and
-hands the results back in the caller's type."""
+hands the results back in the caller's type (torch CUDA tensors take a lean
+path of their own, :mod:`._torch_path`).
+
+Each call is validated and planned once per call signature (see ``_fwd``):
+a repeated call with the same shapes, strides, dtypes, device, alignment and
+flags goes straight to the kernel launch."""
 
 from __future__ import annotations
 
-from . import _checks, _interop, cpu
+import sys
+
+import numpy as np
+
+from . import _checks, _interop, _launch, cpu
+from ._checks import NOT_IMPLEMENTED as _OFF
 
 __all__ = ["flash_attn_fwd", "flash_attn_bwd", "flash_attn"]
 
 
-def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None):
+@_interop.accepts_foreign("q", "k", "v")
+def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out=None, lse=None,
+                   dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
     """Exact attention forward pass, ``softmax(q @ k.T * softmax_scale) @ v``.
 
     Computed tile by tile with an online softmax (FlashAttention-2), so the
@@ -63,6 +75,15 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None):
         ``"bfloat16"`` (or ``"float16"``) for uint16/int16 arrays of raw bits,
         since CuPy has no bfloat16 dtype.  ``None`` (default) or q's own dtype
         name otherwise; torch and JAX arrays carry their dtype and take None.
+    out : array, optional
+        Preallocated output to write, of the same array type, device, shape and
+        dtype as ``q``, with a unit last stride (any other strides); returned.
+    lse : array, optional
+        Preallocated lse to write: float32, shape (batch, nheads_q, seqlen_q),
+        unit last stride; returned.
+    dropout_p, window_size, alibi_slopes, softcap
+        flash-attention's options, not implemented yet: only their "off"
+        values (0.0, (-1, -1), None, 0.0) are taken.
 
     Returns
     -------
@@ -80,13 +101,17 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None):
         ignored), array types are mixed (numpy with cupy,
         torch with cupy, ...), a dtype is unsupported or differs between q, k
         and v, ``dtype`` does not fit the arrays, ``causal`` is not a bool, or
-        ``softmax_scale`` is not a real number.
+        ``softmax_scale`` is not a real number; ``out``/``lse`` have the wrong
+        array type or dtype.
     ValueError
         An input is not 4-D; batch or head_dim differ between q, k and v;
         k and v differ in seqlen or nheads; ``nheads_q`` is not a multiple of
         ``nheads_kv``; head_dim is 0 or above 256; a last stride is not 1;
         arrays are on different devices; ``softmax_scale`` is not finite and > 0
-        or is outside float32 range.
+        or is outside float32 range; ``out``/``lse`` have the wrong shape,
+        device or last stride.
+    NotImplementedError
+        ``dropout_p``, ``window_size``, ``alibi_slopes`` or ``softcap`` is set.
 
     See Also
     --------
@@ -124,13 +149,15 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None):
     >>> out.shape, lse.shape
     ((1, 4, 2, 8), (1, 2, 4))
     """
-    if _interop.foreign(q, k, v):
-        return _interop.call("flash_attn_fwd", flash_attn_fwd, ("q", "k", "v"), (q, k, v),
-                             dict(softmax_scale=softmax_scale, causal=causal), dtype)
-    return _fwd("flash_attn_fwd", q, k, v, softmax_scale, causal, dtype)
+    if dropout_p or softcap or alibi_slopes is not None or window_size != _OFF["window_size"]:
+        _checks.check_implemented("flash_attn_fwd", dropout_p, window_size, alibi_slopes, softcap)
+    return _fwd("flash_attn_fwd", q, k, v, softmax_scale, causal, dtype, out, lse)
 
+
+@_interop.accepts_foreign("dout", "q", "k", "v", "out", "lse")
 def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
-                   deterministic=False, dtype=None):
+                   deterministic=False, dtype=None, dq=None, dk=None, dv=None,
+                   dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
     """Exact attention backward pass: the gradients of ``flash_attn_fwd``.
 
     Recomputes the attention probabilities block by block from ``lse``
@@ -163,6 +190,12 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
     dtype : str, optional
         As in :func:`flash_attn_fwd`: ``"bfloat16"`` for cupy arrays of raw
         bfloat16 bits in uint16/int16 storage (dout, q, k, v and out alike).
+    dq, dk, dv : array, optional
+        Preallocated gradients to write, each of the array type, device, shape
+        and dtype of its input (``q``, ``k``, ``v``), with a unit last stride;
+        returned.
+    dropout_p, window_size, alibi_slopes, softcap
+        As in :func:`flash_attn_fwd`: only their "off" values are taken.
 
     Returns
     -------
@@ -177,37 +210,27 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
     TypeError
         As for :func:`flash_attn_fwd`; also when ``dout`` or ``out`` differ
         from ``q`` in dtype, ``lse`` is not float32, or ``deterministic`` is
-        not a bool.
+        not a bool; ``dq``/``dk``/``dv`` as ``out`` in :func:`flash_attn_fwd`.
     ValueError
         As for :func:`flash_attn_fwd`; also when ``dout`` or ``out`` differ
         from ``q`` in shape, or ``lse`` is not (batch, nheads_q, seqlen_q).
+    NotImplementedError
+        As for :func:`flash_attn_fwd`.
 
     References
     ----------
     .. [1] T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism
        and Work Partitioning", 2023, arXiv:2307.08691.  Algorithm 2.
     """
-    fn = "flash_attn_bwd"
-    if _interop.foreign(dout, q, k, v, out, lse):
-        return _interop.call(fn, flash_attn_bwd, ("dout", "q", "k", "v", "out", "lse"),
-                             (dout, q, k, v, out, lse),
-                             dict(softmax_scale=softmax_scale, causal=causal,
-                                  deterministic=deterministic), dtype)
-    gpu = _checks.check_qkv(fn, q, k, v, dtype)
-    _checks.check_bwd_extras(fn, dout, out, lse, q)
-    scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal, deterministic)
-    causal = bool(causal)
-    if _checks.is_empty(q, k):
-        return _checks.empty_bwd(q, k, v, gpu)
-    if not gpu:
-        return cpu.bwd(dout, q, k, v, out, lse, scale, causal)
-    from . import _gpu
-
-    return _gpu.bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal,
-                    deterministic=bool(deterministic), **_gpu_dtype(fn, dtype))
+    if dropout_p or softcap or alibi_slopes is not None or window_size != _OFF["window_size"]:
+        _checks.check_implemented("flash_attn_bwd", dropout_p, window_size, alibi_slopes, softcap)
+    return _bwd("flash_attn_bwd", dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype,
+                dq, dk, dv)
 
 
-def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None):
+@_interop.accepts_foreign("q", "k", "v")
+def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
+               dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
     """Exact attention, ``softmax(q @ k.T * softmax_scale) @ v``: the output alone.
 
     The same as ``flash_attn_fwd(q, k, v, ...)[0]``; see :func:`flash_attn_fwd`
@@ -230,7 +253,7 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None):
 
     Raises
     ------
-    TypeError, ValueError
+    TypeError, ValueError, NotImplementedError
         As for :func:`flash_attn_fwd`.
 
     References
@@ -238,25 +261,258 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None):
     .. [1] T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism
        and Work Partitioning", 2023, arXiv:2307.08691.  Algorithm 1.
     """
-    if _interop.foreign(q, k, v):
-        return _interop.call("flash_attn", flash_attn, ("q", "k", "v"), (q, k, v),
-                             dict(softmax_scale=softmax_scale, causal=causal), dtype)
-    return _fwd("flash_attn", q, k, v, softmax_scale, causal, dtype)[0]
+    if dropout_p or softcap or alibi_slopes is not None or window_size != _OFF["window_size"]:
+        _checks.check_implemented("flash_attn", dropout_p, window_size, alibi_slopes, softcap)
+    return _fwd("flash_attn", q, k, v, softmax_scale, causal, dtype, None, None)[0]
 
-
-def _fwd(fn, q, k, v, softmax_scale, causal, dtype):
-    """Validate (errors name ``fn``), then run the CPU path or the GPU kernels."""
-    gpu = _checks.check_qkv(fn, q, k, v, dtype)
-    scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal)
-    causal = bool(causal)
-    if _checks.is_empty(q, k):
-        return _checks.empty_fwd(q, gpu)
-    if not gpu:
-        return cpu.fwd(q, k, v, scale, causal)
-    from . import _gpu
-
-    return _gpu.fwd(q, k, v, softmax_scale=scale, causal=causal, **_gpu_dtype(fn, dtype))
 
 def _gpu_dtype(fn, dtype):
     """``{"dtype": name}`` for the GPU module when ``dtype=`` was given (validated), else ``{}``."""
     return {} if dtype is None else {"dtype": _checks.dtype_name(fn, dtype)}
+
+
+# ----------------------------------------------------------------------------
+# The hot path: validate and plan once per call signature
+# ----------------------------------------------------------------------------
+#
+# A call's signature is everything validation and planning read: the function,
+# the flags (with their types: True and 1 hash alike, and only one is a bool),
+# ``dtype=``, and per array its type, shape, strides and dtype, plus for cupy
+# arrays the device and whether the pointer is 16-byte aligned.  The first call
+# of a signature validates, plans (dispatch, params struct, kernels) and caches
+# an entry; a repeated call computes the key, finds the entry and runs it.
+
+
+def _sig(x, gpu_type):
+    """One array's part of a call signature (None for an output not given).
+
+    ``gpu_type`` is ``cupy.ndarray`` (None before cupy is imported): a cupy
+    array adds its device and whether its pointer is 16-byte aligned.
+    """
+    if x is None:
+        return None
+    t = type(x)
+    if t is gpu_type or (gpu_type is not None and t is not np.ndarray and isinstance(x, gpu_type)):
+        data = x.data
+        return t, x.shape, x.strides, x.dtype, data.device_id, data.ptr & 15 == 0
+    return t, x.shape, x.strides, x.dtype
+
+
+def _gpu_type():
+    """``cupy.ndarray`` if cupy was imported (by the caller: never here), else None."""
+    cupy = sys.modules.get("cupy")
+    return None if cupy is None else getattr(cupy, "ndarray", None)
+
+
+class _Entries(dict):
+    """Validated and planned calls by signature, dropped all at once past a limit."""
+
+    limit = 4096
+
+    def put(self, key, entry):
+        if key is not None:
+            if len(self) >= self.limit:
+                self.clear()
+            self[key] = entry
+        return entry
+
+
+_FWD_ENTRIES = _Entries()
+_BWD_ENTRIES = _Entries()
+
+
+def _fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse):
+    """Run the forward entry of this call's signature, validating and planning it first if new."""
+    g = _gpu_type()
+    try:
+        key = (fn, type(softmax_scale), softmax_scale, type(causal), causal, dtype,
+               _sig(q, g), _sig(k, g), _sig(v, g), _sig(out, g), _sig(lse, g))
+        entry = _FWD_ENTRIES.get(key)
+    except (AttributeError, TypeError):  # not an array, or unhashable: validation says which
+        key = entry = None
+    if entry is None:
+        entry = _FWD_ENTRIES.put(key, _plan_fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse))
+    return entry(q, k, v, out, lse)
+
+
+def _bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, dq, dk, dv):
+    """Run the backward entry of this call's signature, validating and planning it first if new."""
+    g = _gpu_type()
+    try:
+        key = (fn, type(softmax_scale), softmax_scale, type(causal), causal, type(deterministic),
+               deterministic, dtype, _sig(dout, g), _sig(q, g), _sig(k, g), _sig(v, g), _sig(out, g),
+               _sig(lse, g), _sig(dq, g), _sig(dk, g), _sig(dv, g))
+        entry = _BWD_ENTRIES.get(key)
+    except (AttributeError, TypeError):
+        key = entry = None
+    if entry is None:
+        entry = _BWD_ENTRIES.put(key, _plan_bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal,
+                                                deterministic, dtype, dq, dk, dv))
+    return entry(dout, q, k, v, out, lse, dq, dk, dv)
+
+
+def _plan_fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse):
+    """Validate a forward call; return the entry that runs calls of its signature."""
+    gpu = _checks.check_qkv(fn, q, k, v, dtype)
+    scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal)
+    _checks.check_outputs(fn, q, {"out": (out, q), "lse": (lse, None)})
+    if _checks.is_empty(q, k):
+        return _EmptyFwd(gpu)
+    if not gpu:
+        return _CpuFwd(scale, bool(causal))
+    from . import _gpu
+
+    dtype_name = _checks.dtype_name(fn, dtype) if dtype is not None else q.dtype.name
+    device_id = q.device.id
+    with q.device:
+        call = _gpu.plan_fwd(q, k, v, out, lse, softmax_scale=scale, causal=bool(causal),
+                             dtype_name=dtype_name, device_id=device_id)
+    return _GpuFwd(call, device_id)
+
+
+def _plan_bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, dq, dk, dv):
+    """Validate a backward call; return the entry that runs calls of its signature."""
+    gpu = _checks.check_qkv(fn, q, k, v, dtype)
+    _checks.check_bwd_extras(fn, dout, out, lse, q)
+    scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal, deterministic)
+    _checks.check_outputs(fn, q, {"dq": (dq, q), "dk": (dk, k), "dv": (dv, v)})
+    if _checks.is_empty(q, k):
+        return _EmptyBwd(gpu)
+    if not gpu:
+        return _CpuBwd(scale, bool(causal))
+    from . import _gpu_bwd
+
+    dtype_name = _checks.dtype_name(fn, dtype) if dtype is not None else q.dtype.name
+    device_id = q.device.id
+    with q.device:
+        call = _gpu_bwd.plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=scale,
+                                 causal=bool(causal), deterministic=bool(deterministic),
+                                 dtype_name=dtype_name, device_id=device_id)
+    return _GpuBwd(call, device_id)
+
+
+def _into(given, result):
+    """``result`` written into the preallocated ``given`` array (returned), or ``result``."""
+    if given is None:
+        return result
+    given[...] = result
+    return given
+
+
+class _CpuFwd:
+    __slots__ = ("scale", "causal")
+
+    def __init__(self, scale, causal):
+        self.scale, self.causal = scale, causal
+
+    def __call__(self, q, k, v, out, lse):
+        o, l = cpu.fwd(q, k, v, self.scale, self.causal)
+        return _into(out, o), _into(lse, l)
+
+
+class _CpuBwd:
+    __slots__ = ("scale", "causal")
+
+    def __init__(self, scale, causal):
+        self.scale, self.causal = scale, causal
+
+    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv):
+        grads = cpu.bwd(dout, q, k, v, out, lse, self.scale, self.causal)
+        return tuple(_into(g, r) for g, r in zip((dq, dk, dv), grads))
+
+
+class _EmptyFwd:
+    """Nothing to compute (no query, or no key): out 0, lse -inf, no kernel."""
+
+    __slots__ = ("gpu",)
+
+    def __init__(self, gpu):
+        self.gpu = gpu
+
+    def __call__(self, q, k, v, out, lse):
+        o, l = _checks.empty_fwd(q, self.gpu)
+        return _into(out, o), _into(lse, l)
+
+
+class _EmptyBwd:
+    __slots__ = ("gpu",)
+
+    def __init__(self, gpu):
+        self.gpu = gpu
+
+    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv):
+        grads = _checks.empty_bwd(q, k, v, self.gpu)
+        return tuple(_into(g, r) for g, r in zip((dq, dk, dv), grads))
+
+
+class _GpuEntry:
+    """What the GPU entries share: the device, the streams, and graph capture."""
+
+    __slots__ = ("call", "device_id", "_cupy")
+
+    def __init__(self, call, device_id):
+        self.call, self.device_id = call, device_id
+        self._cupy = sys.modules["cupy"]
+
+    def _on_device(self):
+        """A context making the inputs' device current, or None when it already is."""
+        cupy = self._cupy
+        if cupy.cuda.runtime.getDevice() == self.device_id:
+            return None
+        return cupy.cuda.Device(self.device_id)
+
+    def _keep_if_captured(self, stream, owner):
+        """Scratch memory a CUDA graph being captured on ``stream`` will use on every
+        replay: never handed back to the pool (one allocation per capture)."""
+        if owner is not None and stream.is_capturing():
+            _CAPTURED_SCRATCH.append(owner)
+
+
+_CAPTURED_SCRATCH: list = []
+
+
+class _GpuFwd(_GpuEntry):
+    __slots__ = ()
+
+    def __call__(self, q, k, v, out, lse):
+        device = self._on_device()
+        if device is not None:
+            with device:
+                return self(q, k, v, out, lse)
+        cupy, call = self._cupy, self.call
+        if out is None:
+            out = cupy.ndarray(call.out_shape, q.dtype)
+        if lse is None:
+            lse = cupy.ndarray(call.lse_shape, _FLOAT32)
+        stream = cupy.cuda.get_current_stream()
+        owner = call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k.data.ptr, v.data.ptr,
+                         out.data.ptr, lse.data.ptr)
+        if owner is not None:
+            self._keep_if_captured(stream, owner)
+        return out, lse
+
+
+class _GpuBwd(_GpuEntry):
+    __slots__ = ()
+
+    def __call__(self, dout, q, k, v, out, lse, dq, dk, dv):
+        device = self._on_device()
+        if device is not None:
+            with device:
+                return self(dout, q, k, v, out, lse, dq, dk, dv)
+        ndarray = self._cupy.ndarray
+        if dq is None:
+            dq = ndarray(q.shape, q.dtype)
+        if dk is None:
+            dk = ndarray(k.shape, k.dtype)
+        if dv is None:
+            dv = ndarray(v.shape, v.dtype)
+        stream = self._cupy.cuda.get_current_stream()
+        owner = self.call.run(stream.ptr, _launch.cupy_alloc, dout.data.ptr, q.data.ptr, k.data.ptr,
+                              v.data.ptr, out.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr,
+                              dv.data.ptr)
+        self._keep_if_captured(stream, owner)
+        return dq, dk, dv
+
+
+_FLOAT32 = np.dtype(np.float32)

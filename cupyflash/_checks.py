@@ -103,8 +103,16 @@ def _is_masked(x):
     return ma is not None and isinstance(x, ma.MaskedArray)
 
 
+#: The layouts the validators take: a dense batch and a packed (varlen) one.
+_DENSE_LAYOUT = "(batch, seqlen, nheads, head_dim)"
+_PACKED_LAYOUTS = {"q": "(total_q, nheads, head_dim)", "k": "(total_k, nheads_kv, head_dim)",
+                   "v": "(total_k, nheads_kv, head_dim)", "dout": "(total_q, nheads, head_dim)",
+                   "out": "(total_q, nheads, head_dim)"}
+
+
 def _check_array(fn, name, x, kind, ref_name, rank=4):
-    """Array type (the same side as ``ref_name``) and, unless ``rank`` is None, rank 4."""
+    """Array type (the same side as ``ref_name``) and, unless ``rank`` is None, the
+    rank of a dense (4) or packed (3) layout."""
     got = _kind(x)
     if got is None:
         fail(TypeError, fn, f"{name} must be a numpy.ndarray or cupy.ndarray; got {_type_name(x)}.")
@@ -117,9 +125,9 @@ def _check_array(fn, name, x, kind, ref_name, rank=4):
              f"{name} must be a {kind}.ndarray like {ref_name} (numpy and cupy inputs cannot be "
              f"mixed); got {got}.ndarray.")
     if rank is not None and x.ndim != rank:
+        layout = _DENSE_LAYOUT if rank == 4 else _PACKED_LAYOUTS[name]
         fail(ValueError, fn,
-             f"{name} must have 4 dimensions (batch, seqlen, nheads, head_dim); "
-             f"got {x.ndim} with shape {tuple(x.shape)}.")
+             f"{name} must have {rank} dimensions {layout}; got {x.ndim} with shape {tuple(x.shape)}.")
 
 
 def _check_last_stride(fn, name, x, what="head_dim"):
@@ -174,31 +182,37 @@ def _check_dtype(fn, q, kind, dtype=None):
              f"uint16/int16 storage with dtype='bfloat16'); got {name}{hint}.")
 
 
-def check_qkv(fn, q, k, v, dtype=None):
-    """Validate q, k, v (and ``dtype=``); return True for CuPy (GPU) inputs, False for NumPy."""
+def check_qkv(fn, q, k, v, dtype=None, packed=False):
+    """Validate q, k, v (and ``dtype=``); return True for CuPy (GPU) inputs, False for NumPy.
+
+    Dense layout ``(batch, seqlen, nheads, head_dim)``, or with ``packed`` the
+    varlen layout ``(total, nheads, head_dim)`` (no batch axis).
+    """
     kind = _kind(q)
-    _check_array(fn, "q", q, kind, "q")
-    _check_array(fn, "k", k, kind, "q")
-    _check_array(fn, "v", v, kind, "q")
+    rank = 3 if packed else 4
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_array(fn, name, x, kind, "q", rank)
     _check_dtype(fn, q, kind, dtype)
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             fail(TypeError, fn,
                  f"{name} must have the same dtype as q ({dtype_desc(q.dtype)}); "
                  f"got {dtype_desc(x.dtype)}.")
-    batch, _, nheads, head_dim = q.shape
+    seq_axis, nheads, head_dim = rank - 3, q.shape[-2], q.shape[-1]
     for name, x in (("k", k), ("v", v)):
-        if x.shape[0] != batch:
+        if not packed and x.shape[0] != q.shape[0]:
             fail(ValueError, fn,
-                 f"{name} must have the same batch size as q ({batch}); got {x.shape[0]}.")
-        if x.shape[3] != head_dim:
+                 f"{name} must have the same batch size as q ({q.shape[0]}); got {x.shape[0]}.")
+        if x.shape[-1] != head_dim:
             fail(ValueError, fn,
-                 f"{name} must have the same head_dim as q ({head_dim}); got {x.shape[3]}.")
-    if v.shape[1] != k.shape[1]:
-        fail(ValueError, fn, f"v must have the same seqlen as k ({k.shape[1]}); got {v.shape[1]}.")
-    if v.shape[2] != k.shape[2]:
-        fail(ValueError, fn, f"v must have the same nheads as k ({k.shape[2]}); got {v.shape[2]}.")
-    nheads_kv = k.shape[2]
+                 f"{name} must have the same head_dim as q ({head_dim}); got {x.shape[-1]}.")
+    if v.shape[seq_axis] != k.shape[seq_axis]:
+        what = "total_k" if packed else "seqlen"
+        fail(ValueError, fn,
+             f"v must have the same {what} as k ({k.shape[seq_axis]}); got {v.shape[seq_axis]}.")
+    if v.shape[-2] != k.shape[-2]:
+        fail(ValueError, fn, f"v must have the same nheads as k ({k.shape[-2]}); got {v.shape[-2]}.")
+    nheads_kv = k.shape[-2]
     if (nheads_kv == 0 and nheads > 0) or (nheads_kv > 0 and nheads % nheads_kv):
         fail(ValueError, fn,
              f"k must have a number of heads that divides q's ({nheads}); got {nheads_kv}.")
@@ -225,24 +239,78 @@ def check_like_q(fn, name, x, q):
     _check_last_stride(fn, name, x)
 
 
-def check_bwd_extras(fn, dout, out, lse, q):
+def lse_shape(q, packed=False):
+    """The shape of q's lse: ``(batch, nheads_q, seqlen_q)``, packed ``(nheads_q, total_q)``."""
+    return (q.shape[1], q.shape[0]) if packed else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _check_lse(fn, name, lse, q, kind, packed):
+    _check_array(fn, name, lse, kind, "q", rank=None)  # its shape is checked below
+    shape = lse_shape(q, packed)
+    if tuple(lse.shape) != shape:
+        layout = "(nheads_q, total_q)" if packed else "(batch, nheads_q, seqlen_q)"
+        fail(ValueError, fn, f"{name} must have shape {layout} = {shape}; got {tuple(lse.shape)}.")
+    if lse.dtype != np.float32:
+        fail(TypeError, fn, f"{name} must have dtype float32; got {dtype_desc(lse.dtype)}.")
+    _check_last_stride(fn, name, lse, "total_q" if packed else "seqlen_q")
+
+
+def check_bwd_extras(fn, dout, out, lse, q, packed=False):
     """Validate the backward's dout, out and lse against a validated q."""
     kind = _kind(q)
     for name, x in (("dout", dout), ("out", out)):
-        _check_array(fn, name, x, kind, "q")
+        _check_array(fn, name, x, kind, "q", 3 if packed else 4)
         check_like_q(fn, name, x, q)
-    _check_array(fn, "lse", lse, kind, "q", rank=None)  # its shape is checked below
-    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-    if tuple(lse.shape) != lse_shape:
-        fail(ValueError, fn,
-             f"lse must have shape (batch, nheads_q, seqlen_q) = {lse_shape}; "
-             f"got {tuple(lse.shape)}.")
-    if lse.dtype != np.float32:
-        fail(TypeError, fn, f"lse must have dtype float32; got {dtype_desc(lse.dtype)}.")
-    _check_last_stride(fn, "lse", lse, "seqlen_q")
+    _check_lse(fn, "lse", lse, q, kind, packed)
     if kind == "cupy":
         for name, x in (("dout", dout), ("out", out), ("lse", lse)):
             _check_device(fn, name, x, q)
+
+
+def check_outputs(fn, q, outputs):
+    """Validate preallocated outputs against a validated q: ``outputs`` maps each
+    given name (``out``/``lse`` of the forward, ``dq``/``dk``/``dv`` of the
+    backward) to ``(array, like)``, ``like`` being the input whose shape and dtype
+    it must have (None for ``lse``).  Any strides with a unit last stride."""
+    kind = _kind(q)
+    for name, (x, like) in outputs.items():
+        if x is None:
+            continue
+        if like is None:
+            _check_lse(fn, name, x, q, kind, packed=False)
+        else:
+            _check_array(fn, name, x, kind, "q", rank=None)
+            if tuple(x.shape) != tuple(like.shape):
+                fail(ValueError, fn,
+                     f"{name} must have the shape of its input {tuple(like.shape)}; got {tuple(x.shape)}.")
+            if x.dtype != like.dtype:
+                fail(TypeError, fn,
+                     f"{name} must have the dtype of its input ({dtype_desc(like.dtype)}); "
+                     f"got {dtype_desc(x.dtype)}.")
+            _check_last_stride(fn, name, x)
+        if kind == "cupy":
+            _check_device(fn, name, x, q)
+
+
+#: flash-attention's arguments that cupyflash does not implement yet, with the
+#: value that means "off" (the only one taken).
+NOT_IMPLEMENTED = {"dropout_p": 0.0, "window_size": (-1, -1), "alibi_slopes": None, "softcap": 0.0}
+
+
+def check_implemented(fn, dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
+    """Raise NotImplementedError naming the first of flash-attention's options that is on."""
+    try:
+        window = tuple(window_size)
+    except TypeError:
+        window = window_size
+    for name, value, off in (("dropout_p", dropout_p, 0.0), ("window_size", window, (-1, -1)),
+                             ("alibi_slopes", alibi_slopes, None), ("softcap", softcap, 0.0)):
+        if value is None and off is None:
+            continue
+        if off is None or value != off:
+            shown = _type_name(value) if name == "alibi_slopes" else repr(value)
+            fail(NotImplementedError, fn,
+                 f"{name} must be {off!r} ({name} is not implemented yet); got {shown}.")
 
 
 def is_empty(q, k):

@@ -1,133 +1,124 @@
-"""GPU path: fills the params structs, picks variants through dispatch, launches.
+"""GPU forward: plans a call (dispatch, params, kernels) once per signature; runs it.
 
 Inputs arrive validated by ``_api`` or ``_varlen`` (rank, shapes, dtypes, unit
 last stride, non-empty; ``cu_seqlens`` int32, contiguous, consistent with
-``max_seqlen``). Arrays are cupy ndarrays; bfloat16 data arrives as 2-byte
-storage with ``dtype="bfloat16"`` named explicitly.
+``max_seqlen``).  Arrays are cupy ndarrays (or anything with their geometry:
+``shape``, ``strides`` in bytes, ``itemsize``, ``data.ptr``); bfloat16 data
+arrives as 2-byte storage with ``dtype="bfloat16"`` named explicitly.
 
 Dense batches are ``(batch, seqlen, nheads, head_dim)`` tensors; packed
 (varlen) batches ``(total, nheads, head_dim)`` tensors with ``cu_seqlens``,
 which the kernels read on the device: one launch covers the whole batch, with
 batch strides 0 and the longest lengths in ``seqlen_q``/``seqlen_k``
 (kernels_cu/seqlens.cuh).
+
+:func:`plan_fwd` returns a :class:`FwdCall`, which callers cache per call
+signature (``_api`` for cupy arrays, ``_torch_path`` for torch tensors,
+``jax`` inside XLA); :meth:`FwdCall.run` then only writes pointers and
+launches.  :func:`fwd` and :func:`varlen_fwd` are the plain cupy entry points.
+The backward lives in :mod:`._gpu_bwd` (which imports nothing from here).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import struct
 
 import numpy as np
 
-from . import _compile, _params, dispatch
-
-LOG2E = 1.4426950408889634  # 1 / ln(2)
-
-
-def _struct_packer(dt: np.dtype) -> struct.Struct:
-    """A ``struct.Struct`` with the byte layout of an aligned numpy struct dtype."""
-    codes = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i",
-             np.dtype(np.float32): "f"}
-    fmt, pos = "<", 0
-    for name in dt.names:
-        fdt, off = dt.fields[name][:2]
-        fmt += "x" * (off - pos) + codes[fdt]
-        pos = off + fdt.itemsize
-    fmt += "x" * (dt.itemsize - pos)
-    packer = struct.Struct(fmt)
-    assert packer.size == dt.itemsize  # internal invariant, not user input
-    return packer
-
-
-_FWD_PACK = _struct_packer(_params.FWD_PARAMS)
+from . import _gpu_bwd, _launch, _params, dispatch
+from ._launch import LOG2E, Contiguous, element_strides, lse_strides, seq_strides, vec_ok  # noqa: F401
 
 # Plans are pure functions of scalars: memoised here (not in dispatch, whose
 # tables tests and `bench --fwd-tiles` patch) they cost ~0.1 us instead of ~10.
 select_fwd = functools.lru_cache(maxsize=4096)(dispatch.select_fwd)
-select_bwd = functools.lru_cache(maxsize=4096)(dispatch.select_bwd)
+select_bwd = _gpu_bwd.select_bwd
+_num_sms = _launch.num_sms
+_cc = _launch.compute_capability
+
+#: FwdParams' pointer fields, set on every call (in the struct's order).
+FWD_POINTERS = ("q", "k", "v", "out", "lse", "out_accum", "lse_accum", "cu_seqlens_q", "cu_seqlens_k")
+_FWD_WRITER = _params.FieldWriter(_params.FWD_PARAMS, FWD_POINTERS)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_id: int) -> int:
-    import cupy  # noqa: PLC0415
-    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+class FwdCall:
+    """One planned forward: its kernels, packed params, and output shapes.
 
-
-@functools.lru_cache(maxsize=None)
-def _cc(device_id: int) -> tuple[int, int]:
-    import cupy  # noqa: PLC0415
-    cc = cupy.cuda.Device(device_id).compute_capability
-    return int(cc[:-1]), int(cc[-1])
-
-
-def element_strides(a) -> tuple[int, ...]:
-    return tuple(s // a.itemsize for s in a.strides)
-
-
-def seq_strides(a) -> tuple[int, int, int]:
-    """(batch, row, head) strides in elements of a dense (batch, seqlen, nheads, d)
-    or packed (total, nheads, d) tensor; a packed tensor's batch stride is 0."""
-    s = element_strides(a)
-    return s[:3] if a.ndim == 4 else (0, s[0], s[1])
-
-
-def lse_strides(lse) -> tuple[int, int]:
-    """(batch, head) strides in elements of a dense (batch, nheads, seqlen) or packed
-    (nheads, total) lse (unit row stride); a packed lse's batch stride is 0."""
-    s = element_strides(lse)
-    return s[:2] if lse.ndim == 3 else (0, s[0])
-
-
-def batch_shape(q, k, packed) -> tuple[int, int, int, int, int]:
-    """``(batch, seqlen_q, seqlen_k, cu_seqlens_q pointer, cu_seqlens_k pointer)`` for the params.
-
-    ``packed`` is None for a dense batch (pointers 0), else ``(cu_seqlens_q,
-    cu_seqlens_k, max_seqlen_q, max_seqlen_k)``, whose maxima stand for the
-    lengths.
+    ``run(stream, alloc, q, k, v, out, lse, cu_seqlens_q=0, cu_seqlens_k=0)``
+    takes device pointers (ints) of arrays with the geometry it was planned
+    for; ``alloc(nbytes) -> (owner, pointer)`` provides the split-KV scratch
+    (kept by the caller until the launches are queued; stream order makes the
+    memory safe to reuse afterwards).
     """
+
+    __slots__ = ("plan", "out_shape", "lse_shape", "scratch_bytes", "_accum_offsets", "_launcher")
+
+    def __init__(self, plan, out_shape, lse_shape, scratch, launcher):
+        self.plan, self.out_shape, self.lse_shape = plan, out_shape, lse_shape
+        self.scratch_bytes, self._accum_offsets = scratch
+        self._launcher = launcher
+
+    def run(self, stream, alloc, q, k, v, out, lse, cu_seqlens_q=0, cu_seqlens_k=0):
+        owner = None
+        out_accum = lse_accum = 0
+        if self.scratch_bytes:
+            owner, base = alloc(self.scratch_bytes)
+            out_accum, lse_accum = (base + o for o in self._accum_offsets)
+        self._launcher(stream, q, k, v, out, lse, out_accum, lse_accum, cu_seqlens_q, cu_seqlens_k)
+        return owner
+
+
+def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_name: str, device_id: int,
+             packed=None) -> FwdCall:
+    """Plan a forward on the current device (compiling its kernels on first use).
+
+    ``out``/``lse`` are the arrays to write, or None for C-contiguous ones the
+    caller allocates (``FwdCall.out_shape``/``lse_shape``).  ``packed`` is None
+    for a dense batch, else ``(batch, max_seqlen_q, max_seqlen_k)`` of a packed one.
+    """
+    nheads_q, head_dim = q.shape[-2:]
+    nheads_kv = k.shape[-2]
     if packed is None:
-        return q.shape[0], q.shape[1], k.shape[1], 0, 0
-    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = packed
-    return (cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k,
-            cu_seqlens_q.data.ptr, cu_seqlens_k.data.ptr)
-
-
-def vec_ok(arrays, head_dim: int) -> bool:
-    """16-byte accesses are legal: aligned pointers, strides and head_dim in multiples of 8 elements."""
-    if head_dim % 8:
-        return False
-    for a in arrays:
-        if a.data.ptr % 16:
-            return False
-        if any(s % 8 for s in element_strides(a)[:-1]):
-            return False
-    return True
-
-
-def launch(launch_spec: dispatch.Launch, packed_params: bytes, stream_ptr: int) -> None:
-    """Launch one kernel whose only argument is a params struct passed by value."""
-    import cupy  # noqa: PLC0415
-
-    func = _compile.get_function(launch_spec.source, launch_spec.name_expression, launch_spec.smem_bytes)
-    buf = ctypes.create_string_buffer(packed_params, len(packed_params))
-    argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
-    gx, gy, gz = launch_spec.grid
-    bx, by, bz = launch_spec.block
-    cupy.cuda.driver.launchKernel(func, gx, gy, gz, bx, by, bz, launch_spec.smem_bytes, stream_ptr,
-                                  ctypes.addressof(argv), 0)
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        lse_shape = (batch, nheads_q, seqlen_q)
+    else:
+        batch, seqlen_q, seqlen_k = packed
+        lse_shape = (nheads_q, q.shape[0])
+    out = Contiguous(q.shape, q.itemsize) if out is None else out
+    lse = Contiguous(lse_shape, 4) if lse is None else lse
+    plan = select_fwd(
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, head_dim=head_dim,
+        dtype=dtype_name, causal=causal, vec=vec_ok((q, k, v, out), head_dim),
+        num_sms=_num_sms(device_id), cc=_cc(device_id), varlen=packed is not None)
+    scratch = (0, (0, 0))
+    if plan.num_splits > 1:  # dense batches only
+        rows = plan.num_splits * batch * nheads_q * seqlen_q
+        scratch = _launch.scratch_layout((rows * plan.head_dim_padded * 4, rows * 4))
+    strides = {f"{name}_{axis}_stride": s
+               for name, a in (("q", q), ("k", k), ("v", v), ("o", out))
+               for axis, s in zip(("batch", "row", "head"), seq_strides(a))}
+    lse_batch_stride, lse_head_stride = lse_strides(lse)
+    template = _params.pack(
+        _params.FWD_PARAMS, **dict.fromkeys(FWD_POINTERS, 0), **strides,
+        lse_batch_stride=lse_batch_stride, lse_head_stride=lse_head_stride,
+        batch=batch, nheads_q=nheads_q, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        head_dim=head_dim, num_m_blocks=plan.num_m_blocks, num_splits=plan.num_splits,
+        n_blocks_per_split=plan.n_blocks_per_split,
+        softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E)
+    launches = (plan.main,) if plan.combine is None else (plan.main, plan.combine)
+    return FwdCall(plan, tuple(q.shape), lse_shape, scratch, _launch.Launcher(launches, template, _FWD_WRITER))
 
 
 def _storage_dtype_name(a, dtype: str | None) -> str:
-    if dtype is not None:
-        return dtype
-    return str(a.dtype)
+    return dtype if dtype is not None else a.dtype.name
 
 
 def fwd(q, k, v, *, softmax_scale: float, causal: bool, dtype: str | None = None, out=None, lse=None):
-    """Forward on the GPU. Returns ``(out, lse)``; ``out`` has q's storage dtype."""
+    """Forward on the GPU. Returns ``(out, lse)``; ``out`` has q's storage dtype.
+
+    ``out``/``lse``: preallocated (validated) outputs to write, or None.
+    """
     with q.device:  # allocate, compile and launch on the inputs' device
-        return _fwd(q, k, v, softmax_scale, causal, dtype, out, lse, None)
+        return _run_fwd(q, k, v, softmax_scale, causal, dtype, out, lse, None)
 
 
 def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
@@ -140,64 +131,46 @@ def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
     ``(nheads_q, total_q)`` float32.
     """
     with q.device:
-        return _fwd(q, k, v, softmax_scale, causal, dtype, None, None,
-                    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        return _run_fwd(q, k, v, softmax_scale, causal, dtype, None, None,
+                        (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
-def _fwd(q, k, v, softmax_scale, causal, dtype, out, lse, packed):
+def _run_fwd(q, k, v, softmax_scale, causal, dtype, out, lse, packed):
     """``packed``: None for a dense batch, else (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
     import cupy  # noqa: PLC0415
 
-    nheads_q, head_dim = q.shape[-2:]
-    nheads_kv = k.shape[-2]
-    batch, seqlen_q, seqlen_k, cu_q, cu_k = batch_shape(q, k, packed)
-    lse_shape = (batch, nheads_q, seqlen_q) if packed is None else (nheads_q, q.shape[0])
+    device_id = q.data.device_id
+    dims = None if packed is None else (packed[0].shape[0] - 1, int(packed[2]), int(packed[3]))
     dtype_name = _storage_dtype_name(q, dtype)
+    key = (_launch.geometry(q, k, v, out, lse), device_id, softmax_scale, causal, dtype_name, dims)
+    call = PLANS.get_or_make(key, lambda: plan_fwd(
+        q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, dtype_name=dtype_name,
+        device_id=device_id, packed=dims))
     if out is None:
-        out = cupy.empty(q.shape, dtype=q.dtype)
+        out = cupy.empty(call.out_shape, dtype=q.dtype)
     if lse is None:
-        lse = cupy.empty(lse_shape, dtype=cupy.float32)
-    dev = q.device.id
-    plan = select_fwd(
-        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, head_dim=head_dim,
-        dtype=dtype_name, causal=causal, vec=vec_ok((q, k, v, out), head_dim),
-        num_sms=_num_sms(dev), cc=_cc(dev), varlen=packed is not None)
-    out_accum = lse_accum = None
-    if plan.num_splits > 1:  # dense batches only
-        out_accum = cupy.empty((plan.num_splits, batch, nheads_q, seqlen_q, plan.head_dim_padded), cupy.float32)
-        lse_accum = cupy.empty((plan.num_splits, batch, nheads_q, seqlen_q), cupy.float32)
-    qs, ks, vs, os_ = (seq_strides(a) for a in (q, k, v, out))
-    params = _FWD_PACK.pack(
-        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr,
-        out_accum.data.ptr if out_accum is not None else 0,
-        lse_accum.data.ptr if lse_accum is not None else 0,
-        cu_q, cu_k,
-        *qs, *ks, *vs, *os_, *lse_strides(lse),
-        batch, nheads_q, nheads_kv, seqlen_q, seqlen_k, head_dim,
-        plan.num_m_blocks, plan.num_splits, plan.n_blocks_per_split,
-        softmax_scale, softmax_scale * LOG2E,
-    )
-    stream = cupy.cuda.get_current_stream().ptr
-    launch(plan.main, params, stream)
-    if plan.combine is not None:
-        launch(plan.combine, params, stream)
+        lse = cupy.empty(call.lse_shape, dtype=np.float32)
+    cu = (0, 0) if packed is None else (packed[0].data.ptr, packed[1].data.ptr)
+    call.run(cupy.cuda.get_current_stream().ptr, _launch.cupy_alloc, q.data.ptr, k.data.ptr, v.data.ptr,
+             out.data.ptr, lse.data.ptr, *cu)
     return out, lse
 
 
+PLANS = _launch.PlanCache()
+
+
+def clear_plans() -> None:
+    """Forget every cached plan (after a dispatch table changed: bench's experiment switches)."""
+    PLANS.clear()
+    _gpu_bwd.clear_plans()
+    select_fwd.cache_clear()
+
+
 def bwd(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, deterministic: bool = False,
-        dtype: str | None = None):
-    """Backward on the GPU. Returns ``(dq, dk, dv)``."""
-    from . import _gpu_bwd  # noqa: PLC0415
-
+        dtype: str | None = None, dq=None, dk=None, dv=None):
+    """Backward on the GPU. Returns ``(dq, dk, dv)`` (see :func:`._gpu_bwd.bwd`)."""
     return _gpu_bwd.bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
-                        deterministic=deterministic, dtype=dtype)
+                        deterministic=deterministic, dtype=dtype, dq=dq, dk=dk, dv=dv)
 
 
-def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
-               softmax_scale: float, causal: bool, deterministic: bool = False, dtype: str | None = None):
-    """Backward over a packed batch on the GPU (see varlen_fwd). Returns ``(dq, dk, dv)``."""
-    from . import _gpu_bwd  # noqa: PLC0415
-
-    return _gpu_bwd.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
-                               dtype=dtype)
+varlen_bwd = _gpu_bwd.varlen_bwd

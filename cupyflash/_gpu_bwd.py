@@ -1,14 +1,15 @@
-"""GPU backward: fills BwdParams, picks the kernels through dispatch, launches them.
+"""GPU backward: plans a call (dispatch, params, kernels) once per signature; runs it.
 
 Inputs arrive validated by ``_api`` or ``_varlen`` (shapes, dtypes, unit last
-strides, one device, non-empty).  Arrays are cupy ndarrays; bfloat16 data
-arrives as 2-byte storage with ``dtype="bfloat16"`` named explicitly.  Dense
-batches are ``(batch, seqlen, nheads, head_dim)``; packed (varlen) batches
-``(total, nheads, head_dim)`` with ``cu_seqlens`` read on the device, as in
-:mod:`._gpu`.  The gradients are allocated here, C-contiguous in the inputs'
-storage dtype; the fp32 scratch buffers are O(rows), never O(seqlen_q *
-seqlen_k), with no padding (``total_q = batch * seqlen_q`` for a dense batch,
-``q.shape[0]`` for a packed one):
+strides, one device, non-empty).  Arrays are cupy ndarrays (or anything with
+their geometry); bfloat16 data arrives as 2-byte storage with
+``dtype="bfloat16"`` named explicitly.  Dense batches are ``(batch, seqlen,
+nheads, head_dim)``; packed (varlen) batches ``(total, nheads, head_dim)`` with
+``cu_seqlens`` read on the device, as in :mod:`._gpu`.  The gradients are
+written where the caller says (allocated C-contiguous in the inputs' storage
+dtype when not given); the fp32 scratch buffers are O(rows), never
+O(seqlen_q * seqlen_k), with no padding (``total_q = batch * seqlen_q`` for a
+dense batch, ``q.shape[0]`` for a packed one), in one allocation per call:
 
 * ``lse_log2``, ``delta``: one value per query row, ``nheads_q * total_q``,
   written by the preprocess kernel;
@@ -27,19 +28,113 @@ expanded.
 
 from __future__ import annotations
 
-from . import _gpu, _params
+import functools
 
-_BWD_PACK = _gpu._struct_packer(_params.BWD_PARAMS)
+from . import _launch, _params, dispatch
+from ._launch import LOG2E, Contiguous, lse_strides, seq_strides, vec_ok
+
+select_bwd = functools.lru_cache(maxsize=4096)(dispatch.select_bwd)
+
+#: BwdParams' pointer fields, set on every call (in the struct's order).
+BWD_POINTERS = ("q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2", "delta", "dq_accum",
+                "dkv_accum", "cu_seqlens_q", "cu_seqlens_k")
+_BWD_WRITER = _params.FieldWriter(_params.BWD_PARAMS, BWD_POINTERS)
+
+
+class BwdCall:
+    """One planned backward: its kernels, packed params and scratch layout.
+
+    ``run(stream, alloc, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=0,
+    cu_seqlens_k=0)`` takes device pointers (ints) of arrays with the geometry
+    it was planned for; ``alloc(nbytes) -> (owner, pointer)`` provides the
+    scratch, which the caller may free once the launches are queued (stream
+    order).  Returns the scratch's owner.
+    """
+
+    __slots__ = ("plan", "scratch_bytes", "_offsets", "_has_dq_accum", "_has_dkv_accum", "_launcher")
+
+    def __init__(self, plan, scratch, launcher):
+        self.plan = plan
+        self.scratch_bytes, self._offsets = scratch
+        self._has_dq_accum = plan.dq_accum
+        self._has_dkv_accum = plan.kv_splits > 1
+        self._launcher = launcher
+
+    def run(self, stream, alloc, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=0, cu_seqlens_k=0):
+        owner, base = alloc(self.scratch_bytes)
+        o_log2, o_delta, o_dq, o_dkv = self._offsets
+        self._launcher(stream, q, k, v, out, dout, dq, dk, dv, lse, base + o_log2, base + o_delta,
+                       base + o_dq if self._has_dq_accum else 0, base + o_dkv if self._has_dkv_accum else 0,
+                       cu_seqlens_q, cu_seqlens_k)
+        return owner
+
+
+def plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool, deterministic: bool,
+             dtype_name: str, device_id: int, packed=None) -> BwdCall:
+    """Plan a backward on the current device (compiling its kernels on first use).
+
+    ``dq``/``dk``/``dv`` are the arrays to write, or None for C-contiguous ones
+    the caller allocates.  ``packed`` is None for a dense batch, else ``(batch,
+    max_seqlen_q, max_seqlen_k)`` of a packed one.
+    """
+    nheads_q, head_dim = q.shape[-2:]
+    nheads_kv = k.shape[-2]
+    if packed is None:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        packed_totals = (0, 0)  # BwdParams.total_q/k and select_bwd's: 0 for a dense batch
+        total_q, total_k = batch * seqlen_q, batch * seqlen_k
+    else:
+        batch, seqlen_q, seqlen_k = packed
+        packed_totals = total_q, total_k = q.shape[0], k.shape[0]
+    dq = Contiguous(q.shape, q.itemsize) if dq is None else dq
+    dk = Contiguous(k.shape, k.itemsize) if dk is None else dk
+    dv = Contiguous(v.shape, v.itemsize) if dv is None else dv
+    plan = select_bwd(
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, nheads_kv=nheads_kv,
+        head_dim=head_dim, dtype=dtype_name, causal=causal, deterministic=deterministic,
+        vec=vec_ok((q, k, v, out, dout, dq, dk, dv), head_dim),
+        num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id), varlen=packed is not None,
+        total_q=packed_totals[0], total_k=packed_totals[1])
+    rows_q = nheads_q * total_q  # the row buffers: one row per query (key) row, per head
+    scratch = _launch.scratch_layout((
+        rows_q * 4, rows_q * 4,
+        rows_q * plan.head_dim_padded * 4 if plan.dq_accum else 0,
+        2 * plan.kv_splits * nheads_kv * total_k * plan.head_dim_padded * 4 if plan.kv_splits > 1 else 0))
+    strides = {f"{name}_{axis}_stride": s
+               for name, a in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq), ("dk", dk),
+                               ("dv", dv))
+               for axis, s in zip(("batch", "row", "head"), seq_strides(a))}
+    lse_batch_stride, lse_head_stride = lse_strides(lse)
+    template = _params.pack(
+        _params.BWD_PARAMS, **dict.fromkeys(BWD_POINTERS, 0), **strides,
+        lse_batch_stride=lse_batch_stride, lse_head_stride=lse_head_stride,
+        batch=batch, nheads_q=nheads_q, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        total_q=packed_totals[0], total_k=packed_totals[1], head_dim=head_dim,
+        head_dim_padded=plan.head_dim_padded, num_stages=plan.num_stages, kv_splits=plan.kv_splits,
+        softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E)
+    return BwdCall(plan, scratch, _launch.Launcher(plan.launches, template, _BWD_WRITER))
+
+
+PLANS = _launch.PlanCache()
+
+
+def clear_plans() -> None:
+    """Forget every cached plan (after a dispatch table changed)."""
+    PLANS.clear()
+    select_bwd.cache_clear()
 
 
 def bwd(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, deterministic: bool = False,
-        dtype: str | None = None):
+        dtype: str | None = None, dq=None, dk=None, dv=None):
     """Backward on the GPU. Returns ``(dq, dk, dv)`` shaped and typed like ``(q, k, v)``.
 
     ``deterministic`` computes dq in a separate kernel that sums key blocks in
     a fixed order instead of with atomics: bitwise reproducible, slower.
+    ``dq``/``dk``/``dv``: preallocated (validated) gradients to write, or None.
     """
-    return _bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, None)
+    with q.device:
+        return _run_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, None,
+                        dq, dk, dv)
 
 
 def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
@@ -50,61 +145,32 @@ def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     head_dim)``, lse ``(nheads_q, total_q)``. Returns ``(dq, dk, dv)`` shaped
     and typed like ``(q, k, v)``.
     """
-    return _bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype,
-                (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    with q.device:
+        return _run_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype,
+                        (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), None, None, None)
 
 
-def _bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, packed):
+def _run_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, packed, dq, dk, dv):
     """``packed``: None for a dense batch, else (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
     import cupy  # noqa: PLC0415
 
-    nheads_q, head_dim = q.shape[-2:]
-    nheads_kv = k.shape[-2]
-    batch, seqlen_q, seqlen_k, cu_q, cu_k = _gpu.batch_shape(q, k, packed)
-    # BwdParams.total_q/k and select_bwd's: the packed row counts (0 for a dense batch)
-    packed_totals = (0, 0) if packed is None else (q.shape[0], k.shape[0])
-    total_q, total_k = (batch * seqlen_q, batch * seqlen_k) if packed is None else packed_totals
-    dtype_name = dtype if dtype is not None else str(q.dtype)
-    with q.device:
-        dq = cupy.empty(q.shape, dtype=q.dtype)
-        dk = cupy.empty(k.shape, dtype=k.dtype)
-        dv = cupy.empty(v.shape, dtype=v.dtype)
-        if q.size == 0 or k.size == 0:  # nothing sees anything: every gradient is 0
-            for g in (dq, dk, dv):
-                g.fill(0)
-            return dq, dk, dv
-
-        dev = q.device.id
-        plan = _gpu.select_bwd(
-            batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, nheads_kv=nheads_kv,
-            head_dim=head_dim, dtype=dtype_name, causal=causal, deterministic=deterministic,
-            vec=_gpu.vec_ok((q, k, v, out, dout, dq, dk, dv), head_dim),
-            num_sms=_gpu._num_sms(dev), cc=_gpu._cc(dev), varlen=packed is not None,
-            total_q=packed_totals[0], total_k=packed_totals[1])
-        # the row buffers: one row per query (key) row of the batch, per head
-        rows_q = nheads_q * total_q
-        lse_log2 = cupy.empty(rows_q, dtype=cupy.float32)
-        delta = cupy.empty(rows_q, dtype=cupy.float32)
-        dq_accum = cupy.empty((rows_q, plan.head_dim_padded), dtype=cupy.float32) if plan.dq_accum else None
-        dkv_accum = None
-        if plan.kv_splits > 1:
-            dkv_accum = cupy.empty((2, plan.kv_splits, nheads_kv * total_k, plan.head_dim_padded),
-                                   dtype=cupy.float32)
-
-        strides = [_gpu.seq_strides(a) for a in (q, k, v, out, dout, dq, dk, dv)]
-        params = _BWD_PACK.pack(
-            q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr,
-            dq.data.ptr, dk.data.ptr, dv.data.ptr,
-            lse.data.ptr, lse_log2.data.ptr, delta.data.ptr,
-            dq_accum.data.ptr if dq_accum is not None else 0,
-            dkv_accum.data.ptr if dkv_accum is not None else 0,
-            cu_q, cu_k,
-            *(s for triple in strides for s in triple), *_gpu.lse_strides(lse),
-            batch, nheads_q, nheads_kv, seqlen_q, seqlen_k, *packed_totals, head_dim,
-            plan.head_dim_padded, plan.num_stages, plan.kv_splits,
-            softmax_scale, softmax_scale * _gpu.LOG2E,
-        )
-        stream = cupy.cuda.get_current_stream().ptr
-        for launch in plan.launches:
-            _gpu.launch(launch, params, stream)
+    if q.size == 0 or k.size == 0:  # nothing sees anything: every gradient is 0
+        grads = tuple(cupy.zeros(x.shape, dtype=x.dtype) if g is None else g for g, x in ((dq, q), (dk, k), (dv, v)))
+        for g in grads:
+            g.fill(0)
+        return grads
+    device_id = q.data.device_id
+    dims = None if packed is None else (packed[0].shape[0] - 1, int(packed[2]), int(packed[3]))
+    dtype_name = dtype if dtype is not None else q.dtype.name
+    key = (_launch.geometry(dout, q, k, v, out, lse, dq, dk, dv), device_id, softmax_scale, causal,
+           deterministic, dtype_name, dims)
+    call = PLANS.get_or_make(key, lambda: plan_bwd(
+        dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
+        deterministic=deterministic, dtype_name=dtype_name, device_id=device_id, packed=dims))
+    dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
+    dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
+    dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
+    cu = (0, 0) if packed is None else (packed[0].data.ptr, packed[1].data.ptr)
+    call.run(cupy.cuda.get_current_stream().ptr, _launch.cupy_alloc, dout.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr,
+             out.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, *cu)
     return dq, dk, dv

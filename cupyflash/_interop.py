@@ -119,12 +119,51 @@ def _label(x):
 # ----------------------------------------------------------------------------
 
 
-def call(fn_name, fn, names, arrays, kwargs, dtype):
+def accepts_foreign(*names):
+    """Decorate a public function whose leading arguments ``names`` are arrays, so
+    that foreign arrays (torch, JAX, ``__dlpack__`` objects) go through :func:`call`.
+
+    NumPy and CuPy arrays reach the function itself after one type lookup per
+    array.  Arrays may also be passed by keyword.
+    """
+    count = len(names)
+
+    def decorate(fn):
+        fn_name = fn.__name__
+
+        @functools.wraps(fn)
+        def public(*args, **kwargs):
+            given = args[:count]
+            for x in given:
+                if kind(x) not in _NATIVE:
+                    break
+            else:
+                if len(given) == count or not any(kind(kwargs.get(name)) not in _NATIVE
+                                                  for name in names[len(given):]):
+                    return fn(*args, **kwargs)
+            arrays = list(given)
+            for name in names[len(given):]:
+                if name not in kwargs:
+                    return fn(*args, **kwargs)  # a missing argument: Python says which
+                arrays.append(kwargs.pop(name))
+            return call(fn_name, public, names, tuple(arrays), args[count:], kwargs)
+
+        return public
+
+    return decorate
+
+
+#: Keyword arguments that are preallocated outputs: viewed like the inputs, and
+#: handed back as the caller's own objects.
+_OUTPUTS = ("out", "lse", "dq", "dk", "dv")
+
+
+def call(fn_name, fn, names, arrays, rest, kwargs):
     """Run ``fn`` (a public function) on views of ``arrays``; results in the caller's type.
 
     ``names`` name the arrays, which are ``fn``'s leading positional arguments in
-    that order; ``kwargs`` (the rest, e.g. varlen's ``max_seqlen_q``) are passed on
-    unchanged.
+    that order; ``rest`` (e.g. varlen's ``max_seqlen_q``) and ``kwargs`` are passed
+    on, with preallocated outputs (``out=``, ``dq=``, ...) viewed like the arrays.
     """
     qi = names.index("q")
     q = arrays[qi]
@@ -133,17 +172,43 @@ def call(fn_name, fn, names, arrays, kwargs, dtype):
         fail(TypeError, fn_name,
              f"q must be a numpy.ndarray, cupy.ndarray, torch.Tensor, jax.Array or an array "
              f"with __dlpack__ or __cuda_array_interface__; got {_type_name(q)}.")
-    for name, x in zip(names, arrays):
+    outputs = {name: kwargs[name] for name in _OUTPUTS if kwargs.get(name) is not None}
+    for name, x in (*zip(names, arrays), *outputs.items()):
         if kind(x) != k0:
             fail(TypeError, fn_name,
                  f"{name} must be a {_label(q)} like q (array types cannot be mixed); "
                  f"got {_label(x)}.")
+    dtype = kwargs.pop("dtype", None)
     if dtype is not None:
         fail(TypeError, fn_name,
              f"dtype must be None for {_label(q)} inputs, which carry their own dtype "
              f"(dtype= is for cupy arrays of raw bfloat16 bits); got {dtype!r}.")
+    if k0 == "torch":
+        from . import _torch_path  # noqa: PLC0415 (imports nothing until torch arrays come)
+
+        result = _torch_path.run(fn_name, arrays, rest, kwargs)
+        if result is not NotImplemented:
+            return result
+    if outputs and k0 == "jax":
+        fail(TypeError, fn_name,
+             f"{next(iter(outputs))} must be None for jax.Array inputs (JAX arrays are immutable; "
+             f"use the returned arrays); got a jax.Array.")
+    count = len(names)
+
+    def on_views(*views, **extra):
+        return fn(*views[:count], *rest, **kwargs, **dict(zip(outputs, views[count:])), **extra)
+
     run = {"torch": _run_torch, "jax": _run_jax}.get(k0, _run_other)
-    return run(fn_name, fn, names, arrays, kwargs)
+    result = run(fn_name, on_views, names + tuple(outputs), (*arrays, *outputs.values()))
+    # A preallocated output is handed back as the caller's own object.
+    slots = _RESULT_SLOTS.get(fn_name)
+    if outputs and slots:
+        result = tuple(outputs.get(slot, r) for slot, r in zip(slots, result))
+    return result
+
+
+#: Which result each preallocated output is, per function that takes them.
+_RESULT_SLOTS = {"flash_attn_fwd": ("out", "lse"), "flash_attn_bwd": ("dq", "dk", "dv")}
 
 
 def _map(result, convert):
@@ -376,7 +441,7 @@ def _is_storage(a):
 # ----------------------------------------------------------------------------
 
 
-def _run_torch(fn_name, fn, names, arrays, kwargs):
+def _run_torch(fn_name, fn, names, arrays):
     torch = sys.modules["torch"]
     _check_same(fn_name, names, [str(x.dtype).removeprefix("torch.") for x in arrays],
                 "dtype", TypeError)
@@ -386,7 +451,7 @@ def _run_torch(fn_name, fn, names, arrays, kwargs):
     arrays = [x.detach() for x in arrays]  # DLPack refuses tensors that require grad
     if q.device.type == "cpu":
         views = [torch_to_numpy(x) for x in arrays]
-        return _map(fn(*views, **kwargs), numpy_to_torch)
+        return _map(fn(*views), numpy_to_torch)
     if q.device.type != "cuda":
         fail(ValueError, fn_name, f"q must be on a CUDA device or the CPU; got {q.device}.")
     cupy = _import_cupy(fn_name, "torch.Tensor")
@@ -394,7 +459,7 @@ def _run_torch(fn_name, fn, names, arrays, kwargs):
             use_stream(cupy, torch.cuda.current_stream(q.device).cuda_stream):
         views = [cupy.from_dlpack(x.view(torch.int16) if x.dtype == torch.bfloat16 else x)
                  for x in arrays]
-        result = fn(*views, **kwargs, **({"dtype": "bfloat16"} if bf16 else {}))
+        result = fn(*views, **({"dtype": "bfloat16"} if bf16 else {}))
 
         def back(a):
             t = torch.from_dlpack(a)
@@ -445,7 +510,7 @@ def _jax_device_label(device):
     return f"{device.platform}:{device.id}"
 
 
-def _run_jax(fn_name, fn, names, arrays, kwargs):
+def _run_jax(fn_name, fn, names, arrays):
     jax = sys.modules["jax"]
     for name, x in zip(names, arrays):
         if isinstance(x, jax.core.Tracer):
@@ -461,7 +526,7 @@ def _run_jax(fn_name, fn, names, arrays, kwargs):
     bf16 = arrays[qi].dtype.name == "bfloat16"
     if device.platform == "cpu":
         views = [np.asarray(x) for x in arrays]
-        return _map(fn(*views, **kwargs), lambda a: jax.device_put(a, device))
+        return _map(fn(*views), lambda a: jax.device_put(a, device))
     if device.platform not in ("gpu", "cuda"):
         fail(ValueError, fn_name, f"q must be on a CUDA GPU or the CPU; got {device}.")
     cupy = _import_cupy(fn_name, "jax.Array")
@@ -469,7 +534,7 @@ def _run_jax(fn_name, fn, names, arrays, kwargs):
 
     with cupy.cuda.Device(device.local_hardware_id):
         views = [_jax_to_cupy(cupy, x) for x in arrays]
-        result = fn(*views, **kwargs, **({"dtype": "bfloat16"} if bf16 else {}))
+        result = fn(*views, **({"dtype": "bfloat16"} if bf16 else {}))
         _retain(cupy, views)  # the views hold JAX's external references to the buffers
 
         def back(a):
@@ -491,7 +556,7 @@ def _jax_to_cupy(cupy, x):
 # ----------------------------------------------------------------------------
 
 
-def _run_other(fn_name, fn, names, arrays, kwargs):
+def _run_other(fn_name, fn, names, arrays):
     views = []
     for x in arrays:
         if hasattr(x, "__cuda_array_interface__"):
@@ -504,9 +569,9 @@ def _run_other(fn_name, fn, names, arrays, kwargs):
     _check_same(fn_name, names, labels, "device", ValueError)
     q = views[names.index("q")]
     if isinstance(q, np.ndarray):
-        return fn(*views, **kwargs)
+        return fn(*views)
     cupy = sys.modules["cupy"]
     with q.device:
-        result = fn(*views, **kwargs)
+        result = fn(*views)
         _retain(cupy, views)
     return result

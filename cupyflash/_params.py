@@ -3,10 +3,16 @@
 Each dtype lists the C struct's fields in order with ``align=True``, so numpy
 lays them out as the C compiler does. The itemsize is passed to NVRTC as
 ``-DCUPYFLASH_*_PARAMS_BYTES`` and checked there with ``static_assert``; the
-Python side is checked in ``tests/test_dispatch.py``.
+Python side is checked in ``tests/test_dispatch.py``, and the field names, order
+and types against params.cuh in ``tests/test_params.py``.
+
+The structs are filled by field name (:func:`pack`, once per call signature;
+:class:`FieldWriter` for the per-call pointers), never by position.
 """
 
 from __future__ import annotations
+
+import struct as _stdlib_struct
 
 import numpy as np
 
@@ -63,3 +69,52 @@ def size_defines() -> list[str]:
     """NVRTC ``-D`` options that let params.cuh static_assert the mirrored sizes."""
     return [f"-DCUPYFLASH_FWD_PARAMS_BYTES={FWD_PARAMS.itemsize}",
             f"-DCUPYFLASH_BWD_PARAMS_BYTES={BWD_PARAMS.itemsize}"]
+
+
+def pack(struct: np.dtype, **fields) -> bytes:
+    """The bytes of one ``struct`` with every field set by name (all must be given).
+
+    Pointers are ints, strides and sizes ints, scales floats (rounded to float32
+    as the C struct holds them).  Called once per call signature (the plan),
+    never per call.
+    """
+    names = set(struct.names)
+    if fields.keys() != names:
+        missing, extra = sorted(names - fields.keys()), sorted(fields.keys() - names)
+        raise TypeError(f"cupyflash: params struct fields missing {missing}, unknown {extra}")
+    record = np.zeros((), dtype=struct)
+    for name, value in fields.items():
+        record[name] = value
+    return record.tobytes()
+
+
+class FieldWriter:
+    """Writes a fixed set of fields, by name, into the packed bytes of a struct.
+
+    ``FieldWriter(FWD_PARAMS, ("q", "k", ...)).pack_into(buffer, q_ptr, k_ptr, ...)``
+    sets those fields (the per-call pointers) in a buffer that holds the rest
+    (the plan's template).  The names must be consecutive fields, in the
+    struct's order, starting at its first (as the pointers are): one
+    ``struct.pack_into`` writes them all and touches no other byte.
+    """
+
+    __slots__ = ("names", "_struct")
+
+    _CODES = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i",
+              np.dtype(np.float32): "f"}
+
+    def __init__(self, struct: np.dtype, names: tuple[str, ...]):
+        if tuple(names) != struct.names[:len(names)]:
+            raise ValueError(f"cupyflash: fields {names} are not the struct's first fields in order")
+        fmt, pos = "<", 0
+        for name in names:
+            field, offset = struct.fields[name][:2]
+            if offset != pos:
+                raise ValueError(f"cupyflash: field {name} is not right after the one before it")
+            fmt += self._CODES[field]
+            pos = offset + field.itemsize
+        self.names = tuple(names)
+        self._struct = _stdlib_struct.Struct(fmt)
+
+    def pack_into(self, buffer, *values) -> None:
+        self._struct.pack_into(buffer, 0, *values)

@@ -41,54 +41,6 @@ __all__ = ["flash_attn_varlen_fwd", "flash_attn_varlen_bwd", "flash_attn_varlen"
 # Validation
 # ----------------------------------------------------------------------------
 
-_LAYOUTS = {"q": "(total_q, nheads, head_dim)", "k": "(total_k, nheads_kv, head_dim)",
-            "v": "(total_k, nheads_kv, head_dim)", "dout": "(total_q, nheads, head_dim)",
-            "out": "(total_q, nheads, head_dim)"}
-
-
-def _check_packed(fn, name, x, kind):
-    """Array type (the side of q) and rank 3."""
-    _checks._check_array(fn, name, x, kind, "q", rank=None)
-    if x.ndim != 3:
-        fail(ValueError, fn,
-             f"{name} must have 3 dimensions {_LAYOUTS[name]}; "
-             f"got {x.ndim} with shape {tuple(x.shape)}.")
-
-
-def _check_qkv(fn, q, k, v, dtype=None):
-    """Validate packed q, k, v (and ``dtype=``); return True for CuPy (GPU) inputs."""
-    kind = _checks._kind(q)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_packed(fn, name, x, kind)
-    _checks._check_dtype(fn, q, kind, dtype)
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            fail(TypeError, fn,
-                 f"{name} must have the same dtype as q ({_checks.dtype_desc(q.dtype)}); "
-                 f"got {_checks.dtype_desc(x.dtype)}.")
-        if x.shape[2] != q.shape[2]:
-            fail(ValueError, fn,
-                 f"{name} must have the same head_dim as q ({q.shape[2]}); got {x.shape[2]}.")
-    if v.shape[0] != k.shape[0]:
-        fail(ValueError, fn,
-             f"v must have the same total_k as k ({k.shape[0]}); got {v.shape[0]}.")
-    if v.shape[1] != k.shape[1]:
-        fail(ValueError, fn, f"v must have the same nheads as k ({k.shape[1]}); got {v.shape[1]}.")
-    nheads, nheads_kv, head_dim = q.shape[1], k.shape[1], q.shape[2]
-    if (nheads_kv == 0 and nheads > 0) or (nheads_kv > 0 and nheads % nheads_kv):
-        fail(ValueError, fn,
-             f"k must have a number of heads that divides q's ({nheads}); got {nheads_kv}.")
-    if not 1 <= head_dim <= _checks.MAX_HEAD_DIM:
-        fail(ValueError, fn,
-             f"q must have head_dim between 1 and {_checks.MAX_HEAD_DIM}; got {head_dim}.")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _checks._check_last_stride(fn, name, x)
-    if kind == "cupy":
-        _checks._check_device(fn, "k", k, q)
-        _checks._check_device(fn, "v", v, q)
-    return kind == "cupy"
-
-
 def _host_values(x):
     """The values of a 1-D int32 array as NumPy int64 (a CuPy array is copied)."""
     if not isinstance(x, np.ndarray):
@@ -143,7 +95,7 @@ def _check_max_seqlen(fn, name, value, cu_values, what):
 def _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                   dtype=None):
     """Validate everything but the flags; return ``(gpu, cu_q, cu_k)`` (host int64 values)."""
-    gpu = _check_qkv(fn, q, k, v, dtype)
+    gpu = _checks.check_qkv(fn, q, k, v, dtype, packed=True)
     cu_q = _check_cu_seqlens(fn, "cu_seqlens_q", cu_seqlens_q, q, q.shape[0],
                              "total_q = q.shape[0]")
     cu_k = _check_cu_seqlens(fn, "cu_seqlens_k", cu_seqlens_k, q, k.shape[0],
@@ -155,25 +107,6 @@ def _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     _check_max_seqlen(fn, "max_seqlen_q", max_seqlen_q, cu_q, "query")
     _check_max_seqlen(fn, "max_seqlen_k", max_seqlen_k, cu_k, "key")
     return gpu, cu_q, cu_k
-
-
-def _check_bwd_extras(fn, dout, out, lse, q):
-    """Validate the backward's dout, out and packed lse against a validated q."""
-    kind = _checks._kind(q)
-    for name, x in (("dout", dout), ("out", out)):
-        _check_packed(fn, name, x, kind)
-        _checks.check_like_q(fn, name, x, q)
-    _checks._check_array(fn, "lse", lse, kind, "q", rank=None)
-    lse_shape = (q.shape[1], q.shape[0])
-    if tuple(lse.shape) != lse_shape:
-        fail(ValueError, fn,
-             f"lse must have shape (nheads_q, total_q) = {lse_shape}; got {tuple(lse.shape)}.")
-    if lse.dtype != np.float32:
-        fail(TypeError, fn, f"lse must have dtype float32; got {_checks.dtype_desc(lse.dtype)}.")
-    _checks._check_last_stride(fn, "lse", lse, "total_q")
-    if kind == "cupy":
-        for name, x in (("dout", dout), ("out", out), ("lse", lse)):
-            _checks._check_device(fn, name, x, q)
 
 
 # ----------------------------------------------------------------------------
@@ -271,8 +204,10 @@ def _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, so
 # ----------------------------------------------------------------------------
 
 
+@_interop.accepts_foreign(*_FWD_NAMES)
 def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                          softmax_scale=None, causal=False, dtype=None):
+                          softmax_scale=None, causal=False, dtype=None,
+                          dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
     """Exact attention forward pass over a packed batch of variable-length sequences.
 
     Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key
@@ -377,18 +312,16 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     ((7, 2, 8), (2, 7))
     """
     fn = "flash_attn_varlen_fwd"
-    if _interop.foreign(q, k, v, cu_seqlens_q, cu_seqlens_k):
-        return _interop.call(fn, flash_attn_varlen_fwd, _FWD_NAMES,
-                             (q, k, v, cu_seqlens_q, cu_seqlens_k),
-                             dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                  softmax_scale=softmax_scale, causal=causal), dtype)
+    _checks.check_implemented(fn, dropout_p, window_size, alibi_slopes, softcap)
     return _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, dtype)
 
 
+@_interop.accepts_foreign(*_BWD_NAMES)
 def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, *, softmax_scale=None, causal=False, deterministic=False,
-                          dtype=None):
+                          dtype=None, dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None,
+                          softcap=0.0):
     """Exact attention backward pass over a packed batch: the gradients of
     :func:`flash_attn_varlen_fwd`.
 
@@ -433,15 +366,10 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
         ``(nheads_q, total_q)`` float32, or ``deterministic`` is not a bool.
     """
     fn = "flash_attn_varlen_bwd"
-    if _interop.foreign(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k):
-        return _interop.call(fn, flash_attn_varlen_bwd, _BWD_NAMES,
-                             (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k),
-                             dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                  softmax_scale=softmax_scale, causal=causal,
-                                  deterministic=deterministic), dtype)
+    _checks.check_implemented(fn, dropout_p, window_size, alibi_slopes, softcap)
     gpu, cu_q, cu_k = _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, dtype)
-    _check_bwd_extras(fn, dout, out, lse, q)
+    _checks.check_bwd_extras(fn, dout, out, lse, q, packed=True)
     scale = _checks.check_flags(fn, softmax_scale, q.shape[2], causal, deterministic)
     causal, deterministic = bool(causal), bool(deterministic)
     if not gpu:
@@ -466,8 +394,10 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
             _xp(gpu), dout, q, k, v, out, lse, cu_q, cu_k)
 
 
+@_interop.accepts_foreign(*_FWD_NAMES)
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                      softmax_scale=None, causal=False, dtype=None):
+                      softmax_scale=None, causal=False, dtype=None,
+                      dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
     """Exact attention over a packed batch of variable-length sequences: the output alone.
 
     The same as ``flash_attn_varlen_fwd(...)[0]``; see
@@ -490,10 +420,6 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     out : array, shape (total_q, nheads_q, head_dim), dtype of ``q``
     """
     fn = "flash_attn_varlen"
-    if _interop.foreign(q, k, v, cu_seqlens_q, cu_seqlens_k):
-        return _interop.call(fn, flash_attn_varlen, _FWD_NAMES,
-                             (q, k, v, cu_seqlens_q, cu_seqlens_k),
-                             dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                  softmax_scale=softmax_scale, causal=causal), dtype)
+    _checks.check_implemented(fn, dropout_p, window_size, alibi_slopes, softcap)
     return _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, dtype)[0]

@@ -11,8 +11,14 @@ differentiable.  It is built on two custom operators,
 
 registered with ``torch.library.custom_op`` together with their shapes
 (``register_fake``), so ``torch.compile(..., fullgraph=True)`` keeps them in
-the graph as opaque nodes instead of breaking it.  :class:`FlashAttnFunc` is the
-same as an ``torch.autograd.Function``.
+the graph as opaque nodes instead of breaking it.  In eager mode
+:func:`flash_attn_func` runs :class:`FlashAttnFunc`, a plain
+``torch.autograd.Function`` over the same kernels (identical results): the
+custom-op dispatch costs tens of microseconds per call that eager mode does
+not need.  Outputs and scratch memory come from torch's caching allocator, and
+nothing synchronises the host, so ``torch.cuda.graph`` captures a training
+step through :func:`flash_attn_func` (warm up once first: the first call of
+each shape compiles its kernels).
 
 CUDA tensors run the GPU kernels on ``torch.cuda.current_stream()``, reading and
 writing torch's memory in place (through DLPack); CPU tensors run cupyflash's
@@ -33,14 +39,14 @@ Examples
 
 import torch
 
-from . import _api
+from . import _api, _torch_path
 
 __all__ = ["FlashAttnFunc", "flash_attn_func"]
 
 
 def _unit_last_stride(x):
     """``x`` itself when its last stride is 1 element, else a contiguous copy (as flash-attn)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
+    return x if x.dim() == 0 or x.stride(-1) == 1 else x.contiguous()
 
 
 # ----------------------------------------------------------------------------
@@ -107,13 +113,15 @@ class FlashAttnFunc(torch.autograd.Function):
     """``out = FlashAttnFunc.apply(q, k, v, softmax_scale, causal, deterministic)``.
 
     The autograd.Function form of :func:`flash_attn_func` (all six arguments
-    required, ``softmax_scale`` a float).  Saves q, k, v, out and lse for the
-    backward; the attention matrix is never stored.
+    required, ``softmax_scale`` a float), which eager mode runs: it calls the
+    kernels directly (cupyflash's lean torch path), without the custom-op
+    dispatch.  Saves q, k, v, out and lse for the backward; the attention
+    matrix is never stored.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
-        out, lse = torch.ops.cupyflash.flash_attn(q, k, v, softmax_scale, causal, deterministic)
+        out, lse = _torch_path.fwd(q, k, v, softmax_scale, causal)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
         return out
@@ -121,9 +129,8 @@ class FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.cupyflash.flash_attn_bwd(
-            _unit_last_stride(dout), q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-            ctx.deterministic)
+        dq, dk, dv = _torch_path.bwd(_unit_last_stride(dout), q, k, v, out, lse, ctx.softmax_scale,
+                                     ctx.causal, ctx.deterministic)
         return dq, dk, dv, None, None, None
 
 
@@ -188,6 +195,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0  # 0: rejected later
     q, k, v = (_unit_last_stride(x) for x in (q, k, v))
-    out, _ = torch.ops.cupyflash.flash_attn(q, k, v, float(softmax_scale), bool(causal),
-                                            bool(deterministic))
-    return out
+    if _is_compiling():  # an opaque node in the graph, differentiable through its registered autograd
+        out, _ = torch.ops.cupyflash.flash_attn(q, k, v, float(softmax_scale), bool(causal),
+                                                bool(deterministic))
+        return out
+    return FlashAttnFunc.apply(q, k, v, float(softmax_scale), bool(causal), bool(deterministic))
+
+
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)

@@ -1,9 +1,29 @@
-"""Stand-ins for cupy arrays, so GPU routing is tested on machines without a GPU."""
+"""Stand-ins for cupy arrays and the GPU modules, so GPU routing is tested on
+machines without a GPU."""
 
 from __future__ import annotations
 
+import itertools
+import sys
+import types
+import weakref
+
+import numpy as np
+
+_ADDRESSES = itertools.count(1 << 20, 256)  # 256-byte aligned fake device addresses
+BY_POINTER = weakref.WeakValueDictionary()  # fake pointer -> the FakeCupyArray it addresses
+
+
+class FakeMemory:
+    """A cupy MemoryPointer's ``ptr`` and ``device_id``."""
+
+    def __init__(self, device_id):
+        self.ptr, self.device_id = next(_ADDRESSES), device_id
+
 
 class FakeDevice:
+    compute_capability = "90"
+
     def __init__(self, device_id=0):
         self.id = device_id
 
@@ -15,11 +35,21 @@ class FakeDevice:
 
 
 class FakeCupyArray:
-    """The attributes the checks read, slicing and assignment, around a NumPy array."""
+    """The attributes the checks and the hot path read, slicing and assignment,
+    around a NumPy array; ``data.ptr`` is a fake device address (:data:`BY_POINTER`).
+
+    ``FakeCupyArray(host_array, device_id)``, or ``FakeCupyArray(shape, dtype)``
+    as ``cupy.ndarray(shape, dtype)`` (uninitialised memory: NaN-poisoned here).
+    """
 
     def __init__(self, host, device_id=0):
+        if isinstance(host, tuple):
+            host, device_id = np.empty(host, device_id), 0
+            host.view(np.uint8).fill(0xFF)  # NaN in every float type
         self.host = host
         self.device = FakeDevice(device_id)
+        self.data = FakeMemory(device_id)
+        BY_POINTER[self.data.ptr] = self
 
     shape = property(lambda self: self.host.shape)
     ndim = property(lambda self: self.host.ndim)
@@ -36,3 +66,105 @@ class FakeCupyArray:
 
     def get(self):
         return self.host
+
+
+# ----------------------------------------------------------------------------
+# A fake GPU stack for the planned hot path (cupyflash._api -> _gpu.plan_fwd /
+# _gpu_bwd.plan_bwd -> call.run(pointers)): fake device memory is addressed by
+# fake pointers, and the fake calls compute on the host with the CPU path.
+# ----------------------------------------------------------------------------
+
+
+class FakeStream:
+    ptr = 0
+
+    @staticmethod
+    def is_capturing():
+        return False
+
+    @staticmethod
+    def synchronize():
+        return None
+
+
+def fake_cupy_module(device_count=1):
+    """A module with the parts of cupy the library touches on its hot path."""
+    cupy = types.ModuleType("cupy")
+    cupy.ndarray = FakeCupyArray
+    cupy.zeros = lambda shape, dtype: FakeCupyArray(np.zeros(shape, dtype))
+    cupy.full = lambda shape, value, dtype: FakeCupyArray(np.full(shape, value, dtype))
+    cupy.asarray = FakeCupyArray
+    cupy.cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: device_count,
+                                      getDeviceProperties=lambda i: {"name": b"Fake GPU"}),
+        Device=FakeDevice,
+        get_current_stream=lambda: FakeStream,
+        alloc=lambda nbytes: FakeMemory(0),
+    )
+    return cupy
+
+
+class FakeCall:
+    """A planned call: records its plan's keywords and every run; computes with ``compute``."""
+
+    def __init__(self, kind, plan_kwargs, shapes, compute, runs):
+        self.kind, self.plan_kwargs, self.compute, self.runs = kind, plan_kwargs, compute, runs
+        self.out_shape, self.lse_shape = shapes
+
+    def run(self, stream, alloc, *pointers):
+        self.runs.append((self.kind, self.plan_kwargs))
+        arrays = [BY_POINTER.get(p) for p in pointers]
+        if self.compute is not None:
+            self.compute(self.plan_kwargs, *arrays)
+        return None
+
+
+def install_fake_gpu(monkeypatch, compute_fwd=None, compute_bwd=None):
+    """Fake ``cupy``, ``cupyflash._gpu`` and ``cupyflash._gpu_bwd``; returns
+    ``(plans, runs)``: the keyword arguments of each plan made, and each run.
+
+    ``compute_fwd(plan_kwargs, q, k, v, out, lse)`` and ``compute_bwd(plan_kwargs,
+    dout, q, k, v, out, lse, dq, dk, dv)`` fill the outputs (FakeCupyArrays).
+    """
+    import cupyflash
+    from cupyflash import _api
+
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy_module())
+    # Entries planned with these fakes live only as long as the test.
+    monkeypatch.setattr(_api, "_FWD_ENTRIES", _api._Entries())
+    monkeypatch.setattr(_api, "_BWD_ENTRIES", _api._Entries())
+    plans, runs = [], []
+
+    def plan_fwd(q, k, v, out, lse, **kwargs):
+        plans.append(("fwd", kwargs))
+        return FakeCall("fwd", kwargs, (q.shape, (q.shape[0], q.shape[2], q.shape[1])), compute_fwd, runs)
+
+    def plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, **kwargs):
+        plans.append(("bwd", kwargs))
+        return FakeCall("bwd", kwargs, (None, None), compute_bwd, runs)
+
+    gpu = types.ModuleType("cupyflash._gpu")
+    gpu.plan_fwd = plan_fwd
+    gpu_bwd = types.ModuleType("cupyflash._gpu_bwd")
+    gpu_bwd.plan_bwd = plan_bwd
+    for name, module in (("_gpu", gpu), ("_gpu_bwd", gpu_bwd)):
+        monkeypatch.setitem(sys.modules, f"cupyflash.{name}", module)
+        monkeypatch.setattr(cupyflash, name, module, raising=False)
+    return plans, runs
+
+
+def cpu_compute_fwd(plan_kwargs, q, k, v, out, lse):
+    """compute_fwd for install_fake_gpu: the CPU path, written into out and lse."""
+    from cupyflash import cpu
+
+    o, l = cpu.fwd(q.host, k.host, v.host, plan_kwargs["softmax_scale"], plan_kwargs["causal"])
+    out.host[...], lse.host[...] = o, l
+
+
+def cpu_compute_bwd(plan_kwargs, dout, q, k, v, out, lse, dq, dk, dv):
+    from cupyflash import cpu
+
+    grads = cpu.bwd(dout.host, q.host, k.host, v.host, out.host, lse.host, plan_kwargs["softmax_scale"],
+                    plan_kwargs["causal"])
+    for dst, src in zip((dq, dk, dv), grads):
+        dst.host[...] = src

@@ -16,7 +16,7 @@ import pytest
 
 import cupyflash
 from cupyflash import _checks, cpu
-from fakes import FakeCupyArray
+from fakes import FakeCupyArray, install_fake_gpu
 
 FUNCTIONS = ("flash_attn_fwd", "flash_attn", "flash_attn_bwd")
 
@@ -238,30 +238,11 @@ def test_empty_inputs(monkeypatch, q_shape, kv_shape, causal):
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """Installs fake ``cupy`` and ``cupyflash._gpu`` modules; returns the recorded calls."""
-    fake_cupy = types.ModuleType("cupy")
-    fake_cupy.ndarray = FakeCupyArray
-    fake_cupy.zeros = lambda shape, dtype: FakeCupyArray(np.zeros(shape, dtype))
-    fake_cupy.full = lambda shape, value, dtype: FakeCupyArray(np.full(shape, value, dtype))
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
-
-    calls = []
-    fake = types.ModuleType("cupyflash._gpu")
-
-    def fwd(q, k, v, **kwargs):
-        calls.append(("fwd", (q, k, v), kwargs))
-        return "out", "lse"
-
-    def bwd(dout, q, k, v, out, lse, **kwargs):
-        calls.append(("bwd", (dout, q, k, v, out, lse), kwargs))
-        return "dq", "dk", "dv"
-
-    fake.fwd, fake.bwd = fwd, bwd
-    monkeypatch.setitem(sys.modules, "cupyflash._gpu", fake)
-    monkeypatch.setattr(cupyflash, "_gpu", fake, raising=False)
+    """Installs fake ``cupy`` and GPU modules; returns the plans made (kind, keywords)."""
+    plans, _ = install_fake_gpu(monkeypatch)
     monkeypatch.setattr(cpu, "fwd", _must_not_run)
     monkeypatch.setattr(cpu, "bwd", _must_not_run)
-    return calls
+    return plans
 
 
 def _gpu_args(dtype=np.float16, device_id=0):
@@ -270,25 +251,27 @@ def _gpu_args(dtype=np.float16, device_id=0):
 
 def test_cupy_arrays_go_to_gpu_fwd(fake_gpu):
     a = _gpu_args()
-    assert cupyflash.flash_attn_fwd(a["q"], a["k"], a["v"], causal=np.bool_(True)) == \
-        ("out", "lse")
-    assert cupyflash.flash_attn(a["q"], a["k"], a["v"], softmax_scale=0.25) == "out"
-    (name, args, kwargs), (name2, _, kwargs2) = fake_gpu
-    assert name == name2 == "fwd" and args == (a["q"], a["k"], a["v"])
-    assert kwargs == dict(softmax_scale=1 / math.sqrt(8), causal=True)
+    out, lse = cupyflash.flash_attn_fwd(a["q"], a["k"], a["v"], causal=np.bool_(True))
+    assert isinstance(out, FakeCupyArray) and out.shape == a["q"].shape and out.dtype == np.float16
+    assert isinstance(lse, FakeCupyArray) and lse.shape == (2, 4, 5) and lse.dtype == np.float32
+    out = cupyflash.flash_attn(a["q"], a["k"], a["v"], softmax_scale=0.25)
+    assert isinstance(out, FakeCupyArray) and out.shape == a["q"].shape
+    (name, kwargs), (name2, kwargs2) = fake_gpu
+    assert name == name2 == "fwd"
+    assert kwargs == dict(softmax_scale=1 / math.sqrt(8), causal=True, dtype_name="float16", device_id=0)
     assert type(kwargs["causal"]) is bool and type(kwargs["softmax_scale"]) is float
-    assert kwargs2 == dict(softmax_scale=0.25, causal=False)
+    assert kwargs2 == dict(softmax_scale=0.25, causal=False, dtype_name="float16", device_id=0)
 
 
 def test_cupy_arrays_go_to_gpu_bwd(fake_gpu):
     a = _gpu_args()
-    got = cupyflash.flash_attn_bwd(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"],
-                                   softmax_scale=2, causal=True, deterministic=np.bool_(True))
-    assert got == ("dq", "dk", "dv")
-    [(name, args, kwargs)] = fake_gpu
+    dq, dk, dv = cupyflash.flash_attn_bwd(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"],
+                                          softmax_scale=2, causal=True, deterministic=np.bool_(True))
+    assert [x.shape for x in (dq, dk, dv)] == [a["q"].shape, a["k"].shape, a["v"].shape]
+    [(name, kwargs)] = fake_gpu
     assert name == "bwd"
-    assert args == (a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"])
-    assert kwargs == dict(softmax_scale=2.0, causal=True, deterministic=True)
+    assert kwargs == dict(softmax_scale=2.0, causal=True, deterministic=True, dtype_name="float16",
+                          device_id=0)
     assert type(kwargs["deterministic"]) is bool
 
 

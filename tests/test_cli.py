@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cupyflash import bench, cli, cpu
+from fakes import cpu_compute_bwd, cpu_compute_fwd, install_fake_gpu
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -138,54 +139,12 @@ def test_bench_has_the_fwd_overlap_experiment_switch():
     assert parser.parse_args(["--fwd-overlap"]).fwd_overlap is True
 
 
-class _FakeGpuArray:
-    """A host array posing as a cupy array (only what the demo and the checks read)."""
-
-    def __init__(self, host):
-        self.host = host
-        self.shape, self.ndim, self.dtype = host.shape, host.ndim, host.dtype
-        self.strides, self.itemsize, self.size = host.strides, host.itemsize, host.size
-        self.device = types.SimpleNamespace(id=0)
-
-    def __getitem__(self, index):
-        return _FakeGpuArray(self.host[index])
-
-    def get(self):
-        return self.host
-
-
 @pytest.fixture
 def fake_gpu_stack(monkeypatch):
-    """A fake cupy with one device, and a fake _gpu that runs the CPU path."""
-    runtime = types.SimpleNamespace(getDeviceCount=lambda: 1,
-                                    getDeviceProperties=lambda i: {"name": b"Fake GPU"})
-    cuda = types.SimpleNamespace(
-        runtime=runtime,
-        Device=lambda: types.SimpleNamespace(id=0, compute_capability="90"),
-        get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None),
-    )
-    fake_cupy = types.ModuleType("cupy")
-    fake_cupy.ndarray, fake_cupy.cuda = _FakeGpuArray, cuda
-    fake_cupy.asarray = _FakeGpuArray
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
-
-    calls = []
-    fake = types.ModuleType("cupyflash._gpu")
-
-    def fwd(q, k, v, *, softmax_scale, causal):
-        calls.append("fwd")
-        return tuple(map(_FakeGpuArray, cpu.fwd(q.host, k.host, v.host, softmax_scale, causal)))
-
-    def bwd(dout, q, k, v, out, lse, *, softmax_scale, causal, deterministic):
-        calls.append("bwd")
-        hosts = (x.host for x in (dout, q, k, v, out, lse))
-        return tuple(map(_FakeGpuArray, cpu.bwd(*hosts, softmax_scale, causal)))
-
-    fake.fwd, fake.bwd = fwd, bwd
-    monkeypatch.setitem(sys.modules, "cupyflash._gpu", fake)
-    import cupyflash
-    monkeypatch.setattr(cupyflash, "_gpu", fake, raising=False)
-    return calls
+    """A fake cupy with one device, and fake GPU modules that run the CPU path;
+    returns the kernel runs, ``(kind, plan keywords)`` in order."""
+    _, runs = install_fake_gpu(monkeypatch, cpu_compute_fwd, cpu_compute_bwd)
+    return runs
 
 
 def test_demo_gpu_branch_with_a_fake_gpu(fake_gpu_stack, monkeypatch, capsys):
@@ -196,7 +155,8 @@ def test_demo_gpu_branch_with_a_fake_gpu(fake_gpu_stack, monkeypatch, capsys):
     assert "GPU (Fake GPU, sm_90)" in out and "dtype float16" in out
     assert out.count("(median of 2 runs)") == 2
     assert "batch 0..0, query heads 0..1" in out and "check passed" in out
-    assert fake_gpu_stack == ["fwd", "bwd"] + ["fwd"] * 2 + ["bwd"] * 2  # warm-up, then timed
+    kinds = [kind for kind, _ in fake_gpu_stack]
+    assert kinds == ["fwd", "bwd"] + ["fwd"] * 2 + ["bwd"] * 2  # warm-up, then timed
 
 
 def test_demo_gpu_rejects_a_dtype_the_gpu_lacks(fake_gpu_stack, capsys):

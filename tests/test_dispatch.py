@@ -169,20 +169,6 @@ def test_fwd_params_mirror_layout():
     assert f"-DCUPYFLASH_FWD_PARAMS_BYTES={dt.itemsize}" in _params.size_defines()
 
 
-def test_struct_packer_matches_numpy_layout():
-    import numpy as np
-
-    from cupyflash import _gpu
-
-    packer = _gpu._struct_packer(_params.FWD_PARAMS)
-    assert packer.size == _params.FWD_PARAMS.itemsize
-    values = list(range(1, 24)) + list(range(100, 109)) + [0.5, 0.25]
-    rec = np.frombuffer(packer.pack(*values), dtype=_params.FWD_PARAMS)[0]
-    assert rec["q"] == 1 and rec["cu_seqlens_k"] == 9 and rec["lse_head_stride"] == 23
-    assert rec["batch"] == 100
-    assert rec["n_blocks_per_split"] == 108 and rec["softmax_scale_log2"] == 0.25
-
-
 def test_sm80_keeps_the_narrower_d64_tile():
     kw = dict(batch=4, seqlen_q=4096, seqlen_k=4096, nheads_q=32, head_dim=64, dtype="float16",
               causal=False, vec=True)

@@ -19,7 +19,7 @@ import pytest
 
 import cupyflash
 from cupyflash import _interop, cpu
-from fakes import FakeCupyArray
+from fakes import FakeCupyArray, install_fake_gpu
 
 REPO = Path(__file__).resolve().parents[1]
 FUNCTIONS = ("flash_attn_fwd", "flash_attn", "flash_attn_bwd")
@@ -221,17 +221,9 @@ def test_numpy_uint16_with_bfloat16_is_rejected(rng):
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """Fake ``cupy`` and ``cupyflash._gpu`` modules; returns the recorded GPU calls."""
-    fake_cupy = types.ModuleType("cupy")
-    fake_cupy.ndarray = FakeCupyArray
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
-    calls = []
-    fake = types.ModuleType("cupyflash._gpu")
-    fake.fwd = lambda *a, **kw: calls.append(("fwd", kw)) or ("out", "lse")
-    fake.bwd = lambda *a, **kw: calls.append(("bwd", kw)) or ("dq", "dk", "dv")
-    monkeypatch.setitem(sys.modules, "cupyflash._gpu", fake)
-    monkeypatch.setattr(cupyflash, "_gpu", fake, raising=False)
-    return calls
+    """Fake ``cupy`` and GPU modules; returns the plans made, ``(kind, keywords)``."""
+    plans, _ = install_fake_gpu(monkeypatch)
+    return plans
 
 
 def _gpu_args(rng, storage):
@@ -244,17 +236,19 @@ def _gpu_args(rng, storage):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_gpu_storage_with_dtype_reaches_the_kernels(fake_gpu, rng, storage, dtype):
     q, k, v, out, lse = _gpu_args(rng, storage)
-    assert cupyflash.flash_attn_fwd(q, k, v, dtype=dtype) == ("out", "lse")
-    assert cupyflash.flash_attn(q, k, v, dtype=dtype, causal=True) == "out"
-    assert cupyflash.flash_attn_bwd(out, q, k, v, out, lse, dtype=dtype) == ("dq", "dk", "dv")
-    assert [kw["dtype"] for _, kw in fake_gpu] == [dtype] * 3
+    o, l = cupyflash.flash_attn_fwd(q, k, v, dtype=dtype)
+    assert o.dtype == storage and l.dtype == np.float32  # storage in, storage out
+    assert cupyflash.flash_attn(q, k, v, dtype=dtype, causal=True).dtype == storage
+    grads = cupyflash.flash_attn_bwd(out, q, k, v, out, lse, dtype=dtype)
+    assert [g.dtype for g in grads] == [storage] * 3
+    assert [kw["dtype_name"] for _, kw in fake_gpu] == [dtype] * 3
 
 
-def test_gpu_float16_without_dtype_passes_no_dtype(fake_gpu, rng):
+def test_gpu_float16_without_dtype_is_planned_as_float16(fake_gpu, rng):
     q, k, v, _, _ = _gpu_args(rng, np.float16)
     cupyflash.flash_attn(q, k, v)
     cupyflash.flash_attn(q, k, v, dtype="float16")
-    assert "dtype" not in fake_gpu[0][1] and fake_gpu[1][1]["dtype"] == "float16"
+    assert [kw["dtype_name"] for _, kw in fake_gpu] == ["float16", "float16"]
 
 
 @pytest.mark.parametrize("fn_name", FUNCTIONS)

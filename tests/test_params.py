@@ -1,0 +1,86 @@
+"""The params structs: the Python mirror against params.cuh, and packing by name."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from cupyflash import _params
+from cupyflash._sources import kernels_dir
+
+_C_TYPES = {"const void*": np.uint64, "void*": np.uint64, "float*": np.uint64, "const float*": np.uint64,
+            "const int*": np.uint64, "int64": np.int64, "int32": np.int32, "float": np.float32}
+
+
+def _c_fields(struct_name):
+    """(name, numpy type) of each field of ``struct_name`` in params.cuh, in order."""
+    text = (kernels_dir() / "params.cuh").read_text()
+    body = re.search(rf"struct {struct_name} {{(.*?)\n}};", text, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    fields = []
+    for declaration in body.split(";"):
+        declaration = " ".join(declaration.split())
+        if not declaration:
+            continue
+        ctype = next(t for t in sorted(_C_TYPES, key=len, reverse=True) if declaration.startswith(t + " "))
+        for name in declaration[len(ctype):].split(","):
+            fields.append((name.strip(), np.dtype(_C_TYPES[ctype])))
+    return fields
+
+
+@pytest.mark.parametrize("struct_name, mirror", [("FwdParams", _params.FWD_PARAMS),
+                                                 ("BwdParams", _params.BWD_PARAMS)])
+def test_mirror_has_the_fields_of_the_c_struct_in_order(struct_name, mirror):
+    # The size check (static_assert in params.cuh) cannot see two swapped fields of one type.
+    assert [(name, mirror.fields[name][0]) for name in mirror.names] == _c_fields(struct_name)
+
+
+def test_c_struct_parser_sees_a_swap():
+    fields = _c_fields("FwdParams")
+    assert fields[9] == ("q_batch_stride", np.dtype(np.int64))
+    assert fields[10] == ("q_row_stride", np.dtype(np.int64))
+    assert len(fields) == len(_params.FWD_PARAMS.names) == 34
+
+
+@pytest.mark.parametrize("mirror", [_params.FWD_PARAMS, _params.BWD_PARAMS])
+def test_pack_sets_every_field_by_name(mirror):
+    values = {name: (i + 1) * 3 for i, name in enumerate(mirror.names)}
+    record = np.frombuffer(_params.pack(mirror, **values), dtype=mirror)[0]
+    for name, value in values.items():
+        assert record[name] == value, name
+
+
+def test_pack_needs_every_field_and_no_other():
+    values = dict.fromkeys(_params.FWD_PARAMS.names, 0)
+    with pytest.raises(TypeError, match=r"missing \['softmax_scale'\]"):
+        _params.pack(_params.FWD_PARAMS, **{n: v for n, v in values.items() if n != "softmax_scale"})
+    with pytest.raises(TypeError, match=r"unknown \['scale'\]"):
+        _params.pack(_params.FWD_PARAMS, **values, scale=1.0)
+
+
+def test_field_writer_sets_only_its_fields():
+    mirror = _params.BWD_PARAMS
+    template = _params.pack(mirror, **{name: 7 for name in mirror.names})
+    names = ("q", "k", "v", "out")
+    buffer = bytearray(template)
+    _params.FieldWriter(mirror, names).pack_into(buffer, 101, 102, 103, 104)
+    record = np.frombuffer(bytes(buffer), dtype=mirror)[0]
+    for name in mirror.names:
+        want = 101 + names.index(name) if name in names else 7
+        assert record[name] == want, name
+
+
+@pytest.mark.parametrize("names", [("k", "q"), ("k",), ("q", "v")])
+def test_field_writer_needs_the_leading_fields_in_order(names):
+    with pytest.raises(ValueError, match="not the struct's first fields in order"):
+        _params.FieldWriter(_params.FWD_PARAMS, names)
+
+
+def test_the_pointer_fields_lead_both_structs():
+    from cupyflash import _gpu, _gpu_bwd
+
+    assert _gpu.FWD_POINTERS == tuple(n for n in _params.FWD_PARAMS.names if _params.FWD_PARAMS[n] == np.uint64)
+    assert _gpu_bwd.BWD_POINTERS == tuple(n for n in _params.BWD_PARAMS.names
+                                          if _params.BWD_PARAMS[n] == np.uint64)
