@@ -242,9 +242,24 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
 # Backward (kernels_cu/flash_bwd.cu)
 # ----------------------------------------------------------------------------
 
-#: Query rows per block of the backward's preprocess kernel
-#: (kernels_cu/flash_bwd.cu PREPROCESS_ROWS).
-BWD_PREPROCESS_ROWS = 128
+#: Rows each thread of the backward's preprocess kernel loads before it reduces
+#: (its ROWS_PER_THREAD template argument; kernels_cu/flash_bwd.cu).
+BWD_PREPROCESS_ROWS_PER_THREAD = 2
+_BWD_PREPROCESS_THREADS = 256  # kernels_cu/flash_bwd.cu PREPROCESS_THREADS
+
+
+def bwd_preprocess_row_lanes(head_dim_padded: int) -> int:
+    """Lanes per query row in the preprocess kernel (its ROW_LANES): 8 elements
+    each, head_dim_padded / 8 rounded up to a power of two (4, 8, 16, 16, 32, 32
+    for head_dim_padded 32, 64, 96, 128, 192, 256)."""
+    return max(4, 1 << (math.ceil(head_dim_padded / 8) - 1).bit_length())
+
+
+def bwd_preprocess_rows(head_dim_padded: int) -> int:
+    """Query rows per block of the preprocess kernel (consecutive rows of the row
+    buffers): 32 at head_dim_padded 96 and 128, 16 at 192 and 256, 64 at 64, 128 at 32."""
+    return _BWD_PREPROCESS_THREADS // bwd_preprocess_row_lanes(head_dim_padded) * BWD_PREPROCESS_ROWS_PER_THREAD
+
 
 # dK/dV kernel tiles per padded head_dim, best first; select_bwd takes the first
 # that fits the GPU's shared memory, double-buffered (Q, dO) if that fits too.
@@ -276,7 +291,7 @@ _BWD_DQ_TILES = {
     256: ((64, 32, 4), (64, 16, 4)),
 }
 
-_BWD_THREADS_AUX = 256  # preprocess and convert kernels: 8 warps, one row per warp at a time
+_BWD_THREADS_AUX = 256  # convert kernels: 8 warps, one row per warp at a time
 _SEQLENS_SLOT_BYTES = 16  # dK/dV kernel: the block's SeqLens in shared memory (kernels_cu/seqlens.cuh)
 
 
@@ -323,10 +338,14 @@ class BwdPlan:
     kv_splits: int                # dK/dV blocks per (key block, KV head); > 1 needs dkv_accum
 
 
-def bwd_preprocess_launch(dtype: str, vec: bool, blocks: int = 1) -> Launch:
-    """One block per BWD_PREPROCESS_ROWS query rows of one (batch, head) of the row buffers."""
-    return Launch("flash_bwd.cu", "cupyflash::flash_bwd_preprocess_kernel", (CTYPES[dtype], _cbool(vec)),
-                  (max(1, blocks), 1, 1), (_BWD_THREADS_AUX, 1, 1), 0)
+def bwd_preprocess_launch(dtype: str, head_dim_padded: int, vec: bool, rows: int = 1) -> Launch:
+    """One block per bwd_preprocess_rows(head_dim_padded) consecutive rows of the
+    ``rows`` query rows of the row buffers (all heads, all batch entries)."""
+    lanes = bwd_preprocess_row_lanes(head_dim_padded)
+    return Launch("flash_bwd.cu", "cupyflash::flash_bwd_preprocess_kernel",
+                  (CTYPES[dtype], str(lanes), str(BWD_PREPROCESS_ROWS_PER_THREAD), _cbool(vec)),
+                  (max(1, math.ceil(rows / bwd_preprocess_rows(head_dim_padded))), 1, 1),
+                  (_BWD_PREPROCESS_THREADS, 1, 1), 0)
 
 
 def bwd_convert_launch(dtype: str, vec: bool, rows: int = 1) -> Launch:
@@ -544,7 +563,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
         tile, stages = _pick_bwd_tile(d, smem_limit, causal, deterministic, vec)
         block_n = tile[1]
 
-    launches = [bwd_preprocess_launch(dtype, vec, math.ceil(q_rows[1] / BWD_PREPROCESS_ROWS) * q_rows[0] * nheads_q)]
+    launches = [bwd_preprocess_launch(dtype, d, vec, q_rows[0] * q_rows[1] * nheads_q)]
     kv_blocks = math.ceil(seqlen_k / block_n) * batch * nheads_kv
     kv_splits = bwd_kv_splits(kv_blocks, nheads_q // nheads_kv, num_sms)
     dkdv_grid = (kv_blocks * kv_splits, 1, 1)
@@ -582,7 +601,10 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
                 if det:
                     out.append(bwd_dq_sm90_launch(dtype, d, causal, even_k))
     for dtype, vec in itertools.product(CTYPES, (True, False)):
-        out.append(bwd_preprocess_launch(dtype, vec))
+        lanes = {}  # one preprocess instantiation per ROW_LANES
+        for d in HEAD_DIMS:
+            lanes.setdefault(bwd_preprocess_row_lanes(d), d)
+        out.extend(bwd_preprocess_launch(dtype, d, vec) for d in lanes.values())
         out.append(bwd_convert_launch(dtype, vec))
         out.append(bwd_convert_dkv_launch(dtype, vec))
     for dtype, d in itertools.product(CTYPES, HEAD_DIMS):

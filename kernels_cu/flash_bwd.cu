@@ -42,15 +42,7 @@
 
 namespace cupyflash {
 
-constexpr int PREPROCESS_ROWS = 128;  // query rows per preprocess block
 #define POS_INF (__int_as_float(0x7f800000))
-
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-    return x;
-}
 
 // load_tile, except that the !VEC path (element loads, which the compiler keeps
 // in flight all at once: 64 registers for a 64 x 256 tile) goes one TileMap
@@ -74,66 +66,123 @@ __device__ __forceinline__ void load_tile_lean(uint32 smem_base, const T* gmem, 
 }
 
 // ---------------------------------------------------------------------------
-// Preprocess: one block of 8 warps per PREPROCESS_ROWS query rows of one
-// (batch, head) of the row buffers (packed: one head, all total_q rows).
+// Preprocess: delta = rowsum(dO∘O) in fp32, lse_log2 = lse·log2(e) (+inf where
+// lse = -inf), dq_accum = 0 (default mode). The grid walks the row buffers as
+// one flat run of query_rows(p) rows ((batch, head, row) dense, (head, row)
+// packed): ROWS = PREPROCESS_THREADS / ROW_LANES · ROWS_PER_THREAD consecutive
+// rows per block, which may span several heads (short sequences, many heads).
+//
+// A group of ROW_LANES lanes takes one row, each lane 8 elements of it (VEC:
+// one 16-byte chunk of O and one of dO; !VEC: elements lane, lane + ROW_LANES,
+// ...); cupyflash/dispatch.py picks ROW_LANES = head_dim_padded / 8 rounded up
+// to a power of two (4 at D = 32, 16 at D = 128, 32 at D = 256). Each thread
+// issues the loads of all its ROWS_PER_THREAD rows (O, dO, lse) first, then
+// zeroes its share of the block's dq_accum rows, and only then waits for the
+// loads, reduces and stores: the stores may alias O, dO and lse as far as the
+// compiler knows, so a load written after a store would wait for it. (The
+// version before walked 16 rows per warp with a reduction and a store between
+// rows: one memory latency per row, 17 us for 16 MB at the seed shape.)
 // ---------------------------------------------------------------------------
-template <typename T, bool VEC>
-__global__ void __launch_bounds__(256)
+constexpr int PREPROCESS_THREADS = 256;
+
+template <typename T, int ROW_LANES, int ROWS_PER_THREAD, bool VEC>
+__global__ void __launch_bounds__(PREPROCESS_THREADS)
 flash_bwd_preprocess_kernel(const BwdParams p) {
-    constexpr int ROWS = PREPROCESS_ROWS, WARPS = 8;
-    const int rows_per_head = query_rows_per_head(p);
-    const int row_blocks = ceil_div(rows_per_head, ROWS);
-    const int bh = blockIdx.x / row_blocks;
-    const int row_block = blockIdx.x % row_blocks;
-    const int b = bh / p.nheads_q, h = bh % p.nheads_q;  // b = 0 when packed (batch strides are 0)
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int64 row_index0 = int64(bh) * rows_per_head + row_block * ROWS;
-    const int rows_valid = min(ROWS, rows_per_head - row_block * ROWS);
+    static_assert(ROW_LANES == 4 || ROW_LANES == 8 || ROW_LANES == 16 || ROW_LANES == 32,
+                  "ROW_LANES: a power of two, 4 to 32 (8 elements per lane: head_dim <= 8 * ROW_LANES)");
+    constexpr int SLOTS = PREPROCESS_THREADS / ROW_LANES;  // rows per pass of the block
+    constexpr int ROWS = SLOTS * ROWS_PER_THREAD;          // rows per block
+    constexpr int ELEMS = 8;                               // elements of a row per lane
+    const int64 row0 = int64(blockIdx.x) * ROWS;  // first row of the block in the row buffers
+    const int rows_valid = int(min(int64(ROWS), query_rows(p) - row0));
+    const uint32 rows_per_head = query_rows_per_head(p);
+    const int slot = threadIdx.x / ROW_LANES, lane = threadIdx.x % ROW_LANES;
+    // (batch·nheads_q + head, row) of the block's first row; unsigned 32 bits from here
+    // on (batch·nheads_q < 2^32; m0 + ROWS < 2^32), for the cheaper divisions
+    const uint32 bh0 = uint32(row0 / rows_per_head);
+    const uint32 m0 = uint32(row0 - int64(bh0) * rows_per_head);
+    struct HeadRows {  // O, dO and lse of row 0 of one (batch, head)
+        const T* o;
+        const T* d;
+        const float* lse;
+    };
+    auto head_rows = [&](uint32 bh) {
+        const uint32 nh = p.nheads_q, b = bh / nh, h = bh - b * nh;  // b = 0 when packed (batch strides are 0)
+        return HeadRows{static_cast<const T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride,
+                        static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride,
+                        p.lse + b * p.lse_batch_stride + h * p.lse_head_stride};
+    };
+    const HeadRows first = head_rows(bh0);
 
-    const T* out = static_cast<const T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride;
-    const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
-    const float* lse = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride;
-
-    // ---- delta = rowsum(dO∘O) in fp32, one row per warp at a time
-#pragma unroll 4
-    for (int r = warp; r < ROWS; r += WARPS) {
-        const int row = row_block * ROWS + r;
-        float dot = 0.f;
-        if (r < rows_valid) {
-            const T* o = out + row * p.o_row_stride;
-            const T* d = dout + row * p.do_row_stride;
-            if constexpr (VEC) {
-                // one 16-byte chunk per lane covers head_dim <= 256
-                if (lane * 8 < p.head_dim) {
-                    const uint4 ov = *reinterpret_cast<const uint4*>(o + lane * 8);
-                    const uint4 dv = *reinterpret_cast<const uint4*>(d + lane * 8);
-                    const T* oe = reinterpret_cast<const T*>(&ov);
-                    const T* de = reinterpret_cast<const T*>(&dv);
+    // ---- issue every load: O and dO (ELEMS elements of each per row), lse
+    uint4 o[ROWS_PER_THREAD], d[ROWS_PER_THREAD];  // ELEMS values of T each
+    float lse[ROWS_PER_THREAD];
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) {
-                        dot = fmaf(TypeTraits<T>::to_float(oe[e]), TypeTraits<T>::to_float(de[e]), dot);
-                    }
-                }
-            } else {
-                for (int c = lane; c < p.head_dim; c += 32) {
-                    dot = fmaf(TypeTraits<T>::to_float(o[c]), TypeTraits<T>::to_float(d[c]), dot);
+    for (int i = 0; i < ROWS_PER_THREAD; ++i) {
+        const int r = slot + i * SLOTS;
+        o[i] = d[i] = make_uint4(0u, 0u, 0u, 0u);
+        lse[i] = 0.f;
+        if (r >= rows_valid) continue;
+        uint32 m = m0 + r;
+        HeadRows head = first;
+        if (m >= rows_per_head) {  // the block runs over into a later head
+            const uint32 next = m / rows_per_head;
+            m -= next * rows_per_head;
+            head = head_rows(bh0 + next);
+        }
+        const T* orow = head.o + int64(m) * p.o_row_stride;
+        const T* drow = head.d + int64(m) * p.do_row_stride;
+        if constexpr (VEC) {  // head_dim % 8 == 0
+            if (lane * ELEMS < p.head_dim) {
+                o[i] = *reinterpret_cast<const uint4*>(orow + lane * ELEMS);
+                d[i] = *reinterpret_cast<const uint4*>(drow + lane * ELEMS);
+            }
+        } else {
+            T* oe = reinterpret_cast<T*>(&o[i]);
+            T* de = reinterpret_cast<T*>(&d[i]);
+#pragma unroll
+            for (int e = 0; e < ELEMS; ++e) {
+                const int c = lane + e * ROW_LANES;
+                if (c < p.head_dim) {
+                    oe[e] = orow[c];
+                    de[e] = drow[c];
                 }
             }
         }
-        dot = warp_sum(dot);
-        if (lane == 0 && r < rows_valid) {
-            // ---- lse in log2 units; +inf (P = 0) for rows that see no key
-            const float l = lse[row];
-            p.delta[row_index0 + r] = dot;
-            p.lse_log2[row_index0 + r] = l == NEG_INF ? POS_INF : l * LOG2E;
-        }
+        if (lane == 0) lse[i] = head.lse[m];
     }
 
-    // ---- dq_accum = 0 for these rows (default mode; the dK/dV kernel adds to it)
+    // ---- dq_accum = 0 for the block's rows (default mode; the dK/dV kernel adds to it),
+    //      whole padded rows, 16-byte stores over the block's contiguous range
     if (p.dq_accum != nullptr) {
-        float4* acc = reinterpret_cast<float4*>(p.dq_accum + row_index0 * p.head_dim_padded);
+        float4* acc = reinterpret_cast<float4*>(p.dq_accum + row0 * p.head_dim_padded);
         const int count = rows_valid * p.head_dim_padded / 4;
-        for (int i = threadIdx.x; i < count; i += WARPS * 32) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+        for (int j = threadIdx.x; j < count; j += PREPROCESS_THREADS) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+
+    // ---- delta = rowsum(dO∘O) in fp32 over the ROW_LANES lanes of the row; lse in log2 units
+#pragma unroll
+    for (int i = 0; i < ROWS_PER_THREAD; ++i) {
+        const uint32* ow = reinterpret_cast<const uint32*>(&o[i]);
+        const uint32* dw = reinterpret_cast<const uint32*>(&d[i]);
+        float dot = 0.f;
+#pragma unroll
+        for (int w = 0; w < ELEMS / 2; ++w) {  // elements 2w, 2w + 1 (zeros past head_dim)
+            const float2 a = TypeTraits<T>::unpack(ow[w]), c = TypeTraits<T>::unpack(dw[w]);
+            dot = fmaf(a.x, c.x, dot);
+            dot = fmaf(a.y, c.y, dot);
+        }
+#pragma unroll
+        for (int offset = ROW_LANES / 2; offset > 0; offset /= 2) {  // within the aligned lane group
+            dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+        }
+        const int r = slot + i * SLOTS;
+        if (lane == 0 && r < rows_valid) {
+            p.delta[row0 + r] = dot;
+            // +inf (P = 0) for rows that see no key
+            p.lse_log2[row0 + r] = lse[i] == NEG_INF ? POS_INF : lse[i] * LOG2E;
+        }
     }
 }
 

@@ -87,7 +87,8 @@ def test_grids(seqlen_q, seqlen_k, nheads_q, nheads_kv):
     plan = _plan(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, nheads_kv=nheads_kv)
     pre, main, convert = plan.launches[:3]
     block_n = int(main.args[3])
-    assert pre.grid == (math.ceil(seqlen_q / dispatch.BWD_PREPROCESS_ROWS) * batch * nheads_q, 1, 1)
+    # the preprocess walks all rows of the row buffers as one run (blocks may span heads)
+    assert pre.grid == (math.ceil(batch * nheads_q * seqlen_q / dispatch.bwd_preprocess_rows(128)), 1, 1)
     assert main.grid == (math.ceil(seqlen_k / block_n) * batch * nheads_kv * plan.kv_splits, 1, 1)
     assert main.block == (int(main.args[4]) * 32, 1, 1)
     assert convert.grid == (math.ceil(batch * nheads_q * seqlen_q / 8), 1, 1)
@@ -96,6 +97,89 @@ def test_grids(seqlen_q, seqlen_k, nheads_q, nheads_kv):
                 deterministic=True)
     dq = det.launches[2]
     assert dq.grid == (math.ceil(seqlen_q / int(dq.args[2])) * batch * nheads_q, 1, 1)
+
+
+@pytest.mark.parametrize("d", dispatch.HEAD_DIMS)
+def test_preprocess_lanes_cover_the_padded_row(d):
+    """ROW_LANES lanes of 8 elements cover the padded row (VEC: one 16-byte chunk per
+    lane; !VEC: elements lane + k * ROW_LANES, k < 8), fewer than half of them idle."""
+    lanes = dispatch.bwd_preprocess_row_lanes(d)
+    assert lanes in (4, 8, 16, 32) and 8 * lanes >= d > 4 * lanes
+    for vec in (True, False):
+        launch = dispatch.bwd_preprocess_launch("bfloat16", d, vec, 10**6)
+        assert launch.args == ("__nv_bfloat16", str(lanes), str(dispatch.BWD_PREPROCESS_ROWS_PER_THREAD),
+                               "true" if vec else "false")
+        assert launch.block == (256, 1, 1) and launch.smem_bytes == 0
+        rows = 256 // lanes * dispatch.BWD_PREPROCESS_ROWS_PER_THREAD
+        assert dispatch.bwd_preprocess_rows(d) == rows
+        assert launch.grid == (math.ceil(10**6 / rows), 1, 1)
+
+
+def test_preprocess_grid_at_the_seed_shape():
+    """B=1, H=32, S=512, D=128: 16384 rows, 32 per block (16 lanes per row, 2 rows per
+    thread), 512 blocks: ~4 per SM on 132 SMs (was 128 blocks of 128 rows)."""
+    plan = dispatch.select_bwd(batch=1, seqlen_q=512, seqlen_k=512, nheads_q=32, nheads_kv=32, head_dim=128,
+                               dtype="float16", causal=True, deterministic=False, vec=True, cc=(9, 0))
+    pre = plan.launches[0]
+    assert pre.name_expression == "cupyflash::flash_bwd_preprocess_kernel<__half, 16, 2, true>"
+    assert pre.grid == (512, 1, 1) and pre.block == (256, 1, 1)
+
+
+def _emulate_preprocess_mapping(rows_per_head, heads, head_dim, vec):
+    """The preprocess kernel's index arithmetic (kernels_cu/flash_bwd.cu), thread by thread
+    in NumPy: which (buffer row, head, row in head, column) each load covers, which
+    dq_accum words each block zeroes."""
+    d = dispatch.padded_head_dim(head_dim)
+    launch = dispatch.bwd_preprocess_launch("float16", d, vec, heads * rows_per_head)
+    lanes, per_thread = int(launch.args[1]), int(launch.args[2])
+    slots = launch.block[0] // lanes
+    rows_block = slots * per_thread
+    total = heads * rows_per_head
+    tid = np.arange(launch.block[0])
+    slot, lane = tid // lanes, tid % lanes
+    loads, zeroed = [], []
+    for block in range(launch.grid[0]):
+        row0 = block * rows_block
+        rows_valid = min(rows_block, total - row0)
+        bh0, m0 = row0 // rows_per_head, row0 % rows_per_head
+        for i in range(per_thread):
+            r = slot + i * slots
+            ok = r < rows_valid
+            m = m0 + r
+            nxt = m // rows_per_head  # the kernel's run-over branch (nxt = 0 without it)
+            bh, m = bh0 + nxt, m - nxt * rows_per_head
+            for e in range(8):
+                col = lane * 8 + e if vec else lane + e * lanes
+                keep = ok & (col < head_dim)
+                loads.append(np.stack([row0 + r, bh, m, col])[:, keep])
+        count = rows_valid * d // 4
+        zeroed.append(row0 * d // 4 + np.arange(count))
+    return np.concatenate(loads, axis=1), np.concatenate(zeroed), d
+
+
+@pytest.mark.parametrize("rows_per_head,heads", [(1, 300), (17, 6), (31, 5), (512, 2), (1000, 1), (33, 7)])
+@pytest.mark.parametrize("head_dim,vec", [(128, True), (64, True), (40, True), (59, False), (100, False),
+                                          (256, True), (192, False), (1, False), (96, True)])
+def test_preprocess_mapping_covers_every_row_once(rows_per_head, heads, head_dim, vec):
+    loads, zeroed, d = _emulate_preprocess_mapping(rows_per_head, heads, head_dim, vec)
+    row, bh, m, col = loads
+    total = heads * rows_per_head
+    # each (row, column) of the row buffers once, at its own (head, row in head)
+    assert len(row) == total * head_dim
+    assert len(np.unique(row * head_dim + col)) == total * head_dim
+    np.testing.assert_array_equal(bh * rows_per_head + m, row)
+    assert (m < rows_per_head).all() and (bh < heads).all() and (col < head_dim).all()
+    # dq_accum: every word of the whole padded rows, once
+    np.testing.assert_array_equal(np.sort(zeroed), np.arange(total * d // 4))
+
+
+def test_preprocess_instantiations_in_check_kernels():
+    """One per (dtype, ROW_LANES, VEC): every preprocess launch select_bwd can return is compiled."""
+    names = {L.name_expression for L in dispatch.all_bwd_launches() if L.template.endswith("preprocess_kernel")}
+    assert len(names) == 2 * 4 * 2
+    for d in dispatch.HEAD_DIMS:
+        for dtype, vec in ((t, v) for t in dispatch.CTYPES for v in (True, False)):
+            assert dispatch.bwd_preprocess_launch(dtype, d, vec).name_expression in names
 
 
 @pytest.mark.parametrize("num_sms,splits", [(3, 1), (6, 2), (7, 4), (132, 4)])
@@ -225,7 +309,8 @@ def _quick_launches():
         tile = dispatch._BWD_TILES[d][0]
         out.append(dispatch.bwd_dkdv_launch("float16", d, tile, True, True, True, False))
         out.append(dispatch.bwd_dq_launch("float16", d, dispatch._BWD_DQ_TILES[d][0], True, True, True))
-    out.append(dispatch.bwd_preprocess_launch("float16", True))
+    out.append(dispatch.bwd_preprocess_launch("float16", 128, True))
+    out.append(dispatch.bwd_preprocess_launch("float16", 64, False))
     out.append(dispatch.bwd_convert_launch("float16", True))
     out.append(dispatch.bwd_convert_dkv_launch("float16", True))
     return out

@@ -261,7 +261,7 @@ def test_varlen_backward_row_kernels_cover_the_packed_rows():
     plan = dispatch.select_bwd(**kw, deterministic=False, varlen=True, total_q=701, total_k=350)
     pre, dkdv, convert, convert_dkv = plan.launches
     block_n = int(dkdv.args[3])
-    assert pre.grid == (math.ceil(701 / dispatch.BWD_PREPROCESS_ROWS) * 8, 1, 1)
+    assert pre.grid == (math.ceil(701 * 8 / dispatch.bwd_preprocess_rows(64)), 1, 1)
     assert dkdv.grid == (math.ceil(300 / block_n) * 3 * 2 * plan.kv_splits, 1, 1)
     assert convert.grid == (math.ceil(701 * 8 / 8), 1, 1)  # one warp per row, 8 per block
     assert plan.kv_splits > 1 and convert_dkv.grid == (math.ceil(350 * 2 / 8), 1, 1)
@@ -270,7 +270,7 @@ def test_varlen_backward_row_kernels_cover_the_packed_rows():
     assert dq.grid == (math.ceil(500 / int(dq.args[2])) * 3 * 8, 1, 1)
     # a dense batch of the same lengths: rows per (batch, head)
     dense = dispatch.select_bwd(**kw, deterministic=False)
-    assert dense.launches[0].grid == (math.ceil(500 / dispatch.BWD_PREPROCESS_ROWS) * 3 * 8, 1, 1)
+    assert dense.launches[0].grid == (math.ceil(3 * 500 * 8 / dispatch.bwd_preprocess_rows(64)), 1, 1)
     assert dense.launches[2].grid == (math.ceil(3 * 500 * 8 / 8), 1, 1)
 
 
