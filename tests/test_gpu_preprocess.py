@@ -70,26 +70,34 @@ def _run_preprocess(monkeypatch, rows, head_dim, zero_dq, call):
     Returns (delta, lse_log2, dq_accum or None) as host arrays, and the launch.
     """
     cp = _cp()
-    from cupyflash import _gpu, _params
+    from cupyflash import _gpu_bwd, _launch
 
     hdp = dispatch.padded_head_dim(head_dim)
     delta, lse_log2 = _Guarded(rows), _Guarded(rows)
     dq_accum = _Guarded(rows * hdp) if zero_dq else None
     seen = []
-    real_launch = _gpu.launch
+    names = _gpu_bwd.BWD_POINTERS
 
-    def launch(spec, params, stream):
-        if not spec.template.endswith("::flash_bwd_preprocess_kernel"):
-            return  # nothing else runs: the buffers hold what the preprocess left
-        prm = np.frombuffer(params, dtype=_params.BWD_PARAMS).copy()
-        assert int(prm["head_dim_padded"][0]) == hdp
-        prm["delta"] = delta.ptr
-        prm["lse_log2"] = lse_log2.ptr
-        prm["dq_accum"] = dq_accum.ptr if dq_accum is not None else 0
-        seen.append(spec)
-        real_launch(spec, prm.tobytes(), stream)
+    class PreprocessOnly(_launch.Launcher):
+        """The plan's launcher with every launch but the preprocess dropped, and the
+        preprocess's row buffers pointed at the guarded copies."""
 
-    monkeypatch.setattr(_gpu, "launch", launch)
+        __slots__ = ()
+
+        def __init__(self, launches, template, writer):
+            pre = [l for l in launches if l.template.endswith("::flash_bwd_preprocess_kernel")]
+            seen.extend(pre)
+            super().__init__(pre, template, writer)
+
+        def __call__(self, stream, *pointers):
+            p = list(pointers)
+            p[names.index("delta")], p[names.index("lse_log2")] = delta.ptr, lse_log2.ptr
+            assert bool(p[names.index("dq_accum")]) == zero_dq
+            p[names.index("dq_accum")] = dq_accum.ptr if dq_accum is not None else 0
+            super().__call__(stream, *p)
+
+    monkeypatch.setattr(_launch, "Launcher", PreprocessOnly)
+    monkeypatch.setattr(_gpu_bwd, "PLANS", _launch.PlanCache())  # plans made here stay here
     call()
     cp.cuda.get_current_stream().synchronize()
     assert len(seen) == 1, seen
