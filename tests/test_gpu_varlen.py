@@ -60,17 +60,17 @@ def launches(monkeypatch):
     The per-sequence loop launches the forward kernel once per sequence; the
     varlen path once per batch.
     """
-    from cupyflash import _gpu
+    from cupyflash import _gpu, _launch
 
     assert hasattr(_gpu, "varlen_fwd") and hasattr(_gpu, "varlen_bwd")
     names = []
-    real_launch = _gpu.launch
+    real_call = _launch.Launcher.__call__
 
-    def launch(spec, params, stream):
-        names.append(spec.template.rsplit("::", 1)[1])
-        real_launch(spec, params, stream)
+    def call(self, stream, *pointers):
+        names.extend(spec.template.rsplit("::", 1)[1] for spec in self.launches)
+        real_call(self, stream, *pointers)
 
-    monkeypatch.setattr(_gpu, "launch", launch)
+    monkeypatch.setattr(_launch.Launcher, "__call__", call)
     return names
 
 
