@@ -304,21 +304,8 @@ def _gpu_type():
     return None if cupy is None else getattr(cupy, "ndarray", None)
 
 
-class _Entries(dict):
-    """Validated and planned calls by signature, dropped all at once past a limit."""
-
-    limit = 4096
-
-    def put(self, key, entry):
-        if key is not None:
-            if len(self) >= self.limit:
-                self.clear()
-            self[key] = entry
-        return entry
-
-
-_FWD_ENTRIES = _Entries()
-_BWD_ENTRIES = _Entries()
+_FWD_ENTRIES = _launch.PlanCache()
+_BWD_ENTRIES = _launch.PlanCache()
 
 
 def _fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse):

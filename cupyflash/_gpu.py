@@ -32,8 +32,6 @@ from ._launch import LOG2E, Contiguous, element_strides, lse_strides, seq_stride
 # tables tests and `bench --fwd-tiles` patch) they cost ~0.1 us instead of ~10.
 select_fwd = functools.lru_cache(maxsize=4096)(dispatch.select_fwd)
 select_bwd = _gpu_bwd.select_bwd
-_num_sms = _launch.num_sms
-_cc = _launch.compute_capability
 
 #: FwdParams' pointer fields, set on every call (in the struct's order).
 FWD_POINTERS = ("q", "k", "v", "out", "lse", "out_accum", "lse_accum", "cu_seqlens_q", "cu_seqlens_k")
@@ -88,7 +86,7 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
     plan = select_fwd(
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, head_dim=head_dim,
         dtype=dtype_name, causal=causal, vec=vec_ok((q, k, v, out), head_dim),
-        num_sms=_num_sms(device_id), cc=_cc(device_id), varlen=packed is not None)
+        num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id), varlen=packed is not None)
     scratch = (0, (0, 0))
     if plan.num_splits > 1:  # dense batches only
         rows = plan.num_splits * batch * nheads_q * seqlen_q

@@ -114,14 +114,17 @@ class PlanCache(dict):
         super().__init__()
         self.limit = limit
 
-    def get_or_make(self, key, make):
-        plan = self.get(key)
-        if plan is None:
-            plan = make()
+    def put(self, key, plan):
+        """Cache ``plan`` under ``key`` (not when ``key`` is None); return it."""
+        if key is not None:
             if len(self) >= self.limit:
                 self.clear()
             self[key] = plan
         return plan
+
+    def get_or_make(self, key, make):
+        plan = self.get(key)
+        return plan if plan is not None else self.put(key, make())
 
 
 def cupy_alloc(nbytes: int):

@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from . import _api, _checks, _interop
+from . import _api, _checks, _interop, _launch
 
 try:  # the raw stream handle without building a torch.cuda.Stream (what torch's own compiled code uses)
     _raw_stream = torch._C._cuda_getCurrentRawStream  # noqa: SLF001
@@ -106,8 +106,8 @@ class _Bwd(_Entry):
 
 
 _GENERAL = object()  # an entry saying: this signature takes the general path
-_FWD_ENTRIES = _api._Entries()  # noqa: SLF001
-_BWD_ENTRIES = _api._Entries()  # noqa: SLF001
+_FWD_ENTRIES = _launch.PlanCache()
+_BWD_ENTRIES = _launch.PlanCache()
 
 
 def run(fn_name, arrays, rest, kwargs):

@@ -80,3 +80,44 @@ def bwd_sm90_block_m_128(monkeypatch):
     _gpu.select_bwd.cache_clear()
     yield
     _gpu.select_bwd.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans(monkeypatch):
+    """Every test plans its calls afresh: plans are cached per call signature
+    (``_api``, ``_gpu``, ``_gpu_bwd``, ``_torch_path``), and a test that patches a
+    dispatch table or a device fact must not meet plans made before it, nor
+    leave its own behind.  Compiled kernels stay cached (on disk and per device)."""
+    import sys
+
+    from cupyflash import _api, _gpu, _gpu_bwd, _launch
+
+    for module, names in ((_api, ("_FWD_ENTRIES", "_BWD_ENTRIES")), (_gpu, ("PLANS",)), (_gpu_bwd, ("PLANS",)),
+                          (sys.modules.get("cupyflash._torch_path"), ("_FWD_ENTRIES", "_BWD_ENTRIES"))):
+        for name in names if module is not None else ():
+            monkeypatch.setattr(module, name, type(getattr(module, name))())
+    monkeypatch.setattr(_launch, "num_sms", _launch.num_sms)  # undone if a test patches them
+    monkeypatch.setattr(_launch, "compute_capability", _launch.compute_capability)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Record the names of the kernels launched (the varlen kernels must exist).
+
+    The per-sequence loop launches the forward kernel once per sequence; the
+    varlen path once per batch.
+    """
+    from cupyflash import _gpu, _launch
+
+    assert hasattr(_gpu, "varlen_fwd") and hasattr(_gpu, "varlen_bwd")
+    names = []
+    real_call = _launch.Launcher.__call__
+
+    def call(self, stream, *pointers):
+        names.extend(spec.template.rsplit("::", 1)[1] for spec in self.launches)
+        real_call(self, stream, *pointers)
+
+    monkeypatch.setattr(_launch.Launcher, "__call__", call)
+    return names
+
+

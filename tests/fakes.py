@@ -127,12 +127,8 @@ def install_fake_gpu(monkeypatch, compute_fwd=None, compute_bwd=None):
     dout, q, k, v, out, lse, dq, dk, dv)`` fill the outputs (FakeCupyArrays).
     """
     import cupyflash
-    from cupyflash import _api
 
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy_module())
-    # Entries planned with these fakes live only as long as the test.
-    monkeypatch.setattr(_api, "_FWD_ENTRIES", _api._Entries())
-    monkeypatch.setattr(_api, "_BWD_ENTRIES", _api._Entries())
     plans, runs = [], []
 
     def plan_fwd(q, k, v, out, lse, **kwargs):

@@ -19,6 +19,8 @@ import math
 import numpy as np
 import pytest
 
+from cupyflash import _launch
+
 from cupyflash import reference, testing
 from cupyflash.testing import from_bf16_bits, to_bf16_bits
 
@@ -231,7 +233,7 @@ def test_bwd_tiles_of_smaller_gpus(rng, monkeypatch, cc, head_dim, deterministic
     q, k, v, dout = dev
     scale = 1.0 / math.sqrt(head_dim)
     out, lse = _gpu.fwd(q, k, v, softmax_scale=scale, causal=True)
-    monkeypatch.setattr(_gpu, "_cc", lambda device_id: cc)
+    monkeypatch.setattr(_launch, "compute_capability", lambda device_id: cc)
     monkeypatch.setattr(_compile, "_modules", {})
     grads = _gpu_bwd.bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=True, deterministic=deterministic)
     check(host, grads, "float16", scale, True)
@@ -322,7 +324,7 @@ def _wgmma_block_m_128_cases():
 def _skip_unless_hopper(cp):
     from cupyflash import _gpu
 
-    cc = _gpu._cc(cp.cuda.Device().id)
+    cc = _launch.compute_capability(cp.cuda.Device().id)
     if cc != (9, 0):
         pytest.skip(f"the wgmma kernels run on compute capability 9.0; this GPU is {cc}")
     return cc
@@ -369,7 +371,7 @@ def test_bwd_wgmma_block_m_128_gqa_group_splits(rng, monkeypatch, bwd_sm90_block
     host, dev = make_problem(rng, "float16", 1, 260, 300, 8, 2, 64)  # 3 key blocks x 2 KV heads
     q, k, v, dout = dev
     out, lse = _gpu.fwd(q, k, v, softmax_scale=0.125, causal=True)
-    monkeypatch.setattr(_gpu, "_num_sms", lambda device_id: num_sms)
+    monkeypatch.setattr(_launch, "num_sms", lambda device_id: num_sms)
     plan = dispatch.select_bwd(batch=1, seqlen_q=260, seqlen_k=300, nheads_q=8, nheads_kv=2, head_dim=64,
                                dtype="float16", causal=True, deterministic=deterministic, vec=True,
                                num_sms=num_sms, cc=cc)
@@ -380,20 +382,21 @@ def test_bwd_wgmma_block_m_128_gqa_group_splits(rng, monkeypatch, bwd_sm90_block
 
 @pytest.mark.parametrize("num_sms,splits", [(3, 1), (6, 2), (100, 4)])
 @pytest.mark.parametrize("deterministic", DETERMINISTIC, ids=["atomic", "det"])
-def test_bwd_gqa_group_splits(rng, monkeypatch, num_sms, splits, deterministic):
+def test_bwd_gqa_group_splits(rng, monkeypatch, launches, num_sms, splits, deterministic):
     """A GQA group's query heads split over 1, 2 or 4 dK/dV blocks (fp32 partials, summed in order)."""
     from cupyflash import _gpu, _gpu_bwd, dispatch
 
     host, dev = make_problem(rng, "float16", 1, 260, 300, 8, 2, 64)  # 3 key blocks x 2 KV heads
     q, k, v, dout = dev
     out, lse = _gpu.fwd(q, k, v, softmax_scale=0.125, causal=True)
-    monkeypatch.setattr(_gpu, "_num_sms", lambda device_id: num_sms)
+    monkeypatch.setattr(_launch, "num_sms", lambda device_id: num_sms)
     plan = dispatch.select_bwd(batch=1, seqlen_q=260, seqlen_k=300, nheads_q=8, nheads_kv=2, head_dim=64,
                                dtype="float16", causal=True, deterministic=deterministic, vec=True,
-                               num_sms=num_sms, cc=_gpu._cc(q.device.id))
+                               num_sms=num_sms, cc=_launch.compute_capability(q.device.id))
     assert plan.kv_splits == splits
     grads = _gpu_bwd.bwd(dout, q, k, v, out, lse, softmax_scale=0.125, causal=True, deterministic=deterministic)
     check(host, grads, "float16", 0.125, True)
+    assert ("flash_bwd_convert_dkv_kernel" in launches) == (splits > 1)  # the patched device fact took
 
 
 def test_bwd_public_api_fp16(rng):

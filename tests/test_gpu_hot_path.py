@@ -70,8 +70,6 @@ def test_a_repeated_call_is_planned_once(monkeypatch, rng):
     cp = _cp()
     from cupyflash import _api, _gpu, _gpu_bwd
 
-    monkeypatch.setattr(_api, "_FWD_ENTRIES", _api._Entries())
-    monkeypatch.setattr(_api, "_BWD_ENTRIES", _api._Entries())
     plans = []
     for module, name in ((_gpu, "plan_fwd"), (_gpu_bwd, "plan_bwd")):
         real = getattr(module, name)

@@ -20,6 +20,8 @@ import importlib.util
 import numpy as np
 import pytest
 
+from cupyflash import _launch
+
 import cupyflash
 from cupyflash import testing
 from test_varlen import LAYOUTS, cu_seqlens, packed_inputs, packed_reference  # sibling module
@@ -51,27 +53,6 @@ def poisoned_memory():
     with cp.cuda.using_allocator(malloc):
         yield
     pool.free_all_blocks()
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """Record the names of the kernels launched (the varlen kernels must exist).
-
-    The per-sequence loop launches the forward kernel once per sequence; the
-    varlen path once per batch.
-    """
-    from cupyflash import _gpu, _launch
-
-    assert hasattr(_gpu, "varlen_fwd") and hasattr(_gpu, "varlen_bwd")
-    names = []
-    real_call = _launch.Launcher.__call__
-
-    def call(self, stream, *pointers):
-        names.extend(spec.template.rsplit("::", 1)[1] for spec in self.launches)
-        real_call(self, stream, *pointers)
-
-    monkeypatch.setattr(_launch.Launcher, "__call__", call)
-    return names
 
 
 @pytest.fixture(params=["kernel", "loop"])
@@ -192,7 +173,7 @@ def test_wgmma_block_m_128_packed(rng, launches, bwd_sm90_block_m_128, lens_q, l
     cp = _cp()
     from cupyflash import _gpu, dispatch
 
-    if _gpu._cc(cp.cuda.Device().id) != (9, 0):
+    if _launch.compute_capability(cp.cuda.Device().id) != (9, 0):
         pytest.skip("the wgmma kernels run on compute capability 9.0")
     plan = dispatch.select_bwd(batch=len(lens_q), seqlen_q=max(lens_q), seqlen_k=max(lens_k), nheads_q=4,
                                nheads_kv=2, head_dim=head_dim, dtype="float16", causal=causal,
@@ -223,11 +204,11 @@ def test_gqa_group_splits(rng, launches, monkeypatch, num_sms, splits, determini
     from cupyflash import _gpu, dispatch
 
     lens_q, lens_k = (100, 0, 260, 7), (300, 5, 40, 7)
-    monkeypatch.setattr(_gpu, "_num_sms", lambda device_id: num_sms)
+    monkeypatch.setattr(_launch, "num_sms", lambda device_id: num_sms)
     plan = dispatch.select_bwd(batch=4, seqlen_q=260, seqlen_k=300, nheads_q=8, nheads_kv=2,
                                head_dim=64, dtype="float16", causal=True,
                                deterministic=deterministic, vec=True, num_sms=num_sms,
-                               cc=_gpu._cc(cp.cuda.Device().id), varlen=True,
+                               cc=_launch.compute_capability(cp.cuda.Device().id), varlen=True,
                                total_q=sum(lens_q), total_k=sum(lens_k))
     assert plan.kv_splits == splits
     problem = _problem(rng, lens_q, lens_k, 8, 2, 64, np.float16)
