@@ -211,19 +211,47 @@ def _plan_bwd(fn_name, dout, q, k, v, out, lse, softmax_scale, causal, determini
 _FAST = {"flash_attn_fwd": _fwd, "flash_attn": _fwd, "flash_attn_bwd": _bwd}
 
 
+# ----------------------------------------------------------------------------
+# For cupyflash.torch's autograd.Function: the backward's signature is the
+# forward's (q, k, v as they were; out and lse as the forward allocated them)
+# plus dout's, so the backward looks its plan up by the forward's key and dout.
+# ----------------------------------------------------------------------------
+
+_AUTOGRAD_BWD_ENTRIES = _launch.PlanCache()
+
+
 def fwd(q, k, v, softmax_scale, causal):
-    """``(out, lse)`` of CUDA tensors, for cupyflash.torch (no options, no outputs given)."""
-    result = _fwd("flash_attn_fwd", q, k, v, softmax_scale=softmax_scale, causal=causal)
-    if result is NotImplemented:
-        return _api.flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
-    return result
+    """``(out, lse, key)`` of tensors, for cupyflash.torch (no options, no outputs
+    given); ``key`` (None off the lean path) is handed back to :func:`bwd`."""
+    try:
+        key = ("flash_attn_fwd", type(softmax_scale), softmax_scale, type(causal), causal,
+               _sig(q), _sig(k), _sig(v), None, None)
+        entry = _FWD_ENTRIES.get(key)
+    except (AttributeError, TypeError):
+        key = entry = None
+    if entry is None:
+        entry = _FWD_ENTRIES.put(key, _plan_fwd("flash_attn_fwd", q, k, v, softmax_scale, causal, None, None))
+    if entry is _GENERAL or key is None:
+        out, lse = _api.flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
+        return out, lse, None
+    out, lse = entry(q, k, v, None, None)
+    return out, lse, key
 
 
-def bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
-    """``(dq, dk, dv)`` of CUDA tensors, for cupyflash.torch."""
-    result = _bwd("flash_attn_bwd", dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
-                  deterministic=deterministic)
-    if result is NotImplemented:
+def bwd(key, dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
+    """``(dq, dk, dv)`` for cupyflash.torch: ``key`` from :func:`fwd`, the other
+    tensors those :func:`fwd` took and gave."""
+    entry = None
+    if key is not None:
+        try:
+            bwd_key = (key, type(deterministic), deterministic, _sig(dout))
+            entry = _AUTOGRAD_BWD_ENTRIES.get(bwd_key)
+        except (AttributeError, TypeError):
+            bwd_key = None
+        if entry is None and bwd_key is not None:
+            entry = _AUTOGRAD_BWD_ENTRIES.put(bwd_key, _plan_bwd(
+                "flash_attn_bwd", dout, q, k, v, out, lse, softmax_scale, causal, deterministic, None, None, None))
+    if entry is None or entry is _GENERAL:
         return _api.flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                                    deterministic=deterministic)
-    return result
+    return entry(dout, q, k, v, out, lse, None, None, None)

@@ -121,7 +121,7 @@ class FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
-        out, lse = _torch_path.fwd(q, k, v, softmax_scale, causal)
+        out, lse, ctx.key = _torch_path.fwd(q, k, v, softmax_scale, causal)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
         return out
@@ -129,7 +129,7 @@ class FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _torch_path.bwd(_unit_last_stride(dout), q, k, v, out, lse, ctx.softmax_scale,
+        dq, dk, dv = _torch_path.bwd(ctx.key, _unit_last_stride(dout), q, k, v, out, lse, ctx.softmax_scale,
                                      ctx.causal, ctx.deterministic)
         return dq, dk, dv, None, None, None
 

@@ -181,11 +181,22 @@ def test_torch_flash_attn_func_eager_path_calls_the_kernels_directly(monkeypatch
     for name in ("fwd", "bwd"):
         real = getattr(_torch_path, name)
         monkeypatch.setattr(_torch_path, name, lambda *a, _real=real, _n=name: calls.append(_n) or _real(*a))
+    monkeypatch.setattr(_torch_path, "_plan_bwd", _counted(_torch_path._plan_bwd, calls, "plan_bwd"))
     q, k, v, dout = _torch_inputs(torch, rng, requires_grad=True)
-    out = flash_attn_func(q, k, v, causal=True)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    assert calls == ["fwd", "bwd"]  # the lean path, not the custom op's dispatch
+    for _ in range(3):
+        out = flash_attn_func(q, k, v, causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    # the lean path, not the custom op's dispatch; the backward planned once, from the forward's key
+    assert calls == ["fwd", "bwd", "plan_bwd"] + ["fwd", "bwd"] * 2
     _torch_check(torch, q, k, v, dout, out, grads, True)
+
+
+def _counted(fn, calls, name):
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+
+    return counted
 
 
 @pytest.mark.parametrize("causal", [False, True])
