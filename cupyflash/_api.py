@@ -467,9 +467,13 @@ class _GpuFwd(_GpuEntry):
             with device:
                 return self(q, k, v, out, lse)
         cupy, call = self._cupy, self.call
-        if out is None:
+        if out is None and lse is None:  # one allocation for both
+            memory = cupy.cuda.alloc(call.outputs_bytes)
+            out = cupy.ndarray(call.out_shape, q.dtype, memory)
+            lse = cupy.ndarray(call.lse_shape, _FLOAT32, memory + call.lse_offset)
+        elif out is None:
             out = cupy.ndarray(call.out_shape, q.dtype)
-        if lse is None:
+        elif lse is None:
             lse = cupy.ndarray(call.lse_shape, _FLOAT32)
         stream = cupy.cuda.get_current_stream()
         owner = call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k.data.ptr, v.data.ptr,
@@ -488,12 +492,16 @@ class _GpuBwd(_GpuEntry):
             with device:
                 return self(dout, q, k, v, out, lse, dq, dk, dv)
         ndarray = self._cupy.ndarray
-        if dq is None:
-            dq = ndarray(q.shape, q.dtype)
-        if dk is None:
-            dk = ndarray(k.shape, k.dtype)
-        if dv is None:
-            dv = ndarray(v.shape, v.dtype)
+        if dq is None and dk is None and dv is None:  # one allocation for the three
+            memory = self._cupy.cuda.alloc(self.call.grads_bytes)
+            _, o_dk, o_dv = self.call.grads_offsets
+            dq = ndarray(q.shape, q.dtype, memory)
+            dk = ndarray(k.shape, k.dtype, memory + o_dk)
+            dv = ndarray(v.shape, v.dtype, memory + o_dv)
+        else:
+            dq = ndarray(q.shape, q.dtype) if dq is None else dq
+            dk = ndarray(k.shape, k.dtype) if dk is None else dk
+            dv = ndarray(v.shape, v.dtype) if dv is None else dv
         stream = self._cupy.cuda.get_current_stream()
         owner = self.call.run(stream.ptr, _launch.cupy_alloc, dout.data.ptr, q.data.ptr, k.data.ptr,
                               v.data.ptr, out.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr,

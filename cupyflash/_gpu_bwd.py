@@ -29,6 +29,7 @@ expanded.
 from __future__ import annotations
 
 import functools
+import math
 
 from . import _launch, _params, dispatch
 from ._launch import LOG2E, Contiguous, lse_strides, seq_strides, vec_ok
@@ -51,10 +52,13 @@ class BwdCall:
     order).  Returns the scratch's owner.
     """
 
-    __slots__ = ("plan", "scratch_bytes", "_offsets", "_has_dq_accum", "_has_dkv_accum", "_launcher")
+    __slots__ = ("plan", "grads_bytes", "grads_offsets", "scratch_bytes", "_offsets", "_has_dq_accum",
+                 "_has_dkv_accum", "_launcher")
 
-    def __init__(self, plan, scratch, launcher):
+    def __init__(self, plan, grad_sizes, scratch, launcher):
         self.plan = plan
+        # dq, dk and dv in one allocation, when the caller allocates them together
+        self.grads_bytes, self.grads_offsets = _launch.scratch_layout(grad_sizes)
         self.scratch_bytes, self._offsets = scratch
         self._has_dq_accum = plan.dq_accum
         self._has_dkv_accum = plan.kv_splits > 1
@@ -112,7 +116,8 @@ def plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causa
         total_q=packed_totals[0], total_k=packed_totals[1], head_dim=head_dim,
         head_dim_padded=plan.head_dim_padded, num_stages=plan.num_stages, kv_splits=plan.kv_splits,
         softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E)
-    return BwdCall(plan, scratch, _launch.Launcher(plan.launches, template, _BWD_WRITER))
+    grad_sizes = tuple(math.prod(x.shape) * x.itemsize for x in (q, k, v))
+    return BwdCall(plan, grad_sizes, scratch, _launch.Launcher(plan.launches, template, _BWD_WRITER))
 
 
 PLANS = _launch.PlanCache()

@@ -93,7 +93,8 @@ class Contiguous:
 
 
 def scratch_layout(sizes: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
-    """``(total bytes, offsets)`` of buffers of ``sizes`` bytes in one allocation."""
+    """``(total bytes, offsets)`` of buffers of ``sizes`` bytes in one allocation
+    (scratch, or a call's outputs)."""
     offsets, total = [], 0
     for size in sizes:
         offsets.append(total)
@@ -166,13 +167,13 @@ class Launcher:
         self._buffer = ctypes.create_string_buffer(template, len(template))
         self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self._buffer))
         self._argv_address = ctypes.addressof(self._argv)
-        self._pack_into = writer.pack_into
+        self._pack_into = writer.struct.pack_into
         self._lock = threading.Lock()
 
     def __call__(self, stream: int, *pointers: int) -> None:
         """Launch every kernel on ``stream`` with the pointer fields set to ``pointers``."""
         launch, argv = self._launch_kernel, self._argv_address
         with self._lock:
-            self._pack_into(self._buffer, *pointers)
+            self._pack_into(self._buffer, 0, *pointers)
             for func, gx, gy, gz, bx, by, bz, smem in self._kernels:
                 launch(func, gx, gy, gz, bx, by, bz, smem, stream, argv, 0)

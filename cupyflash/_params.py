@@ -98,7 +98,7 @@ class FieldWriter:
     ``struct.pack_into`` writes them all and touches no other byte.
     """
 
-    __slots__ = ("names", "_struct")
+    __slots__ = ("names", "struct")
 
     _CODES = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i",
               np.dtype(np.float32): "f"}
@@ -114,7 +114,7 @@ class FieldWriter:
             fmt += self._CODES[field]
             pos = offset + field.itemsize
         self.names = tuple(names)
-        self._struct = _stdlib_struct.Struct(fmt)
+        self.struct = _stdlib_struct.Struct(fmt)  # its pack_into(buffer, 0, *values) is what a call runs
 
     def pack_into(self, buffer, *values) -> None:
-        self._struct.pack_into(buffer, 0, *values)
+        self.struct.pack_into(buffer, 0, *values)

@@ -63,12 +63,20 @@ class _Entry:
         return cupy.cuda.Device(self.index)
 
 
-class _Fwd(_Entry):
-    __slots__ = ("dtype",)
+def _empty_like(x, contiguous):
+    """An uninitialised C-contiguous tensor like ``x`` (``empty_like`` when ``x`` is
+    contiguous: it costs half of ``torch.empty`` with a shape)."""
+    if contiguous:
+        return torch.empty_like(x)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
-    def __init__(self, call, device, dtype):
+
+class _Fwd(_Entry):
+    __slots__ = ("contiguous",)
+
+    def __init__(self, call, device, contiguous):
         super().__init__(call, device)
-        self.dtype = dtype
+        self.contiguous = contiguous  # of q
 
     def __call__(self, q, k, v, out, lse):
         device = self._on_device()
@@ -77,7 +85,7 @@ class _Fwd(_Entry):
                 return self(q, k, v, out, lse)
         call = self.call
         if out is None:
-            out = torch.empty(call.out_shape, dtype=self.dtype, device=self.device)
+            out = _empty_like(q, self.contiguous)
         if lse is None:
             lse = torch.empty(call.lse_shape, dtype=_FLOAT32, device=self.device)
         call.run(_raw_stream(self.index), self.alloc, q.data_ptr(), k.data_ptr(), v.data_ptr(),
@@ -86,19 +94,24 @@ class _Fwd(_Entry):
 
 
 class _Bwd(_Entry):
-    __slots__ = ()
+    __slots__ = ("contiguous",)
+
+    def __init__(self, call, device, contiguous):
+        super().__init__(call, device)
+        self.contiguous = contiguous  # of (q, k, v)
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv):
         device = self._on_device()
         if device is not None:
             with device:
                 return self(dout, q, k, v, out, lse, dq, dk, dv)
+        cq, ck, cv = self.contiguous
         if dq is None:
-            dq = torch.empty(q.shape, dtype=q.dtype, device=self.device)
+            dq = _empty_like(q, cq)
         if dk is None:
-            dk = torch.empty(k.shape, dtype=k.dtype, device=self.device)
+            dk = _empty_like(k, ck)
         if dv is None:
-            dv = torch.empty(v.shape, dtype=v.dtype, device=self.device)
+            dv = _empty_like(v, cv)
         self.call.run(_raw_stream(self.index), self.alloc, dout.data_ptr(), q.data_ptr(), k.data_ptr(),
                       v.data_ptr(), out.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(),
                       dv.data_ptr())
@@ -173,7 +186,7 @@ def _plan_fwd(fn_name, q, k, v, softmax_scale, causal, out, lse):
                            views.get("out"), views.get("lse"))
     if not isinstance(entry, _api._GpuFwd):  # noqa: SLF001 (empty inputs)
         return _GENERAL
-    return _Fwd(entry.call, q.device, q.dtype)
+    return _Fwd(entry.call, q.device, q.is_contiguous())
 
 
 def _bwd(fn_name, dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, deterministic=False,
@@ -205,7 +218,7 @@ def _plan_bwd(fn_name, dout, q, k, v, out, lse, softmax_scale, causal, determini
                            deterministic, dtype, views.get("dq"), views.get("dk"), views.get("dv"))
     if not isinstance(entry, _api._GpuBwd):  # noqa: SLF001 (empty inputs)
         return _GENERAL
-    return _Bwd(entry.call, q.device)
+    return _Bwd(entry.call, q.device, (q.is_contiguous(), k.is_contiguous(), v.is_contiguous()))
 
 
 _FAST = {"flash_attn_fwd": _fwd, "flash_attn": _fwd, "flash_attn_bwd": _bwd}

@@ -243,8 +243,11 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
 # ----------------------------------------------------------------------------
 
 #: Rows each thread of the backward's preprocess kernel loads before it reduces
-#: (its ROWS_PER_THREAD template argument; kernels_cu/flash_bwd.cu).
-BWD_PREPROCESS_ROWS_PER_THREAD = 2
+#: (its ROWS_PER_THREAD template argument; kernels_cu/flash_bwd.cu). At the seed
+#: shape (B=1, H=32, seqlen 512, D=128, fp16) on the H200, ncu: 1 row 6.9-7.2 us,
+#: 2 rows 6.8-7.0, 4 rows 6.2-6.4, 8 rows 6.5-6.8; FA2's dot_do_o kernel 6.3 us
+#: (kernels_cu/PERF.md, session 4).
+BWD_PREPROCESS_ROWS_PER_THREAD = 4
 _BWD_PREPROCESS_THREADS = 256  # kernels_cu/flash_bwd.cu PREPROCESS_THREADS
 
 
@@ -257,7 +260,8 @@ def bwd_preprocess_row_lanes(head_dim_padded: int) -> int:
 
 def bwd_preprocess_rows(head_dim_padded: int) -> int:
     """Query rows per block of the preprocess kernel (consecutive rows of the row
-    buffers): 32 at head_dim_padded 96 and 128, 16 at 192 and 256, 64 at 64, 128 at 32."""
+    buffers): 256 / ROW_LANES threads' worth of rows, BWD_PREPROCESS_ROWS_PER_THREAD
+    each (64 at head_dim_padded 96 and 128 with 4 rows per thread)."""
     return _BWD_PREPROCESS_THREADS // bwd_preprocess_row_lanes(head_dim_padded) * BWD_PREPROCESS_ROWS_PER_THREAD
 
 

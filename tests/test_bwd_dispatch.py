@@ -116,13 +116,13 @@ def test_preprocess_lanes_cover_the_padded_row(d):
 
 
 def test_preprocess_grid_at_the_seed_shape():
-    """B=1, H=32, S=512, D=128: 16384 rows, 32 per block (16 lanes per row, 2 rows per
-    thread), 512 blocks: ~4 per SM on 132 SMs (was 128 blocks of 128 rows)."""
+    """B=1, H=32, S=512, D=128: 16384 rows, 64 per block (16 lanes per row, 4 rows per
+    thread), 256 blocks: ~2 per SM on 132 SMs (was 128 blocks of 128 rows)."""
     plan = dispatch.select_bwd(batch=1, seqlen_q=512, seqlen_k=512, nheads_q=32, nheads_kv=32, head_dim=128,
                                dtype="float16", causal=True, deterministic=False, vec=True, cc=(9, 0))
     pre = plan.launches[0]
-    assert pre.name_expression == "cupyflash::flash_bwd_preprocess_kernel<__half, 16, 2, true>"
-    assert pre.grid == (512, 1, 1) and pre.block == (256, 1, 1)
+    assert pre.name_expression == "cupyflash::flash_bwd_preprocess_kernel<__half, 16, 4, true>"
+    assert pre.grid == (256, 1, 1) and pre.block == (256, 1, 1)
 
 
 def _emulate_preprocess_mapping(rows_per_head, heads, head_dim, vec):
