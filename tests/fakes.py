@@ -20,6 +20,9 @@ class FakeMemory:
     def __init__(self, device_id):
         self.ptr, self.device_id = next(_ADDRESSES), device_id
 
+    def __add__(self, offset):  # memory + offset: another fake address
+        return FakeMemory(self.device_id)
+
 
 class FakeDevice:
     compute_capability = "90"
@@ -38,11 +41,12 @@ class FakeCupyArray:
     """The attributes the checks and the hot path read, slicing and assignment,
     around a NumPy array; ``data.ptr`` is a fake device address (:data:`BY_POINTER`).
 
-    ``FakeCupyArray(host_array, device_id)``, or ``FakeCupyArray(shape, dtype)``
-    as ``cupy.ndarray(shape, dtype)`` (uninitialised memory: NaN-poisoned here).
+    ``FakeCupyArray(host_array, device_id)``, or ``FakeCupyArray(shape, dtype[,
+    memptr])`` as ``cupy.ndarray(shape, dtype[, memptr])`` (uninitialised memory:
+    NaN-poisoned here; each array has memory of its own).
     """
 
-    def __init__(self, host, device_id=0):
+    def __init__(self, host, device_id=0, memptr=None):
         if isinstance(host, tuple):
             host, device_id = np.empty(host, device_id), 0
             host.view(np.uint8).fill(0xFF)  # NaN in every float type
@@ -106,6 +110,9 @@ def fake_cupy_module(device_count=1):
 
 class FakeCall:
     """A planned call: records its plan's keywords and every run; computes with ``compute``."""
+
+    outputs_bytes = lse_offset = grads_bytes = 0  # the fake allocator ignores sizes
+    grads_offsets = (0, 0, 0)
 
     def __init__(self, kind, plan_kwargs, shapes, compute, runs):
         self.kind, self.plan_kwargs, self.compute, self.runs = kind, plan_kwargs, compute, runs
