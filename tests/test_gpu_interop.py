@@ -73,22 +73,25 @@ def check(name, got, ref64, naives, factor):
 
 
 def _spy(monkeypatch, name):
-    """Wraps ``cupyflash._gpu.<name>``; records the pointers and stream of each call."""
-    from cupyflash import _gpu
+    """Wraps the run of every planned forward (``name`` "fwd") or backward ("bwd");
+    records the pointers, the element type of the kernels, and the stream."""
+    from cupyflash import _gpu, _gpu_bwd
 
-    cp = _cp()
+    cls = _gpu.FwdCall if name == "fwd" else _gpu_bwd.BwdCall
+    inputs, outputs = (3, 2) if name == "fwd" else (6, 3)
     calls = []
-    real = getattr(_gpu, name)
+    real = cls.run
 
-    def spy(*arrays, **kwargs):
-        result = real(*arrays, **kwargs)
-        calls.append({"inputs": [a.data.ptr for a in arrays],
-                      "outputs": [a.data.ptr for a in result],
-                      "dtype": kwargs.get("dtype"),
-                      "stream": cp.cuda.get_current_stream().ptr})
-        return result
+    def spy(self, stream, alloc, *pointers):
+        owner = real(self, stream, alloc, *pointers)
+        main = self.plan.main if name == "fwd" else self.plan.launches[1]
+        calls.append({"inputs": list(pointers[:inputs]),
+                      "outputs": list(pointers[inputs:inputs + outputs]),
+                      "dtype": "bfloat16" if main.args[0] == "__nv_bfloat16" else None,
+                      "stream": stream})
+        return owner
 
-    monkeypatch.setattr(_gpu, name, spy)
+    monkeypatch.setattr(cls, "run", spy)
     return calls
 
 
@@ -420,7 +423,9 @@ def _spy_varlen(monkeypatch):
 
     cp = _cp()
     seen = {"inputs": [], "extras": [], "outputs": [], "dtype": [], "stream": []}
-    real_check, real_extras, real_map = (_varlen._check_varlen, _varlen._check_bwd_extras,
+    from cupyflash import _checks
+
+    real_check, real_extras, real_map = (_varlen._check_varlen, _checks.check_bwd_extras,
                                          _interop._map)
 
     def check(fn, q, k, v, cu_q, cu_k, *rest):
@@ -429,9 +434,9 @@ def _spy_varlen(monkeypatch):
         seen["stream"].append(cp.cuda.get_current_stream().ptr)
         return real_check(fn, q, k, v, cu_q, cu_k, *rest)
 
-    def extras(fn, dout, out, lse, q):
+    def extras(fn, dout, out, lse, q, packed=False):
         seen["extras"].append([a.data.ptr for a in (dout, out, lse)])
-        return real_extras(fn, dout, out, lse, q)
+        return real_extras(fn, dout, out, lse, q, packed)
 
     def map_(result, convert):
         seen["outputs"].append([a.data.ptr for a in
@@ -439,7 +444,7 @@ def _spy_varlen(monkeypatch):
         return real_map(result, convert)
 
     monkeypatch.setattr(_varlen, "_check_varlen", check)
-    monkeypatch.setattr(_varlen, "_check_bwd_extras", extras)
+    monkeypatch.setattr(_checks, "check_bwd_extras", extras)
     monkeypatch.setattr(_interop, "_map", map_)
     return seen
 
