@@ -10,6 +10,7 @@ Skipped without jax (or with a JAX older than 0.7, which has no buffer_callback)
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import numpy as np
 import pytest
@@ -220,7 +221,7 @@ def test_scratch_from_cupy_pool_on_xla_stream_when_the_plan_outgrows_xla_scratch
         yield
 
     monkeypatch.setattr(_interop, "use_stream", use_stream)
-    monkeypatch.setitem(__import__("sys").modules, "cupy", object())
+    monkeypatch.setitem(sys.modules, "cupy", object())
     monkeypatch.setattr(_launch, "cupy_alloc", lambda nbytes: ("pool", 0xB0000))
     callback = _bwd()
     buffers = [FakeBuffer(0x10000 * (i + 1)) for i in range(9)]
