@@ -2,23 +2,37 @@
 
 The kernels run inside XLA's computation through
 ``jax.experimental.buffer_callback`` (JAX >= 0.7): XLA hands the callback its
-device buffers and its CUDA stream, the callback views the buffers as CuPy
-arrays (through ``__cuda_array_interface__``, no copy) and launches cupyflash's
-kernels on XLA's stream, so the work is ordered with the rest of the
-computation and XLA owns every buffer.  The forward writes ``out`` and ``lse``
-straight into XLA's output buffers; the backward computes dq, dk, dv in CuPy
-memory and copies them into XLA's (one device-to-device copy each, on the same
-stream).  Gradients come from ``jax.custom_vjp`` with ``out`` and ``lse`` as
-residuals.  On the CPU backend the same callback runs cupyflash's CPU path.
+device buffers and its CUDA stream, and the callback launches cupyflash's
+kernels on that stream, straight on XLA's buffers, so the work is ordered with
+the rest of the computation and XLA owns every byte of it.  Gradients come
+from ``jax.custom_vjp`` with ``out`` and ``lse`` as residuals.  On the CPU
+backend the same callbacks run cupyflash's CPU path.
+
+What a call costs
+-----------------
+Everything that depends only on shapes, dtype and flags happens once, at trace
+time: validation (with the core's rules and messages), and the plan of the
+kernels (:func:`cupyflash._gpu.plan_fwd` / :func:`cupyflash._gpu_bwd.plan_bwd`
+on geometry objects, compiling the kernels on first use) for the device JAX
+traces for.  Each signature (shapes, dtype and flags) has one callback, which
+keeps its plans per (CUDA device, 16-byte alignment of the buffers); a call
+then only reads the buffers' device pointers, looks its plan up and launches
+on XLA's stream.  The forward writes ``out`` and ``lse``, the backward dq, dk
+and dv, straight into XLA's output buffers.  The kernels' fp32 scratch is one
+more output of each callback: a byte vector that XLA allocates in its own
+memory (and reuses once the call is done) and the caller drops, sized at trace
+time from the plan.  So CuPy allocates nothing, and XLA's default
+preallocation can stay on.  (The one exception: a plan made at run time that
+needs more scratch than was sized at trace time -- on a device unlike the one
+traced for, or for buffers not 16-byte aligned, which XLA does not hand out --
+takes its scratch from CuPy's pool, ordered on XLA's stream.)
+
+Empty inputs (no query, or no key) never reach a callback: the results (zeros,
+lse ``-inf``) are built in JAX at trace time.
 
 Where ``buffer_callback`` is missing (older JAX), :func:`flash_attention` falls
 back to handing concrete arrays over through DLPack: it works eagerly and
 raises a ``RuntimeError`` that says so under ``jax.jit`` or ``jax.grad``.
-
-Memory: CuPy allocates the backward's gradients and scratch from its own pool,
-beside XLA's.  XLA preallocates 75% of GPU memory by default; set
-``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (or a smaller
-``XLA_PYTHON_CLIENT_MEM_FRACTION``) before JAX starts so CuPy has room.
 
 Importing this module imports JAX; importing ``cupyflash`` does not.
 
@@ -33,13 +47,15 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _api, _checks, _interop
+from . import _api, _checks, _interop, _launch
 
 try:
     from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
@@ -64,12 +80,18 @@ def _spec(x):
                                            writeable=False)
 
 
-def _platform(q):
-    """'cpu', 'gpu', ...: q's device, or the default backend for tracers (unknown yet)."""
+def _device(q):
+    """q's one device, or None for a tracer or an array over several devices."""
     devices = None if isinstance(q, jax.core.Tracer) else q.devices()
     if devices is None or len(devices) != 1:
-        return jax.default_backend()
-    return next(iter(devices)).platform
+        return None
+    return next(iter(devices))
+
+
+def _platform(q):
+    """'cpu', 'gpu', ...: q's device, or the default backend for tracers (unknown yet)."""
+    device = _device(q)
+    return jax.default_backend() if device is None else device.platform
 
 
 def _validate(q, k, v, softmax_scale, causal, deterministic):
@@ -86,117 +108,233 @@ def _validate(q, k, v, softmax_scale, causal, deterministic):
 
 
 # ----------------------------------------------------------------------------
-# The callbacks: XLA buffers -> CuPy (GPU) or NumPy (CPU) views -> cupyflash
+# Plans: geometry objects in place of arrays, cached per device and alignment
 # ----------------------------------------------------------------------------
 
 
-def _is_cuda(buffer):
-    """True for a CUDA buffer: ``Buffer.__cuda_array_interface__`` raises on the CPU."""
-    try:
-        return bool(buffer.__cuda_array_interface__)
-    except Exception:  # noqa: BLE001  (jaxlib's error type varies between versions)
-        return False
+class _Misaligned:
+    """``data`` of a geometry whose pointer is not 16-byte aligned (all planning reads of it)."""
+
+    ptr = 1
 
 
-def _device_id(cupy, buffers):
-    for b in buffers:
-        ptr = b.__cuda_array_interface__["data"][0]
-        if ptr:
-            return cupy.cuda.runtime.pointerGetAttributes(ptr).device
-    return cupy.cuda.runtime.getDevice()
+def _geometry(shape, itemsize, aligned):
+    """What planning reads of one of XLA's buffers (dense, row-major): shape,
+    byte strides, itemsize, and through ``data.ptr`` its 16-byte alignment."""
+    geometry = _launch.Contiguous(shape, itemsize)
+    if not aligned:
+        geometry.data = _Misaligned
+    return geometry
 
 
-def _cupy_views(cupy, buffers, device_id):
-    """CuPy views of XLA buffers (dense, row-major); bfloat16 as uint16 storage."""
-    views = []
-    for b in buffers:
-        cai = b.__cuda_array_interface__
-        dtype = np.dtype(b.dtype)
-        storage = np.uint16 if dtype.name == "bfloat16" else dtype
-        shape = tuple(cai["shape"])
-        views.append(_interop.cupy_from_pointer(cupy, cai["data"][0], shape, storage,
-                                                _interop.c_strides(shape), b, device_id))
-    return views
+def _aligned(*pointers):
+    """Whether every pointer is 16-byte aligned (what a plan's vectorised accesses need)."""
+    bits = 0
+    for p in pointers:
+        bits |= p
+    return bits & 15 == 0
 
 
-def _on_gpu(ctx, buffers, run):
-    """Run ``run(views, dtype)`` on XLA's stream, with CuPy views of ``buffers``."""
-    import cupy
+def _cuda_device(device_id):
+    """A context making CUDA device ``device_id`` current (CuPy's and the driver's),
+    or a null context when it already is (XLA's thread usually has it current)."""
+    cupy = _interop._import_cupy(_FN, "jax.Array")  # noqa: SLF001
+    if cupy.cuda.runtime.getDevice() == device_id:
+        return contextlib.nullcontext()
+    return cupy.cuda.Device(device_id)
 
-    device_id = _device_id(cupy, buffers)
-    with cupy.cuda.Device(device_id), _interop.use_stream(cupy, ctx.stream):
-        views = _cupy_views(cupy, buffers, device_id)
-        run(views, "bfloat16" if np.dtype(buffers[0].dtype).name == "bfloat16" else None)
+
+def _pointer(buffer):
+    """The device pointer of a ``buffer_callback`` Buffer on the GPU.
+
+    jaxlib's Buffer exposes its pointer only through ``__cuda_array_interface__``
+    (and ``__dlpack__``, which allocates a capsule): the cheapest way there is.
+    """
+    return buffer.__cuda_array_interface__["data"][0]
 
 
-@functools.cache  # one function per flag set: jit caches key on it
-def _fwd_callback(softmax_scale, causal):
-    def callback(ctx, outputs, q, k, v):
-        out, lse = outputs
-        if not _is_cuda(q):
+def _no_scratch(nbytes):
+    """``alloc`` for a plan without scratch (never asked for any bytes)."""
+    return None, 0
+
+
+def _scratch_nbytes(plan_bytes):
+    """The size of the scratch output for a plan's ``scratch_bytes``: room to align
+    its start to ``_launch.SCRATCH_ALIGN``, as the plans' layouts assume."""
+    return plan_bytes + _launch.SCRATCH_ALIGN if plan_bytes else 0
+
+
+def _scratch_alloc(call, scratch):
+    """``alloc`` for ``call.run``: in XLA's scratch buffer (a byte vector), from its
+    first ``SCRATCH_ALIGN``-aligned byte, when the plan fits in it; else None (the
+    caller takes CuPy's pool, on XLA's stream)."""
+    needed = call.scratch_bytes
+    if not needed:
+        return _no_scratch
+    start = _pointer(scratch)
+    base = -(-start // _launch.SCRATCH_ALIGN) * _launch.SCRATCH_ALIGN
+    if base + needed > start + scratch.shape[0]:
+        return None
+    return lambda nbytes: (None, base)
+
+
+def _run(call, device_id, stream, scratch, *pointers):
+    """Launch a planned call on XLA's stream, with its scratch (see :func:`_scratch_alloc`)."""
+    with _cuda_device(device_id):
+        alloc = _scratch_alloc(call, scratch)
+        if alloc is not None:
+            call.run(stream, alloc, *pointers)
+            return
+        cupy = sys.modules["cupy"]
+        with _interop.use_stream(cupy, stream):  # freed to CuPy's pool in XLA's stream order
+            call.run(stream, _launch.cupy_alloc, *pointers)
+
+
+class _Callback:
+    """The ``buffer_callback`` function of one signature: q's and k's shapes, the
+    dtype and the flags (fixed at trace time).
+
+    Plans are made on first use per ``(device_id, aligned)`` and kept; a call
+    reads the buffers' pointers and runs its plan (see the module docstring).
+    """
+
+    __slots__ = ("q_shape", "k_shape", "dtype_name", "itemsize", "softmax_scale", "causal", "plans",
+                 "__weakref__")  # jax keeps weak references to callbacks
+
+    def __init__(self, q_shape, k_shape, dtype_name, softmax_scale, causal):
+        self.q_shape, self.k_shape, self.dtype_name = q_shape, k_shape, dtype_name
+        self.itemsize = jnp.dtype(dtype_name).itemsize
+        self.softmax_scale, self.causal = softmax_scale, causal
+        self.plans = {}
+
+    @property
+    def lse_shape(self):
+        batch, seqlen_q, nheads_q, _ = self.q_shape
+        return batch, nheads_q, seqlen_q
+
+    def plan(self, device_id, aligned):
+        """The plan for buffers on CUDA device ``device_id`` with this alignment (made once)."""
+        key = device_id, aligned
+        call = self.plans.get(key)
+        if call is None:
+            with _cuda_device(device_id):
+                call = self._make(device_id, aligned)
+            self.plans[key] = call
+        return call
+
+
+class _Fwd(_Callback):
+    """``callback(ctx, (out, lse, scratch), q, k, v)``."""
+
+    __slots__ = ()
+
+    def _make(self, device_id, aligned):
+        from . import _gpu
+
+        qs, ks, item = self.q_shape, self.k_shape, self.itemsize
+        q, out, k, v = (_geometry(shape, item, aligned) for shape in (qs, qs, ks, ks))
+        lse = _geometry(self.lse_shape, 4, aligned)
+        return _gpu.plan_fwd(q, k, v, out, lse, softmax_scale=self.softmax_scale, causal=self.causal,
+                             dtype_name=self.dtype_name, device_id=device_id)
+
+    def __call__(self, ctx, outputs, q, k, v):
+        out, lse, scratch = outputs
+        kind, device_id = q.__dlpack_device__()
+        if kind == _interop.DL_CPU:
             o, l = _api.flash_attn_fwd(np.asarray(q), np.asarray(k), np.asarray(v),
-                                       softmax_scale=softmax_scale, causal=causal)
+                                       softmax_scale=self.softmax_scale, causal=self.causal)
             np.asarray(out)[...] = o
             np.asarray(lse)[...] = l
             return
-
-        def run(views, dtype):
-            qv, kv, vv, outv, lsev = views
-            if _checks.is_empty(qv, kv):
-                outv.fill(0)
-                lsev.fill(-np.inf)
-                return
-            from . import _gpu
-
-            # Straight into XLA's buffers: no copy.
-            _gpu.fwd(qv, kv, vv, softmax_scale=softmax_scale, causal=causal, dtype=dtype,
-                     out=outv, lse=lsev)
-
-        _on_gpu(ctx, (q, k, v, out, lse), run)
-
-    return callback
+        pointers = _pointer(q), _pointer(k), _pointer(v), _pointer(out), _pointer(lse)
+        _run(self.plan(device_id, _aligned(*pointers)), device_id, ctx.stream, scratch, *pointers)
 
 
-@functools.cache
-def _bwd_callback(softmax_scale, causal, deterministic):
-    def callback(ctx, outputs, dout, q, k, v, out, lse):
-        flags = {"softmax_scale": softmax_scale, "causal": causal,
-                 "deterministic": deterministic}
-        if not _is_cuda(q):
+class _Bwd(_Callback):
+    """``callback(ctx, (dq, dk, dv, scratch), dout, q, k, v, out, lse)``."""
+
+    __slots__ = ("deterministic",)
+
+    def __init__(self, q_shape, k_shape, dtype_name, softmax_scale, causal, deterministic):
+        super().__init__(q_shape, k_shape, dtype_name, softmax_scale, causal)
+        self.deterministic = deterministic
+
+    def _make(self, device_id, aligned):
+        from . import _gpu_bwd
+
+        qs, ks, item = self.q_shape, self.k_shape, self.itemsize
+        dout, q, out, dq, k, v, dk, dv = (_geometry(shape, item, aligned) for shape in (qs,) * 4 + (ks,) * 4)
+        lse = _geometry(self.lse_shape, 4, aligned)
+        return _gpu_bwd.plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=self.softmax_scale,
+                                 causal=self.causal, deterministic=self.deterministic,
+                                 dtype_name=self.dtype_name, device_id=device_id)
+
+    def __call__(self, ctx, outputs, dout, q, k, v, out, lse):
+        dq, dk, dv, scratch = outputs
+        kind, device_id = q.__dlpack_device__()
+        if kind == _interop.DL_CPU:
             grads = _api.flash_attn_bwd(*(np.asarray(b) for b in (dout, q, k, v, out, lse)),
-                                        **flags)
-            for dst, src in zip(outputs, grads):
+                                        softmax_scale=self.softmax_scale, causal=self.causal,
+                                        deterministic=self.deterministic)
+            for dst, src in zip((dq, dk, dv), grads):
                 np.asarray(dst)[...] = src
             return
+        pointers = (_pointer(dout), _pointer(q), _pointer(k), _pointer(v), _pointer(out), _pointer(lse),
+                    _pointer(dq), _pointer(dk), _pointer(dv))
+        # straight into XLA's dq, dk, dv
+        _run(self.plan(device_id, _aligned(*pointers)), device_id, ctx.stream, scratch, *pointers)
 
-        def run(views, dtype):
-            grads = _api.flash_attn_bwd(*views[:6], dtype=dtype, **flags)
-            for dst, src in zip(views[6:], grads):  # one D2D copy each, on XLA's stream
-                if src.nbytes:
-                    dst.data.copy_from_device_async(src.data, src.nbytes)
 
-        _on_gpu(ctx, (dout, q, k, v, out, lse, *outputs), run)
+# One callback per signature: jit's caches key on the function, and its plans live in it.
+_fwd_callback = functools.lru_cache(maxsize=1024)(_Fwd)
+_bwd_callback = functools.lru_cache(maxsize=1024)(_Bwd)
 
-    return callback
+
+def _trace_device_id(q):
+    """The CUDA ordinal to plan for at trace time: q's device, or JAX's first local
+    device for a tracer (where the computation runs by default)."""
+    device = _device(q)
+    return (jax.local_devices()[0] if device is None else device).local_hardware_id
+
+
+def _scratch_spec(callback, q):
+    """The scratch output of ``callback``'s buffer_callback: ``(nbytes,)`` uint8, from the
+    plan for aligned buffers on the device traced for (planned now; none on the CPU)."""
+    nbytes = 0
+    if _platform(q) == "gpu":
+        nbytes = _scratch_nbytes(callback.plan(_trace_device_id(q), True).scratch_bytes)
+    return jax.ShapeDtypeStruct((nbytes,), jnp.uint8)
+
+
+# ----------------------------------------------------------------------------
+# The two calls
+# ----------------------------------------------------------------------------
 
 
 def _fwd_call(q, k, v, softmax_scale, causal):
     if _buffer_callback is None:
         return _eager(_api.flash_attn_fwd, q, k, v, softmax_scale=softmax_scale, causal=causal)
-    batch, seqlen_q, nheads_q, _ = q.shape
-    result = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-              jax.ShapeDtypeStruct((batch, nheads_q, seqlen_q), jnp.float32))
-    return _buffer_callback(_fwd_callback(softmax_scale, causal), result,
-                            vmap_method="sequential")(q, k, v)
+    if _checks.is_empty(q, k):  # nothing sees anything: no kernel
+        batch, seqlen_q, nheads_q, _ = q.shape
+        return jnp.zeros(q.shape, q.dtype), jnp.full((batch, nheads_q, seqlen_q), -jnp.inf, jnp.float32)
+    callback = _fwd_callback(tuple(q.shape), tuple(k.shape), np.dtype(q.dtype).name, softmax_scale, causal)
+    result = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(callback.lse_shape, jnp.float32),
+              _scratch_spec(callback, q))
+    out, lse, _ = _buffer_callback(callback, result, vmap_method="sequential")(q, k, v)
+    return out, lse
 
 
 def _bwd_call(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
     if _buffer_callback is None:
         return _eager(_api.flash_attn_bwd, dout, q, k, v, out, lse, softmax_scale=softmax_scale,
                       causal=causal, deterministic=deterministic)
-    result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    return _buffer_callback(_bwd_callback(softmax_scale, causal, deterministic), result,
-                            vmap_method="sequential")(dout, q, k, v, out, lse)
+    if _checks.is_empty(q, k):
+        return tuple(jnp.zeros(x.shape, x.dtype) for x in (q, k, v))
+    callback = _bwd_callback(tuple(q.shape), tuple(k.shape), np.dtype(q.dtype).name, softmax_scale, causal,
+                             deterministic)
+    result = (*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)), _scratch_spec(callback, q))
+    dq, dk, dv, _ = _buffer_callback(callback, result, vmap_method="sequential")(dout, q, k, v, out, lse)
+    return dq, dk, dv
 
 
 def _eager(fn, *arrays, **kwargs):
@@ -259,14 +397,18 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, deterministic=
     ------
     TypeError, ValueError
         At trace time, with the rules of :func:`cupyflash.flash_attn_fwd`.
+    ImportError
+        At trace time on a GPU when CuPy cannot be imported.
     RuntimeError
         Under a JAX transformation when ``jax.experimental.buffer_callback``
         is missing (JAX < 0.7).
 
     Notes
     -----
-    ``jax.vmap`` runs the kernels once per mapped element
-    (``vmap_method="sequential"``); map over a batch axis instead where you can.
+    On a GPU the kernels are planned (and compiled, on first use) when the
+    call is traced, for the device JAX traces for.  ``jax.vmap`` runs the
+    kernels once per mapped element (``vmap_method="sequential"``); map over a
+    batch axis instead where you can.
     """
     scale = _validate(q, k, v, softmax_scale, causal, deterministic)
     return _attention(q, k, v, scale, bool(causal), bool(deterministic))

@@ -368,6 +368,58 @@ def test_jax_flash_attention_writes_xla_buffers_in_place(monkeypatch, jax, rng):
     assert f["dtype"] == "bfloat16"
 
 
+def test_jax_backward_writes_xla_gradient_buffers_in_place(monkeypatch, jax, rng):
+    """dq, dk, dv are XLA's own output buffers; the backward reads the forward's out and lse in place."""
+    from cupyflash.jax import flash_attention
+
+    fwd_calls, bwd_calls = _spy(monkeypatch, "fwd"), _spy(monkeypatch, "bwd")
+    q, k, v = _jax_qkv(jax, rng, "bfloat16")
+    dout = _jax_qkv(jax, rng, "bfloat16")[0]
+    out, pullback = jax.vjp(lambda q, k, v: flash_attention(q, k, v, causal=True), q, k, v)
+    grads = pullback(dout)
+    [f], [b] = fwd_calls, bwd_calls
+    assert b["outputs"] == [g.unsafe_buffer_pointer() for g in grads]
+    assert b["inputs"][:4] == [x.unsafe_buffer_pointer() for x in (dout, q, k, v)]
+    assert b["inputs"][4:] == f["outputs"]  # out and lse, where the forward wrote them
+    assert b["dtype"] == "bfloat16"
+
+
+def test_jax_jit_step_plans_once_and_allocates_nothing_in_cupy(monkeypatch, jax, rng):
+    """A repeated jit step re-plans nothing (the plans made at trace time are the ones
+    run), and the scratch is XLA's: CuPy's pool (_launch.cupy_alloc) is never asked."""
+    from cupyflash import _gpu, _gpu_bwd, _launch
+    from cupyflash.jax import flash_attention
+
+    planned = {"fwd": 0, "bwd": 0}
+
+    def counting(kind, real):
+        def plan(*args, **kwargs):
+            planned[kind] += 1
+            return real(*args, **kwargs)
+        return plan
+
+    def no_pool(nbytes):
+        raise AssertionError(f"the JAX path asked CuPy's pool for {nbytes} bytes")
+
+    monkeypatch.setattr(_gpu, "plan_fwd", counting("fwd", _gpu.plan_fwd))
+    monkeypatch.setattr(_gpu_bwd, "plan_bwd", counting("bwd", _gpu_bwd.plan_bwd))
+    monkeypatch.setattr(_launch, "cupy_alloc", no_pool)
+    jnp = jax.numpy
+    # a signature of its own (seqlen_q 96): no other JAX test planned it already
+    gpu = jax.devices("gpu")[0]
+    q, k, v = (jax.device_put(jnp.asarray(x, jnp.bfloat16), gpu) for x in _draw(rng, seqlen_q=96))
+    step = jax.jit(jax.grad(lambda q, k, v: flash_attention(q, k, v, causal=True).astype(jnp.float32).sum(),
+                            argnums=(0, 1, 2)))
+    first = jax.block_until_ready(step(q, k, v))
+    assert planned == {"fwd": 1, "bwd": 1}  # at trace time, and that plan is the one run
+    for _ in range(3):
+        again = jax.block_until_ready(step(q, k, v))
+    jax.block_until_ready(step(q * 2, k, v))  # other buffers, same signature
+    assert planned == {"fwd": 1, "bwd": 1}
+    for a, b in zip(first, again):
+        np.testing.assert_allclose(_host(a), _host(b), rtol=1e-2, atol=1e-2)
+
+
 def test_jax_and_torch_mixed_is_rejected(jax, torch, rng):
     q, k, v = _jax_qkv(jax, rng, "float16")
     with pytest.raises(TypeError, match=r"k must be a jax\.Array like q \(array types cannot be "
