@@ -165,30 +165,17 @@ def call(fn_name, fn, names, arrays, rest, kwargs):
     that order; ``rest`` (e.g. varlen's ``max_seqlen_q``) and ``kwargs`` are passed
     on, with preallocated outputs (``out=``, ``dq=``, ...) viewed like the arrays.
     """
-    qi = names.index("q")
-    q = arrays[qi]
+    q = arrays[names.index("q")]
     k0 = kind(q)
-    if k0 is None:
-        fail(TypeError, fn_name,
-             f"q must be a numpy.ndarray, cupy.ndarray, torch.Tensor, jax.Array or an array "
-             f"with __dlpack__ or __cuda_array_interface__; got {_type_name(q)}.")
-    outputs = {name: kwargs[name] for name in _OUTPUTS if kwargs.get(name) is not None}
-    for name, x in (*zip(names, arrays), *outputs.items()):
-        if kind(x) != k0:
-            fail(TypeError, fn_name,
-                 f"{name} must be a {_label(q)} like q (array types cannot be mixed); "
-                 f"got {_label(x)}.")
-    dtype = kwargs.pop("dtype", None)
-    if dtype is not None:
-        fail(TypeError, fn_name,
-             f"dtype must be None for {_label(q)} inputs, which carry their own dtype "
-             f"(dtype= is for cupy arrays of raw bfloat16 bits); got {dtype!r}.")
-    if k0 == "torch":
+    if k0 == "torch" and "dtype" not in kwargs:
         from . import _torch_path  # noqa: PLC0415 (imports nothing until torch arrays come)
 
-        result = _torch_path.run(fn_name, arrays, rest, kwargs)
+        # The lean path checks the call (check_call) when it first sees its signature.
+        result = _torch_path.run(fn_name, names, arrays, rest, kwargs)
         if result is not NotImplemented:
             return result
+    outputs = check_call(fn_name, names, arrays, kwargs)
+    kwargs.pop("dtype", None)
     if outputs and k0 == "jax":
         fail(TypeError, fn_name,
              f"{next(iter(outputs))} must be None for jax.Array inputs (JAX arrays are immutable; "
@@ -205,6 +192,29 @@ def call(fn_name, fn, names, arrays, rest, kwargs):
     if outputs and slots:
         result = tuple(outputs.get(slot, r) for slot, r in zip(slots, result))
     return result
+
+
+def check_call(fn_name, names, arrays, kwargs):
+    """Every array (and preallocated output) of one type, no ``dtype=``; returns
+    the outputs given, by name."""
+    q = arrays[names.index("q")]
+    k0 = kind(q)
+    if k0 is None:
+        fail(TypeError, fn_name,
+             f"q must be a numpy.ndarray, cupy.ndarray, torch.Tensor, jax.Array or an array "
+             f"with __dlpack__ or __cuda_array_interface__; got {_type_name(q)}.")
+    outputs = {name: kwargs[name] for name in _OUTPUTS if kwargs.get(name) is not None}
+    for name, x in (*zip(names, arrays), *outputs.items()):
+        if kind(x) != k0:
+            fail(TypeError, fn_name,
+                 f"{name} must be a {_label(q)} like q (array types cannot be mixed); "
+                 f"got {_label(x)}.")
+    dtype = kwargs.get("dtype")
+    if dtype is not None:
+        fail(TypeError, fn_name,
+             f"dtype must be None for {_label(q)} inputs, which carry their own dtype "
+             f"(dtype= is for cupy arrays of raw bfloat16 bits); got {dtype!r}.")
+    return outputs
 
 
 #: Which result each preallocated output is, per function that takes them.

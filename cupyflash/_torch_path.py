@@ -123,10 +123,10 @@ _FWD_ENTRIES = _launch.PlanCache()
 _BWD_ENTRIES = _launch.PlanCache()
 
 
-def run(fn_name, arrays, rest, kwargs):
+def run(fn_name, names, arrays, rest, kwargs):
     """The result of a public function on torch tensors, or NotImplemented."""
     fast = _FAST.get(fn_name)
-    if fast is None or rest:
+    if fast is None or rest or (fn_name == "flash_attn" and ("out" in kwargs or "lse" in kwargs)):
         return NotImplemented
     try:
         return fast(fn_name, *arrays, **kwargs)
@@ -175,6 +175,7 @@ def _fwd(fn_name, q, k, v, *, softmax_scale=None, causal=False, out=None, lse=No
 
 
 def _plan_fwd(fn_name, q, k, v, softmax_scale, causal, out, lse):
+    _interop.check_call(fn_name, ("q", "k", "v"), (q, k, v), {"out": out, "lse": lse})
     if q.device.type != "cuda":
         return _GENERAL
     names = ("q", "k", "v", "out", "lse")
@@ -208,6 +209,8 @@ def _bwd(fn_name, dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, 
 
 
 def _plan_bwd(fn_name, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dq, dk, dv):
+    _interop.check_call(fn_name, ("dout", "q", "k", "v", "out", "lse"), (dout, q, k, v, out, lse),
+                        {"dq": dq, "dk": dk, "dv": dv})
     if q.device.type != "cuda":
         return _GENERAL
     names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")
