@@ -948,12 +948,12 @@ def format_frameworks_table(report) -> str:
             continue
         lines += [_STEP_TITLES[framework],
                   f"{'shape':<14}" + "".join(f"{n:>9}" for n in ("ours", *others)) + " |"
-                  + "".join(f"{'x ' + o:>9}" for o in others) + " | " + f"{'bar':<18}status"]
+                  + "".join(f"{'x ' + o:>9}" for o in others) + " | " + f"{'bar':<19} status"]
         for r in rows:
             lines.append(f"{_step_shape(r):<14}" + "".join(cell(r.get(f"{n}_ms"), 9, ".3f")
                                                           for n in ("ours", *others)) + " |"
                          + "".join(cell(r.get(f"ratio_vs_{o}"), 9, ".2f") for o in others)
-                         + f" | {r['bar'] or '-':<18}{r['status']}")
+                         + f" | {r['bar'] or '-':<19} {r['status']}")
     lines.append(_bars_line(report))
     return "\n".join(lines)
 
