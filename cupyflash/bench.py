@@ -482,8 +482,8 @@ def write_plot(plot, report, path):
         report["notes"].append(f"no plot written to {path}: matplotlib is not installed ({e})")
 
 
-def finish(report, args, format_table, plot, out=sys.stdout):
-    """Write the plot and the JSON, then print the notes and the table last."""
+def finish(report, args, format_table, plot, out=None):
+    """Write the plot and the JSON, then print the notes and the table last (on ``out``, default stdout)."""
     if args.plot:
         write_plot(plot, report, args.plot)
     if args.json:
@@ -492,7 +492,7 @@ def finish(report, args, format_table, plot, out=sys.stdout):
     for note in report["notes"]:
         print(f"note: {note}", file=text)
     print(format_table(report), file=text)
-    out.write(text.getvalue())
+    (out or sys.stdout).write(text.getvalue())
 
 
 def _experiments(args):
