@@ -168,6 +168,22 @@ def test_measure_impl_records_times_memory_and_errors():
     assert {i for p, i in impl.used if p == "bwd"} >= {id(s) for s in sets}
 
 
+def test_memory_is_measured_after_one_unmeasured_call_of_each_pass():
+    impl, log = FakeImpl(), []
+    forward, backward = impl.forward, impl.backward
+    impl.forward = lambda state: log.append("forward") or forward(state)
+    impl.backward = lambda state, fwd: log.append("backward") or backward(state, fwd)
+
+    class Memory(FakeMemory):
+        def peak_extra(self, fn):
+            log.append("measure")
+            return super().peak_extra(fn)
+
+    suites.measure_impl(impl, _sets(1), {}, reps=5, memory=Memory(), ref=None, xp=np)
+    assert log[:3] == ["forward", "measure", "forward"]
+    assert log[log.index("backward"):][:3] == ["backward", "measure", "backward"]
+
+
 def test_measure_impl_without_a_reference_skips_the_errors():
     res = {}
     suites.measure_impl(FakeImpl(), _sets(), res, reps=5, memory=FakeMemory(), ref=None, xp=np)
@@ -298,8 +314,8 @@ def test_bench_overhead_end_to_end(fake_gpu, small_l2, tmp_path, capsys, monkeyp
     monkeypatch.setattr(suites, "GPU_CALLS", 3)
     benchmarks = []
 
-    def benchmark(fn, n_repeat, n_warmup):
-        benchmarks.append((n_repeat, n_warmup))
+    def benchmark(fn, n_repeat, n_warmup, name):  # cupyx's needs a name for a functools.partial
+        benchmarks.append((n_repeat, n_warmup, name))
         fn()
         return types.SimpleNamespace(cpu_times=np.array([4e-6, 6e-6, 5e-6]))
 
@@ -317,7 +333,7 @@ def test_bench_overhead_end_to_end(fake_gpu, small_l2, tmp_path, capsys, monkeyp
         assert r["wall_us"] >= r["host_us"] > 0
         assert r["bar_us"] == suites.BARS_US[("cupy", r["pass"])]
         assert r["status"] == ("PASS" if r["wall_us"] <= r["bar_us"] else "FAIL")
-    assert benchmarks == [(4, 10), (4, 10)]
+    assert benchmarks == [(4, 10, "cupy fwd"), (4, 10, "cupy bwd")]
     assert fake_gpu.spins[0] == 1000  # compiled before timing
     assert len(fake_gpu.spins) == 1 + 2 * 5
     first_row_spins = fake_gpu.spins[1:6]
