@@ -317,7 +317,7 @@ class Sdpa:
         return bench._torch_time_ms(fn, reps, self.torch)  # noqa: SLF001
 
     def to_xp(self, x):
-        return self.cupy.from_dlpack(x)
+        return self.cupy.from_dlpack(x.detach())  # torch exports no tensor that requires grad
 
 
 def _error_keys(name, tensors):

@@ -279,9 +279,12 @@ def torch_view(torch, cupy, x, dtype):
 
 
 def _kernel_info(q, *, batch, seqlen, nheads, head_dim, dtype, causal, bwd):
-    """The kernels dispatch picks for a grid point: JSON keys fwd_kernel, ours_fwd_frac_ceiling's
-    ceiling, bwd_kernel and bwd_dkdv_block_m.  Read from the (internal) plans; if they change
-    shape the point records ``kernel_info_error`` instead."""
+    """``(keys, ceiling)``: the kernels dispatch picks for a grid point (JSON keys fwd_kernel,
+    bwd_kernel, bwd_dkdv_block_m) and the TFLOP/s ceiling of the forward's path.
+
+    Read from the (internal) plans; if they change shape the point records
+    ``kernel_info_error`` instead, and the ceiling is None.
+    """
     from . import _gpu  # noqa: PLC0415
 
     try:
@@ -292,18 +295,17 @@ def _kernel_info(q, *, batch, seqlen, nheads, head_dim, dtype, causal, bwd):
         main = _gpu.select_fwd(**common).main
         wgmma = main.source == "flash_fwd_sm90.cu"
         info = {"fwd_kernel": ("wgmma-overlap" if main.args[-1] == "true" else "wgmma")
-                if wgmma else "mma.sync",
-                "_ceiling": WGMMA_CEILING_TFLOPS if wgmma else MMA_SYNC_CEILING_TFLOPS}
+                if wgmma else "mma.sync"}
         if bwd:
             dkdv = _gpu.select_bwd(nheads_kv=nheads, deterministic=False, **common).launches[1]
             info["bwd_kernel"] = "wgmma" if dkdv.source == "flash_bwd_sm90.cu" else "mma.sync"
             info["bwd_dkdv_block_m"] = int(dkdv.args[2])  # both dK/dV kernels: <T, HEAD_DIM, BLOCK_M, ...>
     except Exception as e:  # noqa: BLE001 - the plans are internal; the timings stand without them
-        return {"kernel_info_error": f"{type(e).__name__}: {str(e)[:200]}"}
-    return info
+        return {"kernel_info_error": f"{type(e).__name__}: {str(e)[:200]}"}, None
+    return info, WGMMA_CEILING_TFLOPS if wgmma else MMA_SYNC_CEILING_TFLOPS
 
 
-def run_point(cupy, torch_env, *, head_dim, seqlen, dtype, causal, tokens, reps, bwd, deterministic=False):
+def run_point(cupy, env, *, head_dim, seqlen, dtype, causal, tokens, reps, bwd, deterministic=False):
     """One grid point: ours (public API on cupy arrays) and torch SDPA's flash and cuDNN backends."""
     import cupyflash  # noqa: PLC0415
 
@@ -332,9 +334,8 @@ def run_point(cupy, torch_env, *, head_dim, seqlen, dtype, causal, tokens, reps,
     res["fwd_output_bytes"] = out.nbytes + lse.nbytes
     ms = _time_ms(_rotating([functools.partial(fwd, s) for s in sets]), reps, cupy)
     res["ours_fwd_ms"], res["ours_fwd_tflops"] = ms, f_fwd / ms / 1e9
-    info = _kernel_info(sets[0][0], batch=batch, seqlen=seqlen, nheads=nheads, head_dim=head_dim,
-                        dtype=dtype, causal=causal, bwd=bwd)
-    ceiling = info.pop("_ceiling", None)
+    info, ceiling = _kernel_info(sets[0][0], batch=batch, seqlen=seqlen, nheads=nheads, head_dim=head_dim,
+                                 dtype=dtype, causal=causal, bwd=bwd)
     res.update(info)
     if ceiling:
         res["ours_fwd_frac_ceiling"] = res["ours_fwd_tflops"] / ceiling
@@ -357,8 +358,8 @@ def run_point(cupy, torch_env, *, head_dim, seqlen, dtype, causal, tokens, reps,
         except Exception as e:  # noqa: BLE001 - report, keep benchmarking the forward
             res["ours_bwd_error"] = f"{type(e).__name__}: {str(e)[:300]}"
 
-    if torch_env is not None:
-        torch, backend, sdpa_kernel = torch_env
+    if env is not None:
+        torch, backend, sdpa_kernel = env
         views = [tuple(torch_view(torch, cupy, x, dtype).transpose(1, 2) for x in s) for s in sets]
         sdpa = torch.nn.functional.scaled_dot_product_attention
         for name, be in (("fa2", backend.FLASH_ATTENTION), ("cudnn", backend.CUDNN_ATTENTION)):
