@@ -586,8 +586,9 @@ def overhead_rows(cupy, env, dtype, sets):
     fwd = [functools.partial(cupyflash.flash_attn_fwd, q, k, v, dtype=dtype) for q, k, v, _ in sets]
 
     def cupy_bwd():
-        return bench._rotating([functools.partial(cupyflash.flash_attn_bwd, s[3], s[0], s[1], s[2], *f(),  # noqa: SLF001
-                                                  dtype=dtype) for s, f in zip(sets, fwd)])
+        calls = [functools.partial(cupyflash.flash_attn_bwd, s[3], s[0], s[1], s[2], *f(), dtype=dtype)
+                 for s, f in zip(sets, fwd)]
+        return bench._rotating(calls)  # noqa: SLF001
 
     rows = [Row("cupy", "fwd", "cupy", none, lambda: bench._rotating(fwd)),  # noqa: SLF001
             Row("cupy", "bwd", "cupy", none, cupy_bwd)]
@@ -916,15 +917,29 @@ def run_frameworks(cupy, args, report, save):
         report["notes"].append(f"torch steps skipped: {why}")
     else:
         for shape in TORCH_STEP_SHAPES:
-            _add_step(report, save, torch_step_point(env, shape, args.reps))
+            res = step_or_failure("torch", shape, lambda: torch_step_point(env, shape, args.reps))
+            _add_step(report, save, res)
         env[0].cuda.empty_cache()  # give torch's cached memory back before XLA allocates
     mods, why = (None, "--no-jax") if args.no_jax else jax_env()
     if mods is None:
         report["notes"].append(f"JAX steps skipped: {why}")
     else:
         for shape in JAX_STEP_SHAPES:
-            _add_step(report, save, jax_step_point(mods, shape, args.reps))
+            res = step_or_failure("jax", shape, lambda: jax_step_point(mods, shape, args.reps))
+            _add_step(report, save, res)
     report["bars"] = count_statuses(report["results"])
+
+
+def step_or_failure(framework, shape, measure):
+    """``measure()``, or where it fails outside one implementation (inputs, a framework that
+    starts but cannot compute) a result with every time marked (:func:`mark_failed`)."""
+    try:
+        return measure()
+    except Exception as e:  # noqa: BLE001 - e.g. JAX and torch loading clashing CUDA libraries
+        res = _step_result(framework, shape, None)
+        mark_failed(res, framework, [f"{name}_ms" for name in ("ours", *STEP_IMPLS[framework])], e)
+        judge_step(res)
+        return res
 
 
 def _add_step(report, save, res):

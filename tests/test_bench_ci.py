@@ -176,7 +176,8 @@ def test_the_summary_reads_a_partial_json(stubs, tmp_path):
     report = {"suite": "seed", "notes": ["torch SDPA columns skipped: x"], "results": [{}]}
     path = tmp_path / "partial.json"
     path.write_text(json.dumps(report))
-    snippet = SCRIPT.read_text().split("result=$(python3 - \"$OUT/bench_$suite.json\" <<'EOF'\n")[1].split("\nEOF")[0]
+    start = "result=$(python3 - \"$OUT/bench_$suite.json\" <<'EOF'\n"
+    snippet = SCRIPT.read_text().split(start)[1].split("\nEOF")[0]
     run = subprocess.run([sys.executable, "-", str(path)], input=snippet, capture_output=True, text=True,
                          check=True)
     assert run.stdout.strip() == "1 results, 1 notes"

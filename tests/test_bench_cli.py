@@ -53,7 +53,8 @@ def test_an_unknown_suite_is_one_line_and_status_2(capsys, monkeypatch):
 @pytest.mark.parametrize("argv,message", [
     (["--suite", "seed", "--head-dim", "64"], "--head-dim applies to --suite grid only; got --suite seed"),
     (["--suite", "overhead", "--dtype", "bfloat16"], "--dtype applies to --suite grid only; got --suite overhead"),
-    (["--suite", "frameworks", "--causal", "yes"], "--causal applies to --suite grid only; got --suite frameworks"),
+    (["--suite", "frameworks", "--causal", "yes"],
+     "--causal applies to --suite grid only; got --suite frameworks"),
     (["--suite", "seed", "--tokens", "1024"], "--tokens applies to --suite grid only; got --suite seed"),
     (["--suite", "seed", "--no-bwd"], "--no-bwd applies to --suite grid only; got --suite seed"),
     (["--suite", "overhead", "--deterministic"],

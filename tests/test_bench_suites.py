@@ -211,7 +211,8 @@ def test_oom_in_the_forward_marks_everything(where):
     res = {}
     suites.measure_impl(FakeImpl("math", fail_in=where), sets, res, reps=5, memory=FakeMemory(),
                         ref=_ref(sets[0]), xp=np)
-    keys = {f"math_{p}_{k}" for p in ("fwd", "bwd") for k in ("ms", "extra_bytes")} | _error_keys("math", suites.TENSORS)
+    keys = ({f"math_{p}_{k}" for p in ("fwd", "bwd") for k in ("ms", "extra_bytes")}
+            | _error_keys("math", suites.TENSORS))
     assert {k for k, v in res.items() if v == "OOM"} == keys - ({"math_fwd_extra_bytes", "math_out_max_abs",
                                                                 "math_out_rel_l2"} if where == "time" else set())
     assert res["math_error"].startswith("OutOfMemoryError")
@@ -349,6 +350,18 @@ def test_bench_frameworks_without_torch_or_jax(fake_gpu, monkeypatch, capsys):
     assert out[0] == "note: torch steps skipped: --no-torch"
     assert out[1].startswith("note: JAX steps skipped: JAX not importable (ModuleNotFoundError")
     assert out[-1] == "bars: none judged"
+
+
+def test_a_framework_failing_outside_an_implementation_is_a_result():
+    def measure():
+        raise RuntimeError("DNN library initialization failed")
+
+    res = suites.step_or_failure("jax", (8, 128, 12, 64), measure)
+    assert (res["ours_ms"], res["cudnn_ms"], res["xla_ms"], res["status"]) == ("error",) * 3 + ("n/a",)
+    assert res["jax_error"] == "RuntimeError: DNN library initialization failed"
+    assert (res["batch"], res["seqlen"], res["bar"]) == (8, 128, "ours <= 1.2x cudnn")
+    ok = {"framework": "torch", "seqlen": 128, "status": "PASS"}
+    assert suites.step_or_failure("torch", (8, 128, 12, 64), lambda: ok) is ok
 
 
 def test_per_call_us_times_back_to_back_calls():
