@@ -448,8 +448,8 @@ def format_seed_table(report) -> str:
             for pas in ("fwd", "bwd")))
     checked = [r for r in rows if r["seqlen"] <= report["error_max_seqlen"]]
     if checked:
-        lines += ["", f"errors against the float64 reference (max abs, relative L2); "
-                      f"ours <= fa2: how many of the {2 * len(TENSORS)} are",
+        lines += ["", f"errors against the float64 reference (max abs, relative L2); 'ours <= fa2': "
+                      f"how many of ours' {2 * len(TENSORS)} are at most FA2's",
                   f"{'seqlen':>6} {'impl':<6}|" + "".join(f"{t + ' max':>9}{'rel':>9} |" for t in TENSORS)
                   + (" ours <= fa2" if "fa2" in impls else "")]
         for r in checked:
@@ -728,9 +728,9 @@ def _bars_line(report):
 def format_overhead_table(report) -> str:
     """One line per (shape, dtype, call): the four times, the regime and the bar."""
     lines = [f"overhead: us per call. wall/host: {report['calls']} back-to-back calls, median of "
-             f"{report['batches']} batches (host: before the final synchronize); isolated: "
-             f"cupyx.profiler.benchmark cpu_times; GPU: events around {report['gpu_calls']} calls "
-             f"queued behind a spin kernel",
+             f"{report['batches']} batches (host: before the final synchronize);",
+             f"isolated: cupyx.profiler.benchmark cpu_times; GPU: events around {report['gpu_calls']} "
+             f"calls queued behind a spin kernel",
              f"{'shape':<13}{'dtype':<6}{'api':<16}{'pass':<8}{'wall':>8}{'host':>8}{'isolated':>9}"
              f"{'GPU':>8}  {'regime':<11}{'bar':>5}  status"]
     for r in report["results"]:
@@ -803,7 +803,7 @@ def judge_step(res) -> None:
         res["bar"], res["status"] = None, "-"
         return
     ref, limit, strict = bar
-    res["bar"] = f"ours {'<' if strict else '<='} {limit:g}x {ref}"
+    res["bar"] = f"ours {'<' if strict else '<='} {'' if limit == 1 else f'{limit:g}x '}{ref}"
     res["status"] = step_status(res.get("ours_ms"), res.get(f"{ref}_ms"), limit, strict)
 
 
