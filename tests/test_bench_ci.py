@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,8 @@ if [ "$1" = - ]; then exec {sys.executable} "$@"; fi
 echo "python3 $*" >> "$STUB_LOG"
 case "$1 $2 $3" in
     "-m pytest "*) echo ...; echo "========= 5 passed, 1 skipped in 1.00s ========="; exit ${{PYTEST_RC:-0}} ;;
-    "-m cupyflash check-kernels") echo "ok a"; echo "ok b"; echo "FAIL c: spills"; exit 1 ;;
+    "-m cupyflash check-kernels") echo "ok a"; echo "ok b"; echo "FAIL c: spills"; sleep "${{CHECK_SLEEP:-0}}"
+                                  exit 1 ;;
     "-m cupyflash bench") shift 3; exec {sys.executable} "{tmp_path / 'fake_bench.py'}" "$@" ;;
 esac
 echo "unexpected python3 $*" >&2; exit 99''',
@@ -78,7 +80,8 @@ def _run(stubs, *args, **env):
 
 
 def _timeouts(log):
-    return [int(line.split()[1]) for line in log if line.startswith("timeout ")]
+    """The time limits of the foreground stages, in order (the background compile check aside)."""
+    return [int(line.split()[1]) for line in log if line.startswith("timeout ") and "check-kernels" not in line]
 
 
 def _summary(stdout):
@@ -93,6 +96,8 @@ def test_quick_runs_every_stage_within_one_device_call(stubs):
     limits = _timeouts(log)
     assert limits == [30, 210, 100, 90, 60, 80]  # versions, tests, grid, seed, overhead, frameworks
     assert sum(limits) <= 580 < 600
+    # the compile check runs in the background under `timeout` too, stopped when the tests end
+    assert any(line.startswith("timeout 210 python3 -m cupyflash check-kernels --arch 9.0") for line in log)
     pytest_cmd = next(line for line in log if line.startswith("python3 -m pytest"))
     assert "-m gpu and not slow -n 12 -q" in pytest_cmd
     benches = [line for line in log if line.startswith("python3 -m cupyflash bench")]
@@ -120,6 +125,15 @@ def test_quick_runs_every_stage_within_one_device_call(stubs):
         ["overhead", "0", "2 results, bars: 3 PASS, 1 FAIL"],
         ["frameworks", "0", "2 results, bars: 3 PASS, 1 FAIL"]]
     assert "table of frameworks" in result.stdout  # each suite's table on the console too
+
+
+def test_an_unfinished_compile_check_is_stopped_when_the_tests_end(stubs):
+    start = time.monotonic()
+    result, _, out = _run(stubs, "quick", SUITES="seed", CHECK_SLEEP="60")
+    assert time.monotonic() - start < 30
+    assert result.returncode == 0
+    assert _summary(result.stdout)[1][1] == ["check-kernels", "-", "-", "2 ok, 1 FAIL (stopped unfinished)"]
+    assert "== check-kernels (stopped unfinished) ==\nok a\n" in (out / "gpu.txt").read_text()
 
 
 def test_full_runs_the_whole_grid(stubs):
