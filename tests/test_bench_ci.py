@@ -169,12 +169,15 @@ def test_a_suite_past_its_time_is_stopped_and_the_summary_still_comes(stubs):
 
 
 def test_suites_and_extra_arguments_from_the_environment(stubs):
-    result, log, _ = _run(stubs, "quick", TESTS="none", SUITES="overhead frameworks",
-                          BENCH_ARGS="--fwd-overlap", OVERHEAD_ARGS="--calls 100")
+    result, log, _ = _run(stubs, "quick", TESTS="none", SUITES="grid overhead frameworks",
+                          BENCH_ARGS="--deterministic", OVERHEAD_ARGS="--calls 100",
+                          FRAMEWORKS_ARGS="--no-jax --fwd-overlap")
     assert result.returncode == 0
     benches = [line for line in log if line.startswith("python3 -m cupyflash bench")]
-    assert len(benches) == 2
-    assert benches[0].endswith("--fwd-overlap --calls 100") and benches[1].endswith("--fwd-overlap")
+    assert len(benches) == 3
+    assert benches[0].endswith("--reps 10 --deterministic")  # BENCH_ARGS: the grid's, as before the suites
+    assert benches[1].endswith("--reps 10 --calls 100")
+    assert benches[2].endswith("--reps 10 --no-jax --fwd-overlap")
 
 
 def test_a_bad_mode_or_suite_is_refused(stubs):
