@@ -76,10 +76,23 @@ def cell(value, width, spec) -> str:
 
 
 def error_metrics(xp, actual, ref) -> tuple[float, float]:
-    """``(max abs error, relative L2 error)`` of ``actual`` against ``ref``, in float64.
+    """Max abs error and relative L2 error of ``actual`` against ``ref``, in float64.
 
-    The relative L2 error is ``||actual - ref||_2 / ||ref||_2`` over all
-    elements (0 when both are zero, inf when only ``ref`` is).
+    Parameters
+    ----------
+    xp : module
+        numpy or cupy, the module of the arrays.
+    actual : array
+        Any float dtype; compared in float64.
+    ref : array, float64, shape of ``actual``
+
+    Returns
+    -------
+    max_abs : float
+        ``max |actual - ref|`` (NaN if ``actual`` holds a NaN).
+    rel_l2 : float
+        ``||actual - ref||_2 / ||ref||_2`` over all elements; 0 when both are
+        zero, inf when only ``ref`` is.
     """
     diff = actual.astype(xp.float64) - ref
     max_abs = float(xp.max(xp.abs(diff)))
@@ -332,13 +345,32 @@ def _record_errors(res, name, tensors, arrays, ref, xp):
 def measure_impl(impl, sets, res, *, reps, memory, ref, xp):
     """Latency, peak extra memory and (with ``ref``) errors of one implementation, into ``res``.
 
-    Keys ``<name>_fwd_ms``, ``<name>_bwd_ms``, ``<name>_fwd_extra_bytes``,
-    ``<name>_bwd_extra_bytes`` and ``<name>_<out|dq|dk|dv>_<max_abs|rel_l2>``.
     Memory and errors come from the first input set, after one unmeasured
     call of the pass (so one-time allocations, compiles and workspaces made on
     first use, stay out); the times rotate through all the sets.  A failure
     marks what it left unmeasured (:func:`mark_failed`); a failed forward
     leaves the backward unmeasured too.
+
+    Parameters
+    ----------
+    impl : Ours, Sdpa or alike
+        ``name``, ``context()``, ``prepare(inputs)``, ``forward(state)``,
+        ``forward_timed(state)``, ``output(fwd)``, ``backward(state, fwd)``,
+        ``time_ms(fn, reps)`` and ``to_xp(x)``.
+    sets : list of tuple
+        ``(q, k, v, dout)`` arrays, shape (batch, seqlen, nheads, head_dim).
+    res : dict
+        Receives ``<name>_fwd_ms``, ``<name>_bwd_ms``,
+        ``<name>_fwd_extra_bytes``, ``<name>_bwd_extra_bytes`` and, with
+        ``ref``, ``<name>_<out|dq|dk|dv>_<max_abs|rel_l2>``.
+    reps : int
+        Timed repetitions per pass.
+    memory : TorchPeak or CupyPeak
+        ``peak_extra(fn) -> (fn(), bytes)``.
+    ref : dict or None
+        :func:`reference_attention` of the first set.
+    xp : module
+        The module of the arrays ``to_xp`` returns and of ``ref``.
     """
     name = impl.name
     fwd_keys = [f"{name}_fwd_ms", f"{name}_fwd_extra_bytes"] + (_error_keys(name, TENSORS[:1]) if ref else [])
@@ -521,11 +553,28 @@ Row.__doc__ = """One overhead measurement: ``build()`` (inside ``context()``) re
 
 
 def per_call_us(fn, *, calls, batches, synchronize, warmup_ms=100.0):
-    """``(wall, host)`` microseconds per call, medians over ``batches`` of ``calls`` back-to-back calls.
+    """Microseconds per call of ``fn`` called back to back, by the host's clock.
 
-    No synchronisation inside a batch; ``wall`` runs to the synchronize after
-    the last call, ``host`` stops before it (the host's own cost when the GPU
-    keeps up).  Warm-up as :func:`cupyflash.bench._time_ms`.
+    Parameters
+    ----------
+    fn : callable
+        One call (launches GPU work and returns without waiting for it).
+    calls : int
+        Calls per batch, with no synchronisation between them.
+    batches : int
+        Batches; each starts after a synchronize and ends with one.
+    synchronize : callable
+        Waits for the GPU.
+    warmup_ms : float, optional
+        Warm-up as :func:`cupyflash.bench._time_ms` (at least 3 calls and this long).
+
+    Returns
+    -------
+    wall : float
+        Median over batches of (time to the synchronize after the last call) / calls.
+    host : float
+        The same up to the last call's return: the host's own cost per call
+        when the GPU keeps up.
     """
     bench._warm_up(fn, synchronize, warmup_ms)  # noqa: SLF001
     wall, host = [], []
@@ -547,7 +596,26 @@ def gpu_us_per_call(fn, *, calls, host_us, spin, new_event, elapsed_ms, repeats=
 
     A spin kernel holds the stream (twice the host time of ``calls`` calls,
     plus 1 ms) while the calls queue behind it; the events around them then
-    time the GPU running them back to back.  Median over ``repeats``.
+    time the GPU running them back to back.
+
+    Parameters
+    ----------
+    fn : callable
+        One call, on the stream ``spin`` and the events use.
+    calls : int
+        Calls queued per repeat (few enough for CUDA's queue of pending launches).
+    host_us : float
+        The host's time per call (:func:`per_call_us`), to size the spin.
+    spin : callable
+        ``spin(ns)`` launches a kernel that runs for ``ns`` nanoseconds.
+    new_event, elapsed_ms : callable
+        A timing event with ``record()`` and ``synchronize()``; milliseconds between two.
+    repeats : int, optional
+
+    Returns
+    -------
+    float
+        Median over ``repeats`` of the events' interval / calls, in microseconds.
     """
     spin_ns = int(2e3 * calls * host_us) + 1_000_000
     times = []
@@ -871,11 +939,29 @@ def jax_grad_step(jax, jnp, attention):
 
 
 def jax_time_ms(jax, step, sets, reps, *, steps_per_batch=JAX_STEPS_PER_BATCH, warmup_ms=100.0):
-    """Median ms per step over ``reps`` batches of back-to-back steps, by the wall clock.
+    """Milliseconds per step of a jitted JAX function, by the wall clock.
 
     JAX has no events: a batch dispatches ``steps_per_batch`` steps (rotating
     through ``sets``) and waits for them with ``block_until_ready``.  The
     warm-up (compilation included) blocks on every step.
+
+    Parameters
+    ----------
+    jax : module
+    step : callable
+        ``step(*set)`` dispatches one step and returns its (unready) result.
+    sets : list of tuple
+        The arguments of the steps, in turn.
+    reps : int
+        Batches.
+    steps_per_batch : int, optional
+    warmup_ms : float, optional
+        At least 3 steps and this long, as :func:`cupyflash.bench._time_ms`.
+
+    Returns
+    -------
+    float
+        Median over batches of the batch's time / ``steps_per_batch``.
     """
     turn = itertools.cycle(sets)
     bench._warm_up(lambda: jax.block_until_ready(step(*next(turn))), lambda: None, warmup_ms)  # noqa: SLF001

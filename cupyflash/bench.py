@@ -9,7 +9,9 @@ grid (default)
 seed
     batch 1, nheads 32, head_dim 128, causal, fp16 over seqlen 512..32768:
     latency, peak extra memory and errors against a float64 reference, beside
-    SDPA's flash, cuDNN and math backends (:mod:`._bench_suites`).
+    SDPA's flash, cuDNN and math backends (:mod:`._bench_suites`).  Memory is
+    measured the same way for every implementation: torch's allocator
+    counters, with cupy's allocations routed through torch's allocator.
 overhead
     Host microseconds per call on tiny shapes, cupy arrays and torch tensors,
     beside SDPA's own per-call cost, with pass/fail bars.
@@ -209,11 +211,19 @@ def _torch_time_ms(fn, reps, torch, warmup_ms=100.0):
 
 
 def rotation_count(nbytes):
-    """How many input sets of ``nbytes`` each the timed calls rotate through.
+    """How many input sets the timed calls rotate through.
 
-    One when a set is at least as large as L2 (:data:`L2_BYTES`); otherwise
-    enough that the other sets, touched between two uses of one, amount to
-    twice L2, so none of a set is still cached when it comes round again.
+    Parameters
+    ----------
+    nbytes : int
+        Bytes of one set (:func:`set_bytes`).
+
+    Returns
+    -------
+    int
+        1 when a set is at least as large as L2 (:data:`L2_BYTES`); otherwise
+        enough that the other sets, touched between two uses of one, amount
+        to twice L2, so none of a set is still cached when it comes round again.
     """
     if nbytes >= L2_BYTES:
         return 1
