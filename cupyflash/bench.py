@@ -295,13 +295,13 @@ def _kernel_info(q, *, batch, seqlen, nheads, head_dim, dtype, causal, bwd):
     Read from the (internal) plans; if they change shape the point records
     ``kernel_info_error`` instead, and the ceiling is None.
     """
-    from . import _gpu  # noqa: PLC0415
+    from . import _gpu, _launch  # noqa: PLC0415
 
     try:
         device = q.device.id
         common = dict(batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, nheads_q=nheads,
                       head_dim=head_dim, dtype=dtype, causal=causal, vec=True,
-                      num_sms=_gpu._num_sms(device), cc=_gpu._cc(device))  # noqa: SLF001
+                      num_sms=_launch.num_sms(device), cc=_launch.compute_capability(device))
         main = _gpu.select_fwd(**common).main
         wgmma = main.source == "flash_fwd_sm90.cu"
         info = {"fwd_kernel": ("wgmma-overlap" if main.args[-1] == "true" else "wgmma")
