@@ -467,13 +467,11 @@ class _GpuFwd(_GpuEntry):
             with device:
                 return self(q, k, v, out, lse)
         cupy, call = self._cupy, self.call
-        if out is None and lse is None:  # one allocation for both
-            memory = cupy.cuda.alloc(call.outputs_bytes)
-            out = cupy.ndarray(call.out_shape, q.dtype, memory)
-            lse = cupy.ndarray(call.lse_shape, _FLOAT32, memory + call.lse_offset)
-        elif out is None:
+        # Two allocations, like FA2's: out and lse have separate lifetimes (one
+        # allocation for both measured ~1 us faster, but keeps out alive with lse).
+        if out is None:
             out = cupy.ndarray(call.out_shape, q.dtype)
-        elif lse is None:
+        if lse is None:
             lse = cupy.ndarray(call.lse_shape, _FLOAT32)
         stream = cupy.cuda.get_current_stream()
         owner = call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k.data.ptr, v.data.ptr,

@@ -22,7 +22,6 @@ The backward lives in :mod:`._gpu_bwd` (which imports nothing from here).
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 
@@ -49,14 +48,10 @@ class FwdCall:
     memory safe to reuse afterwards).
     """
 
-    __slots__ = ("plan", "out_shape", "lse_shape", "outputs_bytes", "lse_offset", "scratch_bytes",
-                 "_accum_offsets", "_launcher")
+    __slots__ = ("plan", "out_shape", "lse_shape", "scratch_bytes", "_accum_offsets", "_launcher")
 
-    def __init__(self, plan, out_shape, lse_shape, itemsize, scratch, launcher):
+    def __init__(self, plan, out_shape, lse_shape, scratch, launcher):
         self.plan, self.out_shape, self.lse_shape = plan, out_shape, lse_shape
-        # out and lse in one allocation, when the caller allocates them together
-        self.outputs_bytes, (_, self.lse_offset) = _launch.scratch_layout(
-            (math.prod(out_shape) * itemsize, math.prod(lse_shape) * 4))
         self.scratch_bytes, self._accum_offsets = scratch
         self._launcher = launcher
 
@@ -108,8 +103,7 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
         n_blocks_per_split=plan.n_blocks_per_split,
         softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E)
     launches = (plan.main,) if plan.combine is None else (plan.main, plan.combine)
-    return FwdCall(plan, tuple(q.shape), lse_shape, q.itemsize, scratch,
-                   _launch.Launcher(launches, template, _FWD_WRITER))
+    return FwdCall(plan, tuple(q.shape), lse_shape, scratch, _launch.Launcher(launches, template, _FWD_WRITER))
 
 
 def _storage_dtype_name(a, dtype: str | None) -> str:

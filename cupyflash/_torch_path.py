@@ -72,11 +72,12 @@ def _empty_like(x, contiguous):
 
 
 class _Fwd(_Entry):
-    __slots__ = ("contiguous",)
+    __slots__ = ("contiguous", "backward_plans")
 
     def __init__(self, call, device, contiguous):
         super().__init__(call, device)
         self.contiguous = contiguous  # of q
+        self.backward_plans = _launch.PlanCache(64)  # of the autograd backward (see bwd)
 
     def __call__(self, q, k, v, out, lse):
         device = self._on_device()
@@ -230,15 +231,15 @@ _FAST = {"flash_attn_fwd": _fwd, "flash_attn": _fwd, "flash_attn_bwd": _bwd}
 # ----------------------------------------------------------------------------
 # For cupyflash.torch's autograd.Function: the backward's signature is the
 # forward's (q, k, v as they were; out and lse as the forward allocated them)
-# plus dout's, so the backward looks its plan up by the forward's key and dout.
+# plus dout's, so each forward entry keeps the backward plans of its calls,
+# by dout's signature and the deterministic flag.
 # ----------------------------------------------------------------------------
-
-_AUTOGRAD_BWD_ENTRIES = _launch.PlanCache()
 
 
 def fwd(q, k, v, softmax_scale, causal):
-    """``(out, lse, key)`` of tensors, for cupyflash.torch (no options, no outputs
-    given); ``key`` (None off the lean path) is handed back to :func:`bwd`."""
+    """``(out, lse, backward_plans)`` of tensors, for cupyflash.torch (no options,
+    no outputs given); ``backward_plans`` (None off the lean path) goes back to
+    :func:`bwd` with the same tensors."""
     try:
         key = ("flash_attn_fwd", type(softmax_scale), softmax_scale, type(causal), causal,
                _sig(q), _sig(k), _sig(v), None, None)
@@ -251,21 +252,21 @@ def fwd(q, k, v, softmax_scale, causal):
         out, lse = _api.flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
         return out, lse, None
     out, lse = entry(q, k, v, None, None)
-    return out, lse, key
+    return out, lse, entry.backward_plans
 
 
-def bwd(key, dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
-    """``(dq, dk, dv)`` for cupyflash.torch: ``key`` from :func:`fwd`, the other
-    tensors those :func:`fwd` took and gave."""
-    entry = None
-    if key is not None:
+def bwd(backward_plans, dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
+    """``(dq, dk, dv)`` for cupyflash.torch: ``backward_plans`` from :func:`fwd`,
+    the other tensors those :func:`fwd` took and gave."""
+    entry = key = None
+    if backward_plans is not None:
         try:
-            bwd_key = (key, type(deterministic), deterministic, _sig(dout))
-            entry = _AUTOGRAD_BWD_ENTRIES.get(bwd_key)
+            key = (type(deterministic), deterministic, _sig(dout))
+            entry = backward_plans.get(key)
         except (AttributeError, TypeError):
-            bwd_key = None
-        if entry is None and bwd_key is not None:
-            entry = _AUTOGRAD_BWD_ENTRIES.put(bwd_key, _plan_bwd(
+            key = None
+        if entry is None and key is not None:
+            entry = backward_plans.put(key, _plan_bwd(
                 "flash_attn_bwd", dout, q, k, v, out, lse, softmax_scale, causal, deterministic, None, None, None))
     if entry is None or entry is _GENERAL:
         return _api.flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,

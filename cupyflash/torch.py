@@ -115,22 +115,23 @@ class FlashAttnFunc(torch.autograd.Function):
     The autograd.Function form of :func:`flash_attn_func` (all six arguments
     required, ``softmax_scale`` a float), which eager mode runs: it calls the
     kernels directly (cupyflash's lean torch path), without the custom-op
-    dispatch.  Saves q, k, v, out and lse for the backward; the attention
-    matrix is never stored.
+    dispatch.  Saves q, k, v and out for the backward (``save_for_backward``:
+    saved-tensor hooks see them), and keeps lse, which it made and does not
+    return; the attention matrix is never stored.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, deterministic):
-        out, lse, ctx.key = _torch_path.fwd(q, k, v, softmax_scale, causal)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, ctx.lse, ctx.backward_plans = _torch_path.fwd(q, k, v, softmax_scale, causal)
+        ctx.save_for_backward(q, k, v, out)
         ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _torch_path.bwd(ctx.key, _unit_last_stride(dout), q, k, v, out, lse, ctx.softmax_scale,
-                                     ctx.causal, ctx.deterministic)
+        q, k, v, out = ctx.saved_tensors
+        dq, dk, dv = _torch_path.bwd(ctx.backward_plans, _unit_last_stride(dout), q, k, v, out, ctx.lse,
+                                     ctx.softmax_scale, ctx.causal, ctx.deterministic)
         return dq, dk, dv, None, None, None
 
 

@@ -94,7 +94,7 @@ def fresh_plans(monkeypatch):
 
     for module, names in ((_api, ("_FWD_ENTRIES", "_BWD_ENTRIES")), (_gpu, ("PLANS",)), (_gpu_bwd, ("PLANS",)),
                           (sys.modules.get("cupyflash._torch_path"),
-                           ("_FWD_ENTRIES", "_BWD_ENTRIES", "_AUTOGRAD_BWD_ENTRIES"))):
+                           ("_FWD_ENTRIES", "_BWD_ENTRIES"))):
         for name in names if module is not None else ():
             monkeypatch.setattr(module, name, type(getattr(module, name))())
     monkeypatch.setattr(_launch, "num_sms", _launch.num_sms)  # undone if a test patches them

@@ -111,7 +111,7 @@ def fake_cupy_module(device_count=1):
 class FakeCall:
     """A planned call: records its plan's keywords and every run; computes with ``compute``."""
 
-    outputs_bytes = lse_offset = grads_bytes = 0  # the fake allocator ignores sizes
+    grads_bytes = 0  # the fake allocator ignores sizes
     grads_offsets = (0, 0, 0)
 
     def __init__(self, kind, plan_kwargs, shapes, compute, runs):
