@@ -77,7 +77,12 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
         name otherwise; torch and JAX arrays carry their dtype and take None.
     out : array, optional
         Preallocated output to write, of the same array type, device, shape and
-        dtype as ``q``, with a unit last stride (any other strides); returned.
+        dtype as ``q``, with a unit last stride (any other strides, but not a
+        broadcast view); returned.  NumPy outputs must be writeable and must not
+        share memory with each other; on the CPU an output may be one of the
+        inputs (the result is computed before it is written).  On the GPU
+        outputs are not checked against the inputs: one that overlaps an input
+        or another output gives an undefined result.
     lse : array, optional
         Preallocated lse to write: float32, shape (batch, nheads_q, seqlen_q),
         unit last stride; returned.
@@ -109,7 +114,8 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
         ``nheads_kv``; head_dim is 0 or above 256; a last stride is not 1;
         arrays are on different devices; ``softmax_scale`` is not finite and > 0
         or is outside float32 range; ``out``/``lse`` have the wrong shape,
-        device or last stride.
+        device or last stride, are broadcast views (a zero stride), or (numpy)
+        are read-only or share memory with each other.
     NotImplementedError
         ``dropout_p``, ``window_size``, ``alibi_slopes`` or ``softcap`` is set.
 
@@ -213,7 +219,8 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
         not a bool; ``dq``/``dk``/``dv`` as ``out`` in :func:`flash_attn_fwd`.
     ValueError
         As for :func:`flash_attn_fwd`; also when ``dout`` or ``out`` differ
-        from ``q`` in shape, or ``lse`` is not (batch, nheads_q, seqlen_q).
+        from ``q`` in shape, or ``lse`` is not (batch, nheads_q, seqlen_q);
+        ``dq``/``dk``/``dv`` as ``out`` in :func:`flash_attn_fwd`.
     NotImplementedError
         As for :func:`flash_attn_fwd`.
 
@@ -344,9 +351,9 @@ def _plan_fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse):
     scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal)
     _checks.check_outputs(fn, q, {"out": (out, q), "lse": (lse, None)})
     if _checks.is_empty(q, k):
-        return _EmptyFwd(gpu)
+        return _EmptyFwd(fn, gpu)
     if not gpu:
-        return _CpuFwd(scale, bool(causal))
+        return _CpuFwd(fn, scale, bool(causal))
     from . import _gpu
 
     dtype_name = _checks.dtype_name(fn, dtype) if dtype is not None else q.dtype.name
@@ -364,9 +371,9 @@ def _plan_bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
     scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal, deterministic)
     _checks.check_outputs(fn, q, {"dq": (dq, q), "dk": (dk, k), "dv": (dv, v)})
     if _checks.is_empty(q, k):
-        return _EmptyBwd(gpu)
+        return _EmptyBwd(fn, gpu)
     if not gpu:
-        return _CpuBwd(scale, bool(causal))
+        return _CpuBwd(fn, scale, bool(causal))
     from . import _gpu_bwd
 
     dtype_name = _checks.dtype_name(fn, dtype) if dtype is not None else q.dtype.name
@@ -386,24 +393,33 @@ def _into(given, result):
     return given
 
 
-class _CpuFwd:
-    __slots__ = ("scale", "causal")
+# The CPU entries check the NumPy outputs given on every call, before computing:
+# whether they are writeable and whether they overlap each other is not part of
+# the call signature (see _checks.check_numpy_outputs).
 
-    def __init__(self, scale, causal):
-        self.scale, self.causal = scale, causal
+
+class _CpuFwd:
+    __slots__ = ("fn", "scale", "causal")
+
+    def __init__(self, fn, scale, causal):
+        self.fn, self.scale, self.causal = fn, scale, causal
 
     def __call__(self, q, k, v, out, lse):
+        if out is not None or lse is not None:
+            _checks.check_numpy_outputs(self.fn, (("out", out), ("lse", lse)))
         o, l = cpu.fwd(q, k, v, self.scale, self.causal)
         return _into(out, o), _into(lse, l)
 
 
 class _CpuBwd:
-    __slots__ = ("scale", "causal")
+    __slots__ = ("fn", "scale", "causal")
 
-    def __init__(self, scale, causal):
-        self.scale, self.causal = scale, causal
+    def __init__(self, fn, scale, causal):
+        self.fn, self.scale, self.causal = fn, scale, causal
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv):
+        if dq is not None or dk is not None or dv is not None:
+            _checks.check_numpy_outputs(self.fn, (("dq", dq), ("dk", dk), ("dv", dv)))
         grads = cpu.bwd(dout, q, k, v, out, lse, self.scale, self.causal)
         return tuple(_into(g, r) for g, r in zip((dq, dk, dv), grads))
 
@@ -411,23 +427,27 @@ class _CpuBwd:
 class _EmptyFwd:
     """Nothing to compute (no query, or no key): out 0, lse -inf, no kernel."""
 
-    __slots__ = ("gpu",)
+    __slots__ = ("fn", "gpu")
 
-    def __init__(self, gpu):
-        self.gpu = gpu
+    def __init__(self, fn, gpu):
+        self.fn, self.gpu = fn, gpu
 
     def __call__(self, q, k, v, out, lse):
+        if not self.gpu and (out is not None or lse is not None):
+            _checks.check_numpy_outputs(self.fn, (("out", out), ("lse", lse)))
         o, l = _checks.empty_fwd(q, self.gpu)
         return _into(out, o), _into(lse, l)
 
 
 class _EmptyBwd:
-    __slots__ = ("gpu",)
+    __slots__ = ("fn", "gpu")
 
-    def __init__(self, gpu):
-        self.gpu = gpu
+    def __init__(self, fn, gpu):
+        self.fn, self.gpu = fn, gpu
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv):
+        if not self.gpu and (dq is not None or dk is not None or dv is not None):
+            _checks.check_numpy_outputs(self.fn, (("dq", dq), ("dk", dk), ("dv", dv)))
         grads = _checks.empty_bwd(q, k, v, self.gpu)
         return tuple(_into(g, r) for g, r in zip((dq, dk, dv), grads))
 

@@ -288,8 +288,36 @@ def check_outputs(fn, q, outputs):
                      f"{name} must have the dtype of its input ({dtype_desc(like.dtype)}); "
                      f"got {dtype_desc(x.dtype)}.")
             _check_last_stride(fn, name, x)
+        _check_no_repeats(fn, name, x)
         if kind == "cupy":
             _check_device(fn, name, x, q)
+
+
+def _check_no_repeats(fn, name, x):
+    """An output must not be a broadcast view: a zero stride on an axis of length > 1
+    makes several of its elements one memory location, which cannot hold them all
+    (the GPU kernels would race on it).  A function of shape and strides only, so the
+    hot path's call signature covers it."""
+    for n, s in zip(x.shape, x.strides):
+        if s == 0 and n > 1:
+            strides = tuple(t // x.itemsize for t in x.strides)
+            fail(ValueError, fn,
+                 f"{name} must not be a broadcast view (a zero stride on an axis of length > 1: its "
+                 f"elements overlap); got shape {tuple(x.shape)} with strides {strides} elements.")
+
+
+def check_numpy_outputs(fn, outputs):
+    """Per call, before anything is computed: the preallocated NumPy outputs (``(name,
+    array)`` pairs, None for one not given) are writeable and share no memory with each
+    other.  Both depend on more than the call signature (the flag, the pointers), so the
+    CPU entries of the hot path check them on every call that passes outputs."""
+    given = [(name, x) for name, x in outputs if x is not None]
+    for i, (name, x) in enumerate(given):
+        if not x.flags.writeable:
+            fail(ValueError, fn, f"{name} must be writeable; got a read-only array.")
+        for other, y in given[:i]:
+            if np.shares_memory(x, y):
+                fail(ValueError, fn, f"{name} must not overlap {other} in memory; got arrays that share memory.")
 
 
 #: flash-attention's arguments that cupyflash does not implement yet, with the

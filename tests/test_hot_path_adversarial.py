@@ -1,0 +1,172 @@
+"""Adversarial tests of the hot path (validate and plan once per call signature) and of
+preallocated outputs: inputs that a cached signature must not let through, outputs
+that cannot hold a result, and the paths (dense, varlen, fake GPU) agreeing on what
+they take.  No GPU needed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import _api, _checks
+from fakes import FakeCupyArray, cpu_compute_bwd, cpu_compute_fwd, install_fake_gpu
+
+as_strided = np.lib.stride_tricks.as_strided
+
+
+def _qkv(rng, dtype=np.float32, seqlen_q=12, seqlen_k=20, nheads_kv=2):
+    q = rng.standard_normal((2, seqlen_q, 4, 16)).astype(dtype)
+    k = rng.standard_normal((2, seqlen_k, nheads_kv, 16)).astype(dtype)
+    v = rng.standard_normal((2, seqlen_k, nheads_kv, 16)).astype(dtype)
+    return q, k, v
+
+
+def _read_only(a):
+    a = a.copy()
+    a.flags.writeable = False
+    return a
+
+
+def _broadcast(shape, dtype):
+    """A writeable view whose every element is one memory location."""
+    return as_strided(np.zeros(shape[-1], dtype), shape, (0,) * (len(shape) - 1) + (np.dtype(dtype).itemsize,),
+                      writeable=True)
+
+
+# ----------------------------------------------------------------------------
+# Outputs that cannot hold the result
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["out", "lse"])
+def test_read_only_forward_output_is_rejected_before_anything_is_written(rng, name):
+    q, k, v = _qkv(rng)
+    _, lse = cupyflash.flash_attn_fwd(q, k, v)
+    given = {"out": np.full_like(q, np.nan), "lse": np.full_like(lse, np.nan)}
+    given[name] = _read_only(given[name])
+    with pytest.raises(ValueError, match=rf"^cupyflash\.flash_attn_fwd: {name} must be writeable; got a "
+                                         r"read-only array\.$"):
+        cupyflash.flash_attn_fwd(q, k, v, **given)
+    assert all(np.isnan(a).all() for a in given.values())  # nothing written, not even the other one
+
+
+def test_read_only_output_is_rejected_after_a_writeable_one_was_cached(rng):
+    q, k, v = _qkv(rng)
+    cupyflash.flash_attn_fwd(q, k, v, out=np.empty_like(q))  # the signature is cached
+    with pytest.raises(ValueError, match=r"out must be writeable"):
+        cupyflash.flash_attn_fwd(q, k, v, out=_read_only(np.empty_like(q)))
+
+
+@pytest.mark.parametrize("name", ["dq", "dk", "dv"])
+def test_read_only_gradient_output_is_rejected(rng, name):
+    q, k, v = _qkv(rng)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v)
+    cupyflash.flash_attn_bwd(out, q, k, v, out, lse, **{name: np.empty_like({"dq": q, "dk": k, "dv": v}[name])})
+    bad = _read_only({"dq": q, "dk": k, "dv": v}[name])
+    with pytest.raises(ValueError, match=rf"^cupyflash\.flash_attn_bwd: {name} must be writeable"):
+        cupyflash.flash_attn_bwd(out, q, k, v, out, lse, **{name: bad})
+
+
+def test_read_only_output_of_an_empty_call_is_rejected(rng):
+    q, k, v = _qkv(rng, seqlen_k=0)
+    with pytest.raises(ValueError, match=r"^cupyflash\.flash_attn_fwd: out must be writeable"):
+        cupyflash.flash_attn_fwd(q, k, v, out=_read_only(np.empty_like(q)))
+
+
+def test_gradients_sharing_memory_are_rejected(rng):
+    q, k, v = _qkv(rng, seqlen_q=20, nheads_kv=4)  # q, k and v of one shape
+    out, lse = cupyflash.flash_attn_fwd(q, k, v)
+    buffer = np.full_like(q, np.nan)
+    with pytest.raises(ValueError, match=r"^cupyflash\.flash_attn_bwd: dk must not overlap dq in memory"):
+        cupyflash.flash_attn_bwd(out, q, k, v, out, lse, dq=buffer, dk=buffer)
+    assert np.isnan(buffer).all()
+
+
+def test_out_and_lse_sharing_memory_are_rejected(rng):
+    q, k, v = _qkv(rng)
+    buffer = np.zeros(q.size, np.float32)
+    out, lse = buffer.reshape(q.shape), buffer[:2 * 4 * 12].reshape(2, 4, 12)
+    with pytest.raises(ValueError, match=r"^cupyflash\.flash_attn_fwd: lse must not overlap out in memory"):
+        cupyflash.flash_attn_fwd(q, k, v, out=out, lse=lse)
+
+
+def test_interleaved_outputs_that_share_no_element_are_taken(rng):
+    q, k, v = _qkv(rng, seqlen_q=20, nheads_kv=4)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v)
+    want = cupyflash.flash_attn_bwd(out, q, k, v, out, lse)
+    big = np.full((2, 20, 8, 16), np.nan, np.float32)  # dq the even heads, dk the odd ones
+    got = cupyflash.flash_attn_bwd(out, q, k, v, out, lse, dq=big[:, :, ::2], dk=big[:, :, 1::2])
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_cpu_output_aliasing_an_input_gets_the_right_result(rng, which):
+    """The CPU path computes before it writes: an output over an input is fine there."""
+    q, k, v = _qkv(rng, seqlen_q=20, nheads_kv=4)
+    want, _ = cupyflash.flash_attn_fwd(q, k, v)
+    inputs = {"q": q, "k": k, "v": v}
+    got, _ = cupyflash.flash_attn_fwd(q, k, v, out=inputs[which])
+    assert got is inputs[which]
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["out", "lse"])
+def test_broadcast_forward_output_is_rejected(rng, name):
+    q, k, v = _qkv(rng)
+    bad = _broadcast(q.shape if name == "out" else (2, 4, 12), np.float32)
+    with pytest.raises(ValueError, match=rf"^cupyflash\.flash_attn_fwd: {name} must not be a broadcast view "
+                                         r"\(a zero stride on an axis of length > 1: its elements overlap\); "
+                                         r"got shape .* with strides \(0, 0(, 0)?, 1\) elements\.$"):
+        cupyflash.flash_attn_fwd(q, k, v, **{name: bad})
+
+
+def test_broadcast_gradient_output_is_rejected(rng):
+    q, k, v = _qkv(rng)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v)
+    with pytest.raises(ValueError, match=r"^cupyflash\.flash_attn_bwd: dk must not be a broadcast view"):
+        cupyflash.flash_attn_bwd(out, q, k, v, out, lse, dk=_broadcast(k.shape, np.float32))
+
+
+def test_zero_stride_on_an_axis_of_length_one_is_taken(rng):
+    q, k, v = _qkv(rng)
+    want, _ = cupyflash.flash_attn_fwd(q[:1], k[:1], v[:1])
+    out = as_strided(np.empty_like(q[:1]), q[:1].shape, (0,) + q.strides[1:], writeable=True)
+    got, _ = cupyflash.flash_attn_fwd(q[:1], k[:1], v[:1], out=out)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_fake_gpu_broadcast_output_is_rejected(monkeypatch, rng):
+    plans, _ = install_fake_gpu(monkeypatch, cpu_compute_fwd)
+    q, k, v = (FakeCupyArray(x) for x in _qkv(rng, np.float16))
+    with pytest.raises(ValueError, match=r"^cupyflash\.flash_attn_fwd: out must not be a broadcast view"):
+        cupyflash.flash_attn_fwd(q, k, v, out=FakeCupyArray(_broadcast(q.shape, np.float16)))
+    assert plans == []
+
+
+@pytest.mark.xfail(strict=True, reason="GPU outputs are not checked against the inputs or each other: "
+                                       "pointer ranges would have to be compared on every call")
+@pytest.mark.parametrize("alias", ["out=k", "dq=dk"])
+def test_fake_gpu_output_aliasing_is_rejected(monkeypatch, rng, alias):
+    """On the GPU an output over an input (or over another output) races with the kernels
+    reading it; the CPU path computes before it writes and is not affected."""
+    install_fake_gpu(monkeypatch, cpu_compute_fwd, cpu_compute_bwd)
+    q, k, v = (FakeCupyArray(x) for x in _qkv(rng, np.float16, seqlen_q=20, nheads_kv=4))
+    out, lse = cupyflash.flash_attn_fwd(q, k, v)
+    with pytest.raises(ValueError, match=r"overlap"):
+        if alias == "out=k":
+            cupyflash.flash_attn_fwd(q, k, v, out=k)
+        else:
+            dq = FakeCupyArray(np.empty_like(q.host))
+            cupyflash.flash_attn_bwd(out, q, k, v, out, lse, dq=dq, dk=dq)
+
+
+@pytest.mark.xfail(strict=True, reason="only zero strides are detected; other self-overlapping layouts "
+                                       "(rows closer than their length) take the last write")
+def test_self_overlapping_output_is_rejected(rng):
+    q, k, v = _qkv(rng)
+    s = q.itemsize
+    out = as_strided(np.zeros(q.size, np.float32), q.shape, (12 * 4 * 16 * s, 4 * 16 * s, 8 * s, s), writeable=True)
+    with pytest.raises(ValueError, match=r"out must not"):
+        cupyflash.flash_attn_fwd(q, k, v, out=out)
