@@ -20,10 +20,16 @@ from ._checks import NOT_IMPLEMENTED as _OFF
 
 __all__ = ["flash_attn_fwd", "flash_attn_bwd", "flash_attn"]
 
+# flash-attention's options, off.  The defaults below are these very objects, so a
+# call that leaves the options out is told by identity (nothing to check); any value
+# given, an equal one too, goes through _checks.check_implemented, as in the varlen
+# functions and on the torch path: a value is taken or refused alike everywhere.
+_NO_DROPOUT, _NO_WINDOW, _NO_SOFTCAP = _OFF["dropout_p"], _OFF["window_size"], _OFF["softcap"]
+
 
 @_interop.accepts_foreign("q", "k", "v")
 def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out=None, lse=None,
-                   dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
+                   dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None, softcap=_NO_SOFTCAP):
     """Exact attention forward pass, ``softmax(q @ k.T * softmax_scale) @ v``.
 
     Computed tile by tile with an online softmax (FlashAttention-2), so the
@@ -155,7 +161,8 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
     >>> out.shape, lse.shape
     ((1, 4, 2, 8), (1, 2, 4))
     """
-    if dropout_p or softcap or alibi_slopes is not None or window_size != _OFF["window_size"]:
+    if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
+            or softcap is not _NO_SOFTCAP):
         _checks.check_implemented("flash_attn_fwd", dropout_p, window_size, alibi_slopes, softcap)
     return _fwd("flash_attn_fwd", q, k, v, softmax_scale, causal, dtype, out, lse)
 
@@ -163,7 +170,7 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
 @_interop.accepts_foreign("dout", "q", "k", "v", "out", "lse")
 def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
                    deterministic=False, dtype=None, dq=None, dk=None, dv=None,
-                   dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
+                   dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None, softcap=_NO_SOFTCAP):
     """Exact attention backward pass: the gradients of ``flash_attn_fwd``.
 
     Recomputes the attention probabilities block by block from ``lse``
@@ -229,7 +236,8 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
     .. [1] T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism
        and Work Partitioning", 2023, arXiv:2307.08691.  Algorithm 2.
     """
-    if dropout_p or softcap or alibi_slopes is not None or window_size != _OFF["window_size"]:
+    if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
+            or softcap is not _NO_SOFTCAP):
         _checks.check_implemented("flash_attn_bwd", dropout_p, window_size, alibi_slopes, softcap)
     return _bwd("flash_attn_bwd", dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype,
                 dq, dk, dv)
@@ -237,7 +245,7 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
 
 @_interop.accepts_foreign("q", "k", "v")
 def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
-               dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
+               dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None, softcap=_NO_SOFTCAP):
     """Exact attention, ``softmax(q @ k.T * softmax_scale) @ v``: the output alone.
 
     The same as ``flash_attn_fwd(q, k, v, ...)[0]``; see :func:`flash_attn_fwd`
@@ -268,7 +276,8 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
     .. [1] T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism
        and Work Partitioning", 2023, arXiv:2307.08691.  Algorithm 1.
     """
-    if dropout_p or softcap or alibi_slopes is not None or window_size != _OFF["window_size"]:
+    if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
+            or softcap is not _NO_SOFTCAP):
         _checks.check_implemented("flash_attn", dropout_p, window_size, alibi_slopes, softcap)
     return _fwd("flash_attn", q, k, v, softmax_scale, causal, dtype, None, None)[0]
 

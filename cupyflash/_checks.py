@@ -325,17 +325,29 @@ def check_numpy_outputs(fn, outputs):
 NOT_IMPLEMENTED = {"dropout_p": 0.0, "window_size": (-1, -1), "alibi_slopes": None, "softcap": 0.0}
 
 
+def _is_off(value, off):
+    """``value`` is the option's "off" value (None: is None; else equal to it, as a bool:
+    an array, whose comparison has no single truth value, is not off)."""
+    if off is None:
+        return value is None
+    try:
+        return bool(value == off)
+    except Exception:  # noqa: BLE001 (an array's ambiguous truth value, a failing __eq__)
+        return False
+
+
 def check_implemented(fn, dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
-    """Raise NotImplementedError naming the first of flash-attention's options that is on."""
+    """Raise NotImplementedError naming the first of flash-attention's options that is on.
+
+    Every public function runs this on any option given (dense, varlen, torch), so
+    a value is taken or refused alike everywhere."""
     try:
         window = tuple(window_size)
     except TypeError:
         window = window_size
     for name, value, off in (("dropout_p", dropout_p, 0.0), ("window_size", window, (-1, -1)),
                              ("alibi_slopes", alibi_slopes, None), ("softcap", softcap, 0.0)):
-        if value is None and off is None:
-            continue
-        if off is None or value != off:
+        if not _is_off(value, off):
             shown = _type_name(value) if name == "alibi_slopes" else repr(value)
             fail(NotImplementedError, fn,
                  f"{name} must be {off!r} ({name} is not implemented yet); got {shown}.")

@@ -170,3 +170,45 @@ def test_self_overlapping_output_is_rejected(rng):
     out = as_strided(np.zeros(q.size, np.float32), q.shape, (12 * 4 * 16 * s, 4 * 16 * s, 8 * s, s), writeable=True)
     with pytest.raises(ValueError, match=r"out must not"):
         cupyflash.flash_attn_fwd(q, k, v, out=out)
+
+
+# ----------------------------------------------------------------------------
+# flash-attention's options: taken or refused alike by the dense and varlen functions
+# ----------------------------------------------------------------------------
+
+
+def _outcome(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001
+        return type(exc)
+    return "taken"
+
+
+@pytest.mark.parametrize("option, value, want", [
+    ("dropout_p", None, NotImplementedError), ("dropout_p", "", NotImplementedError),
+    ("dropout_p", [], NotImplementedError), ("dropout_p", np.zeros(2), NotImplementedError),
+    ("dropout_p", False, "taken"), ("dropout_p", np.float32(0), "taken"), ("dropout_p", -0.0, "taken"),
+    ("softcap", None, NotImplementedError), ("softcap", 0, "taken"),
+    ("window_size", np.array([-1, -1]), "taken"), ("window_size", [-1, -1], "taken"),
+    ("window_size", None, NotImplementedError), ("window_size", np.array([[-1, -1]]), NotImplementedError),
+    ("alibi_slopes", None, "taken")])
+def test_options_are_judged_alike_by_every_function(rng, option, value, want):
+    q, k, v = _qkv(rng)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v)
+    cu_q, cu_k = np.array([0, 12], np.int32), np.array([0, 20], np.int32)
+    outcomes = {
+        "flash_attn_fwd": _outcome(cupyflash.flash_attn_fwd, q, k, v, **{option: value}),
+        "flash_attn": _outcome(cupyflash.flash_attn, q, k, v, **{option: value}),
+        "flash_attn_bwd": _outcome(cupyflash.flash_attn_bwd, out, q, k, v, out, lse, **{option: value}),
+        "flash_attn_varlen_fwd": _outcome(cupyflash.flash_attn_varlen_fwd, q[0], k[0], v[0], cu_q, cu_k, 12, 20,
+                                          **{option: value}),
+    }
+    assert outcomes == dict.fromkeys(outcomes, want)
+
+
+def test_an_option_refused_names_itself_even_when_its_comparison_is_ambiguous(rng):
+    q, k, v = _qkv(rng)
+    with pytest.raises(NotImplementedError, match=r"^cupyflash\.flash_attn: dropout_p must be 0\.0 .*; got "
+                                                  r"array\(\[0\., 0\.\]\)\.$"):
+        cupyflash.flash_attn(q, k, v, dropout_p=np.zeros(2))
