@@ -320,6 +320,20 @@ def _gpu_type():
     return None if cupy is None else getattr(cupy, "ndarray", None)
 
 
+#: softmax_scale types whose == and hash are those of their value, so that two
+#: scales equal as keys are one scale: only these are cached.  A scale of any other
+#: type (a float subclass with its own __eq__, say) is validated on every call.
+SCALE_KEY_TYPES = frozenset((type(None), float, int, *(
+    t for t in set(np.sctypeDict.values())
+    if issubclass(t, (np.floating, np.integer)) and not issubclass(t, np.timedelta64))))
+
+
+def _dtype_keyable(dtype):
+    """``dtype=`` may be part of a key: None, a str, a numpy.dtype or a type (numpy's
+    scalar types, ml_dtypes.bfloat16), whose equality is what dtype_name reads."""
+    return dtype is None or type(dtype) is str or isinstance(dtype, np.dtype) or type(dtype) is type
+
+
 _FWD_ENTRIES = _launch.PlanCache()
 _BWD_ENTRIES = _launch.PlanCache()
 
@@ -327,12 +341,14 @@ _BWD_ENTRIES = _launch.PlanCache()
 def _fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse):
     """Run the forward entry of this call's signature, validating and planning it first if new."""
     g = _gpu_type()
-    try:
-        key = (fn, type(softmax_scale), softmax_scale, type(causal), causal, dtype,
-               _sig(q, g), _sig(k, g), _sig(v, g), _sig(out, g), _sig(lse, g))
-        entry = _FWD_ENTRIES.get(key)
-    except (AttributeError, TypeError):  # not an array, or unhashable: validation says which
-        key = entry = None
+    key = entry = None
+    if type(softmax_scale) in SCALE_KEY_TYPES and (dtype is None or _dtype_keyable(dtype)):
+        try:
+            key = (fn, type(softmax_scale), softmax_scale, type(causal), causal, dtype,
+                   _sig(q, g), _sig(k, g), _sig(v, g), _sig(out, g), _sig(lse, g))
+            entry = _FWD_ENTRIES.get(key)
+        except Exception:  # noqa: BLE001 (not an array, unhashable, a raising __hash__: validation says)
+            key = entry = None
     if entry is None:
         entry = _FWD_ENTRIES.put(key, _plan_fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse))
     return entry(q, k, v, out, lse)
@@ -341,13 +357,15 @@ def _fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse):
 def _bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, dq, dk, dv):
     """Run the backward entry of this call's signature, validating and planning it first if new."""
     g = _gpu_type()
-    try:
-        key = (fn, type(softmax_scale), softmax_scale, type(causal), causal, type(deterministic),
-               deterministic, dtype, _sig(dout, g), _sig(q, g), _sig(k, g), _sig(v, g), _sig(out, g),
-               _sig(lse, g), _sig(dq, g), _sig(dk, g), _sig(dv, g))
-        entry = _BWD_ENTRIES.get(key)
-    except (AttributeError, TypeError):
-        key = entry = None
+    key = entry = None
+    if type(softmax_scale) in SCALE_KEY_TYPES and (dtype is None or _dtype_keyable(dtype)):
+        try:
+            key = (fn, type(softmax_scale), softmax_scale, type(causal), causal, type(deterministic),
+                   deterministic, dtype, _sig(dout, g), _sig(q, g), _sig(k, g), _sig(v, g), _sig(out, g),
+                   _sig(lse, g), _sig(dq, g), _sig(dk, g), _sig(dv, g))
+            entry = _BWD_ENTRIES.get(key)
+        except Exception:  # noqa: BLE001
+            key = entry = None
     if entry is None:
         entry = _BWD_ENTRIES.put(key, _plan_bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal,
                                                 deterministic, dtype, dq, dk, dv))

@@ -160,12 +160,14 @@ def _views(fn_name, names, tensors):
 def _fwd(fn_name, q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None, **options):
     if options:
         _check_options(fn_name, options)
-    try:
-        key = (fn_name, type(softmax_scale), softmax_scale, type(causal), causal,
-               _sig(q), _sig(k), _sig(v), _sig(out), _sig(lse))
-        entry = _FWD_ENTRIES.get(key)
-    except (AttributeError, TypeError):
-        key = entry = None
+    key = entry = None
+    if type(softmax_scale) in _api.SCALE_KEY_TYPES:
+        try:
+            key = (fn_name, type(softmax_scale), softmax_scale, type(causal), causal,
+                   _sig(q), _sig(k), _sig(v), _sig(out), _sig(lse))
+            entry = _FWD_ENTRIES.get(key)
+        except Exception:  # noqa: BLE001 (validation says what is wrong)
+            key = entry = None
     if entry is None:
         entry = _FWD_ENTRIES.put(key, _plan_fwd(fn_name, q, k, v, softmax_scale, causal, out, lse))
     if entry is _GENERAL:
@@ -193,12 +195,14 @@ def _bwd(fn_name, dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, 
          dq=None, dk=None, dv=None, **options):
     if options:
         _check_options(fn_name, options)
-    try:
-        key = (type(softmax_scale), softmax_scale, type(causal), causal, type(deterministic), deterministic,
-               _sig(dout), _sig(q), _sig(k), _sig(v), _sig(out), _sig(lse), _sig(dq), _sig(dk), _sig(dv))
-        entry = _BWD_ENTRIES.get(key)
-    except (AttributeError, TypeError):
-        key = entry = None
+    key = entry = None
+    if type(softmax_scale) in _api.SCALE_KEY_TYPES:
+        try:
+            key = (type(softmax_scale), softmax_scale, type(causal), causal, type(deterministic), deterministic,
+                   _sig(dout), _sig(q), _sig(k), _sig(v), _sig(out), _sig(lse), _sig(dq), _sig(dk), _sig(dv))
+            entry = _BWD_ENTRIES.get(key)
+        except Exception:  # noqa: BLE001
+            key = entry = None
     if entry is None:
         entry = _BWD_ENTRIES.put(key, _plan_bwd(fn_name, dout, q, k, v, out, lse, softmax_scale, causal,
                                                 deterministic, dq, dk, dv))
@@ -236,12 +240,14 @@ _AUTOGRAD_BWD_ENTRIES = _launch.PlanCache()
 def fwd(q, k, v, softmax_scale, causal):
     """``(out, lse, key)`` of tensors, for cupyflash.torch (no options, no outputs
     given); ``key`` (None off the lean path) is handed back to :func:`bwd`."""
-    try:
-        key = ("flash_attn_fwd", type(softmax_scale), softmax_scale, type(causal), causal,
-               _sig(q), _sig(k), _sig(v), None, None)
-        entry = _FWD_ENTRIES.get(key)
-    except (AttributeError, TypeError):
-        key = entry = None
+    key = entry = None
+    if type(softmax_scale) in _api.SCALE_KEY_TYPES:
+        try:
+            key = ("flash_attn_fwd", type(softmax_scale), softmax_scale, type(causal), causal,
+                   _sig(q), _sig(k), _sig(v), None, None)
+            entry = _FWD_ENTRIES.get(key)
+        except Exception:  # noqa: BLE001
+            key = entry = None
     if entry is None:
         entry = _FWD_ENTRIES.put(key, _plan_fwd("flash_attn_fwd", q, k, v, softmax_scale, causal, None, None))
     if entry is _GENERAL or key is None:
@@ -259,7 +265,7 @@ def bwd(key, dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
         try:
             bwd_key = (key, type(deterministic), deterministic, _sig(dout))
             entry = _AUTOGRAD_BWD_ENTRIES.get(bwd_key)
-        except (AttributeError, TypeError):
+        except Exception:  # noqa: BLE001
             bwd_key = None
         if entry is None and bwd_key is not None:
             entry = _AUTOGRAD_BWD_ENTRIES.put(bwd_key, _plan_bwd(

@@ -212,3 +212,88 @@ def test_an_option_refused_names_itself_even_when_its_comparison_is_ambiguous(rn
     with pytest.raises(NotImplementedError, match=r"^cupyflash\.flash_attn: dropout_p must be 0\.0 .*; got "
                                                   r"array\(\[0\., 0\.\]\)\.$"):
         cupyflash.flash_attn(q, k, v, dropout_p=np.zeros(2))
+
+
+# ----------------------------------------------------------------------------
+# Call-signature keys: arguments whose == or hash cannot be trusted
+# ----------------------------------------------------------------------------
+
+
+class _AllEqualScale(float):
+    """A float whose instances all compare and hash equal, whatever their value."""
+
+    def __eq__(self, other):
+        return True
+
+    def __hash__(self):
+        return 0
+
+
+class _PoseAsName:
+    """Not a dtype, but equal to (and hashing like) a dtype name."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __eq__(self, other):
+        return other == self.name
+
+    def __hash__(self):
+        return hash(self.name)
+
+
+class _Unhashable:
+    def __hash__(self):
+        raise RuntimeError("no hash here")
+
+
+def test_scales_equal_as_keys_but_not_in_value_are_not_one_plan(rng):
+    q, k, v = _qkv(rng)
+    cupyflash.flash_attn(q, k, v, softmax_scale=_AllEqualScale(0.5))  # cached under a key it equals
+    got = cupyflash.flash_attn(q, k, v, softmax_scale=_AllEqualScale(2.0))
+    np.testing.assert_array_equal(got, cupyflash.flash_attn(q, k, v, softmax_scale=2.0))
+
+
+def test_fake_gpu_scale_equal_as_key_is_planned_with_its_own_value(monkeypatch, rng):
+    plans, _ = install_fake_gpu(monkeypatch)
+    q, k, v = (FakeCupyArray(x) for x in _qkv(rng, np.float16))
+    for scale in (0.5, 2.0):
+        cupyflash.flash_attn_fwd(q, k, v, softmax_scale=_AllEqualScale(scale))
+    assert [p["softmax_scale"] for _, p in plans] == [0.5, 2.0]
+
+
+def test_a_dtype_posing_as_a_cached_one_is_still_validated(monkeypatch, rng):
+    install_fake_gpu(monkeypatch)
+    q, k, v = (FakeCupyArray(x) for x in _qkv(rng, np.uint16))
+    cupyflash.flash_attn_fwd(q, k, v, dtype="bfloat16")
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn_fwd: dtype must be None or a dtype name"):
+        cupyflash.flash_attn_fwd(q, k, v, dtype=_PoseAsName("bfloat16"))
+
+
+@pytest.mark.parametrize("fn_name", ["flash_attn_fwd", "flash_attn_bwd"])
+@pytest.mark.parametrize("arg, text", [("softmax_scale", r"softmax_scale must be a real number or None; got .*"),
+                                       ("dtype", r"dtype must be None or a dtype name .*")])
+def test_an_argument_whose_hash_raises_gets_the_validation_error(rng, fn_name, arg, text):
+    q, k, v = _qkv(rng)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v)
+    args = (q, k, v) if fn_name == "flash_attn_fwd" else (out, q, k, v, out, lse)
+    with pytest.raises(TypeError, match=rf"^cupyflash\.{fn_name}: {text}$"):
+        getattr(cupyflash, fn_name)(*args, **{arg: _Unhashable()})
+
+
+@pytest.mark.parametrize("scale", [0.25, np.float32(0.25), np.float64(0.25), 1, np.int64(1), None])
+def test_ordinary_scales_are_cached(monkeypatch, rng, scale):
+    q, k, v = _qkv(rng)
+    cupyflash.flash_attn(q, k, v, softmax_scale=scale)
+    assert len(_api._FWD_ENTRIES) == 1
+    cupyflash.flash_attn(q, k, v, softmax_scale=scale)
+    assert len(_api._FWD_ENTRIES) == 1
+
+
+@pytest.mark.parametrize("scale", [float("nan"), np.float32("nan"), 0.0, -0.0, float("inf"), 1e-46, 1e39])
+def test_bad_scales_are_rejected_after_a_good_one_was_cached(rng, scale):
+    q, k, v = _qkv(rng)
+    cupyflash.flash_attn(q, k, v, softmax_scale=0.25)
+    with pytest.raises(ValueError, match=r"^cupyflash\.flash_attn: softmax_scale must be "):
+        cupyflash.flash_attn(q, k, v, softmax_scale=scale)
+    assert len(_api._FWD_ENTRIES) == 1
