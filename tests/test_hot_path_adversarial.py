@@ -297,3 +297,41 @@ def test_bad_scales_are_rejected_after_a_good_one_was_cached(rng, scale):
     with pytest.raises(ValueError, match=r"^cupyflash\.flash_attn: softmax_scale must be "):
         cupyflash.flash_attn(q, k, v, softmax_scale=scale)
     assert len(_api._FWD_ENTRIES) == 1
+
+
+# ----------------------------------------------------------------------------
+# Threads
+# ----------------------------------------------------------------------------
+
+
+def test_retain_never_drops_an_entry_it_did_not_see_done(monkeypatch):
+    """_interop._retain from two threads: the other thread's whole _retain runs while
+    this one asks the oldest entry whether it is done (modelled by running it from that
+    question).  An entry not done must stay, whoever drops the done ones."""
+    import types
+
+    from cupyflash import _interop
+
+    class Event:
+        def __init__(self, done=False, on_ask=None):
+            self._done, self._on_ask = done, on_ask
+
+        @property
+        def done(self):
+            on_ask, self._on_ask = self._on_ask, None
+            if on_ask is not None:
+                on_ask()  # the other thread runs now
+            return self._done
+
+        def record(self):
+            pass
+
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=lambda **kw: Event()))
+    pending = _interop.collections.deque()
+    monkeypatch.setattr(_interop, "_PENDING", pending)
+    still_in_use = (Event(done=False), ["buffers the kernels still read"])
+    pending.append((Event(done=True, on_ask=lambda: _interop._retain(cupy, ["other thread"])), ["done"]))
+    pending.append(still_in_use)
+    _interop._retain(cupy, ["this thread"])
+    assert any(entry is still_in_use for entry in pending)
+    assert [objects for _, objects in pending if objects == ["done"]] == []
