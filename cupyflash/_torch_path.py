@@ -225,7 +225,15 @@ def _plan_bwd(fn_name, dout, q, k, v, out, lse, softmax_scale, causal, determini
     return _Bwd(entry.call, q.device, (q.is_contiguous(), k.is_contiguous(), v.is_contiguous()))
 
 
-_FAST = {"flash_attn_fwd": _fwd, "flash_attn": _fwd, "flash_attn_bwd": _bwd}
+def _attn(fn_name, q, k, v, *, softmax_scale=None, causal=False, **options):
+    """flash_attn: _fwd without the preallocated outputs, which flash_attn does not take
+    (given, they are unknown options: the general path has Python say so)."""
+    if options:
+        _check_options(fn_name, options)
+    return _fwd(fn_name, q, k, v, softmax_scale=softmax_scale, causal=causal)
+
+
+_FAST = {"flash_attn_fwd": _fwd, "flash_attn": _attn, "flash_attn_bwd": _bwd}
 
 
 # ----------------------------------------------------------------------------

@@ -335,3 +335,56 @@ def test_retain_never_drops_an_entry_it_did_not_see_done(monkeypatch):
     _interop._retain(cupy, ["this thread"])
     assert any(entry is still_in_use for entry in pending)
     assert [objects for _, objects in pending if objects == ["done"]] == []
+
+
+# ----------------------------------------------------------------------------
+# torch's lean path takes what the function takes
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def torch_path_over_a_stand_in(monkeypatch):
+    """cupyflash._torch_path imported over a stand-in ``torch`` module (the names its
+    import reads); the real module, if any, is back afterwards."""
+    import importlib
+    import sys
+    import types
+
+    fake = types.ModuleType("torch")
+    fake.uint8, fake.float32, fake.int16, fake.bfloat16 = "uint8", "float32", "int16", "bfloat16"
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setitem(sys.modules, "cupyflash._torch_path", None)  # restored (or removed) afterwards
+    del sys.modules["cupyflash._torch_path"]
+    monkeypatch.setattr(cupyflash, "_torch_path", None, raising=False)
+    return importlib.import_module("cupyflash._torch_path")
+
+
+class _CudaDevice:
+    type, index = "cuda", 0
+
+    def __str__(self):
+        return "cuda:0"
+
+
+class _CudaTensor:
+    """What the lean path reads of a torch CUDA tensor."""
+
+    def __init__(self, shape, dtype="torch.float16"):
+        self.shape, self.dtype, self.device = shape, dtype, _CudaDevice()
+
+    def stride(self):
+        return tuple(int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape)))
+
+    def data_ptr(self):
+        return 1 << 20
+
+
+@pytest.mark.parametrize("name", ["out", "lse"])
+def test_torch_lean_path_leaves_flash_attn_outputs_to_the_general_path(monkeypatch, torch_path_over_a_stand_in,
+                                                                         name):
+    """flash_attn takes no out=/lse= (numpy, cupy and torch CPU say so with Python's
+    TypeError); the lean path for torch CUDA tensors took them and wrote into them."""
+    install_fake_gpu(monkeypatch)
+    q, k, v = _CudaTensor((2, 12, 4, 16)), _CudaTensor((2, 20, 2, 16)), _CudaTensor((2, 20, 2, 16))
+    given = _CudaTensor((2, 12, 4, 16)) if name == "out" else _CudaTensor((2, 4, 12), "torch.float32")
+    assert torch_path_over_a_stand_in.run("flash_attn", (q, k, v), (), {name: given}) is NotImplemented
