@@ -131,10 +131,17 @@ def _check_array(fn, name, x, kind, ref_name, rank=4):
 
 
 def _check_last_stride(fn, name, x, what="head_dim"):
+    """A unit last stride; on the GPU, every stride in whole elements too (the kernels
+    take strides in elements: a byte stride that is not a multiple of the itemsize
+    would be truncated, or address misaligned elements)."""
     if x.shape[-1] > 1 and x.strides[-1] != x.itemsize and x.size > 0:
         fail(ValueError, fn,
              f"{name} must have unit stride in its last dimension ({what}); "
              f"got a stride of {x.strides[-1] / x.itemsize:g} elements.")
+    if x.size > 1 and _is_gpu_array(x) and any(s % x.itemsize for n, s in zip(x.shape, x.strides) if n > 1):
+        fail(ValueError, fn,
+             f"{name} must have strides in whole elements on the GPU (multiples of {x.itemsize} "
+             f"bytes); got strides of {tuple(x.strides)} bytes.")
 
 
 def _check_device(fn, name, x, q):

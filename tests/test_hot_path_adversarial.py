@@ -388,3 +388,61 @@ def test_torch_lean_path_leaves_flash_attn_outputs_to_the_general_path(monkeypat
     q, k, v = _CudaTensor((2, 12, 4, 16)), _CudaTensor((2, 20, 2, 16)), _CudaTensor((2, 20, 2, 16))
     given = _CudaTensor((2, 12, 4, 16)) if name == "out" else _CudaTensor((2, 4, 12), "torch.float32")
     assert torch_path_over_a_stand_in.run("flash_attn", (q, k, v), (), {name: given}) is NotImplemented
+
+
+# ----------------------------------------------------------------------------
+# GPU arrays the kernels cannot address
+# ----------------------------------------------------------------------------
+
+
+def _odd_row_stride(shape, dtype=np.float16):
+    """A writeable view whose next-to-last stride is one byte more than a row: not a
+    whole number of elements."""
+    item = np.dtype(dtype).itemsize
+    strides = [item, shape[-1] * item + 1]
+    for n in reversed(shape[1:-1]):
+        strides.append(strides[-1] * n)
+    strides = tuple(reversed(strides))
+    return as_strided(np.zeros(shape[0] * strides[0] // item + 64, dtype), shape, strides, writeable=True)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "out", "lse", "dout", "dq"])
+def test_fake_gpu_strides_in_partial_elements_are_rejected(monkeypatch, rng, name):
+    plans, _ = install_fake_gpu(monkeypatch, cpu_compute_fwd, cpu_compute_bwd)
+    arrays = dict(zip("qkv", (FakeCupyArray(x) for x in _qkv(rng, np.float16))))
+    arrays["out"], arrays["lse"] = cupyflash.flash_attn_fwd(arrays["q"], arrays["k"], arrays["v"])
+    arrays["dout"] = arrays["out"]
+    shape = (2, 4, 12) if name == "lse" else arrays["q" if name in ("dout", "dq") else name].shape
+    bad = FakeCupyArray(_odd_row_stride(shape, np.float32 if name == "lse" else np.float16))
+    if name == "dq":
+        call = dict(dq=bad)
+    else:
+        arrays[name], call = bad, {}
+    fn = "flash_attn_fwd" if name in ("q", "k") else "flash_attn_bwd"
+    planned = len(plans)
+    with pytest.raises(ValueError, match=rf"^cupyflash\.{fn}: {name} must have strides in whole elements on the "
+                                         r"GPU \(multiples of [24] bytes\); got strides of \(.*\) bytes\.$"):
+        if fn == "flash_attn_fwd":
+            cupyflash.flash_attn_fwd(arrays["q"], arrays["k"], arrays["v"])
+        else:
+            cupyflash.flash_attn_bwd(*(arrays[n] for n in ("dout", "q", "k", "v", "out", "lse")), **call)
+    assert len(plans) == planned
+
+
+def test_numpy_strides_in_partial_elements_are_taken(rng):
+    """NumPy reads unaligned elements: the CPU path takes any byte strides."""
+    q, k, v = _qkv(rng, np.float16)
+    odd = _odd_row_stride(q.shape)
+    odd[...] = q
+    np.testing.assert_array_equal(cupyflash.flash_attn(odd, k, v), cupyflash.flash_attn(q, k, v))
+
+
+@pytest.mark.xfail(strict=True, reason="the signature keeps only whether a pointer is 16-byte aligned, "
+                                       "so a pointer that is not a whole number of elements cannot be "
+                                       "refused without a per-residue key (or a per-call check)")
+def test_fake_gpu_pointer_in_the_middle_of_an_element_is_rejected(monkeypatch, rng):
+    install_fake_gpu(monkeypatch)
+    q, k, v = (FakeCupyArray(x) for x in _qkv(rng, np.float16))
+    q.data.ptr += 1  # a float16 array starting at an odd address
+    with pytest.raises(ValueError, match=r"q must"):
+        cupyflash.flash_attn_fwd(q, k, v)
