@@ -193,6 +193,8 @@ def call(fn_name, fn, names, arrays, rest, kwargs):
         fail(TypeError, fn_name,
              f"{next(iter(outputs))} must be None for jax.Array inputs (JAX arrays are immutable; "
              f"use the returned arrays); got a jax.Array.")
+    for name in outputs:  # handed on as views, in place of the caller's objects
+        del kwargs[name]
     count = len(names)
 
     def on_views(*views, **extra):

@@ -446,3 +446,49 @@ def test_fake_gpu_pointer_in_the_middle_of_an_element_is_rejected(monkeypatch, r
     q.data.ptr += 1  # a float16 array starting at an odd address
     with pytest.raises(ValueError, match=r"q must"):
         cupyflash.flash_attn_fwd(q, k, v)
+
+
+# ----------------------------------------------------------------------------
+# Preallocated outputs of foreign arrays (the general path of _interop.call)
+# ----------------------------------------------------------------------------
+
+
+class _DLPackOnly:
+    """An array type cupyflash does not know, with only the DLPack protocol (CPU memory)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_dlpack_outputs_are_written_in_place_and_handed_back(rng):
+    q, k, v = _qkv(rng)
+    want_out, want_lse = cupyflash.flash_attn_fwd(q, k, v, causal=True)
+    out, lse = np.full_like(want_out, np.nan), np.full_like(want_lse, np.nan)
+    given = _DLPackOnly(out), _DLPackOnly(lse)
+    got = cupyflash.flash_attn_fwd(*map(_DLPackOnly, (q, k, v)), causal=True, out=given[0], lse=given[1])
+    assert got[0] is given[0] and got[1] is given[1]
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(lse, want_lse)
+
+
+def test_dlpack_gradient_output_is_written_in_place_and_handed_back(rng):
+    q, k, v = _qkv(rng)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v)
+    want = cupyflash.flash_attn_bwd(out, q, k, v, out, lse)
+    dk = np.full_like(k, np.nan)
+    got = cupyflash.flash_attn_bwd(*map(_DLPackOnly, (out, q, k, v, out, lse)), dk=_DLPackOnly(dk))
+    assert got[1].array is dk
+    np.testing.assert_array_equal(dk, want[1])
+    np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_dlpack_flash_attn_takes_no_out_either(rng):
+    q, k, v = _qkv(rng)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'out'"):
+        cupyflash.flash_attn(*map(_DLPackOnly, (q, k, v)), out=_DLPackOnly(np.empty_like(q)))
