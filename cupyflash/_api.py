@@ -297,6 +297,9 @@ def _gpu_dtype(fn, dtype):
 # arrays the device and whether the pointer is 16-byte aligned.  The first call
 # of a signature validates, plans (dispatch, params struct, kernels) and caches
 # an entry; a repeated call computes the key, finds the entry and runs it.
+# What the signature cannot hold is checked on every call instead: NumPy outputs'
+# writeability and overlap (the CPU entries), and arguments whose == is not their
+# value's (a softmax_scale or dtype= of another type: never cached).
 
 
 def _sig(x, gpu_type):
