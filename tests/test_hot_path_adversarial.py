@@ -502,3 +502,31 @@ def test_fake_gpu_sizes_beyond_int32_are_rejected(monkeypatch):
     small = FakeCupyArray(np.zeros((1, 4, 1, 16), np.float16))
     with pytest.raises(ValueError, match=r"2\*\*31|int32"):
         cupyflash.flash_attn_fwd(small, huge, huge)
+
+
+def test_threads_sharing_a_small_plan_cache_get_their_own_results(monkeypatch, rng):
+    """Eight threads over a plan cache that keeps emptying itself (limit 3, 6 signatures):
+    each result is the one a lone call gives."""
+    import threading
+
+    from cupyflash import _launch
+
+    monkeypatch.setattr(_api, "_FWD_ENTRIES", _launch.PlanCache(limit=3))
+    cases = [(_qkv(rng, seqlen_q=s), dict(causal=c)) for s in (3, 5, 8) for c in (False, True)]
+    want = [cupyflash.flash_attn(*qkv, **kw) for qkv, kw in cases]
+    errors = []
+
+    def work(seed):
+        order = np.random.default_rng(seed).permutation(len(cases) * 5) % len(cases)
+        try:
+            for i in order:
+                np.testing.assert_array_equal(cupyflash.flash_attn(*cases[i][0], **cases[i][1]), want[i])
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
