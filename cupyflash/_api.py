@@ -20,10 +20,16 @@ from ._checks import NOT_IMPLEMENTED as _OFF
 
 __all__ = ["flash_attn_fwd", "flash_attn_bwd", "flash_attn"]
 
+# flash-attention's options, off.  The defaults below are these very objects, so a
+# call that leaves the options out is told by identity (nothing to check); any value
+# given, an equal one too, goes through _checks.check_implemented, as in the varlen
+# functions and on the torch path: a value is taken or refused alike everywhere.
+_NO_DROPOUT, _NO_WINDOW, _NO_SOFTCAP = _OFF["dropout_p"], _OFF["window_size"], _OFF["softcap"]
+
 
 @_interop.accepts_foreign("q", "k", "v")
 def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out=None, lse=None,
-                   dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
+                   dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None, softcap=_NO_SOFTCAP):
     """Exact attention forward pass, ``softmax(q @ k.T * softmax_scale) @ v``.
 
     Computed tile by tile with an online softmax (FlashAttention-2), so the
@@ -77,7 +83,12 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
         name otherwise; torch and JAX arrays carry their dtype and take None.
     out : array, optional
         Preallocated output to write, of the same array type, device, shape and
-        dtype as ``q``, with a unit last stride (any other strides); returned.
+        dtype as ``q``, with a unit last stride (any other strides, but not a
+        broadcast view); returned.  NumPy outputs must be writeable and must not
+        share memory with each other; on the CPU an output may be one of the
+        inputs (the result is computed before it is written).  On the GPU
+        outputs are not checked against the inputs: one that overlaps an input
+        or another output gives an undefined result.
     lse : array, optional
         Preallocated lse to write: float32, shape (batch, nheads_q, seqlen_q),
         unit last stride; returned.
@@ -109,7 +120,8 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
         ``nheads_kv``; head_dim is 0 or above 256; a last stride is not 1;
         arrays are on different devices; ``softmax_scale`` is not finite and > 0
         or is outside float32 range; ``out``/``lse`` have the wrong shape,
-        device or last stride.
+        device or last stride, are broadcast views (a zero stride), or (numpy)
+        are read-only or share memory with each other.
     NotImplementedError
         ``dropout_p``, ``window_size``, ``alibi_slopes`` or ``softcap`` is set.
 
@@ -149,7 +161,8 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
     >>> out.shape, lse.shape
     ((1, 4, 2, 8), (1, 2, 4))
     """
-    if dropout_p or softcap or alibi_slopes is not None or window_size != _OFF["window_size"]:
+    if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
+            or softcap is not _NO_SOFTCAP):
         _checks.check_implemented("flash_attn_fwd", dropout_p, window_size, alibi_slopes, softcap)
     return _fwd("flash_attn_fwd", q, k, v, softmax_scale, causal, dtype, out, lse)
 
@@ -157,7 +170,7 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
 @_interop.accepts_foreign("dout", "q", "k", "v", "out", "lse")
 def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
                    deterministic=False, dtype=None, dq=None, dk=None, dv=None,
-                   dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
+                   dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None, softcap=_NO_SOFTCAP):
     """Exact attention backward pass: the gradients of ``flash_attn_fwd``.
 
     Recomputes the attention probabilities block by block from ``lse``
@@ -213,7 +226,8 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
         not a bool; ``dq``/``dk``/``dv`` as ``out`` in :func:`flash_attn_fwd`.
     ValueError
         As for :func:`flash_attn_fwd`; also when ``dout`` or ``out`` differ
-        from ``q`` in shape, or ``lse`` is not (batch, nheads_q, seqlen_q).
+        from ``q`` in shape, or ``lse`` is not (batch, nheads_q, seqlen_q);
+        ``dq``/``dk``/``dv`` as ``out`` in :func:`flash_attn_fwd`.
     NotImplementedError
         As for :func:`flash_attn_fwd`.
 
@@ -222,7 +236,8 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
     .. [1] T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism
        and Work Partitioning", 2023, arXiv:2307.08691.  Algorithm 2.
     """
-    if dropout_p or softcap or alibi_slopes is not None or window_size != _OFF["window_size"]:
+    if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
+            or softcap is not _NO_SOFTCAP):
         _checks.check_implemented("flash_attn_bwd", dropout_p, window_size, alibi_slopes, softcap)
     return _bwd("flash_attn_bwd", dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype,
                 dq, dk, dv)
@@ -230,7 +245,7 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
 
 @_interop.accepts_foreign("q", "k", "v")
 def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
-               dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
+               dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None, softcap=_NO_SOFTCAP):
     """Exact attention, ``softmax(q @ k.T * softmax_scale) @ v``: the output alone.
 
     The same as ``flash_attn_fwd(q, k, v, ...)[0]``; see :func:`flash_attn_fwd`
@@ -261,7 +276,8 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
     .. [1] T. Dao, "FlashAttention-2: Faster Attention with Better Parallelism
        and Work Partitioning", 2023, arXiv:2307.08691.  Algorithm 1.
     """
-    if dropout_p or softcap or alibi_slopes is not None or window_size != _OFF["window_size"]:
+    if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
+            or softcap is not _NO_SOFTCAP):
         _checks.check_implemented("flash_attn", dropout_p, window_size, alibi_slopes, softcap)
     return _fwd("flash_attn", q, k, v, softmax_scale, causal, dtype, None, None)[0]
 
@@ -281,6 +297,9 @@ def _gpu_dtype(fn, dtype):
 # arrays the device and whether the pointer is 16-byte aligned.  The first call
 # of a signature validates, plans (dispatch, params struct, kernels) and caches
 # an entry; a repeated call computes the key, finds the entry and runs it.
+# What the signature cannot hold is checked on every call instead: NumPy outputs'
+# writeability and overlap (the CPU entries), and arguments whose == is not their
+# value's (a softmax_scale or dtype= of another type: never cached).
 
 
 def _sig(x, gpu_type):
@@ -304,6 +323,20 @@ def _gpu_type():
     return None if cupy is None else getattr(cupy, "ndarray", None)
 
 
+#: softmax_scale types whose == and hash are those of their value, so that two
+#: scales equal as keys are one scale: only these are cached.  A scale of any other
+#: type (a float subclass with its own __eq__, say) is validated on every call.
+SCALE_KEY_TYPES = frozenset((type(None), float, int, *(
+    t for t in set(np.sctypeDict.values())
+    if issubclass(t, (np.floating, np.integer)) and not issubclass(t, np.timedelta64))))
+
+
+def _dtype_keyable(dtype):
+    """``dtype=`` may be part of a key: None, a str, a numpy.dtype or a type (numpy's
+    scalar types, ml_dtypes.bfloat16), whose equality is what dtype_name reads."""
+    return dtype is None or type(dtype) is str or isinstance(dtype, np.dtype) or type(dtype) is type
+
+
 _FWD_ENTRIES = _launch.PlanCache()
 _BWD_ENTRIES = _launch.PlanCache()
 
@@ -311,12 +344,14 @@ _BWD_ENTRIES = _launch.PlanCache()
 def _fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse):
     """Run the forward entry of this call's signature, validating and planning it first if new."""
     g = _gpu_type()
-    try:
-        key = (fn, type(softmax_scale), softmax_scale, type(causal), causal, dtype,
-               _sig(q, g), _sig(k, g), _sig(v, g), _sig(out, g), _sig(lse, g))
-        entry = _FWD_ENTRIES.get(key)
-    except (AttributeError, TypeError):  # not an array, or unhashable: validation says which
-        key = entry = None
+    key = entry = None
+    if type(softmax_scale) in SCALE_KEY_TYPES and (dtype is None or _dtype_keyable(dtype)):
+        try:
+            key = (fn, type(softmax_scale), softmax_scale, type(causal), causal, dtype,
+                   _sig(q, g), _sig(k, g), _sig(v, g), _sig(out, g), _sig(lse, g))
+            entry = _FWD_ENTRIES.get(key)
+        except Exception:  # noqa: BLE001 (not an array, unhashable, a raising __hash__: validation says)
+            key = entry = None
     if entry is None:
         entry = _FWD_ENTRIES.put(key, _plan_fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse))
     return entry(q, k, v, out, lse)
@@ -325,13 +360,15 @@ def _fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse):
 def _bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, dq, dk, dv):
     """Run the backward entry of this call's signature, validating and planning it first if new."""
     g = _gpu_type()
-    try:
-        key = (fn, type(softmax_scale), softmax_scale, type(causal), causal, type(deterministic),
-               deterministic, dtype, _sig(dout, g), _sig(q, g), _sig(k, g), _sig(v, g), _sig(out, g),
-               _sig(lse, g), _sig(dq, g), _sig(dk, g), _sig(dv, g))
-        entry = _BWD_ENTRIES.get(key)
-    except (AttributeError, TypeError):
-        key = entry = None
+    key = entry = None
+    if type(softmax_scale) in SCALE_KEY_TYPES and (dtype is None or _dtype_keyable(dtype)):
+        try:
+            key = (fn, type(softmax_scale), softmax_scale, type(causal), causal, type(deterministic),
+                   deterministic, dtype, _sig(dout, g), _sig(q, g), _sig(k, g), _sig(v, g), _sig(out, g),
+                   _sig(lse, g), _sig(dq, g), _sig(dk, g), _sig(dv, g))
+            entry = _BWD_ENTRIES.get(key)
+        except Exception:  # noqa: BLE001
+            key = entry = None
     if entry is None:
         entry = _BWD_ENTRIES.put(key, _plan_bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal,
                                                 deterministic, dtype, dq, dk, dv))
@@ -344,9 +381,9 @@ def _plan_fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse):
     scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal)
     _checks.check_outputs(fn, q, {"out": (out, q), "lse": (lse, None)})
     if _checks.is_empty(q, k):
-        return _EmptyFwd(gpu)
+        return _EmptyFwd(fn, gpu)
     if not gpu:
-        return _CpuFwd(scale, bool(causal))
+        return _CpuFwd(fn, scale, bool(causal))
     from . import _gpu
 
     dtype_name = _checks.dtype_name(fn, dtype) if dtype is not None else q.dtype.name
@@ -364,9 +401,9 @@ def _plan_bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
     scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal, deterministic)
     _checks.check_outputs(fn, q, {"dq": (dq, q), "dk": (dk, k), "dv": (dv, v)})
     if _checks.is_empty(q, k):
-        return _EmptyBwd(gpu)
+        return _EmptyBwd(fn, gpu)
     if not gpu:
-        return _CpuBwd(scale, bool(causal))
+        return _CpuBwd(fn, scale, bool(causal))
     from . import _gpu_bwd
 
     dtype_name = _checks.dtype_name(fn, dtype) if dtype is not None else q.dtype.name
@@ -386,24 +423,33 @@ def _into(given, result):
     return given
 
 
-class _CpuFwd:
-    __slots__ = ("scale", "causal")
+# The CPU entries check the NumPy outputs given on every call, before computing:
+# whether they are writeable and whether they overlap each other is not part of
+# the call signature (see _checks.check_numpy_outputs).
 
-    def __init__(self, scale, causal):
-        self.scale, self.causal = scale, causal
+
+class _CpuFwd:
+    __slots__ = ("fn", "scale", "causal")
+
+    def __init__(self, fn, scale, causal):
+        self.fn, self.scale, self.causal = fn, scale, causal
 
     def __call__(self, q, k, v, out, lse):
+        if out is not None or lse is not None:
+            _checks.check_numpy_outputs(self.fn, (("out", out), ("lse", lse)))
         o, l = cpu.fwd(q, k, v, self.scale, self.causal)
         return _into(out, o), _into(lse, l)
 
 
 class _CpuBwd:
-    __slots__ = ("scale", "causal")
+    __slots__ = ("fn", "scale", "causal")
 
-    def __init__(self, scale, causal):
-        self.scale, self.causal = scale, causal
+    def __init__(self, fn, scale, causal):
+        self.fn, self.scale, self.causal = fn, scale, causal
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv):
+        if dq is not None or dk is not None or dv is not None:
+            _checks.check_numpy_outputs(self.fn, (("dq", dq), ("dk", dk), ("dv", dv)))
         grads = cpu.bwd(dout, q, k, v, out, lse, self.scale, self.causal)
         return tuple(_into(g, r) for g, r in zip((dq, dk, dv), grads))
 
@@ -411,23 +457,27 @@ class _CpuBwd:
 class _EmptyFwd:
     """Nothing to compute (no query, or no key): out 0, lse -inf, no kernel."""
 
-    __slots__ = ("gpu",)
+    __slots__ = ("fn", "gpu")
 
-    def __init__(self, gpu):
-        self.gpu = gpu
+    def __init__(self, fn, gpu):
+        self.fn, self.gpu = fn, gpu
 
     def __call__(self, q, k, v, out, lse):
+        if not self.gpu and (out is not None or lse is not None):
+            _checks.check_numpy_outputs(self.fn, (("out", out), ("lse", lse)))
         o, l = _checks.empty_fwd(q, self.gpu)
         return _into(out, o), _into(lse, l)
 
 
 class _EmptyBwd:
-    __slots__ = ("gpu",)
+    __slots__ = ("fn", "gpu")
 
-    def __init__(self, gpu):
-        self.gpu = gpu
+    def __init__(self, fn, gpu):
+        self.fn, self.gpu = fn, gpu
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv):
+        if not self.gpu and (dq is not None or dk is not None or dv is not None):
+            _checks.check_numpy_outputs(self.fn, (("dq", dq), ("dk", dk), ("dv", dv)))
         grads = _checks.empty_bwd(q, k, v, self.gpu)
         return tuple(_into(g, r) for g, r in zip((dq, dk, dv), grads))
 

@@ -131,10 +131,17 @@ def _check_array(fn, name, x, kind, ref_name, rank=4):
 
 
 def _check_last_stride(fn, name, x, what="head_dim"):
+    """A unit last stride; on the GPU, every stride in whole elements too (the kernels
+    take strides in elements: a byte stride that is not a multiple of the itemsize
+    would be truncated, or address misaligned elements)."""
     if x.shape[-1] > 1 and x.strides[-1] != x.itemsize and x.size > 0:
         fail(ValueError, fn,
              f"{name} must have unit stride in its last dimension ({what}); "
              f"got a stride of {x.strides[-1] / x.itemsize:g} elements.")
+    if x.size > 1 and _is_gpu_array(x) and any(s % x.itemsize for n, s in zip(x.shape, x.strides) if n > 1):
+        fail(ValueError, fn,
+             f"{name} must have strides in whole elements on the GPU (multiples of {x.itemsize} "
+             f"bytes); got strides of {tuple(x.strides)} bytes.")
 
 
 def _check_device(fn, name, x, q):
@@ -288,8 +295,36 @@ def check_outputs(fn, q, outputs):
                      f"{name} must have the dtype of its input ({dtype_desc(like.dtype)}); "
                      f"got {dtype_desc(x.dtype)}.")
             _check_last_stride(fn, name, x)
+        _check_no_repeats(fn, name, x)
         if kind == "cupy":
             _check_device(fn, name, x, q)
+
+
+def _check_no_repeats(fn, name, x):
+    """An output must not be a broadcast view: a zero stride on an axis of length > 1
+    makes several of its elements one memory location, which cannot hold them all
+    (the GPU kernels would race on it).  A function of shape and strides only, so the
+    hot path's call signature covers it."""
+    for n, s in zip(x.shape, x.strides):
+        if s == 0 and n > 1:
+            strides = tuple(t // x.itemsize for t in x.strides)
+            fail(ValueError, fn,
+                 f"{name} must not be a broadcast view (a zero stride on an axis of length > 1: its "
+                 f"elements overlap); got shape {tuple(x.shape)} with strides {strides} elements.")
+
+
+def check_numpy_outputs(fn, outputs):
+    """Per call, before anything is computed: the preallocated NumPy outputs (``(name,
+    array)`` pairs, None for one not given) are writeable and share no memory with each
+    other.  Both depend on more than the call signature (the flag, the pointers), so the
+    CPU entries of the hot path check them on every call that passes outputs."""
+    given = [(name, x) for name, x in outputs if x is not None]
+    for i, (name, x) in enumerate(given):
+        if not x.flags.writeable:
+            fail(ValueError, fn, f"{name} must be writeable; got a read-only array.")
+        for other, y in given[:i]:
+            if np.shares_memory(x, y):
+                fail(ValueError, fn, f"{name} must not overlap {other} in memory; got arrays that share memory.")
 
 
 #: flash-attention's arguments that cupyflash does not implement yet, with the
@@ -297,17 +332,29 @@ def check_outputs(fn, q, outputs):
 NOT_IMPLEMENTED = {"dropout_p": 0.0, "window_size": (-1, -1), "alibi_slopes": None, "softcap": 0.0}
 
 
+def _is_off(value, off):
+    """``value`` is the option's "off" value (None: is None; else equal to it, as a bool:
+    an array, whose comparison has no single truth value, is not off)."""
+    if off is None:
+        return value is None
+    try:
+        return bool(value == off)
+    except Exception:  # noqa: BLE001 (an array's ambiguous truth value, a failing __eq__)
+        return False
+
+
 def check_implemented(fn, dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
-    """Raise NotImplementedError naming the first of flash-attention's options that is on."""
+    """Raise NotImplementedError naming the first of flash-attention's options that is on.
+
+    Every public function runs this on any option given (dense, varlen, torch), so
+    a value is taken or refused alike everywhere."""
     try:
         window = tuple(window_size)
     except TypeError:
         window = window_size
     for name, value, off in (("dropout_p", dropout_p, 0.0), ("window_size", window, (-1, -1)),
                              ("alibi_slopes", alibi_slopes, None), ("softcap", softcap, 0.0)):
-        if value is None and off is None:
-            continue
-        if off is None or value != off:
+        if not _is_off(value, off):
             shown = _type_name(value) if name == "alibi_slopes" else repr(value)
             fail(NotImplementedError, fn,
                  f"{name} must be {off!r} ({name} is not implemented yet); got {shown}.")

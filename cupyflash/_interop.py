@@ -180,6 +180,8 @@ def call(fn_name, fn, names, arrays, rest, kwargs):
         fail(TypeError, fn_name,
              f"{next(iter(outputs))} must be None for jax.Array inputs (JAX arrays are immutable; "
              f"use the returned arrays); got a jax.Array.")
+    for name in outputs:  # handed on as views, in place of the caller's objects
+        del kwargs[name]
     count = len(names)
 
     def on_views(*views, **extra):
@@ -304,8 +306,17 @@ def _retain(cupy, objects):
     must not be freed and reused while the kernels still read it.  Costs one
     event record; completed entries are dropped on the next call.
     """
-    while _PENDING and _PENDING[0][0].done:
-        _PENDING.popleft()
+    # Take the oldest entry off before asking whether it is done, and put it back if
+    # not: another thread doing the same between the two steps (check, then pop) would
+    # otherwise have this one pop an entry nobody checked, freeing memory in use.
+    while _PENDING:
+        try:
+            entry = _PENDING.popleft()
+        except IndexError:  # another thread took the last one
+            break
+        if not entry[0].done:
+            _PENDING.appendleft(entry)
+            break
     event = cupy.cuda.Event(block=False, disable_timing=True)
     event.record()
     _PENDING.append((event, objects))

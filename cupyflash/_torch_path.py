@@ -161,12 +161,14 @@ def _views(fn_name, names, tensors):
 def _fwd(fn_name, q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None, **options):
     if options:
         _check_options(fn_name, options)
-    try:
-        key = (fn_name, type(softmax_scale), softmax_scale, type(causal), causal,
-               _sig(q), _sig(k), _sig(v), _sig(out), _sig(lse))
-        entry = _FWD_ENTRIES.get(key)
-    except (AttributeError, TypeError):
-        key = entry = None
+    key = entry = None
+    if type(softmax_scale) in _api.SCALE_KEY_TYPES:
+        try:
+            key = (fn_name, type(softmax_scale), softmax_scale, type(causal), causal,
+                   _sig(q), _sig(k), _sig(v), _sig(out), _sig(lse))
+            entry = _FWD_ENTRIES.get(key)
+        except Exception:  # noqa: BLE001 (validation says what is wrong)
+            key = entry = None
     if entry is None:
         entry = _FWD_ENTRIES.put(key, _plan_fwd(fn_name, q, k, v, softmax_scale, causal, out, lse))
     if entry is _GENERAL:
@@ -195,12 +197,14 @@ def _bwd(fn_name, dout, q, k, v, out, lse, *, softmax_scale=None, causal=False, 
          dq=None, dk=None, dv=None, **options):
     if options:
         _check_options(fn_name, options)
-    try:
-        key = (type(softmax_scale), softmax_scale, type(causal), causal, type(deterministic), deterministic,
-               _sig(dout), _sig(q), _sig(k), _sig(v), _sig(out), _sig(lse), _sig(dq), _sig(dk), _sig(dv))
-        entry = _BWD_ENTRIES.get(key)
-    except (AttributeError, TypeError):
-        key = entry = None
+    key = entry = None
+    if type(softmax_scale) in _api.SCALE_KEY_TYPES:
+        try:
+            key = (type(softmax_scale), softmax_scale, type(causal), causal, type(deterministic), deterministic,
+                   _sig(dout), _sig(q), _sig(k), _sig(v), _sig(out), _sig(lse), _sig(dq), _sig(dk), _sig(dv))
+            entry = _BWD_ENTRIES.get(key)
+        except Exception:  # noqa: BLE001
+            key = entry = None
     if entry is None:
         entry = _BWD_ENTRIES.put(key, _plan_bwd(fn_name, dout, q, k, v, out, lse, softmax_scale, causal,
                                                 deterministic, dq, dk, dv))
@@ -225,7 +229,15 @@ def _plan_bwd(fn_name, dout, q, k, v, out, lse, softmax_scale, causal, determini
     return _Bwd(entry.call, q.device, (q.is_contiguous(), k.is_contiguous(), v.is_contiguous()))
 
 
-_FAST = {"flash_attn_fwd": _fwd, "flash_attn": _fwd, "flash_attn_bwd": _bwd}
+def _attn(fn_name, q, k, v, *, softmax_scale=None, causal=False, **options):
+    """flash_attn: _fwd without the preallocated outputs, which flash_attn does not take
+    (given, they are unknown options: the general path has Python say so)."""
+    if options:
+        _check_options(fn_name, options)
+    return _fwd(fn_name, q, k, v, softmax_scale=softmax_scale, causal=causal)
+
+
+_FAST = {"flash_attn_fwd": _fwd, "flash_attn": _attn, "flash_attn_bwd": _bwd}
 
 
 # ----------------------------------------------------------------------------
@@ -240,12 +252,14 @@ def fwd(q, k, v, softmax_scale, causal):
     """``(out, lse, backward_plans)`` of tensors, for cupyflash.torch (no options,
     no outputs given); ``backward_plans`` (None off the lean path) goes back to
     :func:`bwd` with the same tensors."""
-    try:
-        key = ("flash_attn_fwd", type(softmax_scale), softmax_scale, type(causal), causal,
-               _sig(q), _sig(k), _sig(v), None, None)
-        entry = _FWD_ENTRIES.get(key)
-    except (AttributeError, TypeError):
-        key = entry = None
+    key = entry = None
+    if type(softmax_scale) in _api.SCALE_KEY_TYPES:
+        try:
+            key = ("flash_attn_fwd", type(softmax_scale), softmax_scale, type(causal), causal,
+                   _sig(q), _sig(k), _sig(v), None, None)
+            entry = _FWD_ENTRIES.get(key)
+        except Exception:  # noqa: BLE001 - a key that cannot be built: validation says why
+            key = entry = None
     if entry is None:
         entry = _FWD_ENTRIES.put(key, _plan_fwd("flash_attn_fwd", q, k, v, softmax_scale, causal, None, None))
     if entry is _GENERAL or key is None:
@@ -263,7 +277,7 @@ def bwd(backward_plans, dout, q, k, v, out, lse, softmax_scale, causal, determin
         try:
             key = (type(deterministic), deterministic, _sig(dout))
             entry = backward_plans.get(key)
-        except (AttributeError, TypeError):
+        except Exception:  # noqa: BLE001 - as in fwd
             key = None
         if entry is None and key is not None:
             entry = backward_plans.put(key, _plan_bwd(
