@@ -491,13 +491,6 @@ class _GpuEntry:
         self.call, self.device_id = call, device_id
         self._cupy = sys.modules["cupy"]
 
-    def _on_device(self):
-        """A context making the inputs' device current, or None when it already is."""
-        cupy = self._cupy
-        if cupy.cuda.runtime.getDevice() == self.device_id:
-            return None
-        return cupy.cuda.Device(self.device_id)
-
     def _keep_if_captured(self, stream, owner):
         """Scratch memory a CUDA graph being captured on ``stream`` will use on every
         replay: never handed back to the pool (one allocation per capture)."""
@@ -512,11 +505,10 @@ class _GpuFwd(_GpuEntry):
     __slots__ = ()
 
     def __call__(self, q, k, v, out, lse):
-        device = self._on_device()
-        if device is not None:
-            with device:
-                return self(q, k, v, out, lse)
         cupy, call = self._cupy, self.call
+        if cupy.cuda.runtime.getDevice() != self.device_id:
+            with cupy.cuda.Device(self.device_id):
+                return self(q, k, v, out, lse)
         # Two allocations, like FA2's: out and lse have separate lifetimes (one
         # allocation for both measured ~1 us faster, but keeps out alive with lse).
         if out is None:
@@ -524,10 +516,12 @@ class _GpuFwd(_GpuEntry):
         if lse is None:
             lse = cupy.ndarray(call.lse_shape, _FLOAT32)
         stream = cupy.cuda.get_current_stream()
-        owner = call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k.data.ptr, v.data.ptr,
-                         out.data.ptr, lse.data.ptr)
-        if owner is not None:
+        if call.scratch_bytes:  # split-KV: the partials' scratch
+            owner = call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k.data.ptr, v.data.ptr,
+                             out.data.ptr, lse.data.ptr)
             self._keep_if_captured(stream, owner)
+        else:  # straight to the launch (no cu_seqlens, no partials)
+            call.launcher(stream.ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, 0, 0, 0, 0)
         return out, lse
 
 
@@ -535,9 +529,8 @@ class _GpuBwd(_GpuEntry):
     __slots__ = ()
 
     def __call__(self, dout, q, k, v, out, lse, dq, dk, dv):
-        device = self._on_device()
-        if device is not None:
-            with device:
+        if self._cupy.cuda.runtime.getDevice() != self.device_id:
+            with self._cupy.cuda.Device(self.device_id):
                 return self(dout, q, k, v, out, lse, dq, dk, dv)
         ndarray = self._cupy.ndarray
         if dq is None and dk is None and dv is None:  # one allocation for the three

@@ -78,7 +78,13 @@ def kind(x):
     except KeyError:
         pass
     k = _KIND_BY_TYPE[t] = _classify(t)
+    if k in _NATIVE:
+        _NATIVE_TYPES.add(t)
     return k
+
+
+#: Types whose kind is in _NATIVE (seen so far): one set lookup on the hot path.
+_NATIVE_TYPES: set = set()
 
 
 def _classify(t):
@@ -135,7 +141,7 @@ def accepts_foreign(*names):
         def public(*args, **kwargs):
             given = args[:count]
             for x in given:
-                if kind(x) not in _NATIVE:
+                if type(x) not in _NATIVE_TYPES and kind(x) not in _NATIVE:
                     break
             else:
                 if len(given) == count or not any(kind(kwargs.get(name)) not in _NATIVE

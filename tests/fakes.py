@@ -111,7 +111,7 @@ def fake_cupy_module(device_count=1):
 class FakeCall:
     """A planned call: records its plan's keywords and every run; computes with ``compute``."""
 
-    grads_bytes = 0  # the fake allocator ignores sizes
+    grads_bytes = scratch_bytes = 0  # the fake allocator ignores sizes
     grads_offsets = (0, 0, 0)
 
     def __init__(self, kind, plan_kwargs, shapes, compute, runs):
@@ -120,10 +120,13 @@ class FakeCall:
 
     def run(self, stream, alloc, *pointers):
         self.runs.append((self.kind, self.plan_kwargs))
-        arrays = [BY_POINTER.get(p) for p in pointers]
+        arrays = [BY_POINTER.get(p) for p in pointers[:5 if self.kind == "fwd" else 9]]
         if self.compute is not None:
             self.compute(self.plan_kwargs, *arrays)
         return None
+
+    def launcher(self, stream, *pointers):  # a forward's launch with every pointer field
+        self.run(stream, None, *pointers)
 
 
 def install_fake_gpu(monkeypatch, compute_fwd=None, compute_bwd=None):
