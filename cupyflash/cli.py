@@ -82,9 +82,33 @@ def gpu_unavailable_reason():
     return cupy, None
 
 
-def _probe_gpu():
-    """``(cupy_module_or_None, reason)``: cupy with a usable device, or why not."""
-    return gpu_unavailable_reason()
+def usable_gpu():
+    """``(cupy, "NAME, sm_XY")`` when cupyflash's kernels can run on the current GPU,
+    else ``(None, why not)`` (one line).  Never raises.
+
+    Beyond :func:`gpu_unavailable_reason`: a device older than the kernels need
+    (compute capability ``dispatch.ARCHS[0]``) is not usable, and says so.
+    ``demo``, ``info``, the examples and the GPU tests' skip use it.
+    """
+    cupy, reason = gpu_unavailable_reason()
+    if cupy is None:
+        return None, reason
+    from .dispatch import ARCHS  # noqa: PLC0415
+
+    try:
+        device = cupy.cuda.Device()
+        cc = device.compute_capability  # e.g. "90"
+        name = gpu_name(cupy)
+        major, minor = int(cc[:-1]), int(cc[-1])
+    except Exception as exc:  # a diagnosis; never let it fail
+        return None, f"cupy cannot query the GPU: {type(exc).__name__}: {exc}"
+    if (major, minor) < ARCHS[0]:
+        need = ".".join(map(str, ARCHS[0]))
+        return None, f"{name} has compute capability {major}.{minor}; cupyflash's kernels need {need} or newer"
+    return cupy, name
+
+
+_probe_gpu = usable_gpu
 
 
 # ----------------------------------------------------------------------------
@@ -233,7 +257,7 @@ def _run_demo(args):
     rng = np.random.default_rng(seed)
     causal = args.causal
 
-    where = f"GPU ({_gpu_name(cupy)})" if gpu else f"CPU path (numpy; GPU not used: {why_not})"
+    where = f"GPU ({gpu_name(cupy)})" if gpu else f"CPU path (numpy; GPU not used: {why_not})"
     print(f"cupyflash {__version__} demo on the {where}")
     print(f"  q {(cfg['batch'], cfg['seqlen_q'], cfg['nheads_q'], cfg['head_dim'])}  "
           f"k, v {(cfg['batch'], cfg['seqlen_k'], cfg['nheads_kv'], cfg['head_dim'])}  "
@@ -297,7 +321,8 @@ def _run_demo(args):
     return 0
 
 
-def _gpu_name(cupy):
+def gpu_name(cupy):
+    """``"NAME, sm_XY"`` of the current device (or why it is unavailable)."""
     try:
         dev = cupy.cuda.Device()
         name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"]
@@ -348,7 +373,7 @@ def _run_info(args):
     if cupy is None:
         lines.append(("GPU", f"not usable: {why_not}"))
     else:
-        lines.append(("GPU", f"usable: {_gpu_name(cupy)}"))
+        lines.append(("GPU", f"usable: {gpu_name(cupy)}"))
     lines.append(("NVRTC", _nvrtc_version()))
     try:
         lines.append(("kernel sources", str(_sources.kernels_dir())))

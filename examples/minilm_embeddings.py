@@ -48,7 +48,6 @@ import numpy as np
 
 import cupyflash
 import cupyflash.cli
-from cupyflash.dispatch import ARCHS
 
 #: Embeddings must agree with the dense float64 reference to this cosine.
 MIN_COSINE = 0.9999
@@ -58,8 +57,6 @@ MIN_MARGIN = 0.3
 MAX_TOKENS = 256
 #: Files a weights folder must hold (``sentence_bert_config.json`` is optional).
 MODEL_FILES = ("model.safetensors", "tokenizer.json", "config.json")
-#: The oldest GPU cupyflash's kernels run on (older ones fall back to the CPU path).
-MIN_COMPUTE_CAPABILITY = ARCHS[0]
 
 BUILTIN_SENTENCES = [
     "A man is playing a guitar.",
@@ -124,30 +121,10 @@ def _read_model_file(path, what, load):
 
 
 def usable_gpu():
-    """``(cupy, device name)`` when cupyflash can run on the GPU, else ``(None, why not)``.
-
-    The reason is the one ``python -m cupyflash info`` prints
-    (``cupyflash.cli.gpu_unavailable_reason``: no cupy, no NVIDIA driver, no
-    device), or that the device is older than the kernels need, or cupy's own
-    error when it cannot run a kernel there.
-    """
-    cupy, reason = cupyflash.cli.gpu_unavailable_reason()
-    if cupy is None:
-        return None, reason
-    try:
-        device = cupy.cuda.Device()
-        cc = device.compute_capability  # e.g. "90"
-        name = cupy.cuda.runtime.getDeviceProperties(device.id)["name"]
-        name = f"{name.decode() if isinstance(name, bytes) else name}, sm_{cc}"
-        major, minor = int(cc[:-1]), int(cc[-1])
-        if (major, minor) < MIN_COMPUTE_CAPABILITY:
-            need = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
-            return None, (f"{name} has compute capability {major}.{minor}; "
-                          f"cupyflash's kernels need {need} or newer")
-        (cupy.arange(4) + 1).sum().item()  # cupy compiles and runs a kernel there
-    except Exception as exc:
-        return None, f"cupy cannot use the GPU: {type(exc).__name__}: {exc}"
-    return cupy, name
+    """``(cupy, device name)`` when cupyflash can run on the GPU, else ``(None, why not)``:
+    the reason ``python -m cupyflash info`` prints (``cupyflash.cli.usable_gpu``: no
+    cupy, no NVIDIA driver, no device, or a device older than the kernels need)."""
+    return cupyflash.cli.usable_gpu()
 
 
 def choose_xp(device="auto"):

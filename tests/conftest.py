@@ -1,7 +1,7 @@
 """Shared fixtures: a fresh random generator per test, and the skip for GPU tests.
 
 Tests marked ``gpu`` are skipped, with the reason, when cupy does not import or
-no CUDA device is usable (the reason is ``cupyflash.cli.gpu_unavailable_reason``'s,
+no CUDA device is usable (the reason is ``cupyflash.cli.usable_gpu``'s,
 as ``python -m cupyflash info`` prints it).  CuPy and the CLI module are imported
 only when such tests were collected.
 
@@ -29,8 +29,9 @@ import pytest  # noqa: E402
 
 @functools.lru_cache(maxsize=None)
 def gpu_unavailable_reason():
-    """None when cupy imports and sees a CUDA device, else why not (the CLI's wording)."""
-    from cupyflash.cli import gpu_unavailable_reason as probe  # imported only when needed
+    """None when cupy imports and sees a CUDA device the kernels run on, else why not
+    (the CLI's wording)."""
+    from cupyflash.cli import usable_gpu as probe  # imported only when needed
 
     return probe()[1]
 

@@ -172,3 +172,17 @@ def test_conftest_uses_the_cli_reason():
     import conftest
 
     assert conftest.gpu_unavailable_reason() == cli.gpu_unavailable_reason()[1]
+
+
+@pytest.mark.parametrize("cc, usable", [("75", False), ("80", True), ("90", True)])
+def test_usable_gpu_refuses_a_device_older_than_the_kernels(monkeypatch, cc, usable):
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda: types.SimpleNamespace(id=0, compute_capability=cc),
+        runtime=types.SimpleNamespace(getDeviceProperties=lambda i: {"name": b"Some GPU"})))
+    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: (fake, None))
+    cupy, why = cli.usable_gpu()
+    if usable:
+        assert cupy is fake and why == f"Some GPU, sm_{cc}"
+    else:
+        assert cupy is None
+        assert why == "Some GPU, sm_75 has compute capability 7.5; cupyflash's kernels need 8.0 or newer"
