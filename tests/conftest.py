@@ -33,7 +33,8 @@ def gpu_unavailable_reason():
     (the CLI's wording)."""
     from cupyflash.cli import usable_gpu as probe  # imported only when needed
 
-    return probe()[1]
+    cupy, why_not = probe()  # (cupy, the device's name) when usable
+    return None if cupy is not None else why_not
 
 
 def pytest_collection_modifyitems(config, items):

@@ -171,7 +171,20 @@ def test_demo_prints_the_reason(monkeypatch, capsys):
 def test_conftest_uses_the_cli_reason():
     import conftest
 
-    assert conftest.gpu_unavailable_reason() == cli.gpu_unavailable_reason()[1]
+    cupy, why_not = cli.usable_gpu()
+    assert conftest.gpu_unavailable_reason() == (None if cupy is not None else why_not)
+
+
+def test_conftest_runs_the_gpu_tests_on_a_usable_gpu(monkeypatch):
+    """usable_gpu gives (cupy, the device's name) on a usable GPU: that name is no skip reason."""
+    import conftest
+
+    monkeypatch.setattr(cli, "usable_gpu", lambda: (object(), "Some GPU, sm_90"))
+    conftest.gpu_unavailable_reason.cache_clear()
+    try:
+        assert conftest.gpu_unavailable_reason() is None
+    finally:
+        conftest.gpu_unavailable_reason.cache_clear()
 
 
 @pytest.mark.parametrize("cc, usable", [("75", False), ("80", True), ("90", True)])
