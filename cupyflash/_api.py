@@ -516,12 +516,10 @@ class _GpuFwd(_GpuEntry):
         if lse is None:
             lse = cupy.ndarray(call.lse_shape, _FLOAT32)
         stream = cupy.cuda.get_current_stream()
-        if call.scratch_bytes:  # split-KV: the partials' scratch
-            owner = call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k.data.ptr, v.data.ptr,
-                             out.data.ptr, lse.data.ptr)
+        owner = call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k.data.ptr, v.data.ptr,
+                         out.data.ptr, lse.data.ptr)
+        if owner is not None:  # split-KV: the partials' scratch
             self._keep_if_captured(stream, owner)
-        else:  # straight to the launch (no cu_seqlens, no partials)
-            call.launcher(stream.ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, 0, 0, 0, 0)
         return out, lse
 
 

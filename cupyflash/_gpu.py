@@ -48,12 +48,12 @@ class FwdCall:
     memory safe to reuse afterwards).
     """
 
-    __slots__ = ("plan", "out_shape", "lse_shape", "scratch_bytes", "_accum_offsets", "launcher")
+    __slots__ = ("plan", "out_shape", "lse_shape", "scratch_bytes", "_accum_offsets", "_launcher")
 
     def __init__(self, plan, out_shape, lse_shape, scratch, launcher):
         self.plan, self.out_shape, self.lse_shape = plan, out_shape, lse_shape
         self.scratch_bytes, self._accum_offsets = scratch
-        self.launcher = launcher  # takes (stream, *FWD_POINTERS): what run() calls
+        self._launcher = launcher
 
     def run(self, stream, alloc, q, k, v, out, lse, cu_seqlens_q=0, cu_seqlens_k=0):
         owner = None
@@ -61,7 +61,7 @@ class FwdCall:
         if self.scratch_bytes:
             owner, base = alloc(self.scratch_bytes)
             out_accum, lse_accum = (base + o for o in self._accum_offsets)
-        self.launcher(stream, q, k, v, out, lse, out_accum, lse_accum, cu_seqlens_q, cu_seqlens_k)
+        self._launcher(stream, q, k, v, out, lse, out_accum, lse_accum, cu_seqlens_q, cu_seqlens_k)
         return owner
 
 

@@ -125,9 +125,6 @@ class FakeCall:
             self.compute(self.plan_kwargs, *arrays)
         return None
 
-    def launcher(self, stream, *pointers):  # a forward's launch with every pointer field
-        self.run(stream, None, *pointers)
-
 
 def install_fake_gpu(monkeypatch, compute_fwd=None, compute_bwd=None):
     """Fake ``cupy``, ``cupyflash._gpu`` and ``cupyflash._gpu_bwd``; returns
