@@ -234,14 +234,15 @@ def check_qkv(fn, q, k, v, dtype=None, packed=False):
     return kind == "cupy"
 
 
-def check_like_q(fn, name, x, q):
-    """``x`` (dout or out) has q's shape and dtype and a unit last stride."""
-    if x.shape != q.shape:
+def check_like(fn, name, x, like, like_name="q"):
+    """``x`` (dout, out, or a preallocated output) has the shape and dtype of
+    ``like`` (the input named ``like_name``) and a unit last stride."""
+    if tuple(x.shape) != tuple(like.shape):
         fail(ValueError, fn,
-             f"{name} must have the same shape as q {tuple(q.shape)}; got {tuple(x.shape)}.")
-    if x.dtype != q.dtype:
+             f"{name} must have the same shape as {like_name} {tuple(like.shape)}; got {tuple(x.shape)}.")
+    if x.dtype != like.dtype:
         fail(TypeError, fn,
-             f"{name} must have the same dtype as q ({dtype_desc(q.dtype)}); "
+             f"{name} must have the same dtype as {like_name} ({dtype_desc(like.dtype)}); "
              f"got {dtype_desc(x.dtype)}.")
     _check_last_stride(fn, name, x)
 
@@ -267,18 +268,23 @@ def check_bwd_extras(fn, dout, out, lse, q, packed=False):
     kind = _kind(q)
     for name, x in (("dout", dout), ("out", out)):
         _check_array(fn, name, x, kind, "q", 3 if packed else 4)
-        check_like_q(fn, name, x, q)
+        check_like(fn, name, x, q)
     _check_lse(fn, "lse", lse, q, kind, packed)
     if kind == "cupy":
         for name, x in (("dout", dout), ("out", out), ("lse", lse)):
             _check_device(fn, name, x, q)
 
 
+#: The input each preallocated gradient is like.
+_OUTPUT_OF = {"dk": "k", "dv": "v"}
+
+
 def check_outputs(fn, q, outputs):
     """Validate preallocated outputs against a validated q: ``outputs`` maps each
     given name (``out``/``lse`` of the forward, ``dq``/``dk``/``dv`` of the
     backward) to ``(array, like)``, ``like`` being the input whose shape and dtype
-    it must have (None for ``lse``).  Any strides with a unit last stride."""
+    it must have (q for out and dq, k for dk, v for dv; None for ``lse``).  Any
+    strides with a unit last stride."""
     kind = _kind(q)
     for name, (x, like) in outputs.items():
         if x is None:
@@ -287,14 +293,7 @@ def check_outputs(fn, q, outputs):
             _check_lse(fn, name, x, q, kind, packed=False)
         else:
             _check_array(fn, name, x, kind, "q", rank=None)
-            if tuple(x.shape) != tuple(like.shape):
-                fail(ValueError, fn,
-                     f"{name} must have the shape of its input {tuple(like.shape)}; got {tuple(x.shape)}.")
-            if x.dtype != like.dtype:
-                fail(TypeError, fn,
-                     f"{name} must have the dtype of its input ({dtype_desc(like.dtype)}); "
-                     f"got {dtype_desc(x.dtype)}.")
-            _check_last_stride(fn, name, x)
+            check_like(fn, name, x, like, _OUTPUT_OF.get(name, "q"))
         _check_no_repeats(fn, name, x)
         if kind == "cupy":
             _check_device(fn, name, x, q)

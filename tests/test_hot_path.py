@@ -145,9 +145,9 @@ def test_cpu_gradients_are_written_into_strided_outputs(rng):
 
 @pytest.mark.parametrize("name, bad, exc, text", [
     ("out", lambda q, lse: np.empty((2, 12, 4, 8), np.float32), ValueError,
-     r"out must have the shape of its input \(2, 12, 4, 16\); got \(2, 12, 4, 8\)\."),
+     r"out must have the same shape as q \(2, 12, 4, 16\); got \(2, 12, 4, 8\)\."),
     ("out", lambda q, lse: np.empty_like(q, np.float64), TypeError,
-     r"out must have the dtype of its input \(float32\); got float64\."),
+     r"out must have the same dtype as q \(float32\); got float64\."),
     ("out", lambda q, lse: np.empty((2, 12, 4, 32), np.float32)[..., ::2], ValueError,
      r"out must have unit stride in its last dimension \(head_dim\); got a stride of 2 elements\."),
     ("out", lambda q, lse: [0.0], TypeError, r"out must be a numpy\.ndarray or cupy\.ndarray; got list\."),
@@ -169,8 +169,9 @@ def test_bad_gradient_outputs_are_rejected(monkeypatch, rng, name):
     out, lse = cupyflash.flash_attn_fwd(q, k, v)
     like = {"dq": q, "dk": k, "dv": v}[name]
     shape = re.escape(str(tuple(like.shape)))
-    with pytest.raises(ValueError, match=rf"^cupyflash\.flash_attn_bwd: {name} must have the shape of its "
-                                         rf"input {shape}; got \(1, 1, 1, 16\)\.$"):
+    like_name = {"dq": "q", "dk": "k", "dv": "v"}[name]
+    with pytest.raises(ValueError, match=rf"^cupyflash\.flash_attn_bwd: {name} must have the same shape as "
+                                         rf"{like_name} {shape}; got \(1, 1, 1, 16\)\.$"):
         cupyflash.flash_attn_bwd(out, q, k, v, out, lse, **{name: np.empty((1, 1, 1, 16), np.float32)})
     install_fake_gpu(monkeypatch)
     with pytest.raises(TypeError, match=rf"^cupyflash\.flash_attn_bwd: {name} must be a numpy\.ndarray like q "
