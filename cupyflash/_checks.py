@@ -416,7 +416,8 @@ def check_bool(fn, name, value):
 def check_num_splits(fn, num_splits):
     """An int >= 0 (0: choose automatically)."""
     if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral):
-        fail(TypeError, fn, f"num_splits must be an int (0: automatic); got {_type_name(num_splits)}.")
+        fail(TypeError, fn,
+             f"num_splits must be an int (0: automatic); got {_type_name(num_splits)}.")
     if int(num_splits) < 0:
         fail(ValueError, fn, f"num_splits must be >= 0 (0: automatic); got {int(num_splits)}.")
 
@@ -450,6 +451,9 @@ def check_cache_seqlens(fn, cache_seqlens, q):
     batch = q.shape[0]
     if _kind(cache_seqlens) is None and isinstance(cache_seqlens, numbers.Integral) \
             and not isinstance(cache_seqlens, (bool, np.bool_)):
+        if not -2**31 <= int(cache_seqlens) < 2**31:
+            fail(ValueError, fn,
+                 f"cache_seqlens must fit in int32; got {int(cache_seqlens)}.")
         values = np.full(batch, int(cache_seqlens), dtype=np.int64)
     else:
         if _kind(cache_seqlens) is None:
@@ -520,8 +524,3 @@ def check_distinct_slots(fn, name, slots, batch, seqlen_new):
              f"{name} must not let two appended keys share a cache slot (sequences "
              f"{first // seqlen_new} and {second // seqlen_new} would both write it); got "
              f"overlapping appends.")
-
-
-def check_writeable(fn, name, x, why):
-    if isinstance(x, np.ndarray) and not x.flags.writeable:
-        fail(ValueError, fn, f"{name} must be writeable {why}; got a read-only array.")

@@ -72,8 +72,8 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
             fail(ValueError, fn,
                  f"k must have the same nheads as k_cache ({k_cache.shape[2]}); got {k.shape[2]}.")
         plan.seqlen_new = k.shape[1]
-        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-            _checks.check_writeable(fn, name, x, "to append k and v")
+        if not plan.gpu:  # the append writes into them
+            _checks.check_numpy_outputs(fn, (("k_cache", k_cache), ("v_cache", v_cache)))
     plan.scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal)
     _checks.check_num_splits(fn, num_splits)
     _checks.check_bool(fn, "return_lse", return_lse)
@@ -91,9 +91,9 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
     plan.page_size = 0
     if block_table is not None:
         page_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
-        if page_size % _checks.PAGE_SIZE_MULTIPLE:
+        if page_size % _checks.PAGE_SIZE_MULTIPLE or page_size == 0:
             fail(ValueError, fn,
-                 f"k_cache must have a page_size (dimension 1) that is a multiple of "
+                 f"k_cache must have a page_size (dimension 1) that is a positive multiple of "
                  f"{_checks.PAGE_SIZE_MULTIPLE} when block_table is given; got {page_size}.")
         table = _checks.check_index_array(fn, "block_table", block_table, q,
                                           ("batch", "max_blocks_per_seq"), batch)
@@ -225,9 +225,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         ``b`` (or ``cache_batch_idx[b]``) holds sequence ``b``'s keys/values.
         With ``block_table``: shape (num_blocks, page_size, nheads_kv,
         head_dim), a pool of blocks of ``page_size`` slots; ``page_size`` must
-        be a multiple of 16.  ``nheads_q`` must be a multiple of ``nheads_kv``
-        (GQA / MQA: query head ``h`` reads KV head ``h // (nheads_q //
-        nheads_kv)``).  Written in place when ``k``/``v`` are given (NumPy
+        be a positive multiple of 16.  ``nheads_q`` must be a multiple of
+        ``nheads_kv`` (GQA / MQA: query head ``h`` reads KV head
+        ``h // (nheads_q // nheads_kv)``).  Written in place when ``k``/``v`` are given (NumPy
         caches must then be writeable).
     k, v : array, shape (batch, seqlen_new, nheads_kv, head_dim), optional
         New keys and values to append, both or neither; same array type and
@@ -297,12 +297,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         the append, exceeds the cache (``block_table`` too narrow for a paged
         cache); when ``k`` is given without ``cache_seqlens``; when both
         ``cache_batch_idx`` and ``block_table`` are given; when the page size
-        is not a multiple of 16; when a used ``block_table`` entry or a
+        is not a positive multiple of 16; when a used ``block_table`` entry or a
         ``cache_batch_idx`` entry is out of range; when two sequences would
         append into one cache slot; when a NumPy cache to append to is
-        read-only; when ``num_splits`` is negative.  Values (lengths and
-        indices) are checked only when they are on the host (ints and NumPy
-        arrays).
+        read-only, or ``k_cache`` and ``v_cache`` share memory; when an int
+        ``cache_seqlens`` does not fit in int32; when ``num_splits`` is
+        negative.  Values (lengths and indices) are checked only when they are
+        on the host (ints and NumPy arrays).
     NotImplementedError
         For CuPy arrays (and torch / JAX CUDA arrays), after the checks above:
         the GPU decode kernel is not built yet (issue 12).

@@ -32,6 +32,11 @@ def rand(rng, shape, dtype="float32"):
     return testing.random_normal(rng, shape, dtype)
 
 
+def pair(rng, shape, dtype="float32"):
+    """Two fresh random arrays (keys and values)."""
+    return rand(rng, shape, dtype), rand(rng, shape, dtype)
+
+
 def i32(values):
     return np.asarray(values, dtype=np.int32)
 
@@ -108,7 +113,7 @@ def run_and_check(q, k_cache, v_cache, k=None, v=None, **kw):
 @pytest.mark.parametrize("causal", [False, True])
 def test_reference_whole_cache_is_dense_attention(rng, causal):
     q = rand(rng, (3, 5, 4, 16))
-    k_cache, v_cache = rand(rng, (3, 9, 2, 16)), rand(rng, (3, 9, 2, 16))
+    k_cache, v_cache = pair(rng, (3, 9, 2, 16))
     out, lse, kc, vc = reference.attention_with_kvcache(q, k_cache, v_cache, causal=causal,
                                                         softmax_scale=0.3)
     dense_out, dense_lse = reference.attention_fwd(q, k_cache, v_cache, 0.3, causal)
@@ -124,15 +129,15 @@ def test_reference_per_sequence_is_dense_attention_on_cache_plus_new(rng, paged,
     batch, page_size, seqlen_q, seqlen_new = 3, 16, 4, 3
     lengths = i32([0, 21, 40])
     q = rand(rng, (batch, seqlen_q, 2, 8))
-    k, v = rand(rng, (batch, seqlen_new, 1, 8)), rand(rng, (batch, seqlen_new, 1, 8))
+    k, v = pair(rng, (batch, seqlen_new, 1, 8))
     if paged:
         table = i32(rng.permutation(12)[:9].reshape(batch, 3))
-        k_cache, v_cache = rand(rng, (12, page_size, 1, 8)), rand(rng, (12, page_size, 1, 8))
+        k_cache, v_cache = pair(rng, (12, page_size, 1, 8))
         logical_k = k_cache[table].reshape(batch, -1, 1, 8)
         logical_v = v_cache[table].reshape(batch, -1, 1, 8)
     else:
         table = None
-        k_cache, v_cache = rand(rng, (batch, 48, 1, 8)), rand(rng, (batch, 48, 1, 8))
+        k_cache, v_cache = pair(rng, (batch, 48, 1, 8))
         logical_k, logical_v = k_cache, v_cache
     k0, v0 = k_cache.copy(), v_cache.copy()
     out, lse, kc, vc = reference.attention_with_kvcache(
@@ -165,7 +170,7 @@ def test_per_sequence_cache_seqlens(rng, dtype, causal, seqlen_q):
     seqlen_cache = 200
     lengths = i32([0, 1, 137, seqlen_cache])
     q = rand(rng, (4, seqlen_q, 4, 32), dtype)
-    k_cache, v_cache = rand(rng, (4, seqlen_cache, 2, 32), dtype), rand(rng, (4, seqlen_cache, 2, 32), dtype)
+    k_cache, v_cache = pair(rng, (4, seqlen_cache, 2, 32), dtype)
     out, lse = run_and_check(q, k_cache, v_cache, cache_seqlens=lengths, causal=causal)
     assert (out[0] == 0).all() and (lse[0] == -np.inf).all()
     assert np.isfinite(lse[1:, :, -1]).all()
@@ -174,7 +179,7 @@ def test_per_sequence_cache_seqlens(rng, dtype, causal, seqlen_q):
 @pytest.mark.parametrize("cache_seqlens", [None, 37])
 def test_whole_cache_and_int_cache_seqlens(rng, cache_seqlens):
     q = rand(rng, (2, 2, 2, 16))
-    k_cache, v_cache = rand(rng, (2, 50, 2, 16)), rand(rng, (2, 50, 2, 16))
+    k_cache, v_cache = pair(rng, (2, 50, 2, 16))
     out, _ = run_and_check(q, k_cache, v_cache, cache_seqlens=cache_seqlens)
     same = cupyflash.flash_attn_with_kvcache(
         q, k_cache[:, :37 if cache_seqlens else 50], v_cache[:, :37 if cache_seqlens else 50])
@@ -195,8 +200,8 @@ def _written_mask(shape, lengths, seqlen_new, rows=None, table=None):
 def test_append_in_place(rng, dtype, seqlen_new, causal):
     lengths = i32([0, 9, 130])
     q = rand(rng, (3, seqlen_new, 4, 16), dtype)
-    k, v = rand(rng, (3, seqlen_new, 2, 16), dtype), rand(rng, (3, seqlen_new, 2, 16), dtype)
-    k_cache, v_cache = rand(rng, (3, 140, 2, 16), dtype), rand(rng, (3, 140, 2, 16), dtype)
+    k, v = pair(rng, (3, seqlen_new, 2, 16), dtype)
+    k_cache, v_cache = pair(rng, (3, 140, 2, 16), dtype)
     k0, v0, lengths0 = k_cache.copy(), v_cache.copy(), lengths.copy()
     run_and_check(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=causal)
     assert np.array_equal(lengths, lengths0)  # the caller's lengths are not advanced
@@ -212,7 +217,7 @@ def test_append_then_attention_sees_new_keys(rng):
     """Decoding step by step equals attention over the whole sequence at once."""
     steps, prompt = 6, 20
     q_all = rand(rng, (1, steps, 2, 16))
-    k_all, v_all = rand(rng, (1, prompt + steps, 1, 16)), rand(rng, (1, prompt + steps, 1, 16))
+    k_all, v_all = pair(rng, (1, prompt + steps, 1, 16))
     k_cache = np.zeros((1, 64, 1, 16), np.float32) + rand(rng, (1, 64, 1, 16))
     v_cache = np.zeros((1, 64, 1, 16), np.float32) + rand(rng, (1, 64, 1, 16))
     k_cache[:, :prompt], v_cache[:, :prompt] = k_all[:, :prompt], v_all[:, :prompt]
@@ -230,8 +235,8 @@ def test_cache_batch_idx_permutation_with_append(rng):
     rows = i32([2, 0, 3, 1])
     lengths = i32([4, 0, 30, 11])
     q = rand(rng, (4, 2, 2, 16))
-    k, v = rand(rng, (4, 2, 2, 16)), rand(rng, (4, 2, 2, 16))
-    k_cache, v_cache = rand(rng, (5, 40, 2, 16)), rand(rng, (5, 40, 2, 16))
+    k, v = pair(rng, (4, 2, 2, 16))
+    k_cache, v_cache = pair(rng, (5, 40, 2, 16))
     k0, v0 = k_cache.copy(), v_cache.copy()
     run_and_check(q, k_cache, v_cache, k, v, cache_seqlens=lengths, cache_batch_idx=rows,
                   causal=True)
@@ -246,7 +251,7 @@ def test_cache_batch_idx_permutation_with_append(rng):
 def test_cache_batch_idx_repeated_rows_without_append(rng):
     rows = i32([1, 1, 0])
     q = rand(rng, (3, 3, 4, 8))
-    k_cache, v_cache = rand(rng, (2, 30, 1, 8)), rand(rng, (2, 30, 1, 8))
+    k_cache, v_cache = pair(rng, (2, 30, 1, 8))
     out, _ = run_and_check(q, k_cache, v_cache, cache_seqlens=i32([12, 25, 30]),
                            cache_batch_idx=rows)
     alone = cupyflash.flash_attn_with_kvcache(q[:1], k_cache[1:], v_cache[1:],
@@ -270,7 +275,7 @@ def test_paged_shared_prefix_with_append(rng, page_size, causal):
     base = n_shared * page_size
     lengths = i32([base, base + 1, base + 2 * page_size + 3])
     q = rand(rng, (batch, 4, 4, 32))
-    k, v = rand(rng, (batch, 4, 2, 32)), rand(rng, (batch, 4, 2, 32))
+    k, v = pair(rng, (batch, 4, 2, 32))
     k_cache = rand(rng, (num_blocks, page_size, 2, 32))
     v_cache = rand(rng, (num_blocks, page_size, 2, 32))
     k0, v0 = k_cache.copy(), v_cache.copy()
@@ -327,7 +332,7 @@ def test_causal_chunked_prefill(rng, seqlen_q, paged):
     lengths = i32([90, 150])
     capacity = 256
     q = rand(rng, (batch, seqlen_q, 4, 32), "float16")
-    k, v = rand(rng, (batch, seqlen_q, 2, 32), "float16"), rand(rng, (batch, seqlen_q, 2, 32), "float16")
+    k, v = pair(rng, (batch, seqlen_q, 2, 32), "float16")
     if paged:
         table = i32(rng.permutation(2 * capacity // page_size).reshape(batch, -1))
         shape = (2 * capacity // page_size, page_size, 2, 32)
@@ -347,7 +352,7 @@ def test_causal_chunked_prefill(rng, seqlen_q, paged):
 def test_causal_more_queries_than_keys(rng):
     """seqlen_q > seqlen_k_b: the top rows see no key (out 0, lse -inf)."""
     q = rand(rng, (2, 6, 2, 8))
-    k_cache, v_cache = rand(rng, (2, 10, 2, 8)), rand(rng, (2, 10, 2, 8))
+    k_cache, v_cache = pair(rng, (2, 10, 2, 8))
     out, lse = run_and_check(q, k_cache, v_cache, cache_seqlens=i32([2, 10]), causal=True)
     assert (out[0, :4] == 0).all() and (lse[0, :, :4] == -np.inf).all()
     assert np.isfinite(lse[0, :, 4:]).all() and np.isfinite(lse[1]).all()
@@ -356,8 +361,8 @@ def test_causal_more_queries_than_keys(rng):
 @pytest.mark.parametrize("nheads_q,nheads_kv", [(8, 2), (6, 1), (3, 3)])
 def test_gqa(rng, nheads_q, nheads_kv):
     q = rand(rng, (2, 3, nheads_q, 16), "bfloat16" if _has_bf16() else "float16")
-    k, v = rand(rng, (2, 1, nheads_kv, 16), q.dtype), rand(rng, (2, 1, nheads_kv, 16), q.dtype)
-    k_cache, v_cache = rand(rng, (2, 33, nheads_kv, 16), q.dtype), rand(rng, (2, 33, nheads_kv, 16), q.dtype)
+    k, v = pair(rng, (2, 1, nheads_kv, 16), q.dtype)
+    k_cache, v_cache = pair(rng, (2, 33, nheads_kv, 16), q.dtype)
     run_and_check(q, k_cache, v_cache, k, v, cache_seqlens=i32([7, 32]), causal=True,
                   softmax_scale=0.2)
 
@@ -368,7 +373,7 @@ def _has_bf16():
 
 def test_num_splits_does_not_change_the_result(rng):
     q = rand(rng, (2, 4, 4, 16))
-    k_cache, v_cache = rand(rng, (2, 300, 2, 16)), rand(rng, (2, 300, 2, 16))
+    k_cache, v_cache = pair(rng, (2, 300, 2, 16))
     results = [cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=i32([299, 17]),
                                                  causal=True, num_splits=n, return_lse=True)
                for n in (0, 1, 2, 7, 64)]
@@ -378,20 +383,20 @@ def test_num_splits_does_not_change_the_result(rng):
 
 def test_return_lse(rng):
     q = rand(rng, (2, 3, 2, 8))
-    k_cache, v_cache = rand(rng, (2, 10, 1, 8)), rand(rng, (2, 10, 1, 8))
+    k_cache, v_cache = pair(rng, (2, 10, 1, 8))
     out = cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5)
     assert isinstance(out, np.ndarray) and out.shape == q.shape
-    pair = cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, return_lse=True)
-    assert isinstance(pair, tuple) and len(pair) == 2
-    assert np.array_equal(pair[0], out) and pair[1].shape == (2, 2, 3) and pair[1].dtype == np.float32
+    both = cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5, return_lse=True)
+    assert isinstance(both, tuple) and len(both) == 2
+    assert np.array_equal(both[0], out) and both[1].shape == (2, 2, 3) and both[1].dtype == np.float32
     ref_lse = reference.attention_fwd(q, k_cache[:, :5], v_cache[:, :5])[1]
-    np.testing.assert_allclose(pair[1], ref_lse, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(both[1], ref_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_empty_query_still_appends(rng):
     q = rand(rng, (2, 0, 2, 8))
-    k, v = rand(rng, (2, 3, 1, 8)), rand(rng, (2, 3, 1, 8))
-    k_cache, v_cache = rand(rng, (2, 10, 1, 8)), rand(rng, (2, 10, 1, 8))
+    k, v = pair(rng, (2, 3, 1, 8))
+    k_cache, v_cache = pair(rng, (2, 10, 1, 8))
     out, lse = cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=i32([0, 7]),
                                                  return_lse=True)
     assert out.shape == (2, 0, 2, 8) and lse.shape == (2, 2, 0)
@@ -400,7 +405,7 @@ def test_empty_query_still_appends(rng):
 
 def test_empty_batch(rng):
     q = rand(rng, (0, 1, 2, 8))
-    k_cache, v_cache = rand(rng, (3, 10, 1, 8)), rand(rng, (3, 10, 1, 8))
+    k_cache, v_cache = pair(rng, (3, 10, 1, 8))
     out = cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=i32([]),
                                             cache_batch_idx=i32([]))
     assert out.shape == (0, 1, 2, 8)
@@ -446,7 +451,8 @@ BAD = [
      _with(q=lambda a: a["q"].tolist())),
     ("q-int", TypeError, "q must have dtype float16, bfloat16 (ml_dtypes), float32 or float64 on "
      "the CPU path (numpy arrays); got int32.",
-     _with(**{n: (lambda a, n=n: a[n].astype(np.int32)) for n in ("q", "k_cache", "v_cache", "k", "v")})),
+     _with(**{n: (lambda a, n=n: a[n].astype(np.int32))
+              for n in ("q", "k_cache", "v_cache", "k", "v")})),
     ("k_cache-dtype", TypeError, "k_cache must have the same dtype as q (float32); got float64.",
      _with(k_cache=lambda a: a["k_cache"].astype(np.float64))),
     ("k-dtype", TypeError, "v must have the same dtype as q (float32); got float16.",
@@ -483,8 +489,12 @@ BAD = [
      _with(v=lambda a: a["v"][:, :1])),
     ("k-head_dim", ValueError, "k must have the same head_dim as q (16); got 8.",
      _with(k=lambda a: a["k"][..., :8], v=lambda a: a["v"][..., :8])),
-    ("read-only", ValueError, "v_cache must be writeable to append k and v; got a read-only array.",
+    ("read-only", ValueError, "v_cache must be writeable; got a read-only array.",
      _with(v_cache=lambda a: _read_only(a["v_cache"]))),
+    ("caches-overlap", ValueError, "v_cache must not overlap k_cache in memory; got arrays that "
+     "share memory.", _with(v_cache=lambda a: a["k_cache"])),
+    ("seqlens-huge", ValueError, "cache_seqlens must fit in int32; got 4294967296.",
+     _with(cache_seqlens=lambda a: 2**32)),
     ("causal", TypeError, "causal must be a bool; got int.", _with(causal=lambda a: 1)),
     ("softmax_scale", ValueError, "softmax_scale must be finite and > 0; got -1.0.",
      _with(softmax_scale=lambda a: -1.0)),
@@ -536,8 +546,11 @@ BAD = [
     ("both-indexings", ValueError, "cache_batch_idx must be None when block_table is given (a "
      "paged cache has no rows to pick); got both.",
      lambda a: dict(_paged(a), cache_batch_idx=i32([0, 1]))),
-    ("page_size", ValueError, "k_cache must have a page_size (dimension 1) that is a multiple of "
-     "16 when block_table is given; got 24.", lambda a: _paged(a, page_size=24)),
+    ("page_size", ValueError, "k_cache must have a page_size (dimension 1) that is a positive "
+     "multiple of 16 when block_table is given; got 24.", lambda a: _paged(a, page_size=24)),
+    ("page_size-0", ValueError, "k_cache must have a page_size (dimension 1) that is a positive "
+     "multiple of 16 when block_table is given; got 0.",
+     lambda a: dict(_paged(a, page_size=0), k=None, v=None, cache_seqlens=0)),
     ("table-dtype", TypeError, "block_table must have dtype int32; got int64.",
      lambda a: dict(_paged(a), block_table=np.array([[0, 1], [2, 3]]))),
     ("table-rank", ValueError, "block_table must have shape (batch, max_blocks_per_seq) with batch "
@@ -598,10 +611,15 @@ _GPU_MESSAGE = (f"cupyflash.{FN}: the GPU decode kernel is not built yet (issue 
                 "arrays run the CPU path")
 
 
+def _on_fake_gpu(args):
+    """FakeCupyArrays of the arguments (float32 as float16, which the GPU path takes)."""
+    def fake(x):
+        return FakeCupyArray(x.astype(np.float16) if x.dtype == np.float32 else x)
+    return {name: (None if x is None else fake(x)) for name, x in args.items()}
+
+
 def _fake_gpu_args(rng, paged=False):
-    a = _paged(_valid(rng)) if paged else _valid(rng)
-    return {name: (None if x is None else FakeCupyArray(x.astype(np.float16) if x.dtype == np.float32 else x))
-            for name, x in a.items()}
+    return _on_fake_gpu(_paged(_valid(rng)) if paged else _valid(rng))
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -642,11 +660,9 @@ def test_cupy_invalid_input_is_refused_first(monkeypatch, rng, change, cls, mess
 
 def test_cupy_paged_page_size_is_checked(monkeypatch, rng):
     install_fake_gpu(monkeypatch)
-    args = _valid(rng)
-    args = {n: (None if x is None else FakeCupyArray(x.astype(np.float16) if x.dtype == np.float32 else x))
-            for n, x in _paged(args, page_size=8).items()}
-    with pytest.raises(ValueError, match=re.escape("that is a multiple of 16 when block_table is "
-                                                   "given; got 8.")):
+    args = _on_fake_gpu(_paged(_valid(rng), page_size=8))
+    with pytest.raises(ValueError, match=re.escape("that is a positive multiple of 16 when "
+                                                   "block_table is given; got 8.")):
         _call(args)
 
 
@@ -732,3 +748,32 @@ def test_torch_cpu_append_is_visible_to_the_caller(torch, rng, paged):
     assert np.array_equal(t["v_cache"].numpy(), expect_v)
     assert not np.array_equal(expect_k, a["k_cache"])  # something was appended
     assert torch.equal(t["cache_seqlens"], lengths0)
+
+
+# ----------------------------------------------------------------------------
+# Memory: one sequence's keys at a time, not the batch's
+# ----------------------------------------------------------------------------
+
+
+def test_extra_memory_is_one_sequence_not_the_batch(rng):
+    """Paged: the call's traced peak (outputs included) stays near one sequence's
+    gathered keys and values, far below gathering the whole batch."""
+    import tracemalloc
+
+    batch, page_size, blocks, nheads_kv, head_dim = 16, 64, 16, 2, 64
+    table = i32(rng.permutation(batch * blocks).reshape(batch, blocks))
+    k_cache, v_cache = pair(rng, (batch * blocks, page_size, nheads_kv, head_dim))
+    q = rand(rng, (batch, 1, 4, head_dim))
+    one_sequence = 2 * blocks * page_size * nheads_kv * head_dim * 4  # its keys and values
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        out = cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache,
+                                                cache_seqlens=blocks * page_size,
+                                                block_table=table)
+        peak = tracemalloc.get_traced_memory()[1] - start
+    finally:
+        tracemalloc.stop()
+    assert np.isfinite(out).all()
+    assert one_sequence <= peak < 2 * one_sequence, (peak, one_sequence, batch * one_sequence)
