@@ -2,7 +2,8 @@
 
 CuPy arrays run CUDA kernels compiled at run time with NVRTC; NumPy arrays run a
 tiled CPU path with the same semantics.  See :func:`flash_attn_fwd` for the
-conventions (layout, causal alignment, lse, GQA).
+conventions (layout, causal alignment, lse, GQA).  :func:`flash_attn_with_kvcache`
+(decoding against a dense or paged KV cache) runs on the CPU path only for now.
 
 Importing this package does not import CuPy.
 """

@@ -777,3 +777,15 @@ def test_extra_memory_is_one_sequence_not_the_batch(rng):
         tracemalloc.stop()
     assert np.isfinite(out).all()
     assert one_sequence <= peak < 2 * one_sequence, (peak, one_sequence, batch * one_sequence)
+
+
+def test_cupy_bfloat16_storage_needs_dtype(monkeypatch, rng):
+    """uint16 storage of bfloat16 data: refused without dtype=, NotImplementedError with it."""
+    install_fake_gpu(monkeypatch)
+    args = {n: FakeCupyArray(x if x.dtype == np.int32 else testing.to_bf16_bits(x))
+            for n, x in _valid(rng).items()}
+    with pytest.raises(TypeError, match=re.escape("(for bfloat16 data held as uint16/int16, pass "
+                                                  "dtype='bfloat16')")):
+        _call(args)
+    with pytest.raises(NotImplementedError, match="^" + re.escape(_GPU_MESSAGE) + "$"):
+        _call(dict(args, dtype="bfloat16"))
