@@ -2,16 +2,19 @@
 
 CuPy arrays run CUDA kernels compiled at run time with NVRTC; NumPy arrays run a
 tiled CPU path with the same semantics.  See :func:`flash_attn_fwd` for the
-conventions (layout, causal alignment, lse, GQA).
+conventions (layout, causal alignment, lse, GQA).  :func:`flash_attn_with_kvcache`
+(decoding against a dense or paged KV cache) runs on the CPU path only for now.
 
 Importing this package does not import CuPy.
 """
 
 from . import reference, testing
 from ._api import flash_attn, flash_attn_bwd, flash_attn_fwd
+from ._kvcache import flash_attn_with_kvcache
 from ._varlen import flash_attn_varlen, flash_attn_varlen_bwd, flash_attn_varlen_fwd
 
 __version__ = "0.1.0"
 
 __all__ = ["flash_attn_fwd", "flash_attn_bwd", "flash_attn", "flash_attn_varlen_fwd",
-           "flash_attn_varlen_bwd", "flash_attn_varlen", "reference", "testing", "__version__"]
+           "flash_attn_varlen_bwd", "flash_attn_varlen", "flash_attn_with_kvcache", "reference",
+           "testing", "__version__"]

@@ -189,48 +189,57 @@ def _check_dtype(fn, q, kind, dtype=None):
              f"uint16/int16 storage with dtype='bfloat16'); got {name}{hint}.")
 
 
-def check_qkv(fn, q, k, v, dtype=None, packed=False):
+def check_qkv(fn, q, k, v, dtype=None, packed=False, names=("k", "v"), same_batch=True):
     """Validate q, k, v (and ``dtype=``); return True for CuPy (GPU) inputs, False for NumPy.
 
     Dense layout ``(batch, seqlen, nheads, head_dim)``, or with ``packed`` the
-    varlen layout ``(total, nheads, head_dim)`` (no batch axis).
+    varlen layout ``(total, nheads, head_dim)`` (no batch axis).  ``names`` are
+    k's and v's names in the messages (``("k_cache", "v_cache")`` for a KV
+    cache); without ``same_batch`` their batch axis may differ from q's (a
+    cache's rows or pages).
     """
     kind = _kind(q)
     rank = 3 if packed else 4
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    kn, vn = names
+    for name, x in (("q", q), (kn, k), (vn, v)):
         _check_array(fn, name, x, kind, "q", rank)
     _check_dtype(fn, q, kind, dtype)
-    for name, x in (("k", k), ("v", v)):
+    for name, x in ((kn, k), (vn, v)):
         if x.dtype != q.dtype:
             fail(TypeError, fn,
                  f"{name} must have the same dtype as q ({dtype_desc(q.dtype)}); "
                  f"got {dtype_desc(x.dtype)}.")
     seq_axis, nheads, head_dim = rank - 3, q.shape[-2], q.shape[-1]
-    for name, x in (("k", k), ("v", v)):
-        if not packed and x.shape[0] != q.shape[0]:
+    for name, x in ((kn, k), (vn, v)):
+        if same_batch and not packed and x.shape[0] != q.shape[0]:
             fail(ValueError, fn,
                  f"{name} must have the same batch size as q ({q.shape[0]}); got {x.shape[0]}.")
         if x.shape[-1] != head_dim:
             fail(ValueError, fn,
                  f"{name} must have the same head_dim as q ({head_dim}); got {x.shape[-1]}.")
+    if not same_batch and v.shape[0] != k.shape[0]:
+        fail(ValueError, fn,
+             f"{vn} must have the same dimension 0 as {kn} ({k.shape[0]}); got {v.shape[0]}.")
     if v.shape[seq_axis] != k.shape[seq_axis]:
         what = "total_k" if packed else "seqlen"
         fail(ValueError, fn,
-             f"v must have the same {what} as k ({k.shape[seq_axis]}); got {v.shape[seq_axis]}.")
+             f"{vn} must have the same {what} as {kn} ({k.shape[seq_axis]}); "
+             f"got {v.shape[seq_axis]}.")
     if v.shape[-2] != k.shape[-2]:
-        fail(ValueError, fn, f"v must have the same nheads as k ({k.shape[-2]}); got {v.shape[-2]}.")
+        fail(ValueError, fn,
+             f"{vn} must have the same nheads as {kn} ({k.shape[-2]}); got {v.shape[-2]}.")
     nheads_kv = k.shape[-2]
     if (nheads_kv == 0 and nheads > 0) or (nheads_kv > 0 and nheads % nheads_kv):
         fail(ValueError, fn,
-             f"k must have a number of heads that divides q's ({nheads}); got {nheads_kv}.")
+             f"{kn} must have a number of heads that divides q's ({nheads}); got {nheads_kv}.")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         fail(ValueError, fn,
              f"q must have head_dim between 1 and {MAX_HEAD_DIM}; got {head_dim}.")
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    for name, x in (("q", q), (kn, k), (vn, v)):
         _check_last_stride(fn, name, x)
     if kind == "cupy":
-        _check_device(fn, "k", k, q)
-        _check_device(fn, "v", v, q)
+        _check_device(fn, kn, k, q)
+        _check_device(fn, vn, v, q)
     return kind == "cupy"
 
 
@@ -387,3 +396,130 @@ def empty_bwd(q, k, v, gpu):
         with q.device:
             return tuple(xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
     return tuple(np.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
+
+
+# ----------------------------------------------------------------------------
+# KV cache (flash_attn_with_kvcache): the index arrays, page size and lengths
+# ----------------------------------------------------------------------------
+
+#: The GPU decode kernel reads a paged cache in tiles of this many keys: the page
+#: size must be a multiple of it (the CPU path, the specification, takes the same).
+PAGE_SIZE_MULTIPLE = 16
+
+
+def check_bool(fn, name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        fail(TypeError, fn, f"{name} must be a bool; got {_type_name(value)}.")
+
+
+def check_num_splits(fn, num_splits):
+    """An int >= 0 (0: choose automatically)."""
+    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral):
+        fail(TypeError, fn,
+             f"num_splits must be an int (0: automatic); got {_type_name(num_splits)}.")
+    if int(num_splits) < 0:
+        fail(ValueError, fn, f"num_splits must be >= 0 (0: automatic); got {int(num_splits)}.")
+
+
+def check_index_array(fn, name, x, q, layout, batch):
+    """An int32 array of q's kind (and device) whose shape is ``layout`` (a tuple of
+    axis names, the first being ``batch``) with a unit last stride; returns its values
+    as host int64 for NumPy, None for CuPy (they are not read)."""
+    kind = _kind(q)
+    _check_array(fn, name, x, kind, "q", rank=None)
+    if x.dtype != np.int32:
+        fail(TypeError, fn, f"{name} must have dtype int32; got {dtype_desc(x.dtype)}.")
+    if x.ndim != len(layout) or x.shape[0] != batch:
+        shown = "(" + ", ".join(layout) + ("," if len(layout) == 1 else "") + ")"
+        fail(ValueError, fn,
+             f"{name} must have shape {shown} with batch = {batch} (q's); got {tuple(x.shape)}.")
+    _check_last_stride(fn, name, x, layout[-1])
+    if kind == "cupy":
+        _check_device(fn, name, x, q)
+        return None
+    return x.astype(np.int64)
+
+
+def check_cache_seqlens(fn, cache_seqlens, q):
+    """``cache_seqlens``: None, an int >= 0, or an int32 (batch,) array of q's kind.
+
+    Returns host int64 values, shape (batch,), or None when they live on the GPU
+    (or when cache_seqlens is None: the whole cache)."""
+    if cache_seqlens is None:
+        return None
+    batch = q.shape[0]
+    if _kind(cache_seqlens) is None and isinstance(cache_seqlens, numbers.Integral) \
+            and not isinstance(cache_seqlens, (bool, np.bool_)):
+        if not -2**31 <= int(cache_seqlens) < 2**31:
+            fail(ValueError, fn,
+                 f"cache_seqlens must fit in int32; got {int(cache_seqlens)}.")
+        values = np.full(batch, int(cache_seqlens), dtype=np.int64)
+    else:
+        if _kind(cache_seqlens) is None:
+            fail(TypeError, fn,
+                 f"cache_seqlens must be None, an int or an int32 array of shape (batch,) like "
+                 f"q; got {_type_name(cache_seqlens)}.")
+        values = check_index_array(fn, "cache_seqlens", cache_seqlens, q, ("batch",), batch)
+        if values is None:
+            return None
+    if values.size and values.min() < 0:
+        b = int(np.argmin(values))
+        fail(ValueError, fn,
+             f"cache_seqlens must be >= 0; got {int(values[b])} for sequence {b}.")
+    return values
+
+
+def check_cache_lengths(fn, lengths, seqlen_new, capacity, paged):
+    """Every sequence's cache length plus the appended keys fits the cache."""
+    if lengths is None or not lengths.size:
+        return
+    b = int(np.argmax(lengths))
+    longest = int(lengths[b])
+    if longest + seqlen_new <= capacity:
+        return
+    new = f" + seqlen_new ({seqlen_new})" if seqlen_new else ""
+    if paged:
+        fail(ValueError, fn,
+             f"block_table must have enough blocks per sequence for cache_seqlens{new}: "
+             f"{longest + seqlen_new} keys of sequence {b} need "
+             f"{-(-(longest + seqlen_new) // paged)} blocks of {paged}; got "
+             f"max_blocks_per_seq = {capacity // paged}.")
+    fail(ValueError, fn,
+         f"cache_seqlens{new} must be at most the cache's seqlen ({capacity}); got "
+         f"{longest + seqlen_new} for sequence {b}.")
+
+
+def check_block_indices(fn, table, used_blocks, num_blocks):
+    """The used entries of a host block table (``used_blocks[b]`` leading entries of row
+    b) name blocks in [0, num_blocks)."""
+    used = np.arange(table.shape[1])[None, :] < used_blocks[:, None]
+    bad = used & ((table < 0) | (table >= num_blocks))
+    if bad.any():
+        b, p = (int(i) for i in np.argwhere(bad)[0])
+        fail(ValueError, fn,
+             f"block_table must hold block indices in [0, num_blocks = {num_blocks}) in the "
+             f"entries a sequence uses; got {int(table[b, p])} at [{b}, {p}].")
+
+
+def check_row_indices(fn, rows, batch_cache):
+    """Host ``cache_batch_idx`` values name rows in [0, batch_cache)."""
+    bad = (rows < 0) | (rows >= batch_cache)
+    if bad.any():
+        b = int(np.argmax(bad))
+        fail(ValueError, fn,
+             f"cache_batch_idx must hold cache rows in [0, batch_cache = {batch_cache}); got "
+             f"{int(rows[b])} at [{b}].")
+
+
+def check_distinct_slots(fn, name, slots, batch, seqlen_new):
+    """The cache slots the append writes (host ids, shape (batch, seqlen_new)) are
+    distinct: two sequences writing one slot would leave it undefined."""
+    flat = slots.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    dup = np.nonzero(flat[order][1:] == flat[order][:-1])[0]
+    if dup.size:
+        first, second = sorted((int(order[dup[0]]), int(order[dup[0] + 1])))
+        fail(ValueError, fn,
+             f"{name} must not let two appended keys share a cache slot (sequences "
+             f"{first // seqlen_new} and {second // seqlen_new} would both write it); got "
+             f"overlapping appends.")

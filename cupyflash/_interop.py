@@ -125,13 +125,49 @@ def _label(x):
 # ----------------------------------------------------------------------------
 
 
-def accepts_foreign(*names):
+def accepts_foreign(*names, keywords=(), optional=(), appends=None):
     """Decorate a public function whose leading arguments ``names`` are arrays, so
     that foreign arrays (torch, JAX, ``__dlpack__`` objects) go through :func:`call`.
 
     NumPy and CuPy arrays reach the function itself after one type lookup per
     array.  Arrays may also be passed by keyword.
+
+    ``keywords`` name keyword-only array arguments, viewed like the others;
+    ``optional`` names (among ``names`` and ``keywords``) may be left out or be
+    something that is not an array (None, a Python int), which is handed on
+    unchanged.  ``appends`` is ``(written, given)``: the arrays ``written`` are
+    modified in place when any of ``given`` is not None (refused for JAX, whose
+    arrays are immutable; torch CPU tensors see the writes through their views).
     """
+    if not (keywords or optional or appends):
+        return _accepts_foreign_positional(names)
+    count = len(names)
+    all_names = tuple(names) + tuple(keywords)
+    optional = frozenset(optional)
+
+    def decorate(fn):
+        fn_name = fn.__name__
+
+        @functools.wraps(fn)
+        def public(*args, **kwargs):
+            given = args[:count]
+            if not (foreign(*given) or any(kind(kwargs.get(name)) not in _NATIVE
+                                           for name in all_names[len(given):])):
+                return fn(*args, **kwargs)
+            arrays = list(given)
+            for name in all_names[len(given):]:
+                if name not in kwargs and name not in optional:
+                    return fn(*args, **kwargs)  # a missing argument: Python says which
+                arrays.append(kwargs.pop(name, None))
+            return call(fn_name, public, all_names, tuple(arrays), args[count:], kwargs,
+                        keywords=tuple(keywords), optional=optional, appends=appends)
+
+        return public
+
+    return decorate
+
+
+def _accepts_foreign_positional(names):
     count = len(names)
 
     def decorate(fn):
@@ -164,34 +200,57 @@ def accepts_foreign(*names):
 _OUTPUTS = ("out", "lse", "dq", "dk", "dv")
 
 
-def call(fn_name, fn, names, arrays, rest, kwargs):
+def call(fn_name, fn, names, arrays, rest, kwargs, keywords=(), optional=frozenset(),
+         appends=None):
     """Run ``fn`` (a public function) on views of ``arrays``; results in the caller's type.
 
     ``names`` name the arrays, which are ``fn``'s leading positional arguments in
-    that order; ``rest`` (e.g. varlen's ``max_seqlen_q``) and ``kwargs`` are passed
-    on, with preallocated outputs (``out=``, ``dq=``, ...) viewed like the arrays.
+    that order, then its keyword-only array arguments ``keywords``; ``rest`` (e.g.
+    varlen's ``max_seqlen_q``) and ``kwargs`` are passed on, with preallocated
+    outputs (``out=``, ``dq=``, ...) viewed like the arrays.  Arguments named in
+    ``optional`` that are not arrays (None, an int) are passed on unchanged;
+    ``appends`` as for :func:`accepts_foreign`.
     """
     q = arrays[names.index("q")]
     k0 = kind(q)
-    if k0 == "torch" and "dtype" not in kwargs:
+    if k0 == "torch" and "dtype" not in kwargs and not keywords:
         from . import _torch_path  # noqa: PLC0415 (imports nothing until torch arrays come)
 
         # The lean path checks the call (check_call) when it first sees its signature.
         result = _torch_path.run(fn_name, names, arrays, rest, kwargs)
         if result is not NotImplemented:
             return result
+    passed = {name: x for name, x in zip(names, arrays) if name in optional and kind(x) is None}
+    viewed = tuple(name for name in names if name not in passed)
+    all_names, names = names, viewed
+    arrays = tuple(x for name, x in zip(all_names, arrays) if name not in passed)
     outputs = check_call(fn_name, names, arrays, kwargs)
     kwargs.pop("dtype", None)
     if outputs and k0 == "jax":
         fail(TypeError, fn_name,
              f"{next(iter(outputs))} must be None for jax.Array inputs (JAX arrays are immutable; "
              f"use the returned arrays); got a jax.Array.")
+    if appends and k0 == "jax":
+        written, given = appends
+        for name in given:
+            if name not in passed:
+                fail(TypeError, fn_name,
+                     f"{name} must be None for jax.Array inputs ({' and '.join(given)} are "
+                     f"written into {' and '.join(written)} in place, and JAX arrays are "
+                     f"immutable); got a jax.Array.")
     for name in outputs:  # handed on as views, in place of the caller's objects
         del kwargs[name]
     count = len(names)
+    n_positional = len(all_names) - len(keywords)
 
     def on_views(*views, **extra):
-        return fn(*views[:count], *rest, **kwargs, **dict(zip(outputs, views[count:])), **extra)
+        if not passed and not keywords:
+            return fn(*views[:count], *rest, **kwargs, **dict(zip(outputs, views[count:])),
+                      **extra)
+        by_name = dict(passed, **dict(zip(names, views[:count])))
+        return fn(*(by_name[name] for name in all_names[:n_positional]), *rest, **kwargs,
+                  **{name: by_name[name] for name in keywords},
+                  **dict(zip(outputs, views[count:])), **extra)
 
     run = {"torch": _run_torch, "jax": _run_jax}.get(k0, _run_other)
     result = run(fn_name, on_views, names + tuple(outputs), (*arrays, *outputs.values()))
@@ -236,7 +295,8 @@ def _map(result, convert):
 
 
 #: Arguments whose dtype is fixed, whatever q's is (the others must have q's).
-_FIXED_DTYPES = {"lse": "float32", "cu_seqlens_q": "int32", "cu_seqlens_k": "int32"}
+_FIXED_DTYPES = {"lse": "float32", "cu_seqlens_q": "int32", "cu_seqlens_k": "int32",
+                 "cache_seqlens": "int32", "cache_batch_idx": "int32", "block_table": "int32"}
 
 
 def _check_same(fn_name, names, values, what, cls):

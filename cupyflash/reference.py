@@ -34,6 +34,7 @@ __all__ = [
     "visible_keys",
     "attention_fwd",
     "attention_bwd",
+    "attention_with_kvcache",
     "naive_attention",
     "naive_attention_bwd",
 ]
@@ -155,6 +156,99 @@ def attention_bwd(dout, q, k, v, softmax_scale=None, causal=False):
     dq = (ds @ _heads_first(k, nheads)) * scale
     dk = (ds.swapaxes(-1, -2) @ q.transpose(0, 2, 1, 3)) * scale
     return dq.transpose(0, 2, 1, 3), _sum_groups(dk, nheads_kv), _sum_groups(dv, nheads_kv)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+                           cache_batch_idx=None, block_table=None, softmax_scale=None,
+                           causal=False):
+    """Dense float64 attention against a KV cache, after appending ``k``, ``v``.
+
+    The semantics of :func:`cupyflash.flash_attn_with_kvcache`, written plainly:
+    the append copies ``k[b, i]`` into the cache slot of position
+    ``cache_seqlens[b] + i`` of sequence ``b`` (cache row ``cache_batch_idx[b]``,
+    or block ``block_table[b, pos // page_size]`` at ``pos % page_size``); then
+    every sequence's logical cache, ``(batch, capacity, nheads_kv, head_dim)``, is
+    gathered slot by slot and one masked softmax over the whole batch runs with
+    key ``j`` of sequence ``b`` visible to query ``i`` iff
+    ``j < seqlen_k_b = cache_seqlens[b] + seqlen_new`` and, with ``causal``,
+    ``j <= i + seqlen_k_b - seqlen_q``.  No input is modified.
+
+    Parameters
+    ----------
+    q : array, shape (batch, seqlen_q, nheads_q, head_dim)
+    k_cache, v_cache : array, shape (batch_cache, seqlen_cache, nheads_kv, head_dim)
+        or (num_blocks, page_size, nheads_kv, head_dim) with ``block_table``.
+    k, v : array, shape (batch, seqlen_new, nheads_kv, head_dim), optional
+    cache_seqlens : int or array, shape (batch,), optional
+        None: the whole capacity (``seqlen_cache`` or ``max_blocks_per_seq * page_size``).
+    cache_batch_idx : array, shape (batch,), optional
+    block_table : array, shape (batch, max_blocks_per_seq), optional
+    softmax_scale : float, optional
+        Defaults to ``1 / sqrt(head_dim)``.
+    causal : bool, optional
+
+    Returns
+    -------
+    out : numpy.ndarray, shape (batch, seqlen_q, nheads_q, head_dim), float64
+    lse : numpy.ndarray, shape (batch, nheads_q, seqlen_q), float64
+        ``-inf`` (and out 0) for a row that sees no key.
+    k_cache, v_cache : numpy.ndarray, float64
+        New arrays: the caches after the append.
+    """
+    q = _host(q, np.float64)
+    k_cache = _host(k_cache, np.float64).copy()
+    v_cache = _host(v_cache, np.float64).copy()
+    batch, seqlen_q, nheads, head_dim = q.shape
+    table = None if block_table is None else _host(block_table).astype(np.int64)
+    page_size = k_cache.shape[1]
+    capacity = page_size * table.shape[1] if table is not None else k_cache.shape[1]
+    rows = (np.arange(batch) if cache_batch_idx is None
+            else _host(cache_batch_idx).astype(np.int64))
+    lengths = (np.full(batch, capacity, dtype=np.int64) if cache_seqlens is None
+               else np.broadcast_to(_host(cache_seqlens).astype(np.int64), (batch,)))
+
+    def slot(b, pos):
+        if table is None:
+            return rows[b], pos
+        return table[b, pos // page_size], pos % page_size
+
+    seqlen_new = 0
+    if k is not None:
+        k, v = _host(k, np.float64), _host(v, np.float64)
+        seqlen_new = k.shape[1]
+        for b in range(batch):
+            for i in range(seqlen_new):
+                where = slot(b, int(lengths[b]) + i)
+                k_cache[where] = k[b, i]
+                v_cache[where] = v[b, i]
+    seqlen_k = lengths + seqlen_new
+
+    nheads_kv = k_cache.shape[2]
+    keys = np.zeros((batch, capacity, nheads_kv, head_dim))
+    values = np.zeros((batch, capacity, nheads_kv, head_dim))
+    for b in range(batch):
+        for j in range(int(seqlen_k[b])):
+            keys[b, j] = k_cache[slot(b, j)]
+            values[b, j] = v_cache[slot(b, j)]
+
+    scale = _default_scale(softmax_scale, head_dim)
+    scores = (q.transpose(0, 2, 1, 3) @ _heads_first(keys, nheads).swapaxes(-1, -2)) * scale
+    i = np.arange(seqlen_q)[None, :, None]
+    j = np.arange(capacity)[None, None, :]
+    visible = j < seqlen_k[:, None, None]  # (B, Sq, capacity)
+    if causal:
+        visible = visible & (j <= i + (seqlen_k[:, None, None] - seqlen_q))
+    visible = visible[:, None]  # (B, 1, Sq, capacity): every head alike
+    masked = np.where(visible, scores, -np.inf)
+    row_max = masked.max(axis=-1, initial=-np.inf)
+    shift = np.where(np.isfinite(row_max), row_max, 0.0)
+    e = np.where(visible, np.exp(masked - shift[..., None]), 0.0)
+    total = e.sum(axis=-1)
+    seen = total > 0
+    p = e / np.where(seen, total, 1.0)[..., None]
+    lse = np.where(seen, np.log(np.where(seen, total, 1.0)) + shift, -np.inf)
+    out = p @ _heads_first(values, nheads)
+    return out.transpose(0, 2, 1, 3), lse, k_cache, v_cache
 
 
 # ----------------------------------------------------------------------------

@@ -1,0 +1,342 @@
+"""Attention against a KV cache, with an in-place append: decoding (issue 12).
+
+:func:`flash_attn_with_kvcache` is flash-attention's function of that name in
+the ``(batch, seqlen, nheads, head_dim)`` layout.  The cache is either dense,
+one row of ``seqlen_cache`` slots per sequence (``cache_batch_idx`` picks a
+sequence's row), or paged: ``num_blocks`` blocks of ``page_size`` slots, and a
+``block_table`` whose row ``b`` lists, in order, the blocks holding sequence
+``b``'s keys.  The new keys and values ``k``, ``v`` (if given) are written into
+the cache at positions ``cache_seqlens[b] ...`` first; attention then sees
+``cache_seqlens[b] + seqlen_new`` keys per sequence.
+
+This module is the API and its executable specification:
+
+* NumPy arrays run the CPU path: the append writes into the caller's arrays,
+  then each sequence's keys and values are gathered in order (a view of a
+  dense cache row; one copy of the sequence's pages for a paged cache) into
+  ``(1, len, H, D)`` arrays for the tiled :func:`cupyflash.cpu.fwd`, so the
+  extra memory is O(one sequence's keys), never O(batch * cache);
+* CuPy arrays (and torch / JAX CUDA arrays) are validated as far as their
+  shapes, dtypes and devices go, and then raise NotImplementedError: the GPU
+  decode kernel is not built yet;
+* torch and JAX CPU arrays go through :func:`._interop.call` (viewed without
+  copying; the append into a torch tensor cache is visible to the caller, an
+  append into a JAX array is refused: JAX arrays are immutable).
+
+:func:`cupyflash.reference.attention_with_kvcache` computes the same in
+float64, densely; the tests compare the two.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _checks, _interop, cpu
+from ._checks import fail
+
+__all__ = ["flash_attn_with_kvcache"]
+
+_FN = "flash_attn_with_kvcache"
+_GPU_MESSAGE = (f"cupyflash.{_FN}: the GPU decode kernel is not built yet (issue 12); "
+                f"NumPy arrays run the CPU path")
+
+
+# ----------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------
+
+
+class _Plan:
+    """What validation found: the lengths (host int64, or None on the GPU), the
+    cache rows or page table, and the resolved flags."""
+
+    __slots__ = ("gpu", "scale", "lengths", "rows", "table", "page_size", "seqlen_new")
+
+
+def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+           softmax_scale, causal, num_splits, return_lse, dtype):
+    fn = _FN
+    plan = _Plan()
+    plan.gpu = _checks.check_qkv(fn, q, k_cache, v_cache, dtype, names=("k_cache", "v_cache"),
+                                 same_batch=False)
+    batch = q.shape[0]
+    if (k is None) != (v is None):
+        given, missing = ("k", "v") if v is None else ("v", "k")
+        fail(ValueError, fn,
+             f"{missing} must be given with {given} (the new keys and values are appended "
+             f"together); got None.")
+    plan.seqlen_new = 0
+    if k is not None:
+        _checks.check_qkv(fn, q, k, v, dtype)
+        if k.shape[2] != k_cache.shape[2]:
+            fail(ValueError, fn,
+                 f"k must have the same nheads as k_cache ({k_cache.shape[2]}); got {k.shape[2]}.")
+        plan.seqlen_new = k.shape[1]
+        if not plan.gpu:  # the append writes into them
+            _checks.check_numpy_outputs(fn, (("k_cache", k_cache), ("v_cache", v_cache)))
+    plan.scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal)
+    _checks.check_num_splits(fn, num_splits)
+    _checks.check_bool(fn, "return_lse", return_lse)
+    if cache_batch_idx is not None and block_table is not None:
+        fail(ValueError, fn,
+             "cache_batch_idx must be None when block_table is given (a paged cache has no "
+             "rows to pick); got both.")
+
+    lengths = _checks.check_cache_seqlens(fn, cache_seqlens, q)
+    if cache_seqlens is None and k is not None:
+        fail(ValueError, fn,
+             "cache_seqlens must be given to append k and v (None means the whole cache is "
+             "valid, leaving no slot to append to); got None.")
+    plan.rows = plan.table = None
+    plan.page_size = 0
+    if block_table is not None:
+        page_size, num_blocks = k_cache.shape[1], k_cache.shape[0]
+        if page_size % _checks.PAGE_SIZE_MULTIPLE or page_size == 0:
+            fail(ValueError, fn,
+                 f"k_cache must have a page_size (dimension 1) that is a positive multiple of "
+                 f"{_checks.PAGE_SIZE_MULTIPLE} when block_table is given; got {page_size}.")
+        table = _checks.check_index_array(fn, "block_table", block_table, q,
+                                          ("batch", "max_blocks_per_seq"), batch)
+        capacity = block_table.shape[1] * page_size
+        if lengths is None and cache_seqlens is None:
+            lengths = np.full(batch, capacity, dtype=np.int64)
+        _checks.check_cache_lengths(fn, lengths, plan.seqlen_new, capacity, page_size)
+        if table is not None and lengths is not None:
+            used = -(-(lengths + plan.seqlen_new) // page_size)
+            _checks.check_block_indices(fn, table, used, num_blocks)
+        plan.table, plan.page_size = table, page_size
+    else:
+        capacity = k_cache.shape[1]
+        rows = None
+        if cache_batch_idx is not None:
+            rows = _checks.check_index_array(fn, "cache_batch_idx", cache_batch_idx, q,
+                                             ("batch",), batch)
+            if rows is not None:
+                _checks.check_row_indices(fn, rows, k_cache.shape[0])
+        elif k_cache.shape[0] != batch:
+            fail(ValueError, fn,
+                 f"k_cache must have the same batch size as q ({batch}) when neither "
+                 f"cache_batch_idx nor block_table is given; got {k_cache.shape[0]}.")
+        else:
+            rows = np.arange(batch, dtype=np.int64)
+        if lengths is None and cache_seqlens is None:
+            lengths = np.full(batch, capacity, dtype=np.int64)
+        _checks.check_cache_lengths(fn, lengths, plan.seqlen_new, capacity, 0)
+        plan.rows = rows
+    plan.lengths = lengths
+    if plan.seqlen_new and lengths is not None and batch:
+        slots = _append_slots(plan, lengths)
+        if slots is not None:
+            _checks.check_distinct_slots(
+                fn, "block_table" if block_table is not None else "cache_batch_idx", slots[0],
+                batch, plan.seqlen_new)
+    return plan
+
+
+def _append_slots(plan, lengths):
+    """Where the append writes, on the host: ``(slot_ids, index)`` with ``slot_ids``
+    (batch, seqlen_new) unique per cache slot and ``index`` the ``(block or row,
+    position)`` index arrays into the cache; None when the indices live on the GPU."""
+    positions = lengths[:, None] + np.arange(plan.seqlen_new)[None, :]  # (batch, seqlen_new)
+    if plan.table is not None:
+        blocks = np.take_along_axis(plan.table, positions // plan.page_size, axis=1)
+        offsets = positions % plan.page_size
+        return blocks * plan.page_size + offsets, (blocks, offsets)
+    if plan.rows is None:
+        return None
+    rows = np.broadcast_to(plan.rows[:, None], positions.shape)
+    return rows * (int(positions.max()) + 1) + positions, (rows, positions)
+
+
+# ----------------------------------------------------------------------------
+# The CPU path
+# ----------------------------------------------------------------------------
+
+
+def _append(plan, k_cache, v_cache, k, v):
+    """Write k, v (batch, seqlen_new, Hkv, D) into the cache slots, in place."""
+    _, (first, second) = _append_slots(plan, plan.lengths)
+    k_cache[first, second] = k
+    v_cache[first, second] = v
+
+
+def _sequence_kv(plan, cache, b, length):
+    """Sequence ``b``'s first ``length`` keys (or values) as a (1, length, Hkv, D) array:
+    a view of its dense cache row, or a copy of its pages in order."""
+    if plan.table is None:
+        row = int(plan.rows[b])
+        return cache[row:row + 1, :length]
+    pages = plan.table[b, :-(-length // plan.page_size)]
+    gathered = cache[pages].reshape(1, -1, *cache.shape[2:])
+    return gathered[:, :length]
+
+
+def _cpu(plan, q, k_cache, v_cache, k, v, causal):
+    if plan.seqlen_new and q.shape[0]:
+        _append(plan, k_cache, v_cache, k, v)
+    batch, seqlen_q, nheads, _ = q.shape
+    out = np.zeros(q.shape, dtype=q.dtype)
+    lse = np.full((batch, nheads, seqlen_q), -np.inf, dtype=np.float32)
+    if q.size == 0:
+        return out, lse
+    for b in range(batch):
+        length = int(plan.lengths[b]) + plan.seqlen_new
+        if length == 0:
+            continue  # no key: out 0, lse -inf
+        keys = _sequence_kv(plan, k_cache, b, length)
+        values = _sequence_kv(plan, v_cache, b, length)
+        seq_out, seq_lse = cpu.fwd(q[b:b + 1], keys, values, plan.scale, causal)
+        out[b] = seq_out[0]
+        lse[b] = seq_lse[0]
+    return out, lse
+
+
+# ----------------------------------------------------------------------------
+# The public function
+# ----------------------------------------------------------------------------
+
+
+@_interop.accepts_foreign("q", "k_cache", "v_cache", "k", "v",
+                          keywords=("cache_seqlens", "cache_batch_idx", "block_table"),
+                          optional=("k", "v", "cache_seqlens", "cache_batch_idx", "block_table"),
+                          appends=(("k_cache", "v_cache"), ("k", "v")))
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
+                            cache_batch_idx=None, block_table=None, softmax_scale=None,
+                            causal=False, num_splits=0, return_lse=False, dtype=None):
+    """Exact attention of new queries against a KV cache, appending new keys first.
+
+    flash-attention's ``flash_attn_with_kvcache`` in the (batch, seqlen, nheads,
+    head_dim) layout.  For each sequence ``b``: if ``k`` and ``v`` are given,
+    they are written into the cache at positions ``cache_seqlens[b]`` to
+    ``cache_seqlens[b] + seqlen_new - 1`` (in place); then the queries ``q[b]``
+    attend to the sequence's first ``seqlen_k_b = cache_seqlens[b] + seqlen_new``
+    cache keys, exactly as :func:`cupyflash.flash_attn_fwd` on those keys.
+
+    Parameters
+    ----------
+    q : array, shape (batch, seqlen_q, nheads_q, head_dim)
+        New queries (1 per sequence for a decode step, more for chunked
+        prefill or speculative decoding): a numpy.ndarray (CPU path), a
+        cupy.ndarray, or a torch tensor / JAX array (viewed without copying,
+        as in :func:`cupyflash.flash_attn_fwd`).  dtype float16, bfloat16
+        (ml_dtypes), float32 or float64 on the CPU.  Unit last stride.
+    k_cache, v_cache : array, shape (batch_cache, seqlen_cache, nheads_kv, head_dim)
+        The cache, same array type and dtype as ``q``, unit last stride: row
+        ``b`` (or ``cache_batch_idx[b]``) holds sequence ``b``'s keys/values.
+        With ``block_table``: shape (num_blocks, page_size, nheads_kv,
+        head_dim), a pool of blocks of ``page_size`` slots; ``page_size`` must
+        be a positive multiple of 16.  ``nheads_q`` must be a multiple of
+        ``nheads_kv`` (GQA / MQA: query head ``h`` reads KV head
+        ``h // (nheads_q // nheads_kv)``).  Written in place when ``k``/``v`` are given (NumPy
+        caches must then be writeable).
+    k, v : array, shape (batch, seqlen_new, nheads_kv, head_dim), optional
+        New keys and values to append, both or neither; same array type and
+        dtype as ``q``.  Not for JAX arrays (immutable: TypeError).
+    cache_seqlens : int or array, shape (batch,), int32, optional
+        The number of valid cache entries of each sequence before the append
+        (an int: the same for all).  Entries at or past
+        ``cache_seqlens[b] + seqlen_new`` are never read.  None: the whole
+        cache is valid (``seqlen_cache`` keys, or ``max_blocks_per_seq *
+        page_size`` for a paged cache), which leaves no room to append, so
+        ``k``/``v`` need it.  Not modified.
+    cache_batch_idx : array, shape (batch,), int32, optional
+        The cache row each sequence uses (default: row ``b``).  Rows may
+        repeat when nothing is appended.  Not with ``block_table``.
+    block_table : array, shape (batch, max_blocks_per_seq), int32, optional
+        Paged cache: entry ``p`` of row ``b`` is the block holding sequence
+        ``b``'s keys ``p * page_size`` to ``(p + 1) * page_size - 1``.  Blocks
+        may be shared between sequences and appear in any order; entries past
+        the blocks a sequence uses are never read (any value).
+    softmax_scale : float, optional
+        As in :func:`cupyflash.flash_attn_fwd`; defaults to ``1 / sqrt(head_dim)``.
+    causal : bool, optional
+        Causal mask aligned to the bottom-right corner of each sequence's score
+        matrix: query ``i`` sees key ``j`` iff ``j <= i + seqlen_k_b - seqlen_q``,
+        so the last query is the newest token and sees the whole cache.  For
+        seqlen_q=2 against seqlen_k_b=5, and seqlen_q=5 against
+        seqlen_k_b=2 (1 = attended)::
+
+            1 1 1 1 0        0 0
+            1 1 1 1 1        0 0
+                             0 0
+                             1 0
+                             1 1
+
+        A query row that sees no key (also every row of a sequence with no
+        key at all) gets output 0 and lse ``-inf``.  Nothing is NaN.
+    num_splits : int, optional
+        How many parts the GPU kernel splits each sequence's keys into (0:
+        automatic).  Any value >= 0 gives the same result within rounding; the
+        CPU path ignores it.
+    return_lse : bool, optional
+        Also return the logsumexp.
+    dtype : str, optional
+        As in :func:`cupyflash.flash_attn_fwd` (the element type of cupy
+        uint16/int16 storage); None for NumPy, torch and JAX arrays.
+
+    Returns
+    -------
+    out : array, shape (batch, seqlen_q, nheads_q, head_dim)
+        Same array type and dtype as ``q``.
+    lse : array, shape (batch, nheads_q, seqlen_q), float32
+        Only with ``return_lse=True``: the natural-log logsumexp of each row of
+        scaled, masked scores (``-inf`` for a row that sees no key).
+
+    Raises
+    ------
+    TypeError
+        As for :func:`cupyflash.flash_attn_fwd` (for q, k_cache, v_cache and
+        k, v); when ``cache_seqlens``, ``cache_batch_idx`` or ``block_table``
+        is not an int32 array of q's type (``cache_seqlens`` may be an int),
+        ``num_splits`` is not an int or ``return_lse`` not a bool; when ``k``
+        is given for JAX arrays.
+    ValueError
+        As for :func:`cupyflash.flash_attn_fwd` (shapes, head_dim, GQA, unit
+        last stride); when only one of ``k``/``v`` is given; when k's nheads
+        differ from the cache's; when ``cache_seqlens`` is negative or, with
+        the append, exceeds the cache (``block_table`` too narrow for a paged
+        cache); when ``k`` is given without ``cache_seqlens``; when both
+        ``cache_batch_idx`` and ``block_table`` are given; when the page size
+        is not a positive multiple of 16; when a used ``block_table`` entry or a
+        ``cache_batch_idx`` entry is out of range; when two sequences would
+        append into one cache slot; when a NumPy cache to append to is
+        read-only, or ``k_cache`` and ``v_cache`` share memory; when an int
+        ``cache_seqlens`` does not fit in int32; when ``num_splits`` is
+        negative.  Values (lengths and indices) are checked only when they are
+        on the host (ints and NumPy arrays).
+    NotImplementedError
+        For CuPy arrays (and torch / JAX CUDA arrays), after the checks above:
+        the GPU decode kernel is not built yet (issue 12).
+
+    Notes
+    -----
+    On the CPU all appends happen before any attention, so a sequence whose
+    blocks are shared sees what other sequences appended into them; do not
+    append into slots another sequence attends to if the result is to be the
+    same on the GPU (where the kernel will append and attend per sequence).
+
+    References
+    ----------
+    Dao, "FlashAttention-2", 2023; flash-attention's ``flash_attn_with_kvcache``
+    (https://github.com/Dao-AILab/flash-attention); Kwon et al., "Efficient
+    Memory Management for Large Language Model Serving with PagedAttention",
+    SOSP 2023 (the paged cache).
+
+    Examples
+    --------
+    >>> import numpy as np, cupyflash
+    >>> rng = np.random.default_rng(0)
+    >>> k_cache = rng.standard_normal((2, 32, 1, 8), dtype=np.float32)
+    >>> v_cache = rng.standard_normal((2, 32, 1, 8), dtype=np.float32)
+    >>> q, k, v = (rng.standard_normal((2, 1, h, 8), dtype=np.float32) for h in (4, 1, 1))
+    >>> lens = np.array([5, 17], dtype=np.int32)
+    >>> out = cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)
+    >>> out.shape, bool((k_cache[1, 17] == k[1, 0]).all())
+    ((2, 1, 4, 8), True)
+    """
+    plan = _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                  softmax_scale, causal, num_splits, return_lse, dtype)
+    if plan.gpu:
+        raise NotImplementedError(_GPU_MESSAGE)
+    out, lse = _cpu(plan, q, k_cache, v_cache, k, v, bool(causal))
+    return (out, lse) if return_lse else out
