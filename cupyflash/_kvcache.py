@@ -192,6 +192,45 @@ def _cpu(plan, q, k_cache, v_cache, k, v, causal):
 
 
 # ----------------------------------------------------------------------------
+# The GPU path (kernels_cu/flash_decode.cu through ._gpu_decode)
+# ----------------------------------------------------------------------------
+
+
+def _gpu(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal, num_splits,
+         dtype):
+    import cupy  # noqa: PLC0415
+
+    from . import _gpu_decode, _launch  # noqa: PLC0415
+
+    with q.device:
+        out = cupy.empty(q.shape, dtype=q.dtype)
+        lse = cupy.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=np.float32)
+        if q.shape[0] == 0:
+            return out, lse
+        paged = block_table is not None
+        capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+        on_device = cache_seqlens is not None and not isinstance(cache_seqlens, (int, np.integer))
+        cache_seqlen = capacity if cache_seqlens is None else 0 if on_device else int(cache_seqlens)
+        device_id = q.data.device_id
+        dtype_name = dtype if dtype is not None else q.dtype.name
+        key = (_launch.geometry(q, k_cache, v_cache, k, v, block_table), on_device, cache_batch_idx is not None,
+               device_id, plan.scale, causal, num_splits, dtype_name)
+        call = _gpu_decode.PLANS.get_or_make(key, lambda: _gpu_decode.plan_decode(
+            q, k_cache, v_cache, k, v, block_table, max_seqlen_k=capacity, softmax_scale=plan.scale,
+            causal=causal, num_splits=num_splits, dtype_name=dtype_name, device_id=device_id))
+        pointer = _pointer
+        call.run(cupy.cuda.get_current_stream().ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr,
+                 v_cache.data.ptr, pointer(k), pointer(v), out.data.ptr, lse.data.ptr,
+                 pointer(cache_seqlens) if on_device else 0, pointer(cache_batch_idx), pointer(block_table),
+                 cache_seqlen)
+    return out, lse
+
+
+def _pointer(a) -> int:
+    return 0 if a is None else a.data.ptr
+
+
+# ----------------------------------------------------------------------------
 # The public function
 # ----------------------------------------------------------------------------
 
@@ -337,6 +376,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     plan = _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                   softmax_scale, causal, num_splits, return_lse, dtype)
     if plan.gpu:
-        raise NotImplementedError(_GPU_MESSAGE)
+        out, lse = _gpu(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                        bool(causal), int(num_splits), dtype)
+        return (out, lse) if return_lse else out
     out, lse = _cpu(plan, q, k_cache, v_cache, k, v, bool(causal))
     return (out, lse) if return_lse else out

@@ -64,11 +64,31 @@ BWD_PARAMS = _struct(
     ]
 )
 
+DECODE_PARAMS = _struct(
+    [
+        ("q", _PTR), ("k_cache", _PTR), ("v_cache", _PTR), ("k_new", _PTR), ("v_new", _PTR),
+        ("out", _PTR), ("lse", _PTR), ("out_accum", _PTR), ("lse_accum", _PTR),
+        ("cache_seqlens", _PTR), ("cache_batch_idx", _PTR), ("block_table", _PTR), ("cache_seqlen", _I64),
+        ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),
+        ("k_batch_stride", _I64), ("k_row_stride", _I64), ("k_head_stride", _I64),
+        ("v_batch_stride", _I64), ("v_row_stride", _I64), ("v_head_stride", _I64),
+        ("knew_batch_stride", _I64), ("knew_row_stride", _I64), ("knew_head_stride", _I64),
+        ("vnew_batch_stride", _I64), ("vnew_row_stride", _I64), ("vnew_head_stride", _I64),
+        ("o_batch_stride", _I64), ("o_row_stride", _I64), ("o_head_stride", _I64),
+        ("block_table_batch_stride", _I64),
+        ("batch", _I32), ("nheads_q", _I32), ("nheads_kv", _I32), ("seqlen_q", _I32), ("head_dim", _I32),
+        ("seqlen_new", _I32), ("page_size", _I32), ("cache_rows", _I32),
+        ("group", _I32), ("num_m_blocks", _I32), ("num_splits", _I32),
+        ("softmax_scale", _F32), ("softmax_scale_log2", _F32),
+    ]
+)
+
 
 def size_defines() -> list[str]:
     """NVRTC ``-D`` options that let params.cuh static_assert the mirrored sizes."""
     return [f"-DCUPYFLASH_FWD_PARAMS_BYTES={FWD_PARAMS.itemsize}",
-            f"-DCUPYFLASH_BWD_PARAMS_BYTES={BWD_PARAMS.itemsize}"]
+            f"-DCUPYFLASH_BWD_PARAMS_BYTES={BWD_PARAMS.itemsize}",
+            f"-DCUPYFLASH_DECODE_PARAMS_BYTES={DECODE_PARAMS.itemsize}"]
 
 
 def pack(struct: np.dtype, **fields) -> bytes:

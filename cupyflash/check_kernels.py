@@ -46,7 +46,7 @@ def _quick_sm90(launch) -> bool:
 def _launches(arch: tuple[int, int], quick: bool, match: str | None):
     from . import dispatch  # noqa: PLC0415
 
-    launches = dispatch.all_fwd_launches(arch) + dispatch.all_bwd_launches(arch)
+    launches = dispatch.all_fwd_launches(arch) + dispatch.all_bwd_launches(arch) + dispatch.all_decode_launches(arch)
     if quick:
         launches = [L for L in launches
                     if L.args[0] == "__half" and "false, true, true, false" in ", ".join(L.args[-4:]) or

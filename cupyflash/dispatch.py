@@ -620,3 +620,143 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
                 _BWD_DQ_TILES[d], (False, True), (True, False), (True, False)):
             out.append(bwd_dq_launch(dtype, d, tile, causal, even_k, vec))
     return out
+
+
+# ----------------------------------------------------------------------------
+# Decode: attention against a KV cache (kernels_cu/flash_decode.cu)
+# ----------------------------------------------------------------------------
+
+#: Decode kernel tiles per padded head_dim: (BLOCK_N, STAGES), keys per tile and
+#: the depth of the cp.async K/V ring. The kernel is bound by memory: a ring of
+#: 2-3 tiles of 64 keys keeps 35-70 KB per block in flight, and two blocks fit
+#: on an SM at D <= 128 (kernels_cu/PERF.md, decode).
+_DECODE_TILES = {32: (64, 4), 64: (64, 4), 96: (64, 3), 128: (64, 3), 192: (64, 2), 256: (64, 2)}
+#: Warps per decode block (kernels_cu/flash_decode.cu: WARPS_M x WARPS_N).
+DECODE_WARPS = 4
+#: The most key splits (the combine kernel's DECODE_MAX_SPLITS).
+DECODE_MAX_SPLITS = 128
+_DECODE_COMBINE_SPLIT_GROUPS = 8  # flash_decode.cu DECODE_COMBINE_SPLIT_GROUPS
+
+
+def decode_warps(rows: int) -> tuple[int, int]:
+    """(WARPS_M, WARPS_N) for ``rows`` packed rows (seqlen_q * nheads_q / nheads_kv):
+    with 16 rows or fewer the four warps split each tile's keys; with more they
+    split the rows (16 each), as the prefill kernel does."""
+    if rows <= 16:
+        return 1, 4
+    if rows <= 32:
+        return 2, 2
+    return 4, 1
+
+
+def decode_smem_bytes(head_dim_padded: int, block_n: int, warps_m: int, stages: int) -> int:
+    """Dynamic shared memory of the decode kernel (DecodeTraits::SMEM_BYTES): the
+    packed Q tile and the K/V ring."""
+    return _smem_tile_bytes(16 * warps_m, head_dim_padded) + stages * 2 * _smem_tile_bytes(block_n, head_dim_padded)
+
+
+def smem_per_sm(cc: tuple[int, int]) -> int:
+    """Shared memory of one SM (bytes), of which each resident block also takes 1 KB."""
+    if cc in ((8, 0), (8, 7)):
+        return 164 * 1024
+    if cc[0] in (9, 10):
+        return 228 * 1024
+    return 100 * 1024
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    main: Launch
+    combine: Launch | None      # set when the keys are split
+    head_dim_padded: int
+    block_m: int                # packed rows per block
+    num_m_blocks: int
+    num_splits: int
+
+
+def decode_tile(head_dim_padded: int, warps: tuple[int, int], cc: tuple[int, int] = (9, 0)
+                ) -> tuple[int, int, tuple[int, int]]:
+    """(BLOCK_N, STAGES, warps) of the decode kernel: the table's tile with the
+    deepest ring that fits the GPU's shared memory (at least 2 stages), else
+    32-key tiles (on a grid of at most 2 key columns: each warp takes 16 keys)."""
+    limit = max_smem_per_block(cc)
+    block_n, stages = _DECODE_TILES[head_dim_padded]
+    for n, w in ((block_n, warps), (32, warps if warps[1] <= 2 else (2, 2))):
+        for st in range(stages, 1, -1):
+            if decode_smem_bytes(head_dim_padded, n, w[0], st) <= limit:
+                return n, st, w
+    raise ValueError(f"cupyflash: no decode tile fits {limit} bytes of shared memory at head_dim "
+                     f"{head_dim_padded}")
+
+
+def decode_launch(dtype: str, head_dim_padded: int, warps: tuple[int, int], causal: bool, paged: bool,
+                  vec: bool, grid: tuple[int, int, int] = (1, 1, 1), cc: tuple[int, int] = (9, 0)) -> Launch:
+    """The decode kernel instantiation for one set of compile-time choices."""
+    block_n, stages, warps = decode_tile(head_dim_padded, warps, cc)
+    smem = decode_smem_bytes(head_dim_padded, block_n, warps[0], stages)
+    args = (CTYPES[dtype], str(head_dim_padded), str(block_n), str(warps[0]), str(warps[1]), str(stages),
+            _cbool(causal), _cbool(paged), _cbool(vec))
+    return Launch("flash_decode.cu", "cupyflash::flash_decode_kernel", args, grid, (DECODE_WARPS * 32, 1, 1), smem)
+
+
+def decode_combine_launch(dtype: str, head_dim_padded: int, rows: int = 1) -> Launch:
+    """The decode combine kernel: one block per (sequence, query head, query row)."""
+    threads = head_dim_padded // 4 * _DECODE_COMBINE_SPLIT_GROUPS
+    return Launch("flash_decode.cu", "cupyflash::flash_decode_combine_kernel", (CTYPES[dtype], str(head_dim_padded)),
+                  (max(1, rows), 1, 1), (threads, 1, 1), 0)
+
+
+def decode_num_splits(blocks: int, n_tiles: int, blocks_per_sm: int, num_sms: int) -> int:
+    """Key splits for ``blocks`` (sequence, KV head, row block) blocks of at most
+    ``n_tiles`` key tiles each: none when the blocks fill every SM's
+    ``blocks_per_sm`` slots once; else enough for two such waves, with at least
+    two tiles per split (the ring then overlaps one load with one tile's math)."""
+    slots = blocks_per_sm * num_sms
+    if blocks >= slots or n_tiles < 4:
+        return 1
+    return max(1, min(math.ceil(2 * slots / blocks), n_tiles // 2, DECODE_MAX_SPLITS))
+
+
+def select_decode(*, batch: int, seqlen_q: int, nheads_q: int, nheads_kv: int, head_dim: int, max_seqlen_k: int,
+                  dtype: str, causal: bool, paged: bool, vec: bool, num_splits: int = 0, num_sms: int = 132,
+                  cc: tuple[int, int] = (9, 0)) -> DecodePlan:
+    """Choose the decode kernel's warp grid, grid and key splits.
+
+    ``max_seqlen_k`` bounds every sequence's key count (cache plus appended
+    keys): the capacity of the cache when the lengths live on the GPU.
+    ``num_splits`` > 0 asks for that many splits (clipped to the key tiles and
+    to DECODE_MAX_SPLITS); 0 chooses.
+    """
+    if dtype not in CTYPES:
+        raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
+    if cc < ARCHS[0]:
+        raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
+    d = padded_head_dim(head_dim)
+    rows = seqlen_q * (nheads_q // nheads_kv)
+    block_n, stages, warps = decode_tile(d, decode_warps(rows), cc)
+    block_m = 16 * warps[0]
+    num_m_blocks = max(1, math.ceil(rows / block_m))  # one block still appends when seqlen_q = 0
+    n_tiles = max(1, math.ceil(max_seqlen_k / block_n))
+    blocks = batch * nheads_kv * num_m_blocks
+    if rows == 0:
+        splits = 1
+    elif num_splits > 0:
+        splits = min(num_splits, n_tiles, DECODE_MAX_SPLITS)
+    else:
+        smem = decode_smem_bytes(d, block_n, warps[0], stages)
+        per_sm = max(1, min(smem_per_sm(cc) // (smem + 1024), 2048 // (DECODE_WARPS * 32)))
+        splits = decode_num_splits(blocks, n_tiles, per_sm, num_sms)
+    main = decode_launch(dtype, d, warps, causal, paged, vec, (num_m_blocks * splits, nheads_kv, batch), cc)
+    combine = decode_combine_launch(dtype, d, batch * nheads_q * seqlen_q) if splits > 1 else None
+    return DecodePlan(main, combine, d, block_m, num_m_blocks, splits)
+
+
+def all_decode_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
+    """Every decode instantiation select_decode can return on ``cc`` (for check-kernels)."""
+    out = []
+    for dtype, d in itertools.product(CTYPES, HEAD_DIMS):
+        for warps, causal, paged, vec in itertools.product(((1, 4), (2, 2), (4, 1)), (False, True),
+                                                           (False, True), (True, False)):
+            out.append(decode_launch(dtype, d, warps, causal, paged, vec, cc=cc))
+        out.append(decode_combine_launch(dtype, d))
+    return out

@@ -87,4 +87,45 @@ static_assert(sizeof(BwdParams) == CUPYFLASH_BWD_PARAMS_BYTES,
               "BwdParams differs in size from its mirror in cupyflash/_params.py");
 #endif
 
+// Attention against a KV cache (flash_decode.cu): a few new query rows per
+// sequence, the query heads of one KV head packed into the rows of one tile
+// (packed row r = q_row * group + the head's index in its group), the keys
+// split over num_splits blocks, each sequence with its own length.
+struct DecodeParams {
+    const void* q;          // (batch, seqlen_q, nheads_q, head_dim)
+    const void* k_cache;    // (batch_cache, seqlen_cache, nheads_kv, head_dim), or paged
+    const void* v_cache;    //   (num_blocks, page_size, nheads_kv, head_dim)
+    const void* k_new;      // (batch, seqlen_new, nheads_kv, head_dim), appended at cache_seqlens[b]; may be null
+    const void* v_new;
+    void* out;              // (batch, seqlen_q, nheads_q, head_dim)
+    float* lse;             // (batch, nheads_q, seqlen_q), natural log
+    float* out_accum;       // split partials: (num_splits, batch, nheads_q, seqlen_q, HEAD_DIM) fp32
+    float* lse_accum;       // split partials: (num_splits, batch, nheads_q, seqlen_q) fp32
+    const int* cache_seqlens;    // (batch,) keys in the cache before the append; null: cache_seqlen for all
+    const int* cache_batch_idx;  // (batch,) cache row of each sequence; null: row b (dense caches only)
+    const int* block_table;      // (batch, max_blocks_per_seq) block of each page; null: dense cache
+    int64 cache_seqlen;          // the cache length of every sequence when cache_seqlens is null (set per call)
+    int64 q_batch_stride, q_row_stride, q_head_stride;  // in elements
+    int64 k_batch_stride, k_row_stride, k_head_stride;  // batch: cache row, or block when paged
+    int64 v_batch_stride, v_row_stride, v_head_stride;
+    int64 knew_batch_stride, knew_row_stride, knew_head_stride;
+    int64 vnew_batch_stride, vnew_row_stride, vnew_head_stride;
+    int64 o_batch_stride, o_row_stride, o_head_stride;
+    int64 block_table_batch_stride;
+    int32 batch, nheads_q, nheads_kv, seqlen_q, head_dim;
+    int32 seqlen_new;          // rows of k_new / v_new (0: no append)
+    int32 page_size;           // slots per block (paged)
+    int32 cache_rows;          // blocks in the pool (paged) or rows of the cache (dense): indices are clamped to it
+    int32 group;               // nheads_q / nheads_kv: query heads per KV head
+    int32 num_m_blocks;        // ceil(seqlen_q * group / BLOCK_M)
+    int32 num_splits;          // key ranges per (sequence, KV head, row block)
+    float softmax_scale;       // multiplies q.k
+    float softmax_scale_log2;  // softmax_scale * log2(e), for exp2
+};
+
+#ifdef CUPYFLASH_DECODE_PARAMS_BYTES
+static_assert(sizeof(DecodeParams) == CUPYFLASH_DECODE_PARAMS_BYTES,
+              "DecodeParams differs in size from its mirror in cupyflash/_params.py");
+#endif
+
 }  // namespace cupyflash

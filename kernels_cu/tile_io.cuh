@@ -46,6 +46,34 @@ struct TileMap {
     static constexpr int ITERS = ROWS / ROWS_PER_IT;
 };
 
+// One 16-byte chunk (8 elements, columns 8 chunk ..) of a global row into shared
+// memory at dst; zero-filled where !row_valid or past head_dim. VEC: a cp.async
+// (src must then be a valid address even when nothing is read: the caller's
+// fallback); !VEC: element loads through registers, stored before returning.
+template <typename T, bool VEC, bool EVEN_K>
+__device__ __forceinline__ void load_chunk(uint32 dst, const T* src, const T* fallback, bool row_valid,
+                                           int chunk, int head_dim) {
+    if constexpr (VEC) {
+        const bool pred = row_valid && (EVEN_K || chunk * 8 < head_dim);
+        cp_async_16(dst, pred ? src : fallback, pred);
+    } else {
+        uint32 packed[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = chunk * 8 + 2 * e;
+            unsigned short lo = 0, hi = 0;
+            if (row_valid) {
+                const unsigned short* s16 = reinterpret_cast<const unsigned short*>(src + 2 * e);
+                if (col < head_dim) lo = s16[0];
+                if (col + 1 < head_dim) hi = s16[1];
+            }
+            packed[e] = uint32(lo) | (uint32(hi) << 16);
+        }
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                     :: "r"(dst), "r"(packed[0]), "r"(packed[1]), "r"(packed[2]), "r"(packed[3]));
+    }
+}
+
 template <typename T, int ROWS, int HEAD_DIM, int NUM_THREADS, bool VEC, bool EVEN_K,
           typename Tile = SmemTile<T, ROWS, HEAD_DIM>, bool WHOLE_BLOCK = true>
 __device__ __forceinline__ void load_tile(uint32 smem_base, const T* gmem, int64 row_stride,
@@ -62,27 +90,8 @@ __device__ __forceinline__ void load_tile(uint32 smem_base, const T* gmem, int64
 #pragma unroll
         for (int c = 0; c < Map::CHUNKS_PER_THREAD; ++c) {
             const int chunk = chunk0 + c * Map::THREADS_PER_ROW;
-            const uint32 dst = smem_base + Tile::offset(row, chunk);
-            const T* s = src + c * Map::THREADS_PER_ROW * 8;
-            if constexpr (VEC) {
-                const bool pred = row < rows_valid && (EVEN_K || chunk * 8 < head_dim);
-                cp_async_16(dst, pred ? s : gmem, pred);
-            } else {
-                uint32 packed[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = chunk * 8 + 2 * e;
-                    unsigned short lo = 0, hi = 0;
-                    if (row < rows_valid) {
-                        const unsigned short* s16 = reinterpret_cast<const unsigned short*>(s + 2 * e);
-                        if (col < head_dim) lo = s16[0];
-                        if (col + 1 < head_dim) hi = s16[1];
-                    }
-                    packed[e] = uint32(lo) | (uint32(hi) << 16);
-                }
-                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
-                             :: "r"(dst), "r"(packed[0]), "r"(packed[1]), "r"(packed[2]), "r"(packed[3]));
-            }
+            load_chunk<T, VEC, EVEN_K>(smem_base + Tile::offset(row, chunk), src + c * Map::THREADS_PER_ROW * 8,
+                                       gmem, row < rows_valid, chunk, head_dim);
         }
         src += step;
         // Keep the compiler from hoisting one 64-bit address per row out of the

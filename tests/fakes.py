@@ -96,6 +96,7 @@ def fake_cupy_module(device_count=1):
     cupy = types.ModuleType("cupy")
     cupy.ndarray = FakeCupyArray
     cupy.zeros = lambda shape, dtype: FakeCupyArray(np.zeros(shape, dtype))
+    cupy.empty = lambda shape, dtype: FakeCupyArray(tuple(shape), dtype)
     cupy.full = lambda shape, value, dtype: FakeCupyArray(np.full(shape, value, dtype))
     cupy.asarray = FakeCupyArray
     cupy.cuda = types.SimpleNamespace(
@@ -120,18 +121,25 @@ class FakeCall:
 
     def run(self, stream, alloc, *pointers):
         self.runs.append((self.kind, self.plan_kwargs))
-        arrays = [BY_POINTER.get(p) for p in pointers[:5 if self.kind == "fwd" else 9]]
+        if self.kind == "decode":  # 10 pointers, then the int cache length
+            arrays = [BY_POINTER.get(p) for p in pointers[:10]] + [pointers[10]]
+        else:
+            arrays = [BY_POINTER.get(p) for p in pointers[:5 if self.kind == "fwd" else 9]]
         if self.compute is not None:
             self.compute(self.plan_kwargs, *arrays)
         return None
 
 
-def install_fake_gpu(monkeypatch, compute_fwd=None, compute_bwd=None):
-    """Fake ``cupy``, ``cupyflash._gpu`` and ``cupyflash._gpu_bwd``; returns
-    ``(plans, runs)``: the keyword arguments of each plan made, and each run.
+def install_fake_gpu(monkeypatch, compute_fwd=None, compute_bwd=None, compute_decode=None):
+    """Fake ``cupy``, ``cupyflash._gpu``, ``cupyflash._gpu_bwd`` and
+    ``cupyflash._gpu_decode``; returns ``(plans, runs)``: the keyword arguments
+    of each plan made, and each run.
 
-    ``compute_fwd(plan_kwargs, q, k, v, out, lse)`` and ``compute_bwd(plan_kwargs,
-    dout, q, k, v, out, lse, dq, dk, dv)`` fill the outputs (FakeCupyArrays).
+    ``compute_fwd(plan_kwargs, q, k, v, out, lse)``, ``compute_bwd(plan_kwargs,
+    dout, q, k, v, out, lse, dq, dk, dv)`` and ``compute_decode(plan_kwargs, q,
+    k_cache, v_cache, k_new, v_new, out, lse, cache_seqlens,
+    cache_batch_idx, block_table, cache_seqlen)`` fill the
+    outputs (FakeCupyArrays; None for absent arrays).
     """
     import cupyflash
 
@@ -146,11 +154,19 @@ def install_fake_gpu(monkeypatch, compute_fwd=None, compute_bwd=None):
         plans.append(("bwd", kwargs))
         return FakeCall("bwd", kwargs, (None, None), compute_bwd, runs)
 
+    def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, **kwargs):
+        plans.append(("decode", kwargs))
+        return FakeCall("decode", kwargs, (None, None), compute_decode, runs)
+
     gpu = types.ModuleType("cupyflash._gpu")
     gpu.plan_fwd = plan_fwd
     gpu_bwd = types.ModuleType("cupyflash._gpu_bwd")
     gpu_bwd.plan_bwd = plan_bwd
-    for name, module in (("_gpu", gpu), ("_gpu_bwd", gpu_bwd)):
+    gpu_decode = types.ModuleType("cupyflash._gpu_decode")
+    gpu_decode.plan_decode = plan_decode
+    from cupyflash._launch import PlanCache
+    gpu_decode.PLANS = PlanCache()
+    for name, module in (("_gpu", gpu), ("_gpu_bwd", gpu_bwd), ("_gpu_decode", gpu_decode)):
         monkeypatch.setitem(sys.modules, f"cupyflash.{name}", module)
         monkeypatch.setattr(cupyflash, name, module, raising=False)
     return plans, runs
@@ -161,6 +177,20 @@ def cpu_compute_fwd(plan_kwargs, q, k, v, out, lse):
     from cupyflash import cpu
 
     o, l = cpu.fwd(q.host, k.host, v.host, plan_kwargs["softmax_scale"], plan_kwargs["causal"])
+    out.host[...], lse.host[...] = o, l
+
+
+def cpu_compute_decode(plan_kwargs, q, k_cache, v_cache, k_new, v_new, out, lse, cache_seqlens, cache_batch_idx, block_table, cache_seqlen):
+    """compute_decode for install_fake_gpu: the CPU path on the host arrays (the
+    append lands in the caches' host arrays), written into out and lse."""
+    from cupyflash import _kvcache
+
+    host = lambda a: None if a is None else a.host  # noqa: E731
+    lengths = cache_seqlen if cache_seqlens is None else cache_seqlens.host
+    o, l = _kvcache.flash_attn_with_kvcache(
+        host(q), host(k_cache), host(v_cache), host(k_new), host(v_new), cache_seqlens=lengths,
+        cache_batch_idx=host(cache_batch_idx), block_table=host(block_table),
+        softmax_scale=plan_kwargs["softmax_scale"], causal=plan_kwargs["causal"], return_lse=True)
     out.host[...], lse.host[...] = o, l
 
 

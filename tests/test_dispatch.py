@@ -292,3 +292,91 @@ def test_seq_strides_of_dense_and_packed_tensors():
     assert _gpu.seq_strides(packed) == (0, 30, 10)
     assert _gpu.lse_strides(np.zeros((2, 3, 5), np.float32)) == (15, 5)
     assert _gpu.lse_strides(np.zeros((3, 11), np.float32)[:, :7]) == (0, 11)
+
+
+# ----------------------------------------------------------------------------
+# Decode (kernels_cu/flash_decode.cu)
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows,warps", [(1, (1, 4)), (16, (1, 4)), (17, (2, 2)), (32, (2, 2)), (33, (4, 1)),
+                                        (2048, (4, 1))])
+def test_decode_warps_follow_the_packed_rows(rows, warps):
+    assert dispatch.decode_warps(rows) == warps
+
+
+def test_decode_packs_gqa_heads_into_rows():
+    # 32 query heads on 8 KV heads, one query: 4 packed rows, one row block per KV head
+    plan = dispatch.select_decode(batch=1, seqlen_q=1, nheads_q=32, nheads_kv=8, head_dim=128,
+                                  max_seqlen_k=32768, dtype="bfloat16", causal=False, paged=False, vec=True)
+    assert plan.main.args[3:5] == ("1", "4") and plan.num_m_blocks == 1 and plan.block_m == 16
+    # grid: (row blocks x splits, KV heads, batch)
+    assert plan.main.grid == (plan.num_splits, 8, 1)
+    # 8 blocks alone would leave 124 SMs idle: split to two waves of 2 blocks per SM
+    assert plan.num_splits == math.ceil(2 * 2 * 132 / 8) and plan.combine is not None
+    assert plan.combine.grid == (32, 1, 1)
+
+
+def test_decode_large_batch_does_not_split():
+    plan = dispatch.select_decode(batch=64, seqlen_q=1, nheads_q=32, nheads_kv=8, head_dim=128,
+                                  max_seqlen_k=8192, dtype="float16", causal=False, paged=True, vec=True)
+    assert plan.num_splits == 1 and plan.combine is None and plan.main.grid == (1, 8, 64)
+
+
+def test_decode_splits_keep_two_tiles_each_and_respect_requests():
+    short = dispatch.select_decode(batch=1, seqlen_q=1, nheads_q=8, nheads_kv=8, head_dim=64,
+                                   max_seqlen_k=640, dtype="float16", causal=False, paged=False, vec=True)
+    assert short.num_splits == 640 // 64 // 2
+    tiny = dispatch.select_decode(batch=1, seqlen_q=1, nheads_q=8, nheads_kv=8, head_dim=64,
+                                  max_seqlen_k=100, dtype="float16", causal=False, paged=False, vec=True)
+    assert tiny.num_splits == 1
+    for asked, got in ((1, 1), (5, 5), (10_000, dispatch.DECODE_MAX_SPLITS)):
+        plan = dispatch.select_decode(batch=1, seqlen_q=1, nheads_q=8, nheads_kv=8, head_dim=64,
+                                      max_seqlen_k=1 << 20, dtype="float16", causal=False, paged=False,
+                                      vec=True, num_splits=asked)
+        assert plan.num_splits == got
+    few_tiles = dispatch.select_decode(batch=1, seqlen_q=1, nheads_q=8, nheads_kv=8, head_dim=64,
+                                       max_seqlen_k=130, dtype="float16", causal=False, paged=False,
+                                       vec=True, num_splits=50)
+    assert few_tiles.num_splits == 3  # no more splits than key tiles
+
+
+def test_decode_chunked_prefill_splits_rows():
+    plan = dispatch.select_decode(batch=1, seqlen_q=512, nheads_q=32, nheads_kv=8, head_dim=128,
+                                  max_seqlen_k=32768, dtype="bfloat16", causal=True, paged=False, vec=True)
+    assert plan.main.args[3:5] == ("4", "1") and plan.block_m == 64
+    assert plan.num_m_blocks == 512 * 4 // 64
+
+
+@pytest.mark.parametrize("d", dispatch.HEAD_DIMS)
+def test_decode_smem_fits_and_two_blocks_share_an_sm_up_to_128(d):
+    for warps, cc in itertools.product(((1, 4), (2, 2), (4, 1)), ((8, 0), (8, 6), (9, 0))):
+        launch = dispatch.decode_launch("float16", d, warps, False, False, True, cc=cc)
+        assert launch.smem_bytes <= dispatch.max_smem_per_block(cc)
+        block_n, w_n = int(launch.args[2]), int(launch.args[4])
+        assert block_n // w_n >= 16  # every warp takes whole k16 steps
+        if cc == (9, 0):
+            assert launch.args[2:6] == (str(dispatch._DECODE_TILES[d][0]), *map(str, warps),
+                                        str(dispatch._DECODE_TILES[d][1]))
+        if cc == (9, 0) and d <= 128 and warps == (1, 4):
+            assert 2 * (launch.smem_bytes + 1024) <= dispatch.smem_per_sm((9, 0))
+    # the epilogue's warp merge reuses the ring (DecodeTraits static_assert)
+    block_n, stages = dispatch._DECODE_TILES[d]
+    merge = 4 * 16 * 4 + 3 * 16 * (d + 8) * 4
+    assert merge <= stages * 2 * dispatch._smem_tile_bytes(block_n, d)
+
+
+def test_decode_empty_query_still_launches_one_block_to_append():
+    plan = dispatch.select_decode(batch=2, seqlen_q=0, nheads_q=4, nheads_kv=2, head_dim=64,
+                                  max_seqlen_k=4096, dtype="float16", causal=True, paged=False, vec=True)
+    assert plan.num_m_blocks == 1 and plan.num_splits == 1 and plan.combine is None
+
+
+def test_all_decode_launches_cover_select_decode():
+    every = {L.name_expression for L in dispatch.all_decode_launches()}
+    for rows, d, causal, paged, vec in itertools.product((1, 20, 100), dispatch.HEAD_DIMS, (False, True),
+                                                         (False, True), (False, True)):
+        plan = dispatch.select_decode(batch=1, seqlen_q=rows, nheads_q=1, nheads_kv=1, head_dim=d,
+                                      max_seqlen_k=50_000, dtype="bfloat16", causal=causal, paged=paged, vec=vec)
+        assert plan.main.name_expression in every
+        assert plan.combine is None or plan.combine.name_expression in every

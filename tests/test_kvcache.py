@@ -19,7 +19,7 @@ import pytest
 
 import cupyflash
 from cupyflash import reference, testing
-from fakes import FakeCupyArray, install_fake_gpu
+from fakes import FakeCupyArray, cpu_compute_decode, install_fake_gpu
 
 _NO_BF16 = pytest.mark.skipif(importlib.util.find_spec("ml_dtypes") is None,
                               reason="bfloat16 needs ml_dtypes (pip install ml_dtypes)")
@@ -603,12 +603,9 @@ def test_shared_block_append_at_different_slots_is_fine(rng):
 
 
 # ----------------------------------------------------------------------------
-# GPU arrays: validated, then NotImplementedError (no decode kernel yet)
+# GPU arrays: validated, then planned once per signature and run (a fake GPU
+# that computes with the CPU path; the kernels' own tests are in test_gpu_decode.py)
 # ----------------------------------------------------------------------------
-
-
-_GPU_MESSAGE = (f"cupyflash.{FN}: the GPU decode kernel is not built yet (issue 12); NumPy "
-                "arrays run the CPU path")
 
 
 def _on_fake_gpu(args):
@@ -622,17 +619,35 @@ def _fake_gpu_args(rng, paged=False):
     return _on_fake_gpu(_paged(_valid(rng)) if paged else _valid(rng))
 
 
+def _host_args(args):
+    return {n: (x.host.copy() if isinstance(x, FakeCupyArray) else x) for n, x in args.items()}
+
+
 @pytest.mark.parametrize("paged", [False, True])
-def test_cupy_raises_not_implemented_after_validation(monkeypatch, rng, paged):
-    install_fake_gpu(monkeypatch)
+def test_cupy_runs_the_planned_gpu_call(monkeypatch, rng, paged):
+    plans, runs = install_fake_gpu(monkeypatch, compute_decode=cpu_compute_decode)
     args = _fake_gpu_args(rng, paged)
-    k_cache0 = args["k_cache"].host.copy()
-    with pytest.raises(NotImplementedError, match="^" + re.escape(_GPU_MESSAGE) + "$"):
-        _call(args)
-    assert np.array_equal(args["k_cache"].host, k_cache0)  # nothing written
-    args["cache_seqlens"] = 3  # an int is checked on the host, then the same refusal
-    with pytest.raises(NotImplementedError, match="^" + re.escape(_GPU_MESSAGE) + "$"):
-        _call(args)
+    host = _host_args(args)
+    expect = _call(host)
+    out = _call(args)
+    assert isinstance(out, FakeCupyArray) and np.array_equal(out.host, expect)
+    assert np.array_equal(args["k_cache"].host, host["k_cache"])  # the append reached the cache
+    assert [kind for kind, _ in plans] == ["decode"] and len(runs) == 1
+    capacity = (args["block_table"].shape[1] * args["k_cache"].shape[1] if paged
+                else args["k_cache"].shape[1])
+    assert plans[0][1]["max_seqlen_k"] == capacity
+
+
+def test_cupy_int_cache_seqlens_reuses_the_plan(monkeypatch, rng):
+    """A decode loop advances an int cache_seqlens every step: one plan, the length per run."""
+    plans, runs = install_fake_gpu(monkeypatch, compute_decode=cpu_compute_decode)
+    args = _fake_gpu_args(rng)
+    args["k"] = args["v"] = None
+    for length in (3, 4, 9):
+        host = _host_args(dict(args, cache_seqlens=length))
+        out = _call(dict(args, cache_seqlens=length))
+        assert np.array_equal(out.host, _call(host))
+    assert len(plans) == 1 and len(runs) == 3
 
 
 @pytest.mark.parametrize("change,cls,message", [
@@ -780,12 +795,12 @@ def test_extra_memory_is_one_sequence_not_the_batch(rng):
 
 
 def test_cupy_bfloat16_storage_needs_dtype(monkeypatch, rng):
-    """uint16 storage of bfloat16 data: refused without dtype=, NotImplementedError with it."""
-    install_fake_gpu(monkeypatch)
+    """uint16 storage of bfloat16 data: refused without dtype=, planned as bfloat16 with it."""
+    plans, _ = install_fake_gpu(monkeypatch)
     args = {n: FakeCupyArray(x if x.dtype == np.int32 else testing.to_bf16_bits(x))
             for n, x in _valid(rng).items()}
     with pytest.raises(TypeError, match=re.escape("(for bfloat16 data held as uint16/int16, pass "
                                                   "dtype='bfloat16')")):
         _call(args)
-    with pytest.raises(NotImplementedError, match="^" + re.escape(_GPU_MESSAGE) + "$"):
-        _call(dict(args, dtype="bfloat16"))
+    _call(dict(args, dtype="bfloat16"))
+    assert plans[0][1]["dtype_name"] == "bfloat16"

@@ -31,7 +31,8 @@ def _c_fields(struct_name):
 
 
 @pytest.mark.parametrize("struct_name, mirror", [("FwdParams", _params.FWD_PARAMS),
-                                                 ("BwdParams", _params.BWD_PARAMS)])
+                                                 ("BwdParams", _params.BWD_PARAMS),
+                                                 ("DecodeParams", _params.DECODE_PARAMS)])
 def test_mirror_has_the_fields_of_the_c_struct_in_order(struct_name, mirror):
     # The size check (static_assert in params.cuh) cannot see two swapped fields of one type.
     assert [(name, mirror.fields[name][0]) for name in mirror.names] == _c_fields(struct_name)
@@ -44,7 +45,7 @@ def test_c_struct_parser_sees_a_swap():
     assert len(fields) == len(_params.FWD_PARAMS.names) == 34
 
 
-@pytest.mark.parametrize("mirror", [_params.FWD_PARAMS, _params.BWD_PARAMS])
+@pytest.mark.parametrize("mirror", [_params.FWD_PARAMS, _params.BWD_PARAMS, _params.DECODE_PARAMS])
 def test_pack_sets_every_field_by_name(mirror):
     values = {name: (i + 1) * 3 for i, name in enumerate(mirror.names)}
     record = np.frombuffer(_params.pack(mirror, **values), dtype=mirror)[0]

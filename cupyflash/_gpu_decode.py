@@ -1,0 +1,107 @@
+"""GPU attention against a KV cache: plans a call once per signature; runs it.
+
+Inputs arrive validated by :mod:`._kvcache` (shapes, dtypes, devices, unit last
+strides; host-side lengths and indices checked when they are on the host).
+Arrays are cupy ndarrays (or anything with their geometry: ``shape``,
+``strides`` in bytes, ``itemsize``, ``data.ptr``).
+
+:func:`plan_decode` returns a :class:`DecodeCall` (kernels_cu/flash_decode.cu:
+the decode kernel, and the combine kernel when the keys are split), which
+``_kvcache`` caches per call signature; :meth:`DecodeCall.run` only writes
+pointers and launches.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from . import _launch, _params, dispatch
+from ._launch import LOG2E, Contiguous, seq_strides, vec_ok
+
+select_decode = functools.lru_cache(maxsize=4096)(dispatch.select_decode)
+
+#: DecodeParams' fields set on every call (in the struct's order): the pointers,
+#: and the cache length that an int ``cache_seqlens`` gives (a decode loop
+#: advances it every step; it must not make a new plan).
+DECODE_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "out_accum", "lse_accum",
+                   "cache_seqlens", "cache_batch_idx", "block_table", "cache_seqlen")
+_DECODE_WRITER = _params.FieldWriter(_params.DECODE_PARAMS, DECODE_POINTERS)
+
+
+class DecodeCall:
+    """One planned decode call: its kernels, packed params and output shapes.
+
+    ``run(stream, alloc, q, k_cache, v_cache, k_new, v_new, out, lse,
+    cache_seqlens, cache_batch_idx, block_table, cache_seqlen)`` takes device
+    pointers (0 for an absent array) and the cache length used when
+    ``cache_seqlens`` is 0; ``alloc(nbytes) -> (owner, pointer)`` provides the
+    split partials, kept by the caller until the launches are queued.
+    """
+
+    __slots__ = ("plan", "out_shape", "lse_shape", "scratch_bytes", "_accum_offsets", "_launcher")
+
+    def __init__(self, plan, out_shape, lse_shape, scratch, launcher):
+        self.plan, self.out_shape, self.lse_shape = plan, out_shape, lse_shape
+        self.scratch_bytes, self._accum_offsets = scratch
+        self._launcher = launcher
+
+    def run(self, stream, alloc, q, k_cache, v_cache, k_new, v_new, out, lse, cache_seqlens, cache_batch_idx,
+            block_table, cache_seqlen):
+        owner = None
+        out_accum = lse_accum = 0
+        if self.scratch_bytes:
+            owner, base = alloc(self.scratch_bytes)
+            out_accum, lse_accum = (base + o for o in self._accum_offsets)
+        self._launcher(stream, q, k_cache, v_cache, k_new, v_new, out, lse, out_accum, lse_accum, cache_seqlens,
+                       cache_batch_idx, block_table, cache_seqlen)
+        return owner
+
+
+def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k: int,
+                softmax_scale: float, causal: bool, num_splits: int, dtype_name: str, device_id: int) -> DecodeCall:
+    """Plan a decode call on the current device (compiling its kernels on first use).
+
+    ``k_new``/``v_new``: the keys and values to append, or None.  ``block_table``:
+    the paged cache's table (its geometry only), or None for a dense cache.
+    ``max_seqlen_k``: a bound on
+    every sequence's keys after the append (sizes the key splits).  Outputs are
+    C-contiguous: out like q, lse ``(batch, nheads_q, seqlen_q)`` float32.
+    """
+    batch, seqlen_q, nheads_q, head_dim = q.shape
+    nheads_kv = k_cache.shape[2]
+    out = Contiguous(q.shape, q.itemsize)
+    appended = () if k_new is None else (k_new, v_new)
+    plan = select_decode(
+        batch=batch, seqlen_q=seqlen_q, nheads_q=nheads_q, nheads_kv=nheads_kv, head_dim=head_dim,
+        max_seqlen_k=max_seqlen_k, dtype=dtype_name, causal=causal, paged=block_table is not None,
+        vec=vec_ok((q, k_cache, v_cache, *appended), head_dim), num_splits=num_splits,
+        num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id))
+    lse_shape = (batch, nheads_q, seqlen_q)
+    scratch = (0, (0, 0))
+    if plan.num_splits > 1:
+        rows = plan.num_splits * batch * nheads_q * seqlen_q
+        scratch = _launch.scratch_layout((rows * plan.head_dim_padded * 4, rows * 4))
+    strides = {}
+    for name, a in (("q", q), ("k", k_cache), ("v", v_cache), ("knew", k_new), ("vnew", v_new), ("o", out)):
+        for axis, s in zip(("batch", "row", "head"), (0, 0, 0) if a is None else seq_strides(a)):
+            strides[f"{name}_{axis}_stride"] = s
+    template = _params.pack(
+        _params.DECODE_PARAMS, **dict.fromkeys(DECODE_POINTERS, 0), **strides,
+        block_table_batch_stride=0 if block_table is None else block_table.strides[0] // block_table.itemsize,
+        batch=batch, nheads_q=nheads_q, nheads_kv=nheads_kv, seqlen_q=seqlen_q, head_dim=head_dim,
+        seqlen_new=0 if k_new is None else k_new.shape[1],
+        page_size=k_cache.shape[1] if block_table is not None else 0, cache_rows=k_cache.shape[0],
+        group=nheads_q // nheads_kv, num_m_blocks=plan.num_m_blocks, num_splits=plan.num_splits,
+        softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E)
+    launches = (plan.main,) if plan.combine is None else (plan.main, plan.combine)
+    return DecodeCall(plan, tuple(q.shape), lse_shape, scratch,
+                      _launch.Launcher(launches, template, _DECODE_WRITER))
+
+
+PLANS = _launch.PlanCache()
+
+
+def clear_plans() -> None:
+    """Forget every cached plan."""
+    PLANS.clear()
+    select_decode.cache_clear()

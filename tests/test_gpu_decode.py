@@ -1,0 +1,265 @@
+"""flash_attn_with_kvcache on the GPU (kernels_cu/flash_decode.cu) against the
+float64 reference (skipped without a GPU).
+
+Inputs are fresh random float16/bfloat16 data; the memory pool is NaN-poisoned
+before each call so unwritten outputs show; results and the caches after the
+append are checked with tests/test_kvcache.py's rule (the naive same-dtype
+error bound of cupyflash.testing).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cupyflash
+from cupyflash import testing
+from test_kvcache import assert_matches_reference, i32
+
+pytestmark = pytest.mark.gpu
+
+
+def _cp():
+    return pytest.importorskip("cupy")
+
+
+def _host(rng, shape, dtype):
+    return testing.random_normal(rng, shape, dtype)
+
+
+def _dev(cp, x):
+    """A host array on the GPU: float16 as is, bfloat16 as its uint16 bits."""
+    if x.dtype == np.float16 or x.dtype == np.int32:
+        return cp.asarray(x)
+    return cp.asarray(testing.to_bf16_bits(x.astype(np.float32)))
+
+
+def _back(x, dtype):
+    x = x.get()
+    return testing.from_bf16_bits(x) if dtype == "bfloat16" else x.astype(np.float32)
+
+
+def _poison_pool(cp, nbytes):
+    """Leave NaN in the pool blocks the next allocations of these sizes reuse."""
+    for n in nbytes:
+        cp.full(max(1, n // 2), np.nan, dtype=cp.float16)
+    cp.cuda.Stream.null.synchronize()
+
+
+def run_and_check(cp, rng, dtype, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
+                  cache_batch_idx=None, block_table=None, causal=False, num_splits=0):
+    """Run on the GPU (device copies of the host arrays), check out, lse and the caches."""
+    d = {name: (None if x is None else _dev(cp, x)) for name, x in
+         (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+          ("cache_batch_idx", cache_batch_idx), ("block_table", block_table))}
+    lengths = cache_seqlens if not isinstance(cache_seqlens, np.ndarray) else cp.asarray(cache_seqlens)
+    _poison_pool(cp, (q.nbytes, q.size * 2))
+    out, lse = cupyflash.flash_attn_with_kvcache(
+        d["q"], d["k_cache"], d["v_cache"], d["k"], d["v"], cache_seqlens=lengths,
+        cache_batch_idx=d["cache_batch_idx"], block_table=d["block_table"], causal=causal,
+        num_splits=num_splits, return_lse=True, dtype=dtype)
+    assert out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    got = _back(out, dtype)
+    ref_k, ref_v = assert_matches_reference(q, k_cache, v_cache, k, v, got, lse.get(),
+                                            cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+                                            block_table=block_table, causal=causal)
+    assert np.array_equal(_back(d["k_cache"], dtype).astype(np.float64), ref_k)
+    assert np.array_equal(_back(d["v_cache"], dtype).astype(np.float64), ref_v)
+    return got, lse.get()
+
+
+def _table(rng, batch, blocks_per_seq, num_blocks, shared=0):
+    """A shuffled block table; the first ``shared`` pages of every sequence are one
+    set of blocks (a shared prefix)."""
+    perm = rng.permutation(num_blocks)
+    table = perm[:batch * blocks_per_seq].reshape(batch, blocks_per_seq).copy()
+    if shared:
+        table[:, :shared] = table[0, :shared]
+    return i32(table)
+
+
+DECODE_CASES = [  # dtype, head_dim, nheads_q, nheads_kv, paged, causal
+    ("float16", 128, 8, 2, False, False),
+    ("bfloat16", 128, 8, 2, True, True),
+    ("float16", 64, 4, 4, True, False),
+    ("bfloat16", 64, 8, 1, False, True),
+    ("float16", 256, 4, 2, True, False),
+    ("bfloat16", 96, 6, 2, False, False),
+    ("float16", 32, 2, 2, True, True),
+    ("float16", 40, 4, 2, False, True),
+    ("bfloat16", 59, 4, 1, True, False),   # head_dim not a multiple of 8: element loads
+    ("float16", 192, 2, 1, False, False),
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,nheads_q,nheads_kv,paged,causal", DECODE_CASES)
+def test_decode_per_sequence_lengths(rng, dtype, head_dim, nheads_q, nheads_kv, paged, causal):
+    """One new query per sequence, lengths including 0 and a page tail, with an append."""
+    cp = _cp()
+    batch, capacity, page_size = 4, 640, 32
+    q = _host(rng, (batch, 1, nheads_q, head_dim), dtype)
+    k, v = (_host(rng, (batch, 1, nheads_kv, head_dim), dtype) for _ in range(2))
+    lengths = i32([0, 1, 333, capacity - 1])
+    if paged:
+        table = _table(rng, batch, capacity // page_size, batch * capacity // page_size + 3)
+        shape = (table.max() + 1, page_size, nheads_kv, head_dim)
+    else:
+        table, shape = None, (batch, capacity, nheads_kv, head_dim)
+    k_cache, v_cache = (_host(rng, shape, dtype) for _ in range(2))
+    run_and_check(cp, rng, dtype, q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table,
+                  causal=causal)
+
+
+@pytest.mark.parametrize("seqlen_q,nheads_q,nheads_kv", [(2, 8, 2), (5, 4, 1), (64, 4, 1), (100, 2, 2)])
+@pytest.mark.parametrize("paged", [False, True])
+def test_causal_chunked_prefill(rng, seqlen_q, nheads_q, nheads_kv, paged):
+    """Several new queries (every warp grid: 8, 20, 256, 200 packed rows), appended and causal."""
+    cp = _cp()
+    dtype, head_dim, batch, page_size = "float16", 128, 2, 64
+    capacity = 1024
+    q = _host(rng, (batch, seqlen_q, nheads_q, head_dim), dtype)
+    k, v = (_host(rng, (batch, seqlen_q, nheads_kv, head_dim), dtype) for _ in range(2))
+    lengths = i32([0, 700])
+    if paged:
+        table = _table(rng, batch, capacity // page_size, 2 * capacity // page_size)
+        shape = (2 * capacity // page_size, page_size, nheads_kv, head_dim)
+    else:
+        table, shape = None, (batch, capacity, nheads_kv, head_dim)
+    k_cache, v_cache = (_host(rng, shape, dtype) for _ in range(2))
+    run_and_check(cp, rng, dtype, q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table,
+                  causal=True)
+
+
+def test_causal_more_queries_than_keys(rng):
+    """Rows above the bottom-right diagonal see no key: out 0, lse -inf, no NaN."""
+    cp = _cp()
+    q = _host(rng, (2, 9, 4, 64), "float16")
+    k_cache, v_cache = (_host(rng, (2, 32, 2, 64), "float16") for _ in range(2))
+    _, lse = run_and_check(cp, rng, "float16", q, k_cache, v_cache, cache_seqlens=i32([3, 0]), causal=True)
+    assert np.isneginf(lse[0, :, :6]).all() and np.isfinite(lse[0, :, 6:]).all()
+    assert np.isneginf(lse[1]).all()
+
+
+def test_cache_batch_idx(rng):
+    cp = _cp()
+    q = _host(rng, (3, 1, 8, 128), "bfloat16")
+    k, v = (_host(rng, (3, 2, 2, 128), "bfloat16") for _ in range(2))
+    k_cache, v_cache = (_host(rng, (5, 300, 2, 128), "bfloat16") for _ in range(2))
+    run_and_check(cp, rng, "bfloat16", q, k_cache, v_cache, k, v, cache_seqlens=i32([10, 290, 0]),
+                  cache_batch_idx=i32([4, 0, 2]))
+
+
+@pytest.mark.parametrize("page_size", [16, 48, 256])
+def test_paged_shared_prefix(rng, page_size):
+    """Sequences share their first pages; each appends into its own."""
+    cp = _cp()
+    batch, pages = 3, 8
+    q = _host(rng, (batch, 1, 8, 64), "float16")
+    k, v = (_host(rng, (batch, 1, 2, 64), "float16") for _ in range(2))
+    table = _table(rng, batch, pages, batch * pages, shared=2)
+    k_cache, v_cache = (_host(rng, (batch * pages, page_size, 2, 64), "float16") for _ in range(2))
+    lengths = i32([2 * page_size, 5 * page_size + 3, 8 * page_size - 1])
+    run_and_check(cp, rng, "float16", q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table)
+
+
+@pytest.mark.parametrize("cache_seqlens", [None, 77])
+def test_whole_cache_and_int_lengths(rng, cache_seqlens):
+    cp = _cp()
+    q = _host(rng, (2, 1, 8, 128), "float16")
+    k_cache, v_cache = (_host(rng, (2, 2000, 2, 128), "float16") for _ in range(2))
+    run_and_check(cp, rng, "float16", q, k_cache, v_cache, cache_seqlens=cache_seqlens)
+
+
+def test_long_cache_splits(rng):
+    """A long cache, one sequence: the automatic choice splits the keys."""
+    cp = _cp()
+    q = _host(rng, (1, 1, 32, 128), "bfloat16")
+    k_cache, v_cache = (_host(rng, (1, 20000, 8, 128), "bfloat16") for _ in range(2))
+    run_and_check(cp, rng, "bfloat16", q, k_cache, v_cache, cache_seqlens=i32([19999]))
+
+
+def test_num_splits_does_not_change_the_result(rng):
+    cp = _cp()
+    q = _host(rng, (2, 3, 8, 64), "float16")
+    k_cache, v_cache = (_host(rng, (2, 3000, 2, 64), "float16") for _ in range(2))
+    lengths = i32([2999, 130])
+    results = [run_and_check(cp, rng, "float16", q, k_cache, v_cache, cache_seqlens=lengths, causal=True,
+                             num_splits=n)[0] for n in (1, 2, 7, 0, 500)]
+    for other in results[1:]:
+        assert np.abs(other - results[0]).max() < 2e-3
+
+
+def test_int_cache_seqlens_reuses_one_plan(rng):
+    """A decode loop advances an int length each step: one plan, the right length every step."""
+    cp = _cp()
+    from cupyflash import _gpu_decode
+
+    q = _host(rng, (2, 1, 4, 64), "float16")
+    k_cache, v_cache = (_host(rng, (2, 256, 2, 64), "float16") for _ in range(2))
+    before = len(_gpu_decode.PLANS)
+    for length in (1, 2, 100, 255):
+        run_and_check(cp, rng, "float16", q, k_cache, v_cache, cache_seqlens=length)
+    assert len(_gpu_decode.PLANS) == before + 1
+
+
+def test_out_of_range_block_indices_are_clamped(rng):
+    """Device indices the host cannot check: out-of-range blocks read the nearest valid block."""
+    cp = _cp()
+    q = _host(rng, (1, 1, 4, 64), "float16")
+    k_cache, v_cache = (_host(rng, (4, 16, 2, 64), "float16") for _ in range(2))
+    bad = cp.asarray(i32([[1, -7, 99]]))
+    clamped = i32([[1, 0, 3]])
+    lengths = cp.asarray(i32([40]))
+    dq, dk, dv = (_dev(cp, x) for x in (q, k_cache, v_cache))
+    out = cupyflash.flash_attn_with_kvcache(dq, dk, dv, cache_seqlens=lengths, block_table=bad)
+    want = cupyflash.flash_attn_with_kvcache(dq, dk, dv, cache_seqlens=lengths, block_table=cp.asarray(clamped))
+    assert not cp.isnan(out).any()
+    cp.testing.assert_array_equal(out, want)
+
+
+_MEMCHECK_SCRIPT = """
+import cupy as cp, numpy as np, cupyflash
+q = cp.ones((2, 1, 4, 64), dtype=cp.float16)
+cache = cp.ones((4, 16, 2, 64), dtype=cp.float16)
+table = cp.asarray(np.array([[1, -7, 99], [2**30, 3, -1]], dtype=np.int32))
+rows = cp.asarray(np.array([-3, 9], dtype=np.int32))
+for kw in (dict(block_table=table), dict(cache_batch_idx=rows)):
+    kc = cache if "block_table" in kw else cp.ones((2, 48, 2, 64), dtype=cp.float16)
+    out = cupyflash.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cp.asarray(np.array([40, 48], np.int32)),
+                                            num_splits=3, **kw)
+    assert not cp.isnan(out).any()
+cp.cuda.Device().synchronize()
+print("ok")
+"""
+
+
+def test_memcheck_out_of_range_indices():
+    """compute-sanitizer memcheck: out-of-range device indices never touch memory outside the cache."""
+    _cp()
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        pytest.skip("compute-sanitizer is not on PATH")
+    proc = subprocess.run([sanitizer, "--tool", "memcheck", "--error-exitcode", "3", sys.executable, "-c",
+                           _MEMCHECK_SCRIPT], capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ))
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_unaligned_views(rng):
+    """Strided views (every other head of a wider cache): 16-byte loads stay legal or fall back."""
+    cp = _cp()
+    q = _host(rng, (2, 1, 4, 64), "float16")
+    wide_k, wide_v = (_host(rng, (2, 100, 4, 64), "float16") for _ in range(2))
+    dq = _dev(cp, q)
+    dk, dv = _dev(cp, wide_k)[:, :, ::2], _dev(cp, wide_v)[:, :, ::2]
+    lengths = i32([99, 50])
+    out = cupyflash.flash_attn_with_kvcache(dq, dk, dv, cache_seqlens=cp.asarray(lengths))
+    assert_matches_reference(q, wide_k[:, :, ::2], wide_v[:, :, ::2], None, None, out.get().astype(np.float32),
+                             cupyflash.flash_attn_with_kvcache(dq, dk, dv, cache_seqlens=cp.asarray(lengths),
+                                                               return_lse=True)[1].get(),
+                             cache_seqlens=lengths)
