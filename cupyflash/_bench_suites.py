@@ -1,4 +1,4 @@
-"""The seed, overhead and frameworks suites of ``python -m cupyflash bench``.
+"""The seed, overhead, frameworks and decode suites of ``python -m cupyflash bench``.
 
 Each suite is ``run(cupy, args, report, save)``, which appends result dicts
 to ``report["results"]`` (and notes to ``report["notes"]``) and calls
@@ -11,6 +11,8 @@ fakes.
 Failures are results: an out-of-memory error anywhere in an implementation's
 measurement marks its remaining numbers ``"OOM"``, any other error
 ``"error"`` (with the message under ``<impl>_error``); the suite carries on.
+A measurement not made on purpose (a point too large for --max-kv-gb) is
+``"skipped"``, with the reason.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from . import bench, reference
 
 OOM = "OOM"
 ERROR = "error"
+SKIPPED = "skipped"
 
 # ----------------------------------------------------------------------------
 # Shared: failures, numbers in cells, error metrics, the float64 reference
@@ -776,9 +779,9 @@ def run_overhead(cupy, args, report, save):
 
 
 def count_statuses(results) -> dict[str, int]:
-    """How many results PASS, FAIL, are "n/a" or ended in an error/OOM."""
+    """How many results PASS, FAIL, are "n/a", ended in an error/OOM or were skipped."""
     counts = collections.Counter(r.get("status") for r in results)
-    return {s: counts[s] for s in ("PASS", "FAIL", "n/a", ERROR, OOM) if counts[s]}
+    return {s: counts[s] for s in ("PASS", "FAIL", "n/a", ERROR, OOM, SKIPPED) if counts[s]}
 
 
 _SHORT_DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
@@ -1087,8 +1090,661 @@ def plot_frameworks(report, path):
     fig.savefig(path)
 
 
+# ----------------------------------------------------------------------------
+# --suite decode
+# ----------------------------------------------------------------------------
+
+DECODE_BATCHES = (1, 8, 64)
+DECODE_SEQLENS = (1024, 8192, 32768, 131072)
+#: (nheads_q, nheads_kv): GQA 4:1 and plain multi-head.
+DECODE_HEADS = ((32, 8), (32, 32))
+DECODE_HEAD_DIMS = (64, 128)
+DECODE_DTYPES = ("bfloat16", "float16")
+DECODE_PARTS = ("grid", "paged", "prefill")
+#: The H200's device-to-device copy bandwidth, TB/s (--copy-tbps).
+DEFAULT_COPY_TBPS = 4.24
+#: Points whose K/V cache (one input set) exceeds this many GB are skipped (--max-kv-gb).
+DEFAULT_MAX_KV_GB = 40.0
+#: The bandwidth bar applies where the K/V cache is at least this large.
+BW_MIN_BYTES = 256 * 2**20
+#: Bars: ours' K/V bandwidth >= BW_BAR x copy; FA2's time >= FA2_BAR x ours; cuDNN's >= CUDNN_BAR x ours;
+#: paged <= PAGED_BAR x contiguous; the kvcache chunked prefill <= PREFILL_BAR x the dense forward.
+BW_BAR = 0.8
+FA2_BAR = 1.5
+CUDNN_BAR = 1.0
+PAGED_BAR = 1.1
+PREFILL_BAR = 1.0
+PAGE_SIZES = (16, 64, 256)
+#: (batch, seqlen_k) of the paged comparison, at PAGED_CONFIG.
+PAGED_SHAPES = ((8, 32768), (1, 131072))
+PAGED_CONFIG = {"nheads_q": 32, "nheads_kv": 8, "head_dim": 128, "dtype": "bfloat16"}
+PREFILL_SEQLENS_Q = (64, 512)
+PREFILL_CONFIG = {"batch": 1, "seqlen_k": 32768, "nheads_q": 32, "nheads_kv": 8, "head_dim": 128,
+                  "dtype": "bfloat16", "causal": True}
+#: Max abs difference allowed between ours' output and the reference's (SDPA flash's, or ours' other path).
+CHECK_TOL = {"bfloat16": 1e-2, "float16": 5e-3}
+#: Warm-up of each timing (bench._time_ms: at least 3 calls and this long); decode calls are short.
+DECODE_WARMUP_MS = 20.0
+#: float32 elements generated at a time when filling a cache (256 MiB).
+FILL_CHUNK = 1 << 26
+
+
+class Skip(Exception):
+    """A measurement not made on purpose (memory); recorded as ``"skipped"`` with the reason."""
+
+
+def kv_bytes(batch, seqlen_k, nheads_kv, head_dim, itemsize=2) -> int:
+    """Bytes of the K and V caches: ``2 * batch * seqlen_k * nheads_kv * head_dim * itemsize``."""
+    return 2 * batch * seqlen_k * nheads_kv * head_dim * itemsize
+
+
+def tbps(nbytes, ms):
+    """TB/s (10**12 bytes per second) of ``nbytes`` moved in ``ms`` milliseconds; None unless ``ms`` is a
+    measured positive number."""
+    return nbytes / ms / 1e9 if _number(ms) and ms > 0 else None
+
+
+def kv_skip_reason(nbytes, max_bytes):
+    """Why a point whose caches take ``nbytes`` is skipped, or None when it fits ``max_bytes``."""
+    if nbytes <= max_bytes:
+        return None
+    return f"K/V {nbytes / 1e9:.1f} GB > {max_bytes / 1e9:g} GB (--max-kv-gb)"
+
+
+def bar_at_least(value, limit) -> str:
+    """PASS when ``value >= limit``, FAIL below; "n/a" unless ``value`` is a measured number."""
+    if not _number(value):
+        return "n/a"
+    return "PASS" if value >= limit else "FAIL"
+
+
+def check_status(has_nan, max_abs, tol) -> str:
+    """The output check: FAIL on a NaN or an error above ``tol`` (a NaN error too); PASS within
+    ``tol``; "n/a" when there was nothing to compare with (and no NaN)."""
+    if has_nan:
+        return "FAIL"
+    if max_abs is None:
+        return "n/a"
+    return "PASS" if max_abs <= tol else "FAIL"
+
+
+def overall_status(ours_ms, bars) -> str:
+    """A point's status from ours' time and its bars (PASS, FAIL, "n/a" or "-" = not applicable).
+
+    ours' failure marker ("OOM", "error", "skipped") when ours was not measured; FAIL when a bar
+    fails; PASS when every applicable bar passes; otherwise "n/a" (some bar could not be judged).
+    """
+    if not _number(ours_ms):
+        return ours_ms if ours_ms in (OOM, ERROR, SKIPPED) else "n/a"
+    if "FAIL" in bars:
+        return "FAIL"
+    return "PASS" if all(b in ("PASS", "-") for b in bars) else "n/a"
+
+
+def judge_decode(res, copy_tbps) -> None:
+    """Bandwidths, ratios, the four bars and the status of one decode-grid result, into ``res``.
+
+    ``res`` holds ``kv_bytes``, ``ours_ms``, ``fa2_ms``, ``cudnn_ms`` (numbers or failure markers)
+    and ``check``; ``<impl>_tbps`` is the un-expanded K/V bytes over that implementation's time.
+    """
+    ms = res.get("ours_ms")
+    for name in ("ours", "fa2", "cudnn"):
+        value = tbps(res["kv_bytes"], res.get(f"{name}_ms"))
+        if value is not None:
+            res[f"{name}_tbps"] = value
+    if "ours_tbps" in res:
+        res["ours_frac_copy"] = res["ours_tbps"] / copy_tbps
+    for other in ("fa2", "cudnn"):
+        r = ratio(res.get(f"{other}_ms"), ms)
+        if r is not None:
+            res[f"ratio_vs_{other}"] = r
+    res["bar_bw"] = "-" if res["kv_bytes"] < BW_MIN_BYTES else bar_at_least(res.get("ours_frac_copy"), BW_BAR)
+    res["bar_fa2"] = bar_at_least(res.get("ratio_vs_fa2"), FA2_BAR)
+    res["bar_cudnn"] = bar_at_least(res.get("ratio_vs_cudnn"), CUDNN_BAR)
+    res["status"] = overall_status(ms, [res["bar_bw"], res["bar_fa2"], res["bar_cudnn"], res.get("check", "n/a")])
+
+
+def judge_against(res, name, base, limit) -> None:
+    """``ratio_<name>_vs_<base>`` (= name's time / base's: < 1 is faster), the bar ``name's time <=
+    limit x base's`` and the status (with the output check), into ``res``."""
+    r = ratio(res.get(f"{name}_ms"), res.get(f"{base}_ms"))
+    if r is not None:
+        res[f"ratio_{name}_vs_{base}"] = r
+    res["bar_time"] = "n/a" if r is None else ("PASS" if r <= limit else "FAIL")
+    res["status"] = overall_status(res.get(f"{name}_ms"), [res["bar_time"], res.get("check", "n/a")])
+
+
+def max_abs_diff(xp, a, b) -> float:
+    """``max |a - b|`` (float32 arrays of one shape); NaN where either holds a NaN."""
+    if a.shape != b.shape:
+        raise ValueError(f"outputs of shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be compared")
+    return float(xp.max(xp.abs(a - b))) if a.size else 0.0
+
+
+def record_check(res, xp, ours, refs, tol, name="ours") -> None:
+    """Compare ours' output with the first available reference output, into ``res``.
+
+    Parameters
+    ----------
+    res : dict
+        Receives ``<name>_nan``, ``check_against`` (the reference's name or None), ``check_max_abs``,
+        ``check_tol`` and ``check`` (:func:`check_status`; "n/a" without ours' output).
+    xp : module
+        The arrays' module.
+    ours : array or None
+        float32, shape (batch, seqlen_q, nheads_q, head_dim).
+    refs : list of (str, array or None)
+        Candidate references in order of preference, as ``ours``.
+    tol : float
+    name : str, optional
+        The name of ours' output in ``res`` (the NaN flag's key).
+    """
+    res["check_tol"] = tol
+    if ours is None:
+        res["check"] = "n/a"
+        return
+    has_nan = res[f"{name}_nan"] = bool(xp.isnan(ours).any())
+    against = next(((name, out) for name, out in refs if out is not None), None)
+    res["check_against"] = against[0] if against else None
+    max_abs = None
+    if against:
+        try:
+            max_abs = res["check_max_abs"] = max_abs_diff(xp, ours, against[1])
+        except Exception as e:  # noqa: BLE001 - a wrong shape is a failed check, not a crash
+            res["check_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            res["check"] = "FAIL"
+            return
+    res["check"] = check_status(has_nan, max_abs, tol)
+
+
+def _typed(cupy, storage, dtype):
+    """uint16 storage as the array the public API takes: float16 values, or bfloat16 bits as they are."""
+    return storage.view(cupy.float16) if dtype == "float16" else storage
+
+
+def _as_float32(cupy, x, dtype):
+    """An output of ours (float16, or bfloat16 bits in uint16 storage) as float32."""
+    if dtype == "float16":
+        return x.astype(cupy.float32)
+    return (x.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
+
+
+def fill_normal(cupy, storage, dtype, chunk=None) -> None:
+    """Fill uint16 ``storage`` with standard-normal ``dtype`` values (float16, or bfloat16 bits),
+    ``chunk`` float32 elements at a time (default :data:`FILL_CHUNK`), so a large cache needs no
+    float32 copy of itself."""
+    chunk = chunk or FILL_CHUNK
+    flat = storage.reshape(-1)
+    for start in range(0, flat.size, chunk):
+        x = cupy.random.standard_normal(min(chunk, flat.size - start), dtype=cupy.float32)
+        flat[start:start + x.size] = (x.astype(cupy.float16).view(cupy.uint16) if dtype == "float16"
+                                      else bench._bf16_bits(cupy, x))  # noqa: SLF001
+
+
+def decode_sets(cupy, count, *, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim):
+    """``count`` sets of uninitialised uint16 (q, k_cache, v_cache) storage (:func:`fill_normal` fills them)."""
+    kv = (batch, seqlen_k, nheads_kv, head_dim)
+    return [(cupy.empty((batch, seqlen_q, nheads_q, head_dim), dtype=cupy.uint16),
+             cupy.empty(kv, dtype=cupy.uint16), cupy.empty(kv, dtype=cupy.uint16)) for _ in range(count)]
+
+
+def paged_copy(cupy, k_cache, v_cache, page_size):
+    """A paged copy of a full contiguous cache: ``(k_pages, v_pages, block_table)``.
+
+    The pool has exactly ``batch * seqlen_k / page_size`` blocks; the block table is a random
+    permutation of them (int32, shape (batch, seqlen_k / page_size)), so a sequence's blocks lie
+    anywhere in the pool, in no order.
+    """
+    batch, seqlen_k, nheads_kv, head_dim = k_cache.shape
+    if seqlen_k % page_size:
+        raise ValueError(f"seqlen_k {seqlen_k} is not a multiple of page_size {page_size}")
+    num_blocks = batch * (seqlen_k // page_size)
+    table = cupy.random.permutation(num_blocks).astype(cupy.int32)
+    pages = []
+    for cache in (k_cache, v_cache):
+        pool = cupy.empty((num_blocks, page_size, nheads_kv, head_dim), dtype=cache.dtype)
+        pool[table] = cache.reshape(num_blocks, page_size, nheads_kv, head_dim)
+        pages.append(pool)
+    return pages[0], pages[1], table.reshape(batch, num_blocks // batch)
+
+
+class _OursBase:
+    """cupyflash through the public API on cupy arrays; cupy events."""
+
+    def __init__(self, cupy, name, dtype, causal=True):
+        import cupyflash  # noqa: PLC0415
+
+        self.cupy, self.name, self.dtype, self.causal, self.lib = cupy, name, dtype, causal, cupyflash
+
+    def context(self):
+        return contextlib.nullcontext()
+
+    def prepare(self, sets, res):
+        return [tuple(_typed(self.cupy, x, self.dtype) for x in s[:3]) + tuple(s[3:]) for s in sets]
+
+    def output(self, out):
+        return _as_float32(self.cupy, out, self.dtype)
+
+    def time_ms(self, fn, reps):
+        return bench._time_ms(fn, reps, self.cupy, warmup_ms=DECODE_WARMUP_MS)  # noqa: SLF001
+
+    def release(self):
+        pass
+
+
+class OursKV(_OursBase):
+    """``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens[, block_table=...], causal=...)``;
+    a set is ``(q, k_cache, v_cache)`` or ``(q, k_pages, v_pages, block_table)``."""
+
+    def __init__(self, cupy, name, dtype, lens, causal=True):
+        super().__init__(cupy, name, dtype, causal)
+        self.lens = lens
+
+    def call(self, state):
+        q, k, v = state[:3]
+        table = state[3] if len(state) > 3 else None
+        return self.lib.flash_attn_with_kvcache(q, k, v, cache_seqlens=self.lens, block_table=table,
+                                                causal=self.causal, dtype=self.dtype)
+
+
+class OursDense(_OursBase):
+    """``flash_attn_fwd(q, k, v, causal=...)``: the dense forward on the cache as keys and values."""
+
+    def call(self, state):
+        return self.lib.flash_attn_fwd(*state[:3], causal=self.causal, dtype=self.dtype)
+
+    def output(self, out):
+        return super().output(out[0])
+
+
+class DecodeSdpa:
+    """torch SDPA with one backend on (B, H, S, D) views of the same cupy memory (DLPack, no copy).
+
+    ``enable_gqa=True`` where nheads_q != nheads_kv.  With ``expand_on_refusal`` (cuDNN), a backend
+    that refuses the grouped call gets K/V with their heads repeated (``repeat_interleave``, made
+    here, outside the timed calls) and ``res[name + "_kv"] = "expanded"`` with the refusal under
+    ``<name>_gqa_refusal``; where the expanded K/V of all sets would exceed ``max_bytes`` the
+    measurement is skipped (:class:`Skip`).  ``is_causal=False``: torch's causal mask is aligned
+    top-left, and one query against a full cache sees every key.
+    """
+
+    def __init__(self, env, cupy, name, backend, *, dtype, nheads_q, nheads_kv, max_bytes,
+                 expand_on_refusal=False):
+        self.torch, backends, self.sdpa_kernel = env
+        self.cupy, self.name, self.dtype = cupy, name, dtype
+        self.backend = getattr(backends, backend)
+        self.sdpa = self.torch.nn.functional.scaled_dot_product_attention
+        self.group = nheads_q // nheads_kv
+        self.kwargs = {"enable_gqa": True} if self.group > 1 else {}
+        self.max_bytes, self.expand_on_refusal = max_bytes, expand_on_refusal
+
+    def context(self):
+        return self.sdpa_kernel(self.backend)
+
+    def prepare(self, sets, res):
+        torch, cupy = self.torch, self.cupy
+        views = [tuple(bench.torch_view(torch, cupy, _typed(cupy, x, self.dtype), self.dtype).transpose(1, 2)
+                       for x in s[:3]) for s in sets]
+        self.kwargs = {"enable_gqa": True} if self.group > 1 else {}
+        if not (self.expand_on_refusal and self.group > 1):
+            return views
+        try:
+            self.sdpa(*views[0], **self.kwargs)
+            torch.cuda.synchronize()
+            return views
+        except Exception as e:  # noqa: BLE001 - the refusal is recorded; the expanded call is timed
+            res[f"{self.name}_gqa_refusal"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        expanded = sum(2 * k.numel() * k.element_size() * self.group for _, k, _ in views)
+        if expanded > self.max_bytes:
+            raise Skip(f"refuses GQA; K/V expanded to nheads_q would take {expanded / 1e9:.1f} GB "
+                       f"> {self.max_bytes / 1e9:g} GB (--max-kv-gb)")
+        res[f"{self.name}_kv"] = "expanded"
+        self.kwargs = {}
+        return [(q, k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1))
+                for q, k, v in views]
+
+    def call(self, state):
+        return self.sdpa(*state, **self.kwargs)
+
+    def output(self, out):
+        return self.cupy.from_dlpack(out.transpose(1, 2).float().contiguous())
+
+    def time_ms(self, fn, reps):
+        return bench._torch_time_ms(fn, reps, self.torch, warmup_ms=DECODE_WARMUP_MS)  # noqa: SLF001
+
+    def release(self):
+        self.torch.cuda.empty_cache()
+
+
+def measure_decode(impl, sets, res, reps):
+    """ms per call of one implementation into ``res[impl.name + "_ms"]``, rotating through ``sets``.
+
+    Parameters
+    ----------
+    impl : OursKV, OursDense, DecodeSdpa or alike
+        ``name``, ``context()``, ``prepare(sets, res) -> states``, ``call(state)``,
+        ``output(out) -> float32 array (batch, seqlen_q, nheads_q, head_dim)``,
+        ``time_ms(fn, reps)`` and ``release()``.
+    sets : list of tuple
+        uint16 storage (:func:`decode_sets`), filled.
+    res : dict
+    reps : int
+
+    Returns
+    -------
+    array or None
+        The output of the first set as float32 (before the timed calls), None when the call failed.
+        A failure marks the time "OOM" or "error" (:func:`mark_failed`); a :class:`Skip`,
+        "skipped" with the reason under ``<name>_skipped``.
+    """
+    name, out = impl.name, None
+    try:
+        with impl.context():
+            states = impl.prepare(sets, res)
+            try:
+                out = impl.output(impl.call(states[0]))
+                res[f"{name}_ms"] = impl.time_ms(
+                    bench._rotating([functools.partial(impl.call, s) for s in states]), reps)  # noqa: SLF001
+            finally:
+                del states
+    except Skip as e:
+        res[f"{name}_ms"], res[f"{name}_skipped"] = SKIPPED, str(e)
+    except Exception as e:  # noqa: BLE001 - a refusal, an OOM or a missing kernel is a result
+        mark_failed(res, name, [f"{name}_ms"], e)
+    finally:
+        impl.release()
+    return out
+
+
+def _release(cupy, env):
+    cupy.get_default_memory_pool().free_all_blocks()
+    if env is not None:
+        env[0].cuda.empty_cache()
+
+
+def _decode_result(part, **fields):
+    return {"part": part, **fields}
+
+
+def _skipped(res, reason):
+    res.update(status=SKIPPED, skipped=reason)
+    return res
+
+
+def _point_text(r):
+    head = f"B={r['batch']} S={r['seqlen_k']} {r['nheads_q']}/{r['nheads_kv']} D={r['head_dim']} {r['dtype']}"
+    if r["part"] == "paged":
+        return f"paged {head} page {r['page_size']}"
+    if r["part"] == "prefill":
+        return f"prefill Sq={r['seqlen_q']} {head}"
+    return f"decode {head}"
+
+
+def _progress(report, save, res, names):
+    report["results"].append(res)
+    save()
+    times = ", ".join(f"{n} {cell(res.get(n + '_ms'), 0, '.4f')} ms" for n in names)
+    bandwidth = f" ({res['ours_tbps']:.2f} TB/s)" if "ours_tbps" in res else ""
+    print(f"{_point_text(res)}: " + (times + bandwidth + " " if times else "") + res["status"],
+          file=sys.stderr, flush=True)
+
+
+def decode_grid(cupy, env, report, save, *, shapes, dtypes, reps, copy_tbps, max_bytes):
+    """The decode grid: seqlen_q 1 against a full cache, ours beside SDPA FA2 and cuDNN.
+
+    One allocation of (q, k_cache, v_cache) storage per shape (batch, seqlen_k, nheads_q,
+    nheads_kv, head_dim), refilled for each dtype; rotated through several sets where one is
+    smaller than L2.
+    """
+    for batch, seqlen_k, nheads_q, nheads_kv, head_dim in shapes:
+        nbytes = kv_bytes(batch, seqlen_k, nheads_kv, head_dim)
+        count = bench.rotation_count(nbytes)
+        meta = dict(batch=batch, seqlen_q=1, seqlen_k=seqlen_k, nheads_q=nheads_q, nheads_kv=nheads_kv,
+                    head_dim=head_dim, kv_bytes=nbytes, input_sets=count)
+        reason = kv_skip_reason(nbytes, max_bytes)
+        if reason:
+            for dtype in dtypes:
+                _progress(report, save, _skipped(_decode_result("grid", **meta, dtype=dtype), reason), [])
+            continue
+        try:
+            sets = decode_sets(cupy, count, batch=batch, seqlen_q=1, seqlen_k=seqlen_k, nheads_q=nheads_q,
+                               nheads_kv=nheads_kv, head_dim=head_dim)
+            lens = cupy.full((batch,), seqlen_k, dtype=cupy.int32)
+        except Exception as e:  # noqa: BLE001 - no memory for the inputs: every dtype's point says so
+            for dtype in dtypes:
+                res = _decode_result("grid", **meta, dtype=dtype)
+                mark_failed(res, "inputs", ["ours_ms", "fa2_ms", "cudnn_ms", "status"], e)
+                _progress(report, save, res, [])
+            _release(cupy, env)
+            continue
+        for dtype in dtypes:
+            res = _decode_result("grid", **meta, dtype=dtype)
+            try:
+                for s in sets:
+                    for x in s:
+                        fill_normal(cupy, x, dtype)
+            except Exception as e:  # noqa: BLE001
+                mark_failed(res, "inputs", ["ours_ms", "fa2_ms", "cudnn_ms", "status"], e)
+                _progress(report, save, res, [])
+                continue
+            impls = [OursKV(cupy, "ours", dtype, lens)]
+            if env is not None:
+                impls += [DecodeSdpa(env, cupy, name, backend, dtype=dtype, nheads_q=nheads_q,
+                                     nheads_kv=nheads_kv, max_bytes=max_bytes, expand_on_refusal=name == "cudnn")
+                          for name, backend in SDPA_BACKENDS[:2]]
+            outs = {impl.name: measure_decode(impl, sets, res, reps) for impl in impls}
+            record_check(res, cupy, outs["ours"], [(n, outs.get(n)) for n in ("fa2", "cudnn")], CHECK_TOL[dtype])
+            judge_decode(res, copy_tbps)
+            _progress(report, save, res, [impl.name for impl in impls])
+            del outs
+        del sets, lens
+        _release(cupy, env)
+
+
+def decode_paged(cupy, env, report, save, *, reps, max_bytes):
+    """Ours on a paged cache (shuffled blocks, each page size) against ours on the same cache contiguous."""
+    cfg = PAGED_CONFIG
+    dtype = cfg["dtype"]
+    for batch, seqlen_k in PAGED_SHAPES:
+        nbytes = kv_bytes(batch, seqlen_k, cfg["nheads_kv"], cfg["head_dim"])
+        count = bench.rotation_count(nbytes)
+        metas = [dict(batch=batch, seqlen_q=1, seqlen_k=seqlen_k, **cfg, kv_bytes=nbytes, input_sets=count,
+                      page_size=page_size) for page_size in PAGE_SIZES]
+        reason = kv_skip_reason(2 * nbytes, max_bytes)  # the contiguous cache and its paged copy
+        if reason:
+            for meta in metas:
+                _progress(report, save, _skipped(_decode_result("paged", **meta), reason), [])
+            continue
+        contiguous = {}
+        try:
+            sets = decode_sets(cupy, count, batch=batch, seqlen_q=1, seqlen_k=seqlen_k,
+                               nheads_q=cfg["nheads_q"], nheads_kv=cfg["nheads_kv"], head_dim=cfg["head_dim"])
+            for s in sets:
+                for x in s:
+                    fill_normal(cupy, x, dtype)
+            lens = cupy.full((batch,), seqlen_k, dtype=cupy.int32)
+            base = measure_decode(OursKV(cupy, "contiguous", dtype, lens), sets, contiguous, reps)
+        except Exception as e:  # noqa: BLE001
+            for meta in metas:
+                res = _decode_result("paged", **meta)
+                mark_failed(res, "inputs", ["contiguous_ms", "paged_ms", "status"], e)
+                _progress(report, save, res, [])
+            _release(cupy, env)
+            continue
+        for meta in metas:
+            res = {**_decode_result("paged", **meta), **contiguous}
+            try:
+                paged = [(s[0], *paged_copy(cupy, s[1], s[2], meta["page_size"])) for s in sets]
+            except Exception as e:  # noqa: BLE001
+                mark_failed(res, "inputs", ["paged_ms", "status"], e)
+                _progress(report, save, res, ["contiguous"])
+                continue
+            out = measure_decode(OursKV(cupy, "paged", dtype, lens), paged, res, reps)
+            del paged
+            cupy.get_default_memory_pool().free_all_blocks()
+            record_check(res, cupy, out, [("contiguous", base)], CHECK_TOL[dtype], name="paged")
+            judge_against(res, "paged", "contiguous", PAGED_BAR)
+            _progress(report, save, res, ["contiguous", "paged"])
+        del sets, lens, base
+        _release(cupy, env)
+
+
+def decode_prefill(cupy, env, report, save, *, reps, max_bytes):
+    """Chunked prefill: ours' flash_attn_with_kvcache against ours' dense flash_attn_fwd on the same
+    queries and cache (causal, aligned bottom-right in both)."""
+    cfg = PREFILL_CONFIG
+    dtype = cfg["dtype"]
+    nbytes = kv_bytes(cfg["batch"], cfg["seqlen_k"], cfg["nheads_kv"], cfg["head_dim"])
+    count = bench.rotation_count(nbytes)
+    shape = {k: cfg[k] for k in ("batch", "seqlen_k", "nheads_q", "nheads_kv", "head_dim")}
+    for seqlen_q in PREFILL_SEQLENS_Q:
+        res = _decode_result("prefill", seqlen_q=seqlen_q, **cfg, kv_bytes=nbytes, input_sets=count)
+        reason = kv_skip_reason(nbytes, max_bytes)
+        if reason:
+            _progress(report, save, _skipped(res, reason), [])
+            continue
+        try:
+            sets = decode_sets(cupy, count, seqlen_q=seqlen_q, **shape)
+            for s in sets:
+                for x in s:
+                    fill_normal(cupy, x, dtype)
+            lens = cupy.full((cfg["batch"],), cfg["seqlen_k"], dtype=cupy.int32)
+        except Exception as e:  # noqa: BLE001
+            mark_failed(res, "inputs", ["kvcache_ms", "dense_ms", "status"], e)
+            _progress(report, save, res, [])
+            _release(cupy, env)
+            continue
+        out = measure_decode(OursKV(cupy, "kvcache", dtype, lens, causal=cfg["causal"]), sets, res, reps)
+        dense = measure_decode(OursDense(cupy, "dense", dtype, causal=cfg["causal"]), sets, res, reps)
+        record_check(res, cupy, out, [("dense", dense)], CHECK_TOL[dtype], name="kvcache")
+        judge_against(res, "kvcache", "dense", PREFILL_BAR)
+        _progress(report, save, res, ["kvcache", "dense"])
+        del sets, lens, out, dense
+        _release(cupy, env)
+
+
+def decode_shapes(batches, seqlens, heads, head_dims):
+    """The grid's (batch, seqlen_k, nheads_q, nheads_kv, head_dim), K/V size growing within each batch."""
+    return [(b, s, hq, hkv, d) for b in batches for d in head_dims for hq, hkv in heads for s in seqlens]
+
+
+def run_decode(cupy, args, report, save):
+    """``--suite decode``: flash_attn_with_kvcache against SDPA (FA2, cuDNN), paged and chunked prefill.
+
+    ``--batch``, ``--seqlen``, ``--heads``, ``--head-dim`` and ``--dtype`` restrict the grid,
+    ``--part`` picks the parts (grid, paged, prefill; default all).
+    """
+    env, why = (None, "--no-torch") if args.no_torch else bench.torch_env()
+    if why:
+        report["notes"].append(f"torch SDPA columns skipped: {why}")
+    copy_tbps = args.copy_tbps or DEFAULT_COPY_TBPS
+    max_bytes = (args.max_kv_gb or DEFAULT_MAX_KV_GB) * 1e9
+    parts = args.part or list(DECODE_PARTS)
+    report.update(config={
+        "seqlen_q": 1, "cache": "full (cache_seqlens = seqlen_k)", "copy_tbps": copy_tbps,
+        "max_kv_bytes": max_bytes, "bw_min_bytes": BW_MIN_BYTES, "warmup_ms": DECODE_WARMUP_MS,
+        "check_tol": CHECK_TOL, "page_sizes": list(PAGE_SIZES), "paged": PAGED_CONFIG, "prefill": PREFILL_CONFIG,
+        "bars": {"bw": f"ours K/V TB/s >= {BW_BAR:g} x copy where K/V >= {BW_MIN_BYTES} bytes",
+                 "fa2": f"fa2 ms >= {FA2_BAR:g} x ours", "cudnn": f"cudnn ms >= {CUDNN_BAR:g} x ours",
+                 "paged": f"paged ms <= {PAGED_BAR:g} x contiguous",
+                 "prefill": f"kvcache ms <= {PREFILL_BAR:g} x dense"}},
+        impls=["ours"] + ([] if env is None else ["fa2", "cudnn"]), parts=list(parts))
+    common = dict(reps=args.reps, max_bytes=max_bytes)
+    if "grid" in parts:
+        shapes = decode_shapes(args.batch or DECODE_BATCHES, args.seqlen or DECODE_SEQLENS,
+                               args.heads or DECODE_HEADS, args.head_dim or DECODE_HEAD_DIMS)
+        decode_grid(cupy, env, report, save, shapes=shapes, dtypes=args.dtype or DECODE_DTYPES,
+                    copy_tbps=copy_tbps, **common)
+    if "paged" in parts:
+        decode_paged(cupy, env, report, save, **common)
+    if "prefill" in parts:
+        decode_prefill(cupy, env, report, save, **common)
+    report["bars"] = count_statuses(report["results"])
+
+
+def _heads_text(r):
+    return f"{r['nheads_q']}/{r['nheads_kv']}"
+
+
+def _decode_cudnn_cell(r, width):
+    if r.get("cudnn_kv") == "expanded" and _number(r.get("cudnn_ms")):
+        return f"{format(r['cudnn_ms'], '.4f') + '+':>{width}}"
+    return cell(r.get("cudnn_ms"), width, ".4f")
+
+
+def format_decode_table(report) -> str:
+    """The decode grid (times, ratios, bandwidth, the check and the bars), then paged and prefill."""
+    cfg, rows = report["config"], report["results"]
+    lines = []
+    grid = [r for r in rows if r["part"] == "grid"]
+    if grid:
+        lines += [f"decode: seqlen_q 1 against a full cache; ms per call; x NAME = NAME's time / ours (>1: ours "
+                  f"faster); TB/s = K/V bytes / ours' time, frac of {cfg['copy_tbps']:g} TB/s copy; "
+                  f"cudnn+ = K/V heads expanded for cuDNN",
+                  f"bars: bw >= {BW_BAR:g} where K/V >= {BW_MIN_BYTES / 2**20:g} MiB, x fa2 >= {FA2_BAR:g}, "
+                  f"x cudnn >= {CUDNN_BAR:g}, chk: max |ours - fa2| within tolerance and no NaN",
+                  f"{'B':>3} {'seqlen':>7} {'heads':>5} {'D':>3} {'dtype':<5} {'K/V MB':>9} |{'ours':>9}{'fa2':>9}"
+                  f"{'cudnn':>10} |{'x fa2':>7}{'x cudnn':>8} |{'TB/s':>6}{'frac':>6} |{'max err':>8} |"
+                  f"{'bw':>5}{'fa2':>5}{'cudnn':>6}{'chk':>5} | status"]
+        for r in grid:
+            lines.append(
+                f"{r['batch']:3d} {r['seqlen_k']:7d} {_heads_text(r):>5} {r['head_dim']:3d} "
+                f"{_SHORT_DTYPES[r['dtype']]:<5} {r['kv_bytes'] / 1e6:9.1f} |" + cell(r.get("ours_ms"), 9, ".4f")
+                + cell(r.get("fa2_ms"), 9, ".4f") + _decode_cudnn_cell(r, 10) + " |"
+                + cell(r.get("ratio_vs_fa2"), 7, ".2f") + cell(r.get("ratio_vs_cudnn"), 8, ".2f") + " |"
+                + cell(r.get("ours_tbps"), 6, ".2f") + cell(r.get("ours_frac_copy"), 6, ".2f") + " |"
+                + cell(r.get("check_max_abs"), 8, ".1e") + " |" + cell(r.get("bar_bw"), 5, "")
+                + cell(r.get("bar_fa2"), 5, "") + cell(r.get("bar_cudnn"), 6, "") + cell(r.get("check"), 5, "")
+                + f" | {r['status']}")
+    sections = (("paged", "contiguous", "paged",
+                 f"paged: ours on a paged cache (blocks a shuffled pool) vs ours contiguous, seqlen_q 1; "
+                 f"bar: paged <= {PAGED_BAR:g}x contiguous, outputs within tolerance",
+                 "page", lambda r: r["page_size"]),
+                ("prefill", "dense", "kvcache",
+                 f"prefill: ours flash_attn_with_kvcache vs flash_attn_fwd (dense), causal, on the same "
+                 f"queries and cache; bar: kvcache <= {PREFILL_BAR:g}x dense, outputs within tolerance",
+                 "Sq", lambda r: r["seqlen_q"]))
+    for part, base, name, title, key, value in sections:
+        rows_ = [r for r in rows if r["part"] == part]
+        if not rows_:
+            continue
+        if lines:
+            lines.append("")
+        lines += [title,
+                  f"{'B':>3} {'seqlen':>7} {'heads':>5} {'D':>3} {'dtype':<5} {key:>5} |{base:>11}{name:>9} |"
+                  f"{name + '/' + base:>19} |{'max err':>8} | status"]
+        for r in rows_:
+            lines.append(
+                f"{r['batch']:3d} {r['seqlen_k']:7d} {_heads_text(r):>5} {r['head_dim']:3d} "
+                f"{_SHORT_DTYPES[r['dtype']]:<5} {value(r):5d} |" + cell(r.get(f"{base}_ms"), 11, ".4f")
+                + cell(r.get(f"{name}_ms"), 9, ".4f") + " |" + cell(r.get(f"ratio_{name}_vs_{base}"), 19, ".3f")
+                + " |" + cell(r.get("check_max_abs"), 8, ".1e") + f" | {r['status']}")
+    lines.append(_bars_line(report))
+    return "\n".join(lines)
+
+
+def plot_decode(report, path):
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    rows = [r for r in report["results"] if r["part"] == "grid"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for impl in ("ours", "fa2", "cudnn"):
+        pts = sorted((r["kv_bytes"], r[f"{impl}_tbps"]) for r in rows if _number(r.get(f"{impl}_tbps")))
+        if pts:
+            ax.scatter(*zip(*pts), label=impl, s=14)
+    ax.axhline(report["config"]["copy_tbps"], color="k", linestyle="--", linewidth=1, label="copy")
+    ax.set_xscale("log")
+    ax.set(xlabel="K/V bytes", ylabel="TB/s (K/V bytes / time)", title="decode, seqlen_q 1")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 SUITES = {
     "seed": (run_seed, format_seed_table, plot_seed),
     "overhead": (run_overhead, format_overhead_table, plot_overhead),
     "frameworks": (run_frameworks, format_frameworks_table, plot_frameworks),
+    "decode": (run_decode, format_decode_table, plot_decode),
 }

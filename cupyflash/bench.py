@@ -1,6 +1,6 @@
 """``python -m cupyflash bench``: cupyflash against torch SDPA (FA2, cuDNN) and JAX.
 
-Four suites (``--suite``):
+Five suites (``--suite``):
 
 grid (default)
     The standard grid: head_dim 64 and 128, nheads = 2048 / head_dim,
@@ -18,6 +18,13 @@ overhead
 frameworks
     Training steps through ``cupyflash.torch.flash_attn_func`` and
     ``cupyflash.jax.flash_attention`` beside SDPA and ``jax.nn.dot_product_attention``.
+decode
+    ``cupyflash.flash_attn_with_kvcache`` at seqlen_q 1 against a full cache
+    (batch 1/8/64, seqlen_k 1k..128k, 32/8 and 32/32 heads, D 64 and 128, bf16
+    and fp16) beside SDPA's flash (``enable_gqa=True``) and cuDNN backends:
+    K/V bandwidth against the copy bandwidth, ratios and bars (issue 12);
+    then a paged cache against the contiguous one, and chunked prefill
+    against the dense forward.
 
 FLOPs are 4 * B * H * Sq * Sk * D, halved when causal, x2.5 for backward.
 Times are CUDA-event medians after a time-based warm-up (cupy events for
@@ -54,39 +61,82 @@ WGMMA_CEILING_TFLOPS = 741.0
 #: The H200's L2 cache.  An input set smaller than this is rotated with others.
 L2_BYTES = 50 * 2**20
 
-SUITES = ("grid", "seed", "overhead", "frameworks")
+SUITES = ("grid", "seed", "overhead", "frameworks", "decode")
 
 #: Timed repetitions per measurement when --reps is not given.
-DEFAULT_REPS = {"grid": 20, "seed": 20, "overhead": 10, "frameworks": 20}
+DEFAULT_REPS = {"grid": 20, "seed": 20, "overhead": 10, "frameworks": 20, "decode": 10}
 
 #: Options that belong to some suites only: dest -> (flag, suites).  Given with
 #: another suite they are an error rather than silently ignored.
 SUITE_OPTIONS = {
-    "head_dim": ("--head-dim", ("grid",)),
-    "dtype": ("--dtype", ("grid",)),
+    "head_dim": ("--head-dim", ("grid", "decode")),
+    "dtype": ("--dtype", ("grid", "decode")),
     "causal": ("--causal", ("grid",)),
     "tokens": ("--tokens", ("grid",)),
     "no_bwd": ("--no-bwd", ("grid",)),
     "deterministic": ("--deterministic", ("grid",)),
-    "seqlen": ("--seqlen", ("grid", "seed")),
+    "seqlen": ("--seqlen", ("grid", "seed", "decode")),
     "calls": ("--calls", ("overhead",)),
     "no_jax": ("--no-jax", ("frameworks",)),
+    "batch": ("--batch", ("decode",)),
+    "heads": ("--heads", ("decode",)),
+    "part": ("--part", ("decode",)),
+    "copy_tbps": ("--copy-tbps", ("decode",)),
+    "max_kv_gb": ("--max-kv-gb", ("decode",)),
 }
 
 _positive_int = cli._int_type(1)  # noqa: SLF001 - the CLI's own argument type
+
+
+def _positive_float(text):
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number; got {text!r}")
+    return value
+
+
+def _heads(text):
+    """An argparse type: ``Q:KV`` -> (nheads_q, nheads_kv), Q a positive multiple of KV."""
+    q, sep, kv = text.partition(":")
+    try:
+        pair = (int(q), int(kv)) if sep else None
+    except ValueError:
+        pair = None
+    if pair is None or min(pair) < 1 or pair[0] % pair[1]:
+        raise argparse.ArgumentTypeError(f"must be Q:KV with Q a positive multiple of KV (e.g. 32:8); "
+                                         f"got {text!r}")
+    return pair
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", choices=SUITES, default="grid",
                         help="grid: the standard grid (default); seed: B=1 H=32 D=128 causal fp16 "
                              "latency, memory and errors; overhead: host us per call; frameworks: "
-                             "torch and JAX training steps")
+                             "torch and JAX training steps; decode: flash_attn_with_kvcache against "
+                             "SDPA, paged, chunked prefill")
     parser.add_argument("--head-dim", type=_positive_int, action="append", default=None,
-                        help="grid: default 64 and 128")
+                        help="grid, decode: default 64 and 128")
     parser.add_argument("--seqlen", type=_positive_int, action="append", default=None,
-                        help="grid: default 512..16384; seed: default 512..32768")
+                        help="grid: default 512..16384; seed: default 512..32768; decode: seqlen_k of "
+                             "the decode grid, default 1024, 8192, 32768, 131072")
     parser.add_argument("--dtype", action="append", choices=("float16", "bfloat16"), default=None,
-                        help="grid: default both")
+                        help="grid, decode: default both")
+    parser.add_argument("--batch", type=_positive_int, action="append", default=None,
+                        help="decode: batch of the decode grid, default 1, 8, 64")
+    parser.add_argument("--heads", type=_heads, action="append", default=None, metavar="Q:KV",
+                        help="decode: nheads_q:nheads_kv of the decode grid, default 32:8 and 32:32")
+    parser.add_argument("--part", action="append", choices=("grid", "paged", "prefill"), default=None,
+                        help="decode: the parts to run (default all): grid, the decode grid; paged, "
+                             "paged against contiguous; prefill, chunked prefill against the dense forward")
+    parser.add_argument("--copy-tbps", type=_positive_float, default=None,
+                        help="decode: the device's copy bandwidth in TB/s, the bandwidth bar's "
+                             "reference (default 4.24, the H200's)")
+    parser.add_argument("--max-kv-gb", type=_positive_float, default=None,
+                        help="decode: skip points whose K/V caches exceed this many GB (default 40)")
     parser.add_argument("--causal", choices=("both", "yes", "no"), default=None,
                         help="grid: default both")
     parser.add_argument("--tokens", type=_positive_int, default=None,
@@ -126,8 +176,8 @@ def check_suite_options(args) -> None:
     """Raise ValueError (one line) for an option given with a suite it does not apply to."""
     for dest, (flag, suites) in SUITE_OPTIONS.items():
         if args.suite not in suites and getattr(args, dest) not in (None, False):
-            raise ValueError(f"{flag} applies to --suite {' and '.join(suites)} only; "
-                             f"got --suite {args.suite}")
+            names = ", ".join(suites[:-1]) + " and " + suites[-1] if len(suites) > 1 else suites[0]
+            raise ValueError(f"{flag} applies to --suite {names} only; got --suite {args.suite}")
 
 
 def parse_bwd_sm90_block_m(specs) -> dict[int, int]:

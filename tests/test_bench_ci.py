@@ -32,7 +32,7 @@ print(f"progress of {args.suite}", file=sys.stderr)
 if args.suite == os.environ.get("SLOW_SUITE"):
     time.sleep(30)
 report = {"suite": args.suite, "notes": [], "results": [{}, {}]}
-if args.suite in ("overhead", "frameworks"):
+if args.suite in ("overhead", "frameworks", "decode"):
     report["bars"] = {"PASS": 3, "FAIL": 1}
 with open(args.json, "w") as f:
     json.dump(report, f)
@@ -94,28 +94,30 @@ def test_quick_runs_every_stage_within_one_device_call(stubs):
     result, log, out = _run(stubs, "quick")
     assert result.returncode == 0, result.stdout + result.stderr
     limits = _timeouts(log)
-    assert limits == [30, 210, 100, 90, 60, 80]  # versions, tests, grid, seed, overhead, frameworks
-    assert sum(limits) <= 580 < 600
+    assert limits == [30, 210, 100, 90, 60, 80, 90]  # versions, tests, grid, seed, overhead, frameworks, decode
+    assert sum(limits[:-1]) <= 580 < 600  # decode, last, gets what is left before DEADLINE (see below)
     # the compile check runs in the background under `timeout` too, stopped when the tests end
     assert any(line.startswith("timeout 210 python3 -m cupyflash check-kernels --arch 9.0") for line in log)
     pytest_cmd = next(line for line in log if line.startswith("python3 -m pytest"))
     assert "-m gpu and not slow -n 12 -q" in pytest_cmd
     benches = [line for line in log if line.startswith("python3 -m cupyflash bench")]
-    assert [b.split("--suite ")[1].split()[0] for b in benches] == ["grid", "seed", "overhead", "frameworks"]
+    assert [b.split("--suite ")[1].split()[0] for b in benches] == ["grid", "seed", "overhead", "frameworks",
+                                                                    "decode"]
     assert f"--json {out}/bench_grid.json --plot {out}/bench_grid.png --seqlen 1024 --seqlen 4096 " \
            f"--seqlen 16384 --reps 10" in benches[0]
     assert all("--reps 10" in b for b in benches)
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["bench.txt", "bench_frameworks.json", "bench_grid.json", "bench_overhead.json",
-                     "bench_seed.json", "gpu.txt", "pytest_gpu.txt"]
-    assert len(files) + 1 <= 8  # with the grid's PNG
+    assert files == ["bench.txt", "bench_decode.json", "bench_frameworks.json", "bench_grid.json",
+                     "bench_overhead.json", "bench_seed.json", "gpu.txt"]
+    assert len(files) + 1 <= 8  # with the grid's PNG: what one device call brings back
     assert all(p.is_file() for p in out.iterdir())
     bench_txt = (out / "bench.txt").read_text()
-    for suite in ("grid", "seed", "overhead", "frameworks"):
+    for suite in ("grid", "seed", "overhead", "frameworks", "decode"):
         assert f"== bench --suite {suite} (status 0) ==\nprogress of {suite}\ntable of {suite}\n" in bench_txt
     gpu_txt = (out / "gpu.txt").read_text()
     assert gpu_txt.startswith("NVIDIA H200, 1980 MHz")
-    assert "== check-kernels (finished) ==\nok a\nok b\nFAIL c: spills\n" in gpu_txt
+    pytest_log = "== pytest (status 0) ==\n...\n========= 5 passed, 1 skipped in 1.00s =========\n"
+    assert pytest_log + "== check-kernels (finished) ==\nok a\nok b\nFAIL c: spills\n" in gpu_txt
     title, rows = _summary(result.stdout)
     assert title.startswith("== .ci/gpu quick: summary (")
     assert all(r[2].isdigit() for r in rows if r[0] != "check-kernels")  # seconds per stage
@@ -123,7 +125,8 @@ def test_quick_runs_every_stage_within_one_device_call(stubs):
         ["pytest", "0", "5 passed, 1 skipped in 1.00s"], ["check-kernels", "-", "2 ok, 1 FAIL (finished)"],
         ["grid", "0", "2 results"], ["seed", "0", "2 results"],
         ["overhead", "0", "2 results, bars: 3 PASS, 1 FAIL"],
-        ["frameworks", "0", "2 results, bars: 3 PASS, 1 FAIL"]]
+        ["frameworks", "0", "2 results, bars: 3 PASS, 1 FAIL"],
+        ["decode", "0", "2 results, bars: 3 PASS, 1 FAIL"]]
     assert "table of frameworks" in result.stdout  # each suite's table on the console too
 
 
@@ -149,7 +152,8 @@ def test_a_failing_suite_fails_the_run_and_the_others_still_run(stubs):
     assert result.returncode == 1
     _, rows = _summary(result.stdout)
     assert rows[0] == ["pytest", "-", "-", "skipped (TESTS=none)"]
-    assert [r[:2] for r in rows[2:]] == [["grid", "0"], ["seed", "1"], ["overhead", "0"], ["frameworks", "0"]]
+    assert [r[:2] for r in rows[2:]] == [["grid", "0"], ["seed", "1"], ["overhead", "0"], ["frameworks", "0"],
+                                         ["decode", "0"]]
 
 
 def test_failing_tests_fail_the_run(stubs):
@@ -180,12 +184,27 @@ def test_suites_and_extra_arguments_from_the_environment(stubs):
     assert benches[2].endswith("--reps 10 --no-jax --fwd-overlap")
 
 
+def test_decode_takes_its_arguments_and_what_is_left_before_the_deadline(stubs):
+    """decode's limit is 90 s and DECODE_ARGS its extra arguments; last in quick, it gets what the
+    stages before it leave before DEADLINE (quick's limits add up past it)."""
+    result, log, _ = _run(stubs, "quick", TESTS="none", SUITES="decode", DECODE_ARGS="--part grid --batch 1")
+    assert result.returncode == 0
+    bench = next(line for line in log if line.startswith("python3 -m cupyflash bench"))
+    assert bench.endswith("--suite decode --json " + str(stubs / "out" / "bench_decode.json")
+                          + " --reps 10 --part grid --batch 1")
+    assert _timeouts(log)[1] == 90
+    result, log, _ = _run(stubs, "quick", TESTS="none", SUITES="decode", DEADLINE="40")
+    assert result.returncode == 0
+    assert 0 < _timeouts(log)[1] <= 30  # 40 - 10 s for the summary - the time already spent
+
+
 def test_a_bad_mode_or_suite_is_refused(stubs):
     result, _, _ = _run(stubs, "fast")
     assert result.returncode == 2 and "mode must be quick or full; got 'fast'" in result.stderr
     result, _, _ = _run(stubs, "quick", TESTS="none", SUITES="grd")
     assert result.returncode == 1
-    assert _summary(result.stdout)[1][2] == ["grd", "-", "-", "unknown suite (grid, seed, overhead or frameworks)"]
+    assert _summary(result.stdout)[1][2] == ["grd", "-", "-",
+                                             "unknown suite (grid, seed, overhead, frameworks or decode)"]
 
 
 def test_the_summary_reads_a_partial_json(stubs, tmp_path):

@@ -37,7 +37,7 @@ def test_suite_defaults_to_grid_and_takes_each_suite():
     assert parser.parse_args(["bench"]).suite == "grid"
     for suite in bench.SUITES:
         assert parser.parse_args(["bench", "--suite", suite]).suite == suite
-    assert set(bench.SUITES) == {"grid", "seed", "overhead", "frameworks"}
+    assert set(bench.SUITES) == {"grid", "seed", "overhead", "frameworks", "decode"}
     assert set(bench.DEFAULT_REPS) == set(bench.SUITES)
 
 
@@ -51,8 +51,8 @@ def test_an_unknown_suite_is_one_line_and_status_2(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--suite", "seed", "--head-dim", "64"], "--head-dim applies to --suite grid only; got --suite seed"),
-    (["--suite", "overhead", "--dtype", "bfloat16"], "--dtype applies to --suite grid only; got --suite overhead"),
+    (["--suite", "seed", "--head-dim", "64"], "--head-dim applies to --suite grid and decode only; got --suite seed"),
+    (["--suite", "overhead", "--dtype", "bfloat16"], "--dtype applies to --suite grid and decode only; got --suite overhead"),
     (["--suite", "frameworks", "--causal", "yes"],
      "--causal applies to --suite grid only; got --suite frameworks"),
     (["--suite", "seed", "--tokens", "1024"], "--tokens applies to --suite grid only; got --suite seed"),
@@ -60,11 +60,18 @@ def test_an_unknown_suite_is_one_line_and_status_2(capsys, monkeypatch):
     (["--suite", "overhead", "--deterministic"],
      "--deterministic applies to --suite grid only; got --suite overhead"),
     (["--suite", "overhead", "--seqlen", "512"],
-     "--seqlen applies to --suite grid and seed only; got --suite overhead"),
+     "--seqlen applies to --suite grid, seed and decode only; got --suite overhead"),
     (["--suite", "frameworks", "--seqlen", "512"],
-     "--seqlen applies to --suite grid and seed only; got --suite frameworks"),
+     "--seqlen applies to --suite grid, seed and decode only; got --suite frameworks"),
     (["--calls", "10"], "--calls applies to --suite overhead only; got --suite grid"),
     (["--suite", "seed", "--no-jax"], "--no-jax applies to --suite frameworks only; got --suite seed"),
+    (["--batch", "8"], "--batch applies to --suite decode only; got --suite grid"),
+    (["--suite", "seed", "--heads", "32:8"], "--heads applies to --suite decode only; got --suite seed"),
+    (["--suite", "overhead", "--part", "paged"], "--part applies to --suite decode only; got --suite overhead"),
+    (["--copy-tbps", "3.35"], "--copy-tbps applies to --suite decode only; got --suite grid"),
+    (["--suite", "frameworks", "--max-kv-gb", "20"],
+     "--max-kv-gb applies to --suite decode only; got --suite frameworks"),
+    (["--suite", "seed", "--causal", "yes"], "--causal applies to --suite grid only; got --suite seed"),
 ])
 def test_an_option_of_another_suite_is_refused_before_the_gpu(capsys, monkeypatch, argv, message):
     probes = _no_gpu(monkeypatch)
@@ -76,6 +83,8 @@ def test_an_option_of_another_suite_is_refused_before_the_gpu(capsys, monkeypatc
     ["--suite", "seed", "--seqlen", "512"], ["--suite", "overhead", "--calls", "50", "--reps", "3"],
     ["--suite", "frameworks", "--no-jax", "--no-torch"], ["--head-dim", "64", "--causal", "yes"],
     ["--suite", "seed", "--fwd-overlap"],  # the experiment switches are process-wide: every suite
+    ["--suite", "decode", "--batch", "1", "--seqlen", "1024", "--heads", "32:8", "--head-dim", "128",
+     "--dtype", "bfloat16", "--part", "grid", "--part", "paged", "--copy-tbps", "3.35", "--max-kv-gb", "20"],
 ])
 def test_options_of_the_suite_pass_on_to_the_gpu_probe(capsys, monkeypatch, argv):
     probes = _no_gpu(monkeypatch)
@@ -89,6 +98,13 @@ def test_options_of_the_suite_pass_on_to_the_gpu_probe(capsys, monkeypatch, argv
     (["--calls", "-3"], "argument --calls: must be a positive integer; got -3"),
     (["--seqlen", "x"], "argument --seqlen: must be a positive integer; got 'x'"),
     (["--head-dim", "0"], "argument --head-dim: must be a positive integer; got 0"),
+    (["--suite", "decode", "--copy-tbps", "0"], "argument --copy-tbps: must be a positive number; got '0'"),
+    (["--suite", "decode", "--max-kv-gb", "inf"], "argument --max-kv-gb: must be a positive number; got 'inf'"),
+    (["--suite", "decode", "--heads", "32:6"],
+     "argument --heads: must be Q:KV with Q a positive multiple of KV (e.g. 32:8); got '32:6'"),
+    (["--suite", "decode", "--heads", "32"],
+     "argument --heads: must be Q:KV with Q a positive multiple of KV (e.g. 32:8); got '32'"),
+    (["--suite", "decode", "--batch", "0"], "argument --batch: must be a positive integer; got 0"),
 ])
 def test_a_bad_number_is_one_line(capsys, argv, rule):
     code, err = _bench(capsys, *argv)
