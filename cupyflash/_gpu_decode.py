@@ -63,8 +63,9 @@ def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k:
 
     ``k_new``/``v_new``: the keys and values to append, or None.  ``block_table``:
     the paged cache's table (its geometry only), or None for a dense cache.
-    ``max_seqlen_k``: a bound on
-    every sequence's keys after the append (sizes the key splits).  Outputs are
+    ``max_seqlen_k``: the
+    cache's capacity per sequence, which bounds every sequence's keys after
+    the append (sizes the key splits; device lengths are clamped to it).  Outputs are
     C-contiguous: out like q, lse ``(batch, nheads_q, seqlen_q)`` float32.
     """
     batch, seqlen_q, nheads_q, head_dim = q.shape
@@ -91,6 +92,7 @@ def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k:
         batch=batch, nheads_q=nheads_q, nheads_kv=nheads_kv, seqlen_q=seqlen_q, head_dim=head_dim,
         seqlen_new=0 if k_new is None else k_new.shape[1],
         page_size=k_cache.shape[1] if block_table is not None else 0, cache_rows=k_cache.shape[0],
+        capacity=max_seqlen_k,
         group=nheads_q // nheads_kv, num_m_blocks=plan.num_m_blocks, num_splits=plan.num_splits,
         softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E)
     launches = (plan.main,) if plan.combine is None else (plan.main, plan.combine)

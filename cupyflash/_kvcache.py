@@ -16,9 +16,11 @@ This module is the API and its executable specification:
   dense cache row; one copy of the sequence's pages for a paged cache) into
   ``(1, len, H, D)`` arrays for the tiled :func:`cupyflash.cpu.fwd`, so the
   extra memory is O(one sequence's keys), never O(batch * cache);
-* CuPy arrays (and torch / JAX CUDA arrays) are validated as far as their
-  shapes, dtypes and devices go, and then raise NotImplementedError: the GPU
-  decode kernel is not built yet;
+* CuPy arrays (and torch / JAX CUDA arrays) are validated once per call
+  signature (shapes, strides, dtypes, devices, flags; an int
+  ``cache_seqlens`` on every call) and run the decode kernel
+  (kernels_cu/flash_decode.cu, planned by :mod:`._gpu_decode`): values on
+  the device (lengths, indices) are never read by the host;
 * torch and JAX CPU arrays go through :func:`._interop.call` (viewed without
   copying; the append into a torch tensor cache is visible to the caller, an
   append into a JAX array is refused: JAX arrays are immutable).
@@ -29,16 +31,17 @@ float64, densely; the tests compare the two.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
-from . import _checks, _interop, cpu
+from . import _api, _checks, _interop, _launch, cpu
 from ._checks import fail
 
 __all__ = ["flash_attn_with_kvcache"]
 
 _FN = "flash_attn_with_kvcache"
-_GPU_MESSAGE = (f"cupyflash.{_FN}: the GPU decode kernel is not built yet (issue 12); "
-                f"NumPy arrays run the CPU path")
+_FLOAT32 = np.dtype(np.float32)
 
 
 # ----------------------------------------------------------------------------
@@ -196,38 +199,99 @@ def _cpu(plan, q, k_cache, v_cache, k, v, causal):
 # ----------------------------------------------------------------------------
 
 
-def _gpu(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal, num_splits,
-         dtype):
-    import cupy  # noqa: PLC0415
+class _GpuDecode:
+    """A planned GPU call (one call signature): allocates the outputs, writes the
+    pointers and the cache length, launches.  Made once per signature after the
+    full validation; later calls re-check only the value of an int
+    ``cache_seqlens`` (cheap) against the capacity."""
 
-    from . import _gpu_decode, _launch  # noqa: PLC0415
+    __slots__ = ("call", "device_id", "capacity", "seqlen_new", "_cupy")
 
+    def __init__(self, call, device_id, capacity, seqlen_new):
+        self.call, self.device_id, self.capacity, self.seqlen_new = call, device_id, capacity, seqlen_new
+        self._cupy = sys.modules["cupy"]
+
+    def lengths_ok(self, cache_seqlens) -> bool:
+        """An int ``cache_seqlens`` leaves room for the append (else: full validation, which raises)."""
+        return type(cache_seqlens) is not int or 0 <= cache_seqlens <= self.capacity - self.seqlen_new
+
+    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
+        cupy, call = self._cupy, self.call
+        if cupy.cuda.runtime.getDevice() != self.device_id:
+            with cupy.cuda.Device(self.device_id):
+                return self(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+        out = cupy.ndarray(call.out_shape, q.dtype)
+        lse = cupy.ndarray(call.lse_shape, _FLOAT32)
+        if cache_seqlens is None:
+            lengths, cache_len = 0, self.capacity
+        elif type(cache_seqlens) is int:
+            lengths, cache_len = 0, cache_seqlens
+        else:
+            lengths, cache_len = cache_seqlens.data.ptr, 0
+        stream = cupy.cuda.get_current_stream()
+        owner = call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
+                         0 if k is None else k.data.ptr, 0 if v is None else v.data.ptr, out.data.ptr,
+                         lse.data.ptr, lengths, 0 if cache_batch_idx is None else cache_batch_idx.data.ptr,
+                         0 if block_table is None else block_table.data.ptr, cache_len)
+        if owner is not None and stream.is_capturing():
+            _api._CAPTURED_SCRATCH.append(owner)  # a captured graph replays into it
+        return out, lse
+
+
+class _EmptyDecode:
+    """No sequence: nothing to launch."""
+
+    __slots__ = ("_cupy",)
+
+    def __init__(self):
+        self._cupy = sys.modules["cupy"]
+
+    def lengths_ok(self, cache_seqlens) -> bool:
+        return True
+
+    def __call__(self, q, *args):
+        return (self._cupy.zeros(q.shape, q.dtype),
+                self._cupy.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, _FLOAT32))
+
+
+def _gpu_entry(plan, q, k_cache, v_cache, k, v, block_table, causal, num_splits, dtype):
+    """The entry that runs GPU calls of this (validated) signature."""
+    if q.shape[0] == 0:
+        return _EmptyDecode()
+    from . import _gpu_decode  # noqa: PLC0415
+
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    device_id = q.device.id
+    dtype_name = _checks.dtype_name(_FN, dtype) if dtype is not None else q.dtype.name
     with q.device:
-        out = cupy.empty(q.shape, dtype=q.dtype)
-        lse = cupy.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=np.float32)
-        if q.shape[0] == 0:
-            return out, lse
-        paged = block_table is not None
-        capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-        on_device = cache_seqlens is not None and not isinstance(cache_seqlens, (int, np.integer))
-        cache_seqlen = capacity if cache_seqlens is None else 0 if on_device else int(cache_seqlens)
-        device_id = q.data.device_id
-        dtype_name = dtype if dtype is not None else q.dtype.name
-        key = (_launch.geometry(q, k_cache, v_cache, k, v, block_table), on_device, cache_batch_idx is not None,
-               device_id, plan.scale, causal, num_splits, dtype_name)
-        call = _gpu_decode.PLANS.get_or_make(key, lambda: _gpu_decode.plan_decode(
-            q, k_cache, v_cache, k, v, block_table, max_seqlen_k=capacity, softmax_scale=plan.scale,
-            causal=causal, num_splits=num_splits, dtype_name=dtype_name, device_id=device_id))
-        pointer = _pointer
-        call.run(cupy.cuda.get_current_stream().ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr,
-                 v_cache.data.ptr, pointer(k), pointer(v), out.data.ptr, lse.data.ptr,
-                 pointer(cache_seqlens) if on_device else 0, pointer(cache_batch_idx), pointer(block_table),
-                 cache_seqlen)
-    return out, lse
+        call = _gpu_decode.plan_decode(q, k_cache, v_cache, k, v, block_table, max_seqlen_k=capacity,
+                                       softmax_scale=plan.scale, causal=causal, num_splits=num_splits,
+                                       dtype_name=dtype_name, device_id=device_id)
+    return _GpuDecode(call, device_id, capacity, plan.seqlen_new)
 
 
-def _pointer(a) -> int:
-    return 0 if a is None else a.data.ptr
+_ENTRIES = _launch.PlanCache()
+
+
+def _signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
+               num_splits, return_lse, dtype):
+    """The call's signature for the entry cache, or None when it cannot be one
+    (not CuPy arrays; a scale, flag or length of a type whose value is not its key)."""
+    g = _api._gpu_type()
+    if g is None or type(q) is not g or type(softmax_scale) not in _api.SCALE_KEY_TYPES \
+            or not (dtype is None or _api._dtype_keyable(dtype)):
+        return None
+    if cache_seqlens is None or type(cache_seqlens) is int:
+        lengths = type(cache_seqlens)
+    elif type(cache_seqlens) is g:
+        lengths = _api._sig(cache_seqlens, g)
+    else:
+        return None
+    sig = _api._sig
+    return (type(softmax_scale), softmax_scale, type(causal), causal, type(num_splits), num_splits,
+            type(return_lse), return_lse, dtype, lengths, sig(q, g), sig(k_cache, g), sig(v_cache, g),
+            sig(k, g), sig(v, g), sig(cache_batch_idx, g), sig(block_table, g))
 
 
 # ----------------------------------------------------------------------------
@@ -343,12 +407,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         ``cache_seqlens`` does not fit in int32; when ``num_splits`` is
         negative.  Values (lengths and indices) are checked only when they are
         on the host (ints and NumPy arrays).
-    NotImplementedError
-        For CuPy arrays (and torch / JAX CUDA arrays), after the checks above:
-        the GPU decode kernel is not built yet (issue 12).
 
     Notes
     -----
+    On the GPU, indices the host cannot check (a device ``block_table`` or
+    ``cache_batch_idx``) are clamped into the cache: an out-of-range block or
+    row reads (and an append writes) the nearest valid one, never memory
+    outside the cache; a device ``cache_seqlens`` entry is clamped to
+    ``[0, capacity - seqlen_new]`` (``capacity``: ``seqlen_cache``, or
+    ``max_blocks_per_seq * page_size``).
+
     On the CPU all appends happen before any attention, so a sequence whose
     blocks are shared sees what other sequences appended into them; do not
     append into slots another sequence attends to if the result is to be the
@@ -373,11 +441,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     >>> out.shape, bool((k_cache[1, 17] == k[1, 0]).all())
     ((2, 1, 4, 8), True)
     """
-    plan = _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                  softmax_scale, causal, num_splits, return_lse, dtype)
-    if plan.gpu:
-        out, lse = _gpu(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                        bool(causal), int(num_splits), dtype)
+    try:
+        key = _signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                         softmax_scale, causal, num_splits, return_lse, dtype)
+        entry = None if key is None else _ENTRIES.get(key)
+    except Exception:  # noqa: BLE001 (unhashable, a raising __hash__: validation says what is wrong)
+        key = entry = None
+    if entry is None or not entry.lengths_ok(cache_seqlens):
+        plan = _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                      softmax_scale, causal, num_splits, return_lse, dtype)
+        if plan.gpu:
+            entry = _ENTRIES.put(key, _gpu_entry(plan, q, k_cache, v_cache, k, v, block_table, bool(causal),
+                                                 int(num_splits), dtype))
+    if entry is not None:
+        out, lse = entry(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
         return (out, lse) if return_lse else out
     out, lse = _cpu(plan, q, k_cache, v_cache, k, v, bool(causal))
     return (out, lse) if return_lse else out

@@ -706,15 +706,39 @@ def decode_combine_launch(dtype: str, head_dim_padded: int, rows: int = 1) -> La
                   (max(1, rows), 1, 1), (threads, 1, 1), 0)
 
 
+#: The split-count model (decode_num_splits): each block also costs this many
+#: tiles' time (the ring's first loads, the epilogue), and a wave of fewer than
+#: slots / DECODE_SATURATION blocks still takes as long as one of that many (too
+#: few loads in flight to reach the memory bandwidth).
+DECODE_BLOCK_OVERHEAD_TILES = 2
+DECODE_SATURATION = 2
+
+
 def decode_num_splits(blocks: int, n_tiles: int, blocks_per_sm: int, num_sms: int) -> int:
     """Key splits for ``blocks`` (sequence, KV head, row block) blocks of at most
-    ``n_tiles`` key tiles each: none when the blocks fill every SM's
-    ``blocks_per_sm`` slots once; else enough for two such waves, with at least
-    two tiles per split (the ring then overlaps one load with one tile's math)."""
+    ``n_tiles`` key tiles each, on ``num_sms`` SMs that hold ``blocks_per_sm`` each.
+
+    The kernel is bound by memory, so the time of a split count ``s`` is
+    modelled in units of one tile's bytes at the full bandwidth: every wave of
+    ``n`` blocks costs ``max(n, slots / DECODE_SATURATION) * (tiles per block +
+    DECODE_BLOCK_OVERHEAD_TILES)``, and splitting adds the combine kernel (about
+    one block's overhead per slot).  The cheapest ``s`` wins, the fewest splits
+    on a tie: a partial last wave (the tail that costs a grid of 2.2 waves a
+    quarter of its time) is avoided, and a small batch gets enough blocks to
+    keep enough loads in flight.
+    """
     slots = blocks_per_sm * num_sms
-    if blocks >= slots or n_tiles < 4:
-        return 1
-    return max(1, min(math.ceil(2 * slots / blocks), n_tiles // 2, DECODE_MAX_SPLITS))
+    floor = max(1, slots // DECODE_SATURATION)
+    best, best_cost = 1, None
+    for s in range(1, min(n_tiles, DECODE_MAX_SPLITS) + 1):
+        total, per_block = blocks * s, math.ceil(n_tiles / s) + DECODE_BLOCK_OVERHEAD_TILES
+        full, last = divmod(total, slots)
+        cost = (full * slots + (max(last, floor) if last else 0)) * per_block
+        if s > 1:
+            cost += slots * DECODE_BLOCK_OVERHEAD_TILES
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
 
 
 def select_decode(*, batch: int, seqlen_q: int, nheads_q: int, nheads_kv: int, head_dim: int, max_seqlen_k: int,

@@ -28,10 +28,8 @@ attention through torch's ``scaled_dot_product_attention`` on the CPU.
 
 CuPy is used when a GPU is usable, NumPy otherwise (``--device cpu|gpu`` forces
 one; ``--device gpu`` without a usable GPU exits 2 with the reason ``python -m
-cupyflash info`` gives).  cupyflash's GPU decode kernel is not built yet (issue
-12): on CuPy arrays ``flash_attn_with_kvcache`` raises NotImplementedError, so
-the example says so in one line and runs on the CPU path; the code stays
-``xp``-generic and will run on CuPy once the kernel lands.
+cupyflash info`` gives).  On CuPy, ``flash_attn_with_kvcache`` runs cupyflash's
+decode kernel (kernels_cu/flash_decode.cu) on the paged cache.
 
 Run::
 
@@ -62,7 +60,7 @@ import cupyflash.cli  # noqa: E402
 
 #: Largest max abs difference between the cached and the recomputed logits
 #: (float32 on the CPU: the two paths differ by ~1e-6 on logits of size ~1).
-TOLERANCE = {"cpu": 1e-4, "gpu": 3e-2}  # gpu: float16 attention, once the decode kernel exists
+TOLERANCE = {"cpu": 1e-4, "gpu": 3e-2}  # gpu: float16 attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,25 +402,11 @@ def usable_gpu():
     return cupyflash.cli.usable_gpu()
 
 
-def gpu_decode_missing(cupy):
-    """None when ``flash_attn_with_kvcache`` runs on CuPy arrays, else its NotImplementedError
-    message (a one-token call on a one-block cache)."""
-    q = cupy.zeros((1, 1, 1, 16), dtype=np.float16)
-    cache = cupy.zeros((1, 16, 1, 16), dtype=np.float16)
-    try:
-        cupyflash.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=1,
-                                          block_table=cupy.zeros((1, 1), dtype=np.int32))
-    except NotImplementedError as exc:
-        return " ".join(str(exc).split())
-    return None
-
-
 def choose_xp(device="auto"):
     """``(numpy or cupy, "cpu" or "gpu", description)``.
 
     ``--device gpu`` without a usable GPU ends the script with the reason and
-    status 2; a usable GPU without cupyflash's decode kernel gives the CPU path,
-    and the description says why.
+    status 2.
     """
     if device == "cpu":
         return np, "cpu", "NumPy (CPU path, --device cpu)"
@@ -431,9 +415,6 @@ def choose_xp(device="auto"):
         if device == "gpu":
             fail(f"--device gpu, but the GPU is not usable: {name_or_reason}")
         return np, "cpu", f"NumPy (CPU path; no usable GPU: {' '.join(name_or_reason.split())})"
-    missing = gpu_decode_missing(cupy)
-    if missing is not None:
-        return np, "cpu", f"NumPy (CPU path; {name_or_reason} not used: {missing})"
     return cupy, "gpu", f"CuPy on {name_or_reason} (GPU path; attention in float16)"
 
 

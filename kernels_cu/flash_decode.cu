@@ -19,8 +19,8 @@
 //     block has no block-wide barrier in its key loop.
 // K/V tiles stream through a STAGES-deep cp.async ring. The cache is dense (row
 // cache_batch_idx[b] or b) or paged (block_table[b][key / page_size], looked up
-// per key row as the tile is loaded); out-of-range device indices are clamped
-// into the cache, never read out of bounds. Appended keys (k_new, v_new) are
+// per key row as the tile is loaded); out-of-range device indices and lengths
+// are clamped into the cache, never read out of bounds. Appended keys (k_new, v_new) are
 // read from k_new/v_new directly and copied into the cache slots by the same
 // blocks, so the append costs no extra pass.
 //
@@ -80,17 +80,21 @@ struct KvSource {
     int64 k_block_stride, v_block_stride, k_row_stride, v_row_stride, knew_row_stride, vnew_row_stride;
     int cache_len, page_size, cache_rows;
 
-    // Pointers to key j's K and V rows (j >= 0 and below the sequence's length).
-    __device__ __forceinline__ void locate(int j, const T*& kp, const T*& vp) const {
+    // The block holding cache key j (paged), clamped into the pool: one index load per key row.
+    __device__ __forceinline__ int block_of(int j) const {
+        return min(max(__ldg(table + j / page_size), 0), cache_rows - 1);
+    }
+
+    // Pointers to key j's K and V rows (j >= 0 and below the sequence's length);
+    // block: block_of(j), fetched ahead (paged caches only).
+    __device__ __forceinline__ void locate(int j, int block, const T*& kp, const T*& vp) const {
         if (j >= cache_len) {
             kp = k_new + int64(j - cache_len) * knew_row_stride;
             vp = v_new + int64(j - cache_len) * vnew_row_stride;
             return;
         }
         if constexpr (PAGED) {
-            const int page = j / page_size;
-            const int block = min(max(__ldg(table + page), 0), cache_rows - 1);
-            const int slot = j - page * page_size;
+            const int slot = j - (j / page_size) * page_size;
             kp = k + block * k_block_stride + int64(slot) * k_row_stride;
             vp = v + block * v_block_stride + int64(slot) * v_row_stride;
         } else {
@@ -138,7 +142,9 @@ flash_decode_kernel(const DecodeParams p) {
     const int rows = p.seqlen_q * p.group;  // packed rows of this (sequence, KV head)
     const int m0 = m_block * BLOCK_M;
 
-    const int cache_len = p.cache_seqlens == nullptr ? int(p.cache_seqlen) : __ldg(p.cache_seqlens + b);
+    // A device length the host never saw is clamped into the cache (as are device indices).
+    const int cache_len = min(max(p.cache_seqlens == nullptr ? int(p.cache_seqlen) : __ldg(p.cache_seqlens + b), 0),
+                              p.capacity - p.seqlen_new);
     const int seqlen_k = cache_len + p.seqlen_new;
 
     // Key tiles: causal rows see keys up to q_row + seqlen_k - seqlen_q.
@@ -189,29 +195,43 @@ flash_decode_kernel(const DecodeParams p) {
                                        p.head_dim);
         }
     };
-    // This column's WARP_KEYS rows of key tile n into ring slot `slot`.
+    // This column's WARP_KEYS rows of key tile n into ring slot `slot`. Paged: the
+    // rows' blocks were fetched into registers by the previous load (tiles load in
+    // descending order), and this load fetches tile n - 1's, so no load waits on
+    // an index.
+    using KvMap = TileMap<T, WARP_KEYS, HEAD_DIM, Tr::COLUMN_THREADS>;
+    const int kv_row0 = (wm * 32 + lane) / KvMap::THREADS_PER_ROW;
+    const int kv_chunk0 = (wm * 32 + lane) % KvMap::THREADS_PER_ROW;
+    int blocks[PAGED ? KvMap::ITERS : 1];
+    auto fetch_blocks = [&](int n) {
+        if constexpr (PAGED) {
+#pragma unroll
+            for (int it = 0; it < KvMap::ITERS; ++it) {
+                const int j = n * BLOCK_N + wn * WARP_KEYS + kv_row0 + it * KvMap::ROWS_PER_IT;
+                blocks[it] = n >= 0 && j < cache_len ? src.block_of(j) : 0;
+            }
+        }
+    };
     auto load_kv = [&](int n, int slot) {
-        using Map = TileMap<T, WARP_KEYS, HEAD_DIM, Tr::COLUMN_THREADS>;
         const uint32 sK = ring + slot * Tr::STAGE_BYTES + KVTile::offset(wn * WARP_KEYS, 0);
         const uint32 sV = sK + KVTile::BYTES;
-        const int tid = wm * 32 + lane;
-        const int row0 = tid / Map::THREADS_PER_ROW, chunk0 = tid % Map::THREADS_PER_ROW;
 #pragma unroll
-        for (int it = 0; it < Map::ITERS; ++it) {
-            const int r = row0 + it * Map::ROWS_PER_IT;
+        for (int it = 0; it < KvMap::ITERS; ++it) {
+            const int r = kv_row0 + it * KvMap::ROWS_PER_IT;
             const int j = n * BLOCK_N + wn * WARP_KEYS + r;
             const bool valid = j < seqlen_k;
             const T *kp = src.k, *vp = src.v;
-            if (valid) src.locate(j, kp, vp);
+            if (valid) src.locate(j, blocks[PAGED ? it : 0], kp, vp);
 #pragma unroll
-            for (int c = 0; c < Map::CHUNKS_PER_THREAD; ++c) {
-                const int chunk = chunk0 + c * Map::THREADS_PER_ROW;
+            for (int c = 0; c < KvMap::CHUNKS_PER_THREAD; ++c) {
+                const int chunk = kv_chunk0 + c * KvMap::THREADS_PER_ROW;
                 load_chunk<T, VEC, false>(sK + KVTile::offset(r, chunk), kp + chunk * 8, src.k, valid, chunk,
-                                           p.head_dim);
+                                          p.head_dim);
                 load_chunk<T, VEC, false>(sV + KVTile::offset(r, chunk), vp + chunk * 8, src.v, valid, chunk,
-                                           p.head_dim);
+                                          p.head_dim);
             }
         }
+        fetch_blocks(n - 1);
     };
     auto column_barrier = [&]() {
         if constexpr (WARPS_M == 1) {
@@ -222,7 +242,10 @@ flash_decode_kernel(const DecodeParams p) {
     };
 
     // Tiles are visited from the last (masked: tail, causal diagonal) down; visit i is tile n_end - 1 - i.
-    if (n_tiles > 0) load_q();
+    if (n_tiles > 0) {
+        load_q();
+        fetch_blocks(n_end - 1);
+    }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < n_tiles) load_kv(n_end - 1 - s, s);

@@ -116,6 +116,8 @@ struct DecodeParams {
     int32 seqlen_new;          // rows of k_new / v_new (0: no append)
     int32 page_size;           // slots per block (paged)
     int32 cache_rows;          // blocks in the pool (paged) or rows of the cache (dense): indices are clamped to it
+    int32 capacity;            // slots per sequence (seqlen_cache, or max_blocks_per_seq * page_size):
+                               // cache lengths are clamped to capacity - seqlen_new
     int32 group;               // nheads_q / nheads_kv: query heads per KV head
     int32 num_m_blocks;        // ceil(seqlen_q * group / BLOCK_M)
     int32 num_splits;          // key ranges per (sequence, KV head, row block)

@@ -92,10 +92,10 @@ def fresh_plans(monkeypatch):
     leave its own behind.  Compiled kernels stay cached (on disk and per device)."""
     import sys
 
-    from cupyflash import _api, _gpu, _gpu_bwd, _gpu_decode, _launch
+    from cupyflash import _api, _gpu, _gpu_bwd, _gpu_decode, _kvcache, _launch
 
     for module, names in ((_api, ("_FWD_ENTRIES", "_BWD_ENTRIES")), (_gpu, ("PLANS",)), (_gpu_bwd, ("PLANS",)),
-                          (_gpu_decode, ("PLANS",)),
+                          (_gpu_decode, ("PLANS",)), (_kvcache, ("_ENTRIES",)),
                           (sys.modules.get("cupyflash._torch_path"),
                            ("_FWD_ENTRIES", "_BWD_ENTRIES"))):
         for name in names if module is not None else ():

@@ -156,7 +156,7 @@ def install_fake_gpu(monkeypatch, compute_fwd=None, compute_bwd=None, compute_de
 
     def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, **kwargs):
         plans.append(("decode", kwargs))
-        return FakeCall("decode", kwargs, (None, None), compute_decode, runs)
+        return FakeCall("decode", kwargs, (q.shape, (q.shape[0], q.shape[2], q.shape[1])), compute_decode, runs)
 
     gpu = types.ModuleType("cupyflash._gpu")
     gpu.plan_fwd = plan_fwd

@@ -516,15 +516,14 @@ def test_generate_check_catches_a_wrong_block_table(generate_bare, monkeypatch, 
     assert "[FAIL: need < 0.0001]" in capsys.readouterr().out
 
 
-def test_generate_gpu_without_the_decode_kernel_runs_on_the_cpu(generate_bare, monkeypatch):
-    """A usable GPU, but flash_attn_with_kvcache raises NotImplementedError on CuPy arrays
-    (issue 12): one line says so, and the example runs on the CPU path."""
+def test_generate_chooses_the_gpu_when_usable(generate_bare, monkeypatch):
+    """A usable GPU: the example runs on CuPy (the decode kernel); --device cpu forces NumPy."""
     from fakes import install_fake_gpu
 
     install_fake_gpu(monkeypatch)
     monkeypatch.setattr(generate_bare, "usable_gpu", lambda: (sys.modules["cupy"], "Fake GPU, sm_90"))
     for device in ("auto", "gpu"):
         xp, kind, where = generate_bare.choose_xp(device)
-        assert xp is np and kind == "cpu"
-        assert where.startswith("NumPy (CPU path; Fake GPU, sm_90 not used: ")
-        assert "the GPU decode kernel is not built yet" in where
+        assert xp is sys.modules["cupy"] and kind == "gpu"
+        assert where.startswith("CuPy on Fake GPU, sm_90")
+    assert generate_bare.choose_xp("cpu")[:2] == (np, "cpu")

@@ -230,9 +230,10 @@ table = cp.asarray(np.array([[1, -7, 99], [2**30, 3, -1]], dtype=np.int32))
 rows = cp.asarray(np.array([-3, 9], dtype=np.int32))
 for kw in (dict(block_table=table), dict(cache_batch_idx=rows)):
     kc = cache if "block_table" in kw else cp.ones((2, 48, 2, 64), dtype=cp.float16)
-    out = cupyflash.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cp.asarray(np.array([40, 48], np.int32)),
-                                            num_splits=3, **kw)
-    assert not cp.isnan(out).any()
+    for lengths in ([40, 48], [-5, 10**6]):  # lengths past the capacity are clamped too
+        out = cupyflash.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=cp.asarray(np.array(lengths, np.int32)),
+                                                num_splits=3, **kw)
+        assert not cp.isnan(out).any()
 cp.cuda.Device().synchronize()
 print("ok")
 """
