@@ -7,7 +7,7 @@ Arrays are cupy ndarrays (or anything with their geometry: ``shape``,
 
 :func:`plan_decode` returns a :class:`DecodeCall` (kernels_cu/flash_decode.cu:
 the decode kernel, and the combine kernel when the keys are split), which
-``_kvcache`` caches per call signature; :meth:`DecodeCall.run` only writes
+``_kvcache`` caches per call signature (its ``_ENTRIES``); :meth:`DecodeCall.run` only writes
 pointers and launches.
 """
 
@@ -78,6 +78,7 @@ def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k:
         vec=vec_ok((q, k_cache, v_cache, *appended), head_dim), num_splits=num_splits,
         num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id))
     lse_shape = (batch, nheads_q, seqlen_q)
+    page_size = k_cache.shape[1] if block_table is not None else 0
     scratch = (0, (0, 0))
     if plan.num_splits > 1:
         rows = plan.num_splits * batch * nheads_q * seqlen_q
@@ -91,7 +92,8 @@ def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k:
         block_table_batch_stride=0 if block_table is None else block_table.strides[0] // block_table.itemsize,
         batch=batch, nheads_q=nheads_q, nheads_kv=nheads_kv, seqlen_q=seqlen_q, head_dim=head_dim,
         seqlen_new=0 if k_new is None else k_new.shape[1],
-        page_size=k_cache.shape[1] if block_table is not None else 0, cache_rows=k_cache.shape[0],
+        page_size=page_size, page_shift=page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1,
+        cache_rows=k_cache.shape[0],
         capacity=max_seqlen_k,
         group=nheads_q // nheads_kv, num_m_blocks=plan.num_m_blocks, num_splits=plan.num_splits,
         softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E)
@@ -100,10 +102,6 @@ def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k:
                       _launch.Launcher(launches, template, _DECODE_WRITER))
 
 
-PLANS = _launch.PlanCache()
-
-
 def clear_plans() -> None:
-    """Forget every cached plan."""
-    PLANS.clear()
+    """Forget the memoised dispatch choices (after a dispatch table changed)."""
     select_decode.cache_clear()

@@ -77,7 +77,7 @@ DECODE_PARAMS = _struct(
         ("o_batch_stride", _I64), ("o_row_stride", _I64), ("o_head_stride", _I64),
         ("block_table_batch_stride", _I64),
         ("batch", _I32), ("nheads_q", _I32), ("nheads_kv", _I32), ("seqlen_q", _I32), ("head_dim", _I32),
-        ("seqlen_new", _I32), ("page_size", _I32), ("cache_rows", _I32), ("capacity", _I32),
+        ("seqlen_new", _I32), ("page_size", _I32), ("page_shift", _I32), ("cache_rows", _I32), ("capacity", _I32),
         ("group", _I32), ("num_m_blocks", _I32), ("num_splits", _I32),
         ("softmax_scale", _F32), ("softmax_scale_log2", _F32),
     ]

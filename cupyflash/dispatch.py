@@ -707,35 +707,33 @@ def decode_combine_launch(dtype: str, head_dim_padded: int, rows: int = 1) -> La
 
 
 #: The split-count model (decode_num_splits): each block also costs this many
-#: tiles' time (the ring's first loads, the epilogue), and a wave of fewer than
-#: slots / DECODE_SATURATION blocks still takes as long as one of that many (too
-#: few loads in flight to reach the memory bandwidth).
+#: tiles' time (the ring's first loads, the epilogue), and so does the combine.
 DECODE_BLOCK_OVERHEAD_TILES = 2
-DECODE_SATURATION = 2
+#: Blocks per SM the split count aims at: two blocks (8 warps, 2 x 2 tiles of
+#: K/V in flight at D=128) are needed to hide a paged cache's scattered loads.
+DECODE_BLOCKS_PER_SM = 2
 
 
-def decode_num_splits(blocks: int, n_tiles: int, blocks_per_sm: int, num_sms: int) -> int:
+def decode_num_splits(blocks: int, n_tiles: int, num_sms: int) -> int:
     """Key splits for ``blocks`` (sequence, KV head, row block) blocks of at most
-    ``n_tiles`` key tiles each, on ``num_sms`` SMs that hold ``blocks_per_sm`` each.
+    ``n_tiles`` key tiles each, on ``num_sms`` SMs.
 
-    The kernel is bound by memory, so the time of a split count ``s`` is
-    modelled in units of one tile's bytes at the full bandwidth: every wave of
-    ``n`` blocks costs ``max(n, slots / DECODE_SATURATION) * (tiles per block +
-    DECODE_BLOCK_OVERHEAD_TILES)``, and splitting adds the combine kernel (about
-    one block's overhead per slot).  The cheapest ``s`` wins, the fewest splits
-    on a tie: a partial last wave (the tail that costs a grid of 2.2 waves a
-    quarter of its time) is avoided, and a small batch gets enough blocks to
-    keep enough loads in flight.
+    The kernel is bound by each SM's share of the memory bandwidth, so the
+    time of ``s`` splits is that of the busiest of ``num_sms *
+    DECODE_BLOCKS_PER_SM`` block slots: ``ceil(blocks * s / slots)`` blocks,
+    each of its tiles plus DECODE_BLOCK_OVERHEAD_TILES; splitting adds the
+    combine.  The cheapest ``s`` wins, the fewest splits on a tie.  Measured on
+    the H200 (kernels_cu/PERF.md, decode): an uneven grid costs what its
+    busiest SM costs (144 blocks on 132 SMs: 202 us, 128 blocks: 157 us, B=1,
+    128k keys, 8 KV heads); with one block per SM a paged cache streams 1.8x
+    slower than a contiguous one, with two 1.13x.
     """
-    slots = blocks_per_sm * num_sms
-    floor = max(1, slots // DECODE_SATURATION)
+    slots = num_sms * DECODE_BLOCKS_PER_SM
     best, best_cost = 1, None
     for s in range(1, min(n_tiles, DECODE_MAX_SPLITS) + 1):
-        total, per_block = blocks * s, math.ceil(n_tiles / s) + DECODE_BLOCK_OVERHEAD_TILES
-        full, last = divmod(total, slots)
-        cost = (full * slots + (max(last, floor) if last else 0)) * per_block
+        cost = math.ceil(blocks * s / slots) * (math.ceil(n_tiles / s) + DECODE_BLOCK_OVERHEAD_TILES)
         if s > 1:
-            cost += slots * DECODE_BLOCK_OVERHEAD_TILES
+            cost += DECODE_BLOCK_OVERHEAD_TILES
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best
@@ -767,9 +765,7 @@ def select_decode(*, batch: int, seqlen_q: int, nheads_q: int, nheads_kv: int, h
     elif num_splits > 0:
         splits = min(num_splits, n_tiles, DECODE_MAX_SPLITS)
     else:
-        smem = decode_smem_bytes(d, block_n, warps[0], stages)
-        per_sm = max(1, min(smem_per_sm(cc) // (smem + 1024), 2048 // (DECODE_WARPS * 32)))
-        splits = decode_num_splits(blocks, n_tiles, per_sm, num_sms)
+        splits = decode_num_splits(blocks, n_tiles, num_sms)
     main = decode_launch(dtype, d, warps, causal, paged, vec, (num_m_blocks * splits, nheads_kv, batch), cc)
     combine = decode_combine_launch(dtype, d, batch * nheads_q * seqlen_q) if splits > 1 else None
     return DecodePlan(main, combine, d, block_m, num_m_blocks, splits)

@@ -115,6 +115,7 @@ struct DecodeParams {
     int32 batch, nheads_q, nheads_kv, seqlen_q, head_dim;
     int32 seqlen_new;          // rows of k_new / v_new (0: no append)
     int32 page_size;           // slots per block (paged)
+    int32 page_shift;          // log2(page_size) when a power of two (shifts, not divisions), else -1
     int32 cache_rows;          // blocks in the pool (paged) or rows of the cache (dense): indices are clamped to it
     int32 capacity;            // slots per sequence (seqlen_cache, or max_blocks_per_seq * page_size):
                                // cache lengths are clamped to capacity - seqlen_new

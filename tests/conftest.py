@@ -87,15 +87,15 @@ def bwd_sm90_block_m_128(monkeypatch):
 @pytest.fixture(autouse=True)
 def fresh_plans(monkeypatch):
     """Every test plans its calls afresh: plans are cached per call signature
-    (``_api``, ``_gpu``, ``_gpu_bwd``, ``_gpu_decode``, ``_torch_path``), and a test that patches a
+    (``_api``, ``_gpu``, ``_gpu_bwd``, ``_kvcache``, ``_torch_path``), and a test that patches a
     dispatch table or a device fact must not meet plans made before it, nor
     leave its own behind.  Compiled kernels stay cached (on disk and per device)."""
     import sys
 
-    from cupyflash import _api, _gpu, _gpu_bwd, _gpu_decode, _kvcache, _launch
+    from cupyflash import _api, _gpu, _gpu_bwd, _kvcache, _launch
 
     for module, names in ((_api, ("_FWD_ENTRIES", "_BWD_ENTRIES")), (_gpu, ("PLANS",)), (_gpu_bwd, ("PLANS",)),
-                          (_gpu_decode, ("PLANS",)), (_kvcache, ("_ENTRIES",)),
+                          (_kvcache, ("_ENTRIES",)),
                           (sys.modules.get("cupyflash._torch_path"),
                            ("_FWD_ENTRIES", "_BWD_ENTRIES"))):
         for name in names if module is not None else ():

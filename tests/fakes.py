@@ -164,8 +164,6 @@ def install_fake_gpu(monkeypatch, compute_fwd=None, compute_bwd=None, compute_de
     gpu_bwd.plan_bwd = plan_bwd
     gpu_decode = types.ModuleType("cupyflash._gpu_decode")
     gpu_decode.plan_decode = plan_decode
-    from cupyflash._launch import PlanCache
-    gpu_decode.PLANS = PlanCache()
     for name, module in (("_gpu", gpu), ("_gpu_bwd", gpu_bwd), ("_gpu_decode", gpu_decode)):
         monkeypatch.setitem(sys.modules, f"cupyflash.{name}", module)
         monkeypatch.setattr(cupyflash, name, module, raising=False)

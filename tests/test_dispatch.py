@@ -312,9 +312,9 @@ def test_decode_packs_gqa_heads_into_rows():
     assert plan.main.args[3:5] == ("1", "4") and plan.num_m_blocks == 1 and plan.block_m == 16
     # grid: (row blocks x splits, KV heads, batch)
     assert plan.main.grid == (plan.num_splits, 8, 1)
-    # 8 blocks alone would leave 124 SMs idle: split until at least half the
-    # 264 slots (2 blocks per SM) stream keys, in one wave
-    assert 132 <= 8 * plan.num_splits <= 264 and plan.combine is not None
+    # 8 blocks alone would leave 124 SMs idle: split until every SM streams keys
+    # with two blocks, evenly (no SM with a block more than another)
+    assert 256 <= 8 * plan.num_splits <= 264 and plan.combine is not None
     assert plan.combine.grid == (32, 1, 1)
 
 
@@ -342,26 +342,25 @@ def test_decode_splits_keep_two_tiles_each_and_respect_requests():
     assert few_tiles.num_splits == 3  # no more splits than key tiles
 
 
-def test_decode_splits_avoid_a_partial_last_wave():
-    # 64 blocks of 512 tiles on 264 slots: 9 splits (the old rule, 2 waves' worth) ran
-    # 2.2 waves; the model keeps to one full wave
-    s = dispatch.decode_num_splits(64, 512, 2, 132)
-    assert 64 * s <= 264 and 64 * s >= 132
-    assert dispatch.decode_num_splits(512, 128, 2, 132) == 1
+def test_decode_splits_keep_the_sms_even():
+    # 8 blocks of 2048 tiles: 33 splits (264 blocks, two per SM), never 18 or 36
+    # (144 blocks: 12 SMs with two took 202 us where 128 blocks took 157 on the H200)
+    assert dispatch.decode_num_splits(8, 2048, 132) == 33
+    assert dispatch.decode_num_splits(64, 2048, 132) == 4
+    assert dispatch.decode_num_splits(512, 128, 132) == 1
 
 
 @pytest.mark.parametrize("blocks,n_tiles", [(8, 2048), (8, 128), (64, 512), (1, 16), (300, 40)])
 def test_decode_num_splits_is_the_cheapest_by_the_model(blocks, n_tiles):
-    slots, floor = 264, 264 // dispatch.DECODE_SATURATION
     over = dispatch.DECODE_BLOCK_OVERHEAD_TILES
 
     def cost(s):
-        full, last = divmod(blocks * s, slots)
-        c = (full * slots + (max(last, floor) if last else 0)) * (math.ceil(n_tiles / s) + over)
-        return c + (slots * over if s > 1 else 0)
+        slots = 132 * dispatch.DECODE_BLOCKS_PER_SM
+        return math.ceil(blocks * s / slots) * (math.ceil(n_tiles / s) + over) + (over if s > 1 else 0)
 
-    got = dispatch.decode_num_splits(blocks, n_tiles, 2, 132)
+    got = dispatch.decode_num_splits(blocks, n_tiles, 132)
     assert all(cost(got) <= cost(s) for s in range(1, min(n_tiles, 128) + 1))
+    assert all(cost(got) < cost(s) for s in range(1, got))  # the fewest splits on a tie
 
 
 def test_decode_chunked_prefill_splits_rows():

@@ -197,14 +197,14 @@ def test_num_splits_does_not_change_the_result(rng):
 def test_int_cache_seqlens_reuses_one_plan(rng):
     """A decode loop advances an int length each step: one plan, the right length every step."""
     cp = _cp()
-    from cupyflash import _gpu_decode
+    from cupyflash import _kvcache
 
     q = _host(rng, (2, 1, 4, 64), "float16")
     k_cache, v_cache = (_host(rng, (2, 256, 2, 64), "float16") for _ in range(2))
-    before = len(_gpu_decode.PLANS)
+    before = len(_kvcache._ENTRIES)
     for length in (1, 2, 100, 255):
         run_and_check(cp, rng, "float16", q, k_cache, v_cache, cache_seqlens=length)
-    assert len(_gpu_decode.PLANS) == before + 1
+    assert len(_kvcache._ENTRIES) == before + 1
 
 
 def test_out_of_range_block_indices_are_clamped(rng):
