@@ -212,10 +212,17 @@ flash_decode_kernel(const DecodeParams p) {
     int blocks[PAGED ? KvMap::ITERS : 1];
     auto fetch_blocks = [&](int n) {
         if constexpr (PAGED) {
+            const int j0 = n * BLOCK_N + wn * WARP_KEYS;  // this column's first key of tile n
+            if (p.page_size % WARP_KEYS == 0) {  // its keys share one page: one index load
+                const int block = n >= 0 && j0 < cache_len ? src.block_of(j0) : 0;
 #pragma unroll
-            for (int it = 0; it < KvMap::ITERS; ++it) {
-                const int j = n * BLOCK_N + wn * WARP_KEYS + kv_row0 + it * KvMap::ROWS_PER_IT;
-                blocks[it] = n >= 0 && j < cache_len ? src.block_of(j) : 0;
+                for (int it = 0; it < KvMap::ITERS; ++it) blocks[it] = block;
+            } else {
+#pragma unroll
+                for (int it = 0; it < KvMap::ITERS; ++it) {
+                    const int j = j0 + kv_row0 + it * KvMap::ROWS_PER_IT;
+                    blocks[it] = n >= 0 && j < cache_len ? src.block_of(j) : 0;
+                }
             }
         }
     };
