@@ -34,6 +34,14 @@ Where ``buffer_callback`` is missing (older JAX), :func:`flash_attention` falls
 back to handing concrete arrays over through DLPack: it works eagerly and
 raises a ``RuntimeError`` that says so under ``jax.jit`` or ``jax.grad``.
 
+:func:`flash_attn_with_kvcache` (decoding against a KV cache) runs in a
+``buffer_callback`` too, its cache outputs aliased to the cache inputs: the
+append is functional (the updated caches are returned), and in place when the
+caches are donated to ``jax.jit``.  It is validated at trace time with the
+core's rules, then calls :func:`cupyflash.flash_attn_with_kvcache` on views of
+XLA's buffers (NumPy on the CPU; CuPy, on XLA's stream, on a GPU).  It has no
+gradient.
+
 Importing this module imports JAX; importing ``cupyflash`` does not.
 
 Examples
@@ -62,7 +70,7 @@ try:
 except ImportError:  # JAX < 0.7: eager DLPack fallback only
     _buffer_callback = None
 
-__all__ = ["flash_attention"]
+__all__ = ["flash_attention", "flash_attn_with_kvcache"]
 
 _FN = "jax.flash_attention"
 
@@ -412,3 +420,356 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, deterministic=
     """
     scale = _validate(q, k, v, softmax_scale, causal, deterministic)
     return _attention(q, k, v, scale, bool(causal), bool(deterministic))
+
+
+# ----------------------------------------------------------------------------
+# flash_attn_with_kvcache: attention against a KV cache, the append functional
+# ----------------------------------------------------------------------------
+
+#: The function the messages name: the core's (the rules are its rules).
+_KV_FN = "flash_attn_with_kvcache"
+#: The arrays the callback may take, in order (those given, without None).
+_KV_ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_batch_idx", "block_table")
+#: Which of them are index arrays (int32).
+_KV_INDEX = frozenset(("cache_seqlens", "cache_batch_idx", "block_table"))
+
+
+def _writeable_spec(x):
+    """A writeable NumPy array with x's shape and dtype (never read), as the core's
+    checks want of a cache it appends to: a unit last stride over one row of its own
+    memory and zero strides elsewhere, so that it spans only memory it owns (two of
+    them never overlap, for the core's ``numpy.shares_memory`` check)."""
+    dtype = np.dtype(x.dtype)
+    shape = tuple(x.shape)
+    if not shape:
+        return np.zeros((), dtype)
+    strides = (0,) * (len(shape) - 1) + (dtype.itemsize,)
+    return np.lib.stride_tricks.as_strided(np.zeros(max(shape[-1], 1), dtype), shape, strides)
+
+
+def _kv_array(name, x, optional=True):
+    """x as a JAX array (NumPy arrays converted; None kept when ``optional``)."""
+    if x is None and optional:
+        return None
+    if isinstance(x, np.ndarray):
+        return jnp.asarray(x)
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        _checks.fail(TypeError, _KV_FN, f"{name} must be a jax.Array; got {_checks._type_name(x)}.")
+    return x
+
+
+def _kv_check_shapes(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                     softmax_scale, causal, num_splits, return_lse):
+    """The rules of :func:`cupyflash._kvcache._check` that need no values: shapes, dtypes
+    and flags (the arguments are NumPy specs; an int ``cache_seqlens`` is checked in
+    full).  For lengths and indices that are tracers, or on the GPU."""
+    fn = _KV_FN
+    _checks.check_qkv(fn, q, k_cache, v_cache, names=("k_cache", "v_cache"), same_batch=False)
+    batch = q.shape[0]
+    if (k is None) != (v is None):
+        given, missing = ("k", "v") if v is None else ("v", "k")
+        _checks.fail(ValueError, fn,
+                     f"{missing} must be given with {given} (the new keys and values are appended "
+                     f"together); got None.")
+    seqlen_new = 0
+    if k is not None:
+        _checks.check_qkv(fn, q, k, v)
+        if k.shape[2] != k_cache.shape[2]:
+            _checks.fail(ValueError, fn,
+                         f"k must have the same nheads as k_cache ({k_cache.shape[2]}); "
+                         f"got {k.shape[2]}.")
+        seqlen_new = k.shape[1]
+    scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal)
+    _checks.check_num_splits(fn, num_splits)
+    _checks.check_bool(fn, "return_lse", return_lse)
+    if cache_batch_idx is not None and block_table is not None:
+        _checks.fail(ValueError, fn,
+                     "cache_batch_idx must be None when block_table is given (a paged cache has no "
+                     "rows to pick); got both.")
+    lengths = _checks.check_cache_seqlens(fn, cache_seqlens, q)
+    if isinstance(cache_seqlens, np.ndarray):  # a spec: its values are not known here
+        lengths = np.zeros(batch, dtype=np.int64)
+    if cache_seqlens is None and k is not None:
+        _checks.fail(ValueError, fn,
+                     "cache_seqlens must be given to append k and v (None means the whole cache is "
+                     "valid, leaving no slot to append to); got None.")
+    if block_table is not None:
+        page_size = k_cache.shape[1]
+        if page_size % _checks.PAGE_SIZE_MULTIPLE or page_size == 0:
+            _checks.fail(ValueError, fn,
+                         f"k_cache must have a page_size (dimension 1) that is a positive multiple "
+                         f"of {_checks.PAGE_SIZE_MULTIPLE} when block_table is given; got "
+                         f"{page_size}.")
+        _checks.check_index_array(fn, "block_table", block_table, q,
+                                  ("batch", "max_blocks_per_seq"), batch)
+        _checks.check_cache_lengths(fn, lengths, seqlen_new, block_table.shape[1] * page_size,
+                                    page_size)
+    else:
+        if cache_batch_idx is not None:
+            _checks.check_index_array(fn, "cache_batch_idx", cache_batch_idx, q, ("batch",), batch)
+        elif k_cache.shape[0] != batch:
+            _checks.fail(ValueError, fn,
+                         f"k_cache must have the same batch size as q ({batch}) when neither "
+                         f"cache_batch_idx nor block_table is given; got {k_cache.shape[0]}.")
+        _checks.check_cache_lengths(fn, lengths, seqlen_new, k_cache.shape[1], 0)
+    return scale
+
+
+def _kv_validate(arrays, cache_seqlens, softmax_scale, causal, num_splits, return_lse):
+    """Validate at trace time with the core's rules and messages; returns the softmax scale.
+
+    On the CPU, when the lengths and indices are concrete arrays (not tracers), the
+    core's checks run in full, values included (:func:`cupyflash._kvcache._check` on
+    NumPy specs of the big arrays and host views of the index arrays).  Otherwise
+    (under ``jax.jit``, or on the GPU, where the core reads no device values either)
+    only what needs no values is checked here; on the CPU the core checks the values
+    when the callback runs.
+    """
+    from . import _kvcache
+
+    q = arrays["q"]
+    index = {name: arrays.get(name) for name in _KV_INDEX}
+    index["cache_seqlens"] = arrays.get("cache_seqlens", cache_seqlens)
+    on_cpu = _platform(q) == "cpu"
+    specs = {name: (_writeable_spec(x) if x is not None else None)
+             for name, x in arrays.items() if name not in _KV_INDEX}
+    specs.setdefault("k", None)
+    specs.setdefault("v", None)
+    concrete = on_cpu and not any(isinstance(x, jax.core.Tracer)
+                                  for name, x in arrays.items() if name in _KV_INDEX)
+    if concrete:
+        host = {name: (np.asarray(x) if name in arrays else x) for name, x in index.items()}
+        plan = _kvcache._check(specs["q"], specs["k_cache"], specs["v_cache"], specs["k"],  # noqa: SLF001
+                               specs["v"], host["cache_seqlens"], host["cache_batch_idx"],
+                               host["block_table"], softmax_scale, causal, num_splits,
+                               return_lse, None)
+        scale = plan.scale
+    else:
+        # zeros of each index array's shape and dtype (small; the checks read them)
+        stand_in = {name: (np.zeros(tuple(x.shape), np.dtype(x.dtype)) if name in arrays else x)
+                    for name, x in index.items()}
+        scale = _kv_check_shapes(specs["q"], specs["k_cache"], specs["v_cache"], specs["k"],
+                                 specs["v"], stand_in["cache_seqlens"], stand_in["cache_batch_idx"],
+                                 stand_in["block_table"], softmax_scale, causal, num_splits,
+                                 return_lse)
+    dtype = np.dtype(q.dtype).name
+    if not on_cpu and dtype not in _checks.GPU_DTYPES:
+        _checks.fail(TypeError, _KV_FN,
+                     f"q must have dtype float16 or bfloat16 on the GPU; got {dtype}.")
+    return scale
+
+
+class _KVCallback:
+    """The ``buffer_callback`` function of one signature: which arrays are given (in
+    ``_KV_ARRAYS`` order), an int ``cache_seqlens`` (or None), the flags and the dtype.
+
+    ``callback(ctx, (out, lse[, k_cache, v_cache]), *arrays)``: with an append, the
+    cache outputs alias the cache inputs (XLA copies the input there first unless it
+    was donated), and the core appends into them in place.  On the CPU the core runs
+    on NumPy views of XLA's buffers; on a GPU on CuPy views, on XLA's stream.
+    """
+
+    __slots__ = ("names", "seqlens", "softmax_scale", "causal", "num_splits", "dtype_name",
+                 "__weakref__")
+
+    def __init__(self, names, seqlens, softmax_scale, causal, num_splits, dtype_name):
+        self.names, self.seqlens = names, seqlens
+        self.softmax_scale, self.causal, self.num_splits = softmax_scale, causal, num_splits
+        self.dtype_name = dtype_name
+
+    @property
+    def appends(self):
+        return "k" in self.names
+
+    def _core(self, arrays, dtype):
+        from . import _kvcache
+
+        return _kvcache.flash_attn_with_kvcache(
+            arrays["q"], arrays["k_cache"], arrays["v_cache"], arrays.get("k"), arrays.get("v"),
+            cache_seqlens=arrays.get("cache_seqlens", self.seqlens),
+            cache_batch_idx=arrays.get("cache_batch_idx"), block_table=arrays.get("block_table"),
+            softmax_scale=self.softmax_scale, causal=self.causal, num_splits=self.num_splits,
+            return_lse=True, dtype=dtype)
+
+    def __call__(self, ctx, outputs, *inputs):
+        buffers = dict(zip(self.names, inputs))
+        out, lse = outputs[0], outputs[1]
+        if self.appends:  # XLA's buffers of the new caches, holding the old ones
+            buffers["k_cache"], buffers["v_cache"] = outputs[2], outputs[3]
+        kind, device_id = inputs[0].__dlpack_device__()
+        if kind == _interop.DL_CPU:
+            o, l = self._core({name: np.asarray(b) for name, b in buffers.items()}, None)
+            np.asarray(out)[...] = o
+            np.asarray(lse)[...] = l
+            return
+        cupy = _interop._import_cupy(_KV_FN, "jax.Array")  # noqa: SLF001
+        bf16 = self.dtype_name == "bfloat16"
+        data = np.dtype(np.uint16) if bf16 else np.dtype(self.dtype_name)
+        with _cuda_device(device_id), _interop.use_stream(cupy, ctx.stream):
+            views = {name: _cupy_view(cupy, b, np.int32 if name in _KV_INDEX else data, device_id)
+                     for name, b in buffers.items()}
+            o, l = self._core(views, "bfloat16" if bf16 else None)
+            _cupy_view(cupy, out, data, device_id)[...] = o  # on XLA's stream
+            _cupy_view(cupy, lse, np.float32, device_id)[...] = l
+
+
+def _cupy_view(cupy, buffer, dtype, device_id):
+    """A CuPy array over a ``buffer_callback`` Buffer on the GPU (dense, row-major)."""
+    shape = tuple(buffer.shape)
+    return _interop.cupy_from_pointer(cupy, _pointer(buffer), shape, dtype,
+                                      _interop.c_strides(shape), buffer, device_id)
+
+
+_kv_callback = functools.lru_cache(maxsize=1024)(_KVCallback)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _kv_call(callback, *arrays):
+    q, k_cache, v_cache = arrays[:3]
+    batch, seqlen_q, nheads_q, _ = q.shape
+    result = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+              jax.ShapeDtypeStruct((batch, nheads_q, seqlen_q), jnp.float32)]
+    aliases = None
+    if callback.appends:
+        result += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+        aliases = {1: 2, 2: 3}  # k_cache -> output 2, v_cache -> output 3
+    return tuple(_buffer_callback(callback, tuple(result), vmap_method="sequential",
+                                  input_output_aliases=aliases)(*arrays))
+
+
+@_kv_call.defjvp
+def _kv_jvp(callback, primals, tangents):
+    raise NotImplementedError(
+        f"cupyflash.jax.{_KV_FN} is not differentiable (an inference function with no backward, "
+        f"like flash-attention's); use cupyflash.jax.flash_attention for training, or "
+        f"jax.lax.stop_gradient on its inputs.")
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
+                            cache_batch_idx=None, block_table=None, softmax_scale=None,
+                            causal=False, num_splits=0, return_lse=False):
+    """Attention of new queries against a KV cache, for JAX arrays; usable under ``jax.jit``.
+
+    :func:`cupyflash.flash_attn_with_kvcache` (flash-attention's function of that
+    name) with a functional append: JAX arrays are immutable, so when ``k`` and
+    ``v`` are given the updated caches are returned, and ``k_cache``/``v_cache``
+    themselves are left as they were.  Under ``jax.jit`` with the caches donated
+    (``donate_argnums``) XLA updates them in place: the append writes only the
+    new slots.  Without donation, XLA first copies each cache (its whole size)
+    into the output.
+
+    Parameters
+    ----------
+    q : jax.Array, shape (batch, seqlen_q, nheads_q, head_dim)
+        The new queries (1 per sequence for a decode step).  dtype float16 or
+        bfloat16 on a GPU; float16, bfloat16, float32 or float64 on the CPU
+        backend.
+    k_cache, v_cache : jax.Array, shape (batch_cache, seqlen_cache, nheads_kv, head_dim)
+        The cache, q's dtype: row ``b`` (or ``cache_batch_idx[b]``) holds
+        sequence ``b``'s keys/values.  With ``block_table``: shape
+        (num_blocks, page_size, nheads_kv, head_dim), ``page_size`` a positive
+        multiple of 16.  ``nheads_q`` a multiple of ``nheads_kv`` (GQA/MQA).
+    k, v : jax.Array, shape (batch, seqlen_new, nheads_kv, head_dim), optional
+        New keys and values, both or neither, q's dtype: written at positions
+        ``cache_seqlens[b] ...`` of sequence ``b`` in the returned caches,
+        before attention (which then sees ``cache_seqlens[b] + seqlen_new``
+        keys).
+    cache_seqlens : int or jax.Array, shape (batch,), int32, optional
+        The number of valid cache entries of each sequence before the append (an
+        int: the same for all, fixed at trace time).  None: the whole cache is
+        valid, which leaves no room to append.
+    cache_batch_idx : jax.Array, shape (batch,), int32, optional
+        The cache row each sequence uses.  Not with ``block_table``.
+    block_table : jax.Array, shape (batch, max_blocks_per_seq), int32, optional
+        Paged cache: entry ``p`` of row ``b`` is the block holding sequence
+        ``b``'s keys ``p * page_size`` to ``(p + 1) * page_size - 1``.
+    softmax_scale : float, optional
+        Defaults to ``1 / sqrt(head_dim)``.
+    causal : bool, optional
+        Causal mask aligned bottom-right: query ``i`` sees key ``j`` iff
+        ``j <= i + seqlen_k_b - seqlen_q``.
+    num_splits : int, optional
+        Splits of each sequence's keys on the GPU (0: automatic); any value gives
+        the same result within rounding.
+    return_lse : bool, optional
+        Also return the logsumexp.
+
+    Returns
+    -------
+    out : jax.Array, shape (batch, seqlen_q, nheads_q, head_dim), dtype of q
+    lse : jax.Array, shape (batch, nheads_q, seqlen_q), float32
+        Only with ``return_lse=True``; ``-inf`` for a row that sees no key.
+    k_cache, v_cache : jax.Array, shapes and dtypes of the inputs
+        Only when ``k`` and ``v`` are given: the caches after the append.
+
+    So the result is ``out``; ``(out, lse)`` with ``return_lse``; ``(out,
+    k_cache, v_cache)`` with ``k``/``v``; ``(out, lse, k_cache, v_cache)`` with
+    both.
+
+    Raises
+    ------
+    TypeError, ValueError
+        At trace time, with the rules and messages of
+        :func:`cupyflash.flash_attn_with_kvcache` (named so in the message).
+        Lengths and indices are checked at trace time when they are concrete
+        arrays on the CPU backend (eager calls); under ``jax.jit`` on the CPU
+        the core checks them when the computation runs, and the error comes
+        back as a ``jax.errors.JaxRuntimeError`` that quotes it.  On a GPU,
+        device values are not checked (as for CuPy arrays).
+    NotImplementedError
+        Under ``jax.grad`` / ``jax.jvp`` through the result: no gradient is
+        defined (flash-attention's ``flash_attn_with_kvcache`` has no backward
+        either).
+    RuntimeError
+        When ``jax.experimental.buffer_callback`` is missing (JAX < 0.7).
+
+    Notes
+    -----
+    The work runs in a ``jax.experimental.buffer_callback``: on the CPU, the
+    NumPy path on views of XLA's buffers; on a GPU, the core on CuPy views of
+    them, on XLA's stream (its output and lse come from CuPy's memory pool and
+    are copied into XLA's buffers; see the README on XLA's preallocation).
+    ``jax.vmap`` runs it once per mapped element.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> from cupyflash.jax import flash_attn_with_kvcache
+    >>> k_cache, v_cache = jnp.zeros((2, 64, 2, 16)), jnp.zeros((2, 64, 2, 16))
+    >>> q = jnp.ones((2, 1, 4, 16), jnp.float32)
+    >>> k = v = jnp.ones((2, 1, 2, 16), jnp.float32)
+    >>> lens = jnp.array([3, 10], jnp.int32)
+    >>> step = jax.jit(lambda q, kc, vc, k, v, lens: flash_attn_with_kvcache(
+    ...     q, kc, vc, k, v, cache_seqlens=lens, causal=True), donate_argnums=(1, 2))
+    >>> out, k_cache, v_cache = step(q, k_cache, v_cache, k, v, lens)
+    >>> float(k_cache[1, 10, 0, 0]), out.shape
+    (1.0, (2, 1, 4, 16))
+    """
+    given = {"q": _kv_array("q", q, optional=False),
+             "k_cache": _kv_array("k_cache", k_cache, optional=False),
+             "v_cache": _kv_array("v_cache", v_cache, optional=False),
+             "k": _kv_array("k", k), "v": _kv_array("v", v),
+             "cache_batch_idx": _kv_array("cache_batch_idx", cache_batch_idx),
+             "block_table": _kv_array("block_table", block_table)}
+    if isinstance(cache_seqlens, np.ndarray) or (
+            hasattr(cache_seqlens, "shape") and hasattr(cache_seqlens, "dtype")):
+        given["cache_seqlens"] = _kv_array("cache_seqlens", cache_seqlens)
+        seqlens = None
+    else:  # None, an int, or something the checks refuse
+        seqlens = cache_seqlens
+    arrays = {name: given[name] for name in _KV_ARRAYS if given.get(name) is not None}
+    scale = _kv_validate(arrays, seqlens, softmax_scale, causal, num_splits, return_lse)
+    if _buffer_callback is None:
+        raise RuntimeError(
+            f"cupyflash.jax.{_KV_FN}: this JAX ({jax.__version__}) has no "
+            "jax.experimental.buffer_callback, which it needs (JAX >= 0.7).")
+    q = arrays["q"]
+    callback = _kv_callback(tuple(arrays), None if seqlens is None else int(seqlens), scale,
+                            bool(causal), int(num_splits), np.dtype(q.dtype).name)
+    results = _kv_call(callback, *arrays.values())
+    out, lse = results[:2]
+    head = (out, lse) if return_lse else (out,)
+    if callback.appends:
+        return (*head, *results[2:])
+    return head if return_lse else out

@@ -527,3 +527,25 @@ def test_generate_chooses_the_gpu_when_usable(generate_bare, monkeypatch):
         assert xp is sys.modules["cupy"] and kind == "gpu"
         assert where.startswith("CuPy on Fake GPU, sm_90")
     assert generate_bare.choose_xp("cpu")[:2] == (np, "cpu")
+
+
+def _tokens(server):
+    return [s.generated for s in sorted(server.finished, key=lambda s: s.index)]
+
+
+def test_generate_torch_sdpa_attention_gives_the_same_tokens(generate_bare, generate_run):
+    """The example's comparison path: the same model and cache with torch SDPA (CPU)."""
+    pytest.importorskip("torch")
+    gen = generate_bare
+    other = gen.serve(gen.Config(), xp=np, check=False, attention=gen.torch_sdpa_attention,
+                      **GENERATE_REDUCED)
+    assert other.generated_tokens == generate_run.generated_tokens
+    assert _tokens(other) == _tokens(generate_run)
+
+
+def test_generate_prints_the_torch_sdpa_line(generate_bare, capsys):
+    pytest.importorskip("torch")
+    assert generate_bare.main(GENERATE_ARGV + ["--no-check"]) == 0
+    printed = capsys.readouterr().out
+    assert "same model, attention through torch SDPA (CPU): " in printed
+    assert "tokens/s (same tokens)" in printed
