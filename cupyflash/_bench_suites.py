@@ -1118,7 +1118,7 @@ PAGE_SIZES = (16, 64, 256)
 #: (batch, seqlen_k) of the paged comparison, at PAGED_CONFIG.
 PAGED_SHAPES = ((8, 32768), (1, 131072))
 PAGED_CONFIG = {"nheads_q": 32, "nheads_kv": 8, "head_dim": 128, "dtype": "bfloat16"}
-PREFILL_SEQLENS_Q = (64, 512)
+PREFILL_SEQLENS_Q = (64, 256, 512)
 PREFILL_CONFIG = {"batch": 1, "seqlen_k": 32768, "nheads_q": 32, "nheads_kv": 8, "head_dim": 128,
                   "dtype": "bfloat16", "causal": True}
 #: Max abs difference allowed between ours' output and the reference's (SDPA flash's, or ours' other path).

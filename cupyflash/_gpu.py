@@ -34,16 +34,18 @@ select_fwd = functools.lru_cache(maxsize=4096)(dispatch.select_fwd)
 select_bwd = _gpu_bwd.select_bwd
 
 #: FwdParams' pointer fields, set on every call (in the struct's order).
-FWD_POINTERS = ("q", "k", "v", "out", "lse", "out_accum", "lse_accum", "cu_seqlens_q", "cu_seqlens_k")
+FWD_POINTERS = ("q", "k", "v", "out", "lse", "out_accum", "lse_accum", "cu_seqlens_q", "cu_seqlens_k",
+                "seqused_k")
 _FWD_WRITER = _params.FieldWriter(_params.FWD_PARAMS, FWD_POINTERS)
 
 
 class FwdCall:
     """One planned forward: its kernels, packed params, and output shapes.
 
-    ``run(stream, alloc, q, k, v, out, lse, cu_seqlens_q=0, cu_seqlens_k=0)``
-    takes device pointers (ints) of arrays with the geometry it was planned
-    for; ``alloc(nbytes) -> (owner, pointer)`` provides the split-KV scratch
+    ``run(stream, alloc, q, k, v, out, lse, cu_seqlens_q=0, cu_seqlens_k=0,
+    seqused_k=0)`` takes device pointers (ints) of arrays with the geometry it
+    was planned for (``seqused_k``: int32 ``(batch,)`` keys each sequence of a
+    dense batch uses, or 0); ``alloc(nbytes) -> (owner, pointer)`` provides the split-KV scratch
     (kept by the caller until the launches are queued; stream order makes the
     memory safe to reuse afterwards).
     """
@@ -55,13 +57,13 @@ class FwdCall:
         self.scratch_bytes, self._accum_offsets = scratch
         self._launcher = launcher
 
-    def run(self, stream, alloc, q, k, v, out, lse, cu_seqlens_q=0, cu_seqlens_k=0):
+    def run(self, stream, alloc, q, k, v, out, lse, cu_seqlens_q=0, cu_seqlens_k=0, seqused_k=0):
         owner = None
         out_accum = lse_accum = 0
         if self.scratch_bytes:
             owner, base = alloc(self.scratch_bytes)
             out_accum, lse_accum = (base + o for o in self._accum_offsets)
-        self._launcher(stream, q, k, v, out, lse, out_accum, lse_accum, cu_seqlens_q, cu_seqlens_k)
+        self._launcher(stream, q, k, v, out, lse, out_accum, lse_accum, cu_seqlens_q, cu_seqlens_k, seqused_k)
         return owner
 
 

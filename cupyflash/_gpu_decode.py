@@ -24,7 +24,7 @@ select_decode = functools.lru_cache(maxsize=4096)(dispatch.select_decode)
 #: and the cache length that an int ``cache_seqlens`` gives (a decode loop
 #: advances it every step; it must not make a new plan).
 DECODE_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "out_accum", "lse_accum",
-                   "cache_seqlens", "cache_batch_idx", "block_table", "cache_seqlen")
+                   "cache_seqlens", "cache_batch_idx", "block_table", "seqused_k_out", "cache_seqlen")
 _DECODE_WRITER = _params.FieldWriter(_params.DECODE_PARAMS, DECODE_POINTERS)
 
 
@@ -32,9 +32,10 @@ class DecodeCall:
     """One planned decode call: its kernels, packed params and output shapes.
 
     ``run(stream, alloc, q, k_cache, v_cache, k_new, v_new, out, lse,
-    cache_seqlens, cache_batch_idx, block_table, cache_seqlen)`` takes device
-    pointers (0 for an absent array) and the cache length used when
-    ``cache_seqlens`` is 0; ``alloc(nbytes) -> (owner, pointer)`` provides the
+    cache_seqlens, cache_batch_idx, block_table, cache_seqlen, seqused_k_out=0)``
+    takes device pointers (0 for an absent array) and the cache length used
+    when ``cache_seqlens`` is 0; ``seqused_k_out``, an int32 ``(batch,)``
+    buffer, receives each sequence's key count after the append; ``alloc(nbytes) -> (owner, pointer)`` provides the
     split partials, kept by the caller until the launches are queued.
     """
 
@@ -46,19 +47,20 @@ class DecodeCall:
         self._launcher = launcher
 
     def run(self, stream, alloc, q, k_cache, v_cache, k_new, v_new, out, lse, cache_seqlens, cache_batch_idx,
-            block_table, cache_seqlen):
+            block_table, cache_seqlen, seqused_k_out=0):
         owner = None
         out_accum = lse_accum = 0
         if self.scratch_bytes:
             owner, base = alloc(self.scratch_bytes)
             out_accum, lse_accum = (base + o for o in self._accum_offsets)
         self._launcher(stream, q, k_cache, v_cache, k_new, v_new, out, lse, out_accum, lse_accum, cache_seqlens,
-                       cache_batch_idx, block_table, cache_seqlen)
+                       cache_batch_idx, block_table, seqused_k_out, cache_seqlen)
         return owner
 
 
 def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k: int,
-                softmax_scale: float, causal: bool, num_splits: int, dtype_name: str, device_id: int) -> DecodeCall:
+                softmax_scale: float, causal: bool, num_splits: int, dtype_name: str, device_id: int,
+                append_only: bool = False) -> DecodeCall:
     """Plan a decode call on the current device (compiling its kernels on first use).
 
     ``k_new``/``v_new``: the keys and values to append, or None.  ``block_table``:
@@ -67,8 +69,12 @@ def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k:
     cache's capacity per sequence, which bounds every sequence's keys after
     the append (sizes the key splits; device lengths are clamped to it).  Outputs are
     C-contiguous: out like q, lse ``(batch, nheads_q, seqlen_q)`` float32.
+    ``append_only``: no attention (as if seqlen_q were 0): the launch appends
+    and writes ``seqused_k_out``, for the dense forward that follows.
     """
     batch, seqlen_q, nheads_q, head_dim = q.shape
+    if append_only:
+        seqlen_q = 0
     nheads_kv = k_cache.shape[2]
     out = Contiguous(q.shape, q.itemsize)
     appended = () if k_new is None else (k_new, v_new)
@@ -77,7 +83,7 @@ def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k:
         max_seqlen_k=max_seqlen_k, dtype=dtype_name, causal=causal, paged=block_table is not None,
         vec=vec_ok((q, k_cache, v_cache, *appended), head_dim), num_splits=num_splits,
         num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id))
-    lse_shape = (batch, nheads_q, seqlen_q)
+    lse_shape = (batch, nheads_q, q.shape[1])
     page_size = k_cache.shape[1] if block_table is not None else 0
     scratch = (0, (0, 0))
     if plan.num_splits > 1:

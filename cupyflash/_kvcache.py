@@ -42,6 +42,7 @@ __all__ = ["flash_attn_with_kvcache"]
 
 _FN = "flash_attn_with_kvcache"
 _FLOAT32 = np.dtype(np.float32)
+_INT32 = np.dtype(np.int32)
 
 
 # ----------------------------------------------------------------------------
@@ -199,10 +200,9 @@ def _cpu(plan, q, k_cache, v_cache, k, v, causal):
 # ----------------------------------------------------------------------------
 
 
-class _GpuDecode:
-    """A planned GPU call (one call signature): allocates the outputs, writes the
-    pointers and the cache length, launches.  Made once per signature after the
-    full validation; later calls re-check only the value of an int
+class _GpuCacheEntry:
+    """What the planned GPU entries share (one call signature each): made after
+    the full validation; later calls re-check only the value of an int
     ``cache_seqlens`` (cheap) against the capacity."""
 
     __slots__ = ("call", "device_id", "capacity", "seqlen_new", "_cupy")
@@ -215,6 +215,24 @@ class _GpuDecode:
         """An int ``cache_seqlens`` leaves room for the append (else: full validation, which raises)."""
         return type(cache_seqlens) is not int or 0 <= cache_seqlens <= self.capacity - self.seqlen_new
 
+    def _lengths(self, cache_seqlens):
+        """``(cache_seqlens pointer, cache length)`` for DecodeCall.run."""
+        if cache_seqlens is None:
+            return 0, self.capacity
+        if type(cache_seqlens) is int:
+            return 0, cache_seqlens
+        return cache_seqlens.data.ptr, 0
+
+
+def _ptr(a) -> int:
+    return 0 if a is None else a.data.ptr
+
+
+class _GpuDecode(_GpuCacheEntry):
+    """The decode kernel: append and attention in one launch (plus the combine when split)."""
+
+    __slots__ = ()
+
     def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
         cupy, call = self._cupy, self.call
         if cupy.cuda.runtime.getDevice() != self.device_id:
@@ -222,19 +240,45 @@ class _GpuDecode:
                 return self(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
         out = cupy.ndarray(call.out_shape, q.dtype)
         lse = cupy.ndarray(call.lse_shape, _FLOAT32)
-        if cache_seqlens is None:
-            lengths, cache_len = 0, self.capacity
-        elif type(cache_seqlens) is int:
-            lengths, cache_len = 0, cache_seqlens
-        else:
-            lengths, cache_len = cache_seqlens.data.ptr, 0
+        lengths, cache_len = self._lengths(cache_seqlens)
         stream = cupy.cuda.get_current_stream()
         owner = call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
-                         0 if k is None else k.data.ptr, 0 if v is None else v.data.ptr, out.data.ptr,
-                         lse.data.ptr, lengths, 0 if cache_batch_idx is None else cache_batch_idx.data.ptr,
-                         0 if block_table is None else block_table.data.ptr, cache_len)
+                         _ptr(k), _ptr(v), out.data.ptr, lse.data.ptr, lengths, _ptr(cache_batch_idx),
+                         _ptr(block_table), cache_len)
         if owner is not None and stream.is_capturing():
             _api._CAPTURED_SCRATCH.append(owner)  # a captured graph replays into it
+        return out, lse
+
+
+class _GpuChunk(_GpuCacheEntry):
+    """A long chunk on a dense cache (dispatch.decode_uses_dense_fwd): an
+    append-only decode launch writes each sequence's key count, then the dense
+    forward reads the cache in place with those counts as seqused_k."""
+
+    __slots__ = ("fwd",)
+
+    def __init__(self, call, fwd, device_id, capacity, seqlen_new):
+        super().__init__(call, device_id, capacity, seqlen_new)
+        self.fwd = fwd
+
+    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
+        cupy, fwd = self._cupy, self.fwd
+        if cupy.cuda.runtime.getDevice() != self.device_id:
+            with cupy.cuda.Device(self.device_id):
+                return self(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+        out = cupy.ndarray(fwd.out_shape, q.dtype)
+        lse = cupy.ndarray(fwd.lse_shape, _FLOAT32)
+        used = cupy.ndarray((q.shape[0],), _INT32)
+        lengths, cache_len = self._lengths(cache_seqlens)
+        stream = cupy.cuda.get_current_stream()
+        self.call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, _ptr(k),
+                      _ptr(v), 0, 0, lengths, 0, 0, cache_len, used.data.ptr)
+        owner = fwd.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
+                        out.data.ptr, lse.data.ptr, 0, 0, used.data.ptr)
+        if stream.is_capturing():
+            _api._CAPTURED_SCRATCH.append(used)
+            if owner is not None:
+                _api._CAPTURED_SCRATCH.append(owner)
         return out, lse
 
 
@@ -254,21 +298,28 @@ class _EmptyDecode:
                 self._cupy.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, _FLOAT32))
 
 
-def _gpu_entry(plan, q, k_cache, v_cache, k, v, block_table, causal, num_splits, dtype):
+def _gpu_entry(plan, q, k_cache, v_cache, k, v, cache_batch_idx, block_table, causal, num_splits, dtype):
     """The entry that runs GPU calls of this (validated) signature."""
     if q.shape[0] == 0:
         return _EmptyDecode()
-    from . import _gpu_decode  # noqa: PLC0415
+    from . import _gpu, _gpu_decode, dispatch  # noqa: PLC0415
 
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     device_id = q.device.id
     dtype_name = _checks.dtype_name(_FN, dtype) if dtype is not None else q.dtype.name
+    dense = dispatch.decode_uses_dense_fwd(
+        seqlen_q=q.shape[1], head_dim=q.shape[3], paged=paged, cache_batch_idx=cache_batch_idx is not None,
+        vec=_launch.vec_ok((q, k_cache, v_cache), q.shape[3]), cc=_launch.compute_capability(device_id))
     with q.device:
         call = _gpu_decode.plan_decode(q, k_cache, v_cache, k, v, block_table, max_seqlen_k=capacity,
                                        softmax_scale=plan.scale, causal=causal, num_splits=num_splits,
-                                       dtype_name=dtype_name, device_id=device_id)
-    return _GpuDecode(call, device_id, capacity, plan.seqlen_new)
+                                       dtype_name=dtype_name, device_id=device_id, append_only=dense)
+        if not dense:
+            return _GpuDecode(call, device_id, capacity, plan.seqlen_new)
+        fwd = _gpu.plan_fwd(q, k_cache, v_cache, None, None, softmax_scale=plan.scale, causal=causal,
+                            dtype_name=dtype_name, device_id=device_id)
+    return _GpuChunk(call, fwd, device_id, capacity, plan.seqlen_new)
 
 
 _ENTRIES = _launch.PlanCache()
@@ -451,8 +502,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         plan = _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                       softmax_scale, causal, num_splits, return_lse, dtype)
         if plan.gpu:
-            entry = _ENTRIES.put(key, _gpu_entry(plan, q, k_cache, v_cache, k, v, block_table, bool(causal),
-                                                 int(num_splits), dtype))
+            entry = _ENTRIES.put(key, _gpu_entry(plan, q, k_cache, v_cache, k, v, cache_batch_idx, block_table,
+                                                 bool(causal), int(num_splits), dtype))
     if entry is not None:
         out, lse = entry(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
         return (out, lse) if return_lse else out

@@ -30,6 +30,7 @@ FWD_PARAMS = _struct(
     [
         ("q", _PTR), ("k", _PTR), ("v", _PTR), ("out", _PTR), ("lse", _PTR),
         ("out_accum", _PTR), ("lse_accum", _PTR), ("cu_seqlens_q", _PTR), ("cu_seqlens_k", _PTR),
+        ("seqused_k", _PTR),
         ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),
         ("k_batch_stride", _I64), ("k_row_stride", _I64), ("k_head_stride", _I64),
         ("v_batch_stride", _I64), ("v_row_stride", _I64), ("v_head_stride", _I64),
@@ -68,7 +69,8 @@ DECODE_PARAMS = _struct(
     [
         ("q", _PTR), ("k_cache", _PTR), ("v_cache", _PTR), ("k_new", _PTR), ("v_new", _PTR),
         ("out", _PTR), ("lse", _PTR), ("out_accum", _PTR), ("lse_accum", _PTR),
-        ("cache_seqlens", _PTR), ("cache_batch_idx", _PTR), ("block_table", _PTR), ("cache_seqlen", _I64),
+        ("cache_seqlens", _PTR), ("cache_batch_idx", _PTR), ("block_table", _PTR),
+        ("seqused_k_out", _PTR), ("cache_seqlen", _I64),
         ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),
         ("k_batch_stride", _I64), ("k_row_stride", _I64), ("k_head_stride", _I64),
         ("v_batch_stride", _I64), ("v_row_stride", _I64), ("v_head_stride", _I64),

@@ -771,6 +771,22 @@ def select_decode(*, batch: int, seqlen_q: int, nheads_q: int, nheads_kv: int, h
     return DecodePlan(main, combine, d, block_m, num_m_blocks, splits)
 
 
+#: Chunks of at least this many new queries on a dense cache (no block_table, no
+#: cache_batch_idx) run the wgmma forward, reading the cache in place with each
+#: sequence's length as seqused_k, after an append-only decode launch: against
+#: a 32k cache (B=1, 32/8 heads, D=128) the decode kernel took 0.64x the dense
+#: forward's time at seqlen_q 64 and 2.5x at 512 (kernels_cu/PERF.md, v16).
+DECODE_DENSE_MIN_SEQLEN_Q = 256
+
+
+def decode_uses_dense_fwd(*, seqlen_q: int, head_dim: int, paged: bool, cache_batch_idx: bool, vec: bool,
+                          cc: tuple[int, int]) -> bool:
+    """Whether a flash_attn_with_kvcache call runs the dense (wgmma) forward
+    instead of the decode kernel's attention (see DECODE_DENSE_MIN_SEQLEN_Q)."""
+    return (not paged and not cache_batch_idx and seqlen_q >= DECODE_DENSE_MIN_SEQLEN_Q
+            and uses_sm90_fwd(padded_head_dim(head_dim), vec, cc))
+
+
 def all_decode_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
     """Every decode instantiation select_decode can return on ``cc`` (for check-kernels)."""
     out = []

@@ -157,7 +157,7 @@ flash_decode_kernel(const DecodeParams p) {
     const int diag = seqlen_k - p.seqlen_q;
     int visible = seqlen_k;
     if (IS_CAUSAL) visible = min(visible, max(0, (min(rows, m0 + BLOCK_M) - 1) / p.group + 1 + diag));
-    const int n_tiles_all = ceil_div(visible, BLOCK_N);
+    const int n_tiles_all = rows == 0 ? 0 : ceil_div(visible, BLOCK_N);  // rows 0: append only
     const int per_split = ceil_div(n_tiles_all, p.num_splits);
     const int n_begin = min(split * per_split, n_tiles_all);
     const int n_end = min(n_begin + per_split, n_tiles_all);
@@ -265,6 +265,8 @@ flash_decode_kernel(const DecodeParams p) {
         if (s < n_tiles) load_kv(n_end - 1 - s, s);
         cp_async_commit();  // one group per slot, empty or not, so wait_group counts stay uniform
     }
+
+    if (p.seqused_k_out != nullptr && blockIdx.x == 0 && h_kv == 0 && threadIdx.x == 0) p.seqused_k_out[b] = seqlen_k;
 
     // ---- the append: the blocks of this (sequence, KV head) share the new rows round-robin
     if (p.seqlen_new > 0) {

@@ -21,6 +21,8 @@ struct FwdParams {
     float* lse_accum;       // split-KV partials: (num_splits, batch, nheads_q, seqlen_q) fp32
     const int* cu_seqlens_q;  // (batch + 1,) prefix sums of the query lengths; null for a dense batch
     const int* cu_seqlens_k;  // (batch + 1,) prefix sums of the key lengths; null for a dense batch
+    const int* seqused_k;     // (batch,) keys each sequence of a dense batch uses (its first ones,
+                              // at most seqlen_k; causal aligns to it); null: all seqlen_k
     int64 q_batch_stride, q_row_stride, q_head_stride;  // in elements
     int64 k_batch_stride, k_row_stride, k_head_stride;
     int64 v_batch_stride, v_row_stride, v_head_stride;
@@ -104,6 +106,8 @@ struct DecodeParams {
     const int* cache_seqlens;    // (batch,) keys in the cache before the append; null: cache_seqlen for all
     const int* cache_batch_idx;  // (batch,) cache row of each sequence; null: row b (dense caches only)
     const int* block_table;      // (batch, max_blocks_per_seq) block of each page; null: dense cache
+    int* seqused_k_out;          // (batch,): each sequence's key count after the append is written
+                                 // here (for the dense forward's seqused_k); may be null
     int64 cache_seqlen;          // the cache length of every sequence when cache_seqlens is null (set per call)
     int64 q_batch_stride, q_row_stride, q_head_stride;  // in elements
     int64 k_batch_stride, k_row_stride, k_head_stride;  // batch: cache row, or block when paged

@@ -12,7 +12,7 @@
 // Either way, row m of sequence b sits at b * batch_stride + (start + m) * row_stride.
 #pragma once
 
-#include "common.cuh"
+#include "params.cuh"
 
 namespace cupyflash {
 
@@ -21,10 +21,19 @@ struct SeqLens {
     int seqlen_q, seqlen_k;  // this sequence's lengths
 };
 
-// One uniform branch per block; a dense batch reads nothing from memory.
+// A dense batch's key count: the forward may use only each sequence's first
+// seqused_k[b] keys (flash-attention's seqused_k: a KV cache read in place);
+// causal masks then align to that length. Only flash_decode.cu writes
+// seqused_k, with values already clamped into [0, seqlen_k].
+__device__ __forceinline__ int dense_seqlen_k(const FwdParams& p, int b) {
+    return p.seqused_k == nullptr ? p.seqlen_k : __ldg(p.seqused_k + b);
+}
+__device__ __forceinline__ int dense_seqlen_k(const BwdParams& p, int) { return p.seqlen_k; }
+
+// One uniform branch per block; a dense batch reads nothing from memory (but seqused_k).
 template <typename Params>
 __device__ __forceinline__ SeqLens seq_lens(const Params& p, int b) {
-    if (p.cu_seqlens_q == nullptr) return {0, 0, p.seqlen_q, p.seqlen_k};
+    if (p.cu_seqlens_q == nullptr) return {0, 0, p.seqlen_q, dense_seqlen_k(p, b)};
     const int q0 = __ldg(p.cu_seqlens_q + b), k0 = __ldg(p.cu_seqlens_k + b);
     return {q0, k0, __ldg(p.cu_seqlens_q + b + 1) - q0, __ldg(p.cu_seqlens_k + b + 1) - k0};
 }

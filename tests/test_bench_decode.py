@@ -232,7 +232,7 @@ def test_the_bars_are_issue_12s():
     assert (suites.PAGED_BAR, suites.PREFILL_BAR, suites.DEFAULT_COPY_TBPS) == (1.1, 1.0, 4.24)
     assert suites.PAGE_SIZES == (16, 64, 256)
     assert suites.PAGED_SHAPES == ((8, 32768), (1, 131072))
-    assert suites.PREFILL_SEQLENS_Q == (64, 512) and suites.PREFILL_CONFIG["seqlen_k"] == 32768
+    assert suites.PREFILL_SEQLENS_Q == (64, 256, 512) and suites.PREFILL_CONFIG["seqlen_k"] == 32768
 
 
 @pytest.mark.parametrize("paged,contiguous,check,bar,status", [

@@ -161,11 +161,12 @@ def test_fwd_params_mirror_layout():
     dt = _params.FWD_PARAMS
     offsets = [dt.fields[n][1] for n in dt.names]
     assert offsets == sorted(offsets)
-    # 9 pointers + 14 int64 strides, then 9 int32 and 2 float32, padded to 8 bytes.
+    # 10 pointers + 14 int64 strides, then 9 int32 and 2 float32, padded to 8 bytes.
     assert dt.fields["cu_seqlens_q"][1] == 7 * 8 and dt.fields["cu_seqlens_k"][1] == 8 * 8
-    assert dt.fields["lse_head_stride"][1] == 9 * 8 + 13 * 8
-    assert dt.fields["batch"][1] == 9 * 8 + 14 * 8
-    assert dt.itemsize == 232
+    assert dt.fields["seqused_k"][1] == 9 * 8
+    assert dt.fields["lse_head_stride"][1] == 10 * 8 + 13 * 8
+    assert dt.fields["batch"][1] == 10 * 8 + 14 * 8
+    assert dt.itemsize == 240
     assert f"-DCUPYFLASH_FWD_PARAMS_BYTES={dt.itemsize}" in _params.size_defines()
 
 

@@ -264,3 +264,26 @@ def test_unaligned_views(rng):
                              cupyflash.flash_attn_with_kvcache(dq, dk, dv, cache_seqlens=cp.asarray(lengths),
                                                                return_lse=True)[1].get(),
                              cache_seqlens=lengths)
+
+
+@pytest.mark.parametrize("appended", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_long_chunk_on_a_dense_cache_runs_the_dense_forward(rng, launches, appended, dtype):
+    """seqlen_q >= DECODE_DENSE_MIN_SEQLEN_Q on a dense cache: an append-only decode launch,
+    then the wgmma forward with each sequence's length as seqused_k (on the H200)."""
+    cp = _cp()
+    from cupyflash import _launch, dispatch
+
+    seqlen_q = dispatch.DECODE_DENSE_MIN_SEQLEN_Q
+    batch, nheads_q, nheads_kv, head_dim, capacity = 2, 4, 2, 128, 1536
+    q = _host(rng, (batch, seqlen_q, nheads_q, head_dim), dtype)
+    k_cache, v_cache = (_host(rng, (batch, capacity, nheads_kv, head_dim), dtype) for _ in range(2))
+    k = v = None
+    if appended:
+        k, v = (_host(rng, (batch, seqlen_q, nheads_kv, head_dim), dtype) for _ in range(2))
+    lengths = i32([0, capacity - seqlen_q - 5])
+    run_and_check(cp, rng, dtype, q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True)
+    names = " ".join(launches)
+    assert "flash_decode_kernel" in names
+    if _launch.compute_capability(0) == (9, 0):
+        assert "flash_fwd_sm90_kernel" in names

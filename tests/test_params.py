@@ -11,7 +11,7 @@ from cupyflash import _params
 from cupyflash._sources import kernels_dir
 
 _C_TYPES = {"const void*": np.uint64, "void*": np.uint64, "float*": np.uint64, "const float*": np.uint64,
-            "const int*": np.uint64, "int64": np.int64, "int32": np.int32, "float": np.float32}
+            "const int*": np.uint64, "int*": np.uint64, "int64": np.int64, "int32": np.int32, "float": np.float32}
 
 
 def _c_fields(struct_name):
@@ -40,9 +40,9 @@ def test_mirror_has_the_fields_of_the_c_struct_in_order(struct_name, mirror):
 
 def test_c_struct_parser_sees_a_swap():
     fields = _c_fields("FwdParams")
-    assert fields[9] == ("q_batch_stride", np.dtype(np.int64))
-    assert fields[10] == ("q_row_stride", np.dtype(np.int64))
-    assert len(fields) == len(_params.FWD_PARAMS.names) == 34
+    assert fields[10] == ("q_batch_stride", np.dtype(np.int64))
+    assert fields[11] == ("q_row_stride", np.dtype(np.int64))
+    assert len(fields) == len(_params.FWD_PARAMS.names) == 35
 
 
 @pytest.mark.parametrize("mirror", [_params.FWD_PARAMS, _params.BWD_PARAMS, _params.DECODE_PARAMS])
