@@ -251,9 +251,10 @@ class _GpuDecode(_GpuCacheEntry):
 
 
 class _GpuChunk(_GpuCacheEntry):
-    """A long chunk on a dense cache (dispatch.decode_uses_dense_fwd): an
-    append-only decode launch writes each sequence's key count, then the dense
-    forward reads the cache in place with those counts as seqused_k."""
+    """A long chunk on a dense cache (dispatch.decode_uses_dense_fwd): the
+    dense forward reads the cache in place with each sequence's key count as
+    seqused_k: ``cache_seqlens`` itself without an append, else the counts an
+    append-only decode launch writes (after appending)."""
 
     __slots__ = ("fwd",)
 
@@ -268,17 +269,22 @@ class _GpuChunk(_GpuCacheEntry):
                 return self(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
         out = cupy.ndarray(fwd.out_shape, q.dtype)
         lse = cupy.ndarray(fwd.lse_shape, _FLOAT32)
-        used = cupy.ndarray((q.shape[0],), _INT32)
-        lengths, cache_len = self._lengths(cache_seqlens)
         stream = cupy.cuda.get_current_stream()
-        self.call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, _ptr(k),
-                      _ptr(v), 0, 0, lengths, 0, 0, cache_len, used.data.ptr)
+        used = None
+        if k is None and cache_seqlens is None:
+            seqused = 0  # every key of the cache
+        elif k is None and type(cache_seqlens) is not int:
+            seqused = cache_seqlens.data.ptr  # the lengths as they are (the forward clamps them)
+        else:  # the append, or an int length: the decode kernel writes each sequence's key count
+            used = cupy.ndarray((q.shape[0],), _INT32)
+            seqused = used.data.ptr
+            lengths, cache_len = self._lengths(cache_seqlens)
+            self.call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
+                          _ptr(k), _ptr(v), 0, 0, lengths, 0, 0, cache_len, seqused)
         owner = fwd.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
-                        out.data.ptr, lse.data.ptr, 0, 0, used.data.ptr)
+                        out.data.ptr, lse.data.ptr, 0, 0, seqused)
         if stream.is_capturing():
-            _api._CAPTURED_SCRATCH.append(used)
-            if owner is not None:
-                _api._CAPTURED_SCRATCH.append(owner)
+            _api._CAPTURED_SCRATCH.extend(x for x in (used, owner) if x is not None)
         return out, lse
 
 

@@ -22,11 +22,11 @@ struct SeqLens {
 };
 
 // A dense batch's key count: the forward may use only each sequence's first
-// seqused_k[b] keys (flash-attention's seqused_k: a KV cache read in place);
-// causal masks then align to that length. Only flash_decode.cu writes
-// seqused_k, with values already clamped into [0, seqlen_k].
+// seqused_k[b] keys (flash-attention's seqused_k: a KV cache read in place),
+// clamped into [0, seqlen_k] (device values are never trusted with an address);
+// causal masks then align to that length.
 __device__ __forceinline__ int dense_seqlen_k(const FwdParams& p, int b) {
-    return p.seqused_k == nullptr ? p.seqlen_k : __ldg(p.seqused_k + b);
+    return p.seqused_k == nullptr ? p.seqlen_k : min(max(__ldg(p.seqused_k + b), 0), p.seqlen_k);
 }
 __device__ __forceinline__ int dense_seqlen_k(const BwdParams& p, int) { return p.seqlen_k; }
 

@@ -403,3 +403,14 @@ def test_all_decode_launches_cover_select_decode():
                                       max_seqlen_k=50_000, dtype="bfloat16", causal=causal, paged=paged, vec=vec)
         assert plan.main.name_expression in every
         assert plan.combine is None or plan.combine.name_expression in every
+
+
+def test_decode_long_dense_chunks_take_the_dense_forward():
+    n = dispatch.DECODE_DENSE_MIN_SEQLEN_Q
+    kw = dict(head_dim=128, paged=False, cache_batch_idx=False, vec=True, cc=(9, 0))
+    assert dispatch.decode_uses_dense_fwd(seqlen_q=n, **kw)
+    assert not dispatch.decode_uses_dense_fwd(seqlen_q=n - 1, **kw)
+    assert not dispatch.decode_uses_dense_fwd(seqlen_q=n, **dict(kw, paged=True))
+    assert not dispatch.decode_uses_dense_fwd(seqlen_q=n, **dict(kw, cache_batch_idx=True))
+    assert not dispatch.decode_uses_dense_fwd(seqlen_q=n, **dict(kw, cc=(8, 0)))  # no wgmma
+    assert not dispatch.decode_uses_dense_fwd(seqlen_q=n, **dict(kw, vec=False))
