@@ -151,9 +151,18 @@ def accepts_foreign(*names, keywords=(), optional=(), appends=None):
         @functools.wraps(fn)
         def public(*args, **kwargs):
             given = args[:count]
-            if not (foreign(*given) or any(kind(kwargs.get(name)) not in _NATIVE
-                                           for name in all_names[len(given):])):
-                return fn(*args, **kwargs)
+            # NumPy, CuPy and non-arrays (None, ints) go straight through: one set
+            # lookup per argument once each type has been seen.
+            for x in given:
+                if type(x) not in _NATIVE_TYPES and kind(x) not in _NATIVE:
+                    break
+            else:
+                for name in all_names[len(given):]:
+                    x = kwargs.get(name)
+                    if type(x) not in _NATIVE_TYPES and kind(x) not in _NATIVE:
+                        break
+                else:
+                    return fn(*args, **kwargs)
             arrays = list(given)
             for name in all_names[len(given):]:
                 if name not in kwargs and name not in optional:

@@ -205,11 +205,21 @@ class _GpuCacheEntry:
     the full validation; later calls re-check only the value of an int
     ``cache_seqlens`` (cheap) against the capacity."""
 
-    __slots__ = ("call", "device_id", "capacity", "seqlen_new", "_cupy")
+    __slots__ = ("call", "device_id", "capacity", "seqlen_new", "_cupy", "_outputs")
 
-    def __init__(self, call, device_id, capacity, seqlen_new):
+    def __init__(self, call, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize):
         self.call, self.device_id, self.capacity, self.seqlen_new = call, device_id, capacity, seqlen_new
         self._cupy = sys.modules["cupy"]
+        out_bytes = itemsize * int(np.prod(out_shape))
+        total, (_, lse_offset) = _launch.scratch_layout((out_bytes, 4 * int(np.prod(lse_shape))))
+        self._outputs = (out_shape, lse_shape, total, lse_offset)
+
+    def _allocate(self, dtype):
+        """out and lse in one allocation (a decode step is a few microseconds of host time)."""
+        out_shape, lse_shape, total, lse_offset = self._outputs
+        ndarray = self._cupy.ndarray
+        memory = self._cupy.cuda.alloc(total)
+        return ndarray(out_shape, dtype, memory), ndarray(lse_shape, _FLOAT32, memory + lse_offset)
 
     def lengths_ok(self, cache_seqlens) -> bool:
         """An int ``cache_seqlens`` leaves room for the append (else: full validation, which raises)."""
@@ -238,8 +248,7 @@ class _GpuDecode(_GpuCacheEntry):
         if cupy.cuda.runtime.getDevice() != self.device_id:
             with cupy.cuda.Device(self.device_id):
                 return self(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
-        out = cupy.ndarray(call.out_shape, q.dtype)
-        lse = cupy.ndarray(call.lse_shape, _FLOAT32)
+        out, lse = self._allocate(q.dtype)
         lengths, cache_len = self._lengths(cache_seqlens)
         stream = cupy.cuda.get_current_stream()
         owner = call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
@@ -258,8 +267,8 @@ class _GpuChunk(_GpuCacheEntry):
 
     __slots__ = ("fwd",)
 
-    def __init__(self, call, fwd, device_id, capacity, seqlen_new):
-        super().__init__(call, device_id, capacity, seqlen_new)
+    def __init__(self, call, fwd, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize):
+        super().__init__(call, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize)
         self.fwd = fwd
 
     def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
@@ -267,8 +276,7 @@ class _GpuChunk(_GpuCacheEntry):
         if cupy.cuda.runtime.getDevice() != self.device_id:
             with cupy.cuda.Device(self.device_id):
                 return self(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
-        out = cupy.ndarray(fwd.out_shape, q.dtype)
-        lse = cupy.ndarray(fwd.lse_shape, _FLOAT32)
+        out, lse = self._allocate(q.dtype)
         stream = cupy.cuda.get_current_stream()
         used = None
         if k is None and cache_seqlens is None:
@@ -321,11 +329,12 @@ def _gpu_entry(plan, q, k_cache, v_cache, k, v, cache_batch_idx, block_table, ca
         call = _gpu_decode.plan_decode(q, k_cache, v_cache, k, v, block_table, max_seqlen_k=capacity,
                                        softmax_scale=plan.scale, causal=causal, num_splits=num_splits,
                                        dtype_name=dtype_name, device_id=device_id, append_only=dense)
+        shapes = (q.shape, (q.shape[0], q.shape[2], q.shape[1]), q.itemsize)
         if not dense:
-            return _GpuDecode(call, device_id, capacity, plan.seqlen_new)
+            return _GpuDecode(call, device_id, capacity, plan.seqlen_new, *shapes)
         fwd = _gpu.plan_fwd(q, k_cache, v_cache, None, None, softmax_scale=plan.scale, causal=causal,
                             dtype_name=dtype_name, device_id=device_id)
-    return _GpuChunk(call, fwd, device_id, capacity, plan.seqlen_new)
+    return _GpuChunk(call, fwd, device_id, capacity, plan.seqlen_new, *shapes)
 
 
 _ENTRIES = _launch.PlanCache()
