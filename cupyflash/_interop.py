@@ -246,7 +246,8 @@ def call(fn_name, fn, names, arrays, rest, kwargs, keywords=(), optional=frozens
                 fail(TypeError, fn_name,
                      f"{name} must be None for jax.Array inputs ({' and '.join(given)} are "
                      f"written into {' and '.join(written)} in place, and JAX arrays are "
-                     f"immutable); got a jax.Array.")
+                     f"immutable: cupyflash.jax.{fn_name} appends functionally and returns the "
+                     f"new caches); got a jax.Array.")
     for name in outputs:  # handed on as views, in place of the caller's objects
         del kwargs[name]
     count = len(names)

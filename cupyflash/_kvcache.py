@@ -23,7 +23,8 @@ This module is the API and its executable specification:
   the device (lengths, indices) are never read by the host;
 * torch and JAX CPU arrays go through :func:`._interop.call` (viewed without
   copying; the append into a torch tensor cache is visible to the caller, an
-  append into a JAX array is refused: JAX arrays are immutable).
+  append into a JAX array is refused: JAX arrays are immutable, and
+  ``cupyflash.jax.flash_attn_with_kvcache`` appends functionally).
 
 :func:`cupyflash.reference.attention_with_kvcache` computes the same in
 float64, densely; the tests compare the two.

@@ -716,7 +716,8 @@ def test_jax_append_is_refused(jax, rng):
     a = _valid(rng)
     j = {n: jax.numpy.asarray(x) for n, x in a.items()}
     message = (f"cupyflash.{FN}: k must be None for jax.Array inputs (k and v are written into "
-               "k_cache and v_cache in place, and JAX arrays are immutable); got a jax.Array.")
+               "k_cache and v_cache in place, and JAX arrays are immutable: "
+               f"cupyflash.jax.{FN} appends functionally and returns the new caches); got a jax.Array.")
     with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
         cupyflash.flash_attn_with_kvcache(j["q"], j["k_cache"], j["v_cache"], j["k"], j["v"],
                                           cache_seqlens=j["cache_seqlens"])
