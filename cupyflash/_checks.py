@@ -453,6 +453,8 @@ def check_cache_seqlens(fn, cache_seqlens, q):
         if not -2**31 <= int(cache_seqlens) < 2**31:
             fail(ValueError, fn,
                  f"cache_seqlens must fit in int32; got {int(cache_seqlens)}.")
+        if batch == 0 and int(cache_seqlens) < 0:  # an empty batch has no values to check it by
+            fail(ValueError, fn, f"cache_seqlens must be >= 0; got {int(cache_seqlens)}.")
         values = np.full(batch, int(cache_seqlens), dtype=np.int64)
     else:
         if _kind(cache_seqlens) is None:

@@ -32,6 +32,7 @@ float64, densely; the tests compare the two.
 
 from __future__ import annotations
 
+import numbers
 import sys
 
 import numpy as np
@@ -88,6 +89,9 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
              "rows to pick); got both.")
 
     lengths = _checks.check_cache_seqlens(fn, cache_seqlens, q)
+    # An int is checked as itself too (an empty batch leaves nothing to check it by).
+    int_lengths = None if lengths is None or cache_seqlens is None or hasattr(cache_seqlens, "shape") \
+        else np.full(1, int(cache_seqlens), dtype=np.int64)
     if cache_seqlens is None and k is not None:
         fail(ValueError, fn,
              "cache_seqlens must be given to append k and v (None means the whole cache is "
@@ -105,7 +109,8 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
         capacity = block_table.shape[1] * page_size
         if lengths is None and cache_seqlens is None:
             lengths = np.full(batch, capacity, dtype=np.int64)
-        _checks.check_cache_lengths(fn, lengths, plan.seqlen_new, capacity, page_size)
+        _checks.check_cache_lengths(fn, lengths if int_lengths is None else int_lengths, plan.seqlen_new,
+                                    capacity, page_size)
         if table is not None and lengths is not None:
             used = -(-(lengths + plan.seqlen_new) // page_size)
             _checks.check_block_indices(fn, table, used, num_blocks)
@@ -126,7 +131,8 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
             rows = np.arange(batch, dtype=np.int64)
         if lengths is None and cache_seqlens is None:
             lengths = np.full(batch, capacity, dtype=np.int64)
-        _checks.check_cache_lengths(fn, lengths, plan.seqlen_new, capacity, 0)
+        _checks.check_cache_lengths(fn, lengths if int_lengths is None else int_lengths, plan.seqlen_new,
+                                    capacity, 0)
         plan.rows = rows
     plan.lengths = lengths
     if plan.seqlen_new and lengths is not None and batch:
@@ -161,6 +167,9 @@ def _append_slots(plan, lengths):
 def _append(plan, k_cache, v_cache, k, v):
     """Write k, v (batch, seqlen_new, Hkv, D) into the cache slots, in place."""
     _, (first, second) = _append_slots(plan, plan.lengths)
+    # k or v may be views of the slots being written (of either cache): copy them first.
+    if any(np.may_share_memory(x, c) for x in (k, v) for c in (k_cache, v_cache)):
+        k, v = k.copy(), v.copy()
     k_cache[first, second] = k
     v_cache[first, second] = v
 
@@ -176,8 +185,15 @@ def _sequence_kv(plan, cache, b, length):
     return gathered[:, :length]
 
 
+def _no_broadcast_caches(k_cache, v_cache):
+    """Caches an append writes must not be broadcast views (one slot for several)."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _checks._check_no_repeats(_FN, name, cache)  # noqa: SLF001
+
+
 def _cpu(plan, q, k_cache, v_cache, k, v, causal):
     if plan.seqlen_new and q.shape[0]:
+        _no_broadcast_caches(k_cache, v_cache)
         _append(plan, k_cache, v_cache, k, v)
     batch, seqlen_q, nheads, _ = q.shape
     out = np.zeros(q.shape, dtype=q.dtype)
@@ -233,6 +249,12 @@ class _GpuCacheEntry:
         if type(cache_seqlens) is int:
             return 0, cache_seqlens
         return cache_seqlens.data.ptr, 0
+
+
+def _is_integer(x) -> bool:
+    """An integer scalar other than a bool (numpy integers, IntEnum): taken as an int."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)) and not hasattr(x, "ndim") \
+        or isinstance(x, np.integer)
 
 
 def _ptr(a) -> int:
@@ -298,15 +320,15 @@ class _GpuChunk(_GpuCacheEntry):
 
 
 class _EmptyDecode:
-    """No sequence: nothing to launch."""
+    """No sequence: nothing to launch (an int ``cache_seqlens`` is still checked)."""
 
-    __slots__ = ("_cupy",)
+    __slots__ = ("_cupy", "capacity", "seqlen_new")
 
-    def __init__(self):
+    def __init__(self, capacity, seqlen_new):
         self._cupy = sys.modules["cupy"]
+        self.capacity, self.seqlen_new = capacity, seqlen_new
 
-    def lengths_ok(self, cache_seqlens) -> bool:
-        return True
+    lengths_ok = _GpuCacheEntry.lengths_ok
 
     def __call__(self, q, *args):
         return (self._cupy.zeros(q.shape, q.dtype),
@@ -315,12 +337,14 @@ class _EmptyDecode:
 
 def _gpu_entry(plan, q, k_cache, v_cache, k, v, cache_batch_idx, block_table, causal, num_splits, dtype):
     """The entry that runs GPU calls of this (validated) signature."""
-    if q.shape[0] == 0:
-        return _EmptyDecode()
-    from . import _gpu, _gpu_decode, dispatch  # noqa: PLC0415
-
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if q.shape[0] == 0:
+        return _EmptyDecode(capacity, plan.seqlen_new)
+    if k is not None:
+        _no_broadcast_caches(k_cache, v_cache)  # shapes and strides: part of the signature
+    from . import _gpu, _gpu_decode, dispatch  # noqa: PLC0415
+
     device_id = q.device.id
     dtype_name = _checks.dtype_name(_FN, dtype) if dtype is not None else q.dtype.name
     dense = dispatch.decode_uses_dense_fwd(
@@ -484,6 +508,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     ``[0, capacity - seqlen_new]`` (``capacity``: ``seqlen_cache``, or
     ``max_blocks_per_seq * page_size``).
 
+    ``k`` and ``v`` may be views of the caches on the CPU (they are copied
+    before the append writes); on the GPU they must not overlap the caches
+    (the blocks that append and the blocks that read them run concurrently).
+    An append into a broadcast (zero-stride) cache is refused.
+
     On the CPU all appends happen before any attention, so a sequence whose
     blocks are shared sees what other sequences appended into them; do not
     append into slots another sequence attends to if the result is to be the
@@ -508,6 +537,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     >>> out.shape, bool((k_cache[1, 17] == k[1, 0]).all())
     ((2, 1, 4, 8), True)
     """
+    if cache_seqlens is not None and type(cache_seqlens) is not int and _is_integer(cache_seqlens):
+        cache_seqlens = int(cache_seqlens)  # numpy integers and int subclasses: the int they hold
     try:
         key = _signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                          softmax_scale, causal, num_splits, return_lse, dtype)

@@ -752,6 +752,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
              "k": _kv_array("k", k), "v": _kv_array("v", v),
              "cache_batch_idx": _kv_array("cache_batch_idx", cache_batch_idx),
              "block_table": _kv_array("block_table", block_table)}
+    if isinstance(cache_seqlens, np.integer):
+        cache_seqlens = int(cache_seqlens)  # a numpy integer scalar: the int it holds, as in the core
     if isinstance(cache_seqlens, np.ndarray) or (
             hasattr(cache_seqlens, "shape") and hasattr(cache_seqlens, "dtype")):
         given["cache_seqlens"] = _kv_array("cache_seqlens", cache_seqlens)

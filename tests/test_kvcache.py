@@ -805,3 +805,54 @@ def test_cupy_bfloat16_storage_needs_dtype(monkeypatch, rng):
         _call(args)
     _call(dict(args, dtype="bfloat16"))
     assert plans[0][1]["dtype_name"] == "bfloat16"
+
+
+# ----------------------------------------------------------------------------
+# Found by trying to break it (session 5)
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [np.int64(5), np.int32(5)])
+def test_numpy_integer_cache_seqlens_is_an_int(monkeypatch, rng, length):
+    """A numpy integer length runs like the int it holds, on the CPU and the (fake) GPU path."""
+    args = _valid(rng)
+    want = _call(dict(args, cache_seqlens=5, k=None, v=None))
+    assert np.array_equal(_call(dict(args, cache_seqlens=length, k=None, v=None)), want)
+    install_fake_gpu(monkeypatch, compute_decode=cpu_compute_decode)
+    gpu = _on_fake_gpu(dict(args, k=None, v=None))
+    got = _call(dict(gpu, cache_seqlens=length))
+    assert np.array_equal(got.host, _call(dict(_host_args(gpu), cache_seqlens=5)))
+
+
+@pytest.mark.parametrize("length,message", [(-5, "cache_seqlens must be >= 0; got -5"),
+                                            (10**6, "block_table must have enough blocks per sequence")])
+def test_int_lengths_are_checked_with_an_empty_batch(monkeypatch, rng, length, message):
+    args = _paged(_valid(rng))
+    empty = {n: (x[:0] if n in ("q", "k", "v", "block_table") else x) for n, x in args.items()}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _call(dict(empty, cache_seqlens=length))
+    install_fake_gpu(monkeypatch)
+    gpu = _on_fake_gpu(empty)
+    _call(dict(gpu, cache_seqlens=3))  # a valid call plans the signature first
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _call(dict(gpu, cache_seqlens=length))
+
+
+def test_broadcast_cache_is_refused_for_an_append(rng):
+    args = _valid(rng)
+    strides = (0,) + args["k_cache"].strides[1:]
+    for name in ("k_cache", "v_cache"):
+        base = args[name][:1].copy()
+        args[name] = np.lib.stride_tricks.as_strided(base, (2,) + base.shape[1:], strides)
+    with pytest.raises(ValueError, match=re.escape("k_cache must not be a broadcast view")):
+        _call(args)
+
+
+def test_new_keys_that_are_views_of_the_cache_are_copied_first(rng):
+    args = _valid(rng)
+    host = {n: (x.copy() if isinstance(x, np.ndarray) else x) for n, x in args.items()}
+    args["v"] = args["k_cache"][:, 3:5]  # v is read from slots the append of k is about to write
+    host["v"] = host["k_cache"][:, 3:5].copy()
+    args["cache_seqlens"] = host["cache_seqlens"] = i32([3, 3])
+    assert np.array_equal(_call(args), _call(host))
+    assert np.array_equal(args["v_cache"], host["v_cache"])
