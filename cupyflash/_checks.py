@@ -151,9 +151,14 @@ def _check_device(fn, name, x, q):
 
 
 def dtype_name(fn, dtype):
-    """The name of a ``dtype=`` argument (a str, or anything ``numpy.dtype`` takes)."""
+    """The name of a ``dtype=`` argument (a str, or anything ``numpy.dtype`` takes):
+    NumPy's name for it (``'f2'`` and ``'half'`` are ``'float16'``), or the str
+    itself when NumPy does not know it (``'bfloat16'`` without ml_dtypes)."""
     if isinstance(dtype, str):
-        return dtype
+        try:
+            return np.dtype(dtype).name
+        except TypeError:
+            return dtype
     try:
         return np.dtype(dtype).name
     except TypeError:

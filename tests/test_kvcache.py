@@ -856,3 +856,8 @@ def test_new_keys_that_are_views_of_the_cache_are_copied_first(rng):
     args["cache_seqlens"] = host["cache_seqlens"] = i32([3, 3])
     assert np.array_equal(_call(args), _call(host))
     assert np.array_equal(args["v_cache"], host["v_cache"])
+
+
+@pytest.mark.parametrize("alias", ["f4", "single", "float32"])
+def test_dtype_aliases_name_the_same_dtype(alias):
+    assert np.array_equal(_call(dict(_valid(), dtype=alias)), _call(_valid()))  # fresh caches each
