@@ -357,20 +357,61 @@ def _is_off(value, off):
 
 
 def check_implemented(fn, dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
-    """Raise NotImplementedError naming the first of flash-attention's options that is on.
+    """Check the form of flash-attention's variant options (issue 13), then raise
+    NotImplementedError naming the first that is on.
 
     Every public function runs this on any option given (dense, varlen, torch), so
-    a value is taken or refused alike everywhere."""
-    try:
-        window = tuple(window_size)
-    except TypeError:
-        window = window_size
+    a value is taken or refused alike everywhere: a malformed value gets a
+    TypeError/ValueError with the rule, a well-formed one that is not off the
+    NotImplementedError (the kernels do not implement it yet)."""
+    window = _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap)
     for name, value, off in (("dropout_p", dropout_p, 0.0), ("window_size", window, (-1, -1)),
                              ("alibi_slopes", alibi_slopes, None), ("softcap", softcap, 0.0)):
         if not _is_off(value, off):
             shown = _type_name(value) if name == "alibi_slopes" else repr(value)
             fail(NotImplementedError, fn,
                  f"{name} must be {off!r} ({name} is not implemented yet); got {shown}.")
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not hasattr(x, "ndim") or isinstance(x, np.floating | np.integer)
+
+
+def _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap):
+    """The rules of issue 13's options; returns ``window_size`` as a tuple of two ints."""
+    if not _is_real(dropout_p):
+        fail(TypeError, fn, f"dropout_p must be a float in [0, 1); got {_type_name(dropout_p)}.")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        fail(ValueError, fn, f"dropout_p must be in [0, 1); got {float(dropout_p)!r}.")
+    if not _is_real(softcap):
+        fail(TypeError, fn, f"softcap must be a float >= 0 (0: off); got {_type_name(softcap)}.")
+    if not (math.isfinite(float(softcap)) and float(softcap) >= 0.0):
+        fail(ValueError, fn, f"softcap must be finite and >= 0 (0: off); got {float(softcap)!r}.")
+    if alibi_slopes is not None and not (hasattr(alibi_slopes, "shape") and hasattr(alibi_slopes, "dtype")):
+        fail(TypeError, fn,
+             f"alibi_slopes must be None or a float32 array of shape (nheads_q,) or (batch, nheads_q); "
+             f"got {_type_name(alibi_slopes)}.")
+    if isinstance(window_size, (str, bytes)):
+        window = None
+    else:
+        try:
+            window = tuple(window_size)
+        except TypeError:
+            window = None
+    if window is None:
+        fail(TypeError, fn,
+             f"window_size must be a pair of ints (left, right), -1 for unbounded; got "
+             f"{_type_name(window_size)}.")
+    if len(window) != 2:
+        fail(ValueError, fn,
+             f"window_size must have two entries (left, right); got {len(window)}: {window!r}.")
+    for side, w in zip(("left", "right"), window):
+        if isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Integral):
+            fail(TypeError, fn, f"window_size's {side} entry must be an int (-1: unbounded); got "
+                                f"{_type_name(w)}.")
+        if int(w) < -1:
+            fail(ValueError, fn, f"window_size's {side} entry must be >= -1 (-1: unbounded); got {int(w)}.")
+    return tuple(int(w) for w in window)
 
 
 def is_empty(q, k):
