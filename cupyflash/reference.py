@@ -10,6 +10,22 @@ the one of :func:`cupyflash.flash_attn_fwd`:
   ``j <= i + seqlen_k - seqlen_q``;
 * a row that sees no key has output 0, lse ``-inf`` and zero gradients.
 
+:func:`attention_fwd` / :func:`attention_bwd` also define the score variants
+(keyword-only, all off by default), in this order::
+
+    s = softmax_scale * q . k                       # (batch, nheads_q, seqlen_q, seqlen_k)
+    s = softcap * tanh(s / softcap)                 # softcap > 0
+    s = s - slope[b, h] * |i + seqlen_k - seqlen_q - j|   # alibi_slopes
+    s = -inf where key j is outside causal / window_size
+    p = exp(s - lse),  lse = log(sum_j exp(s_ij) + exp(sinks[h]))   # sinks: no value
+    p = p * dropout_mask / (1 - dropout_p)          # lse stays the undropped one
+    out = p @ v
+
+A window is ``window_size=(left, right)`` (-1 = unbounded): query ``i`` sees key
+``j`` iff ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``;
+``causal`` sets ``right = 0``.  A row with no visible key has output 0 and lse
+``-inf`` (``sinks[h]`` with sinks) and zero gradients.
+
 :func:`attention_fwd` / :func:`attention_bwd` compute in float64.  Their
 backward is the textbook softmax Jacobian, independent of the FlashAttention
 ``delta`` trick, and is checked against finite differences in the tests.
@@ -51,13 +67,33 @@ def _default_scale(softmax_scale, head_dim):
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
-def visible_keys(seqlen_q, seqlen_k, causal):
-    """Boolean ``(seqlen_q, seqlen_k)`` mask, True where query ``i`` sees key ``j``."""
-    if not causal:
+def visible_keys(seqlen_q, seqlen_k, causal, *, window_size=(-1, -1)):
+    """Boolean ``(seqlen_q, seqlen_k)`` mask, True where query ``i`` sees key ``j``.
+
+    Parameters
+    ----------
+    seqlen_q, seqlen_k : int
+    causal : bool
+        Bottom-right aligned: ``j <= i + seqlen_k - seqlen_q`` (``right = 0``).
+    window_size : (int, int), optional
+        ``(left, right)``, -1 = unbounded (the default, no window).  Query ``i``
+        sees key ``j`` iff ``i + seqlen_k - seqlen_q - left <= j`` (when
+        ``left >= 0``) and ``j <= i + seqlen_k - seqlen_q + right`` (when
+        ``right >= 0``); ``causal`` replaces ``right`` with 0.
+    """
+    left, right = (-1, -1) if window_size is None else (int(w) for w in window_size)
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
         return np.ones((seqlen_q, seqlen_k), dtype=bool)
-    rows = np.arange(seqlen_q)[:, None]
+    diag = np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)  # key on query i's diagonal
     cols = np.arange(seqlen_k)[None, :]
-    return cols <= rows + (seqlen_k - seqlen_q)
+    visible = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if left >= 0:
+        visible &= cols >= diag - left
+    if right >= 0:
+        visible &= cols <= diag + right
+    return visible
 
 
 def _heads_first(x, nheads):
@@ -95,17 +131,60 @@ def _softmax_rows(scores, visible):
     return p, lse
 
 
-def _probs64(q, k, softmax_scale, causal):
-    """float64 probabilities (B, Hq, Sq, Sk), lse (B, Hq, Sq) and the scale used."""
+def _alibi_distance(seqlen_q, seqlen_k):
+    """``|i + seqlen_k - seqlen_q - j|`` as float64, shape (seqlen_q, seqlen_k)."""
+    diag = np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
+    return np.abs(diag - np.arange(seqlen_k)[None, :]).astype(np.float64)
+
+
+def _alibi_slopes4(alibi_slopes):
+    """(nheads,) or (batch, nheads) slopes -> float64 (1 or batch, nheads, 1, 1)."""
+    slopes = _host(alibi_slopes, np.float64)
+    if slopes.ndim == 1:
+        slopes = slopes[None, :]
+    return slopes[:, :, None, None]
+
+
+def _keep_scale(dropout_p, dropout_mask):
+    """The dropout factor ``mask / (1 - p)`` (B, Hq, Sq, Sk), or None without dropout."""
+    if dropout_mask is None:
+        if dropout_p:
+            raise ValueError("dropout_p > 0 needs the dropout_mask it applies")
+        return None
+    return _host(dropout_mask).astype(bool) / (1.0 - float(dropout_p))
+
+
+def _probs64(q, k, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
+             alibi_slopes=None, sinks=None):
+    """float64 probabilities (B, Hq, Sq, Sk), lse (B, Hq, Sq), the scale used, and
+    what the backward needs: ``tanh(s / softcap)`` (or None), the sink's
+    probability (B, Hq, Sq) (or None) and the alibi distance (or None)."""
     scale = _default_scale(softmax_scale, q.shape[-1])
-    visible = visible_keys(q.shape[1], k.shape[1], causal)
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    visible = visible_keys(seqlen_q, seqlen_k, causal, window_size=window_size)
     scores = (q.transpose(0, 2, 1, 3) @ _heads_first(k, q.shape[2]).swapaxes(-1, -2)) * scale
+    tanh = distance = p_sink = None
+    if softcap:
+        tanh = np.tanh(scores / float(softcap))
+        scores = float(softcap) * tanh
+    if alibi_slopes is not None:
+        distance = _alibi_distance(seqlen_q, seqlen_k)
+        scores = scores - _alibi_slopes4(alibi_slopes) * distance
     scores = np.where(visible, scores, -np.inf)
-    p, lse = _softmax_rows(scores, visible)
-    return p, lse, scale
+    if sinks is None:
+        p, lse = _softmax_rows(scores, visible)
+        return p, lse, scale, tanh, p_sink, distance
+    # the sink is one more key, always visible, whose value is 0: append it as a column
+    sink = np.broadcast_to(_host(sinks, np.float64)[None, :, None, None],
+                           scores.shape[:-1] + (1,))
+    p, lse = _softmax_rows(np.concatenate([scores, sink], axis=-1),
+                           np.concatenate([visible, np.ones((seqlen_q, 1), bool)], axis=-1))
+    return p[..., :-1], lse, scale, tanh, p[..., -1], distance
 
 
-def attention_fwd(q, k, v, softmax_scale=None, causal=False):
+def attention_fwd(q, k, v, softmax_scale=None, causal=False, *, window_size=(-1, -1),
+                  softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0,
+                  dropout_mask=None):
     """Dense float64 attention.
 
     Parameters
@@ -116,46 +195,112 @@ def attention_fwd(q, k, v, softmax_scale=None, causal=False):
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(head_dim)``.
     causal : bool, optional
-        Bottom-right aligned causal mask.
+        Bottom-right aligned causal mask: query ``i`` sees key ``j`` iff
+        ``j <= i + seqlen_k - seqlen_q`` (a window with ``right = 0``).
+    window_size : (int, int), optional
+        ``(left, right)`` sliding window, -1 = unbounded on that side; the default
+        ``(-1, -1)`` is no window.  Bottom-right aligned: query ``i`` sees key
+        ``j`` iff ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k -
+        seqlen_q + right``.  With ``causal``, ``right`` is 0.
+    softcap : float, optional
+        0 (the default) is off.  Otherwise the scaled scores become
+        ``softcap * tanh(s / softcap)``, before ALiBi and masking.
+    alibi_slopes : array, shape (nheads_q,) or (batch, nheads_q), optional
+        float32 or float64, NumPy or CuPy.  Adds
+        ``-slope[b, h] * |i + seqlen_k - seqlen_q - j|`` to the (softcapped)
+        scores (bottom-right aligned, as flash-attention).
+    sinks : array, shape (nheads_q,), optional
+        Any float dtype.  One logit per query head, in the units of the scaled
+        scores, that joins every row's softmax denominator but carries no value,
+        so a row's weights sum to less than 1.  A row with no visible key then
+        has output 0 and lse ``sinks[h]``.
+    dropout_p : float, optional
+        Dropout probability in [0, 1); the kept probabilities are multiplied by
+        ``1 / (1 - dropout_p)``.  Needs ``dropout_mask`` when > 0.
+    dropout_mask : bool array, shape (batch, nheads_q, seqlen_q, seqlen_k), optional
+        True = keep.  Applied to the probabilities after the softmax (so also
+        with ``dropout_p = 0``); the reference does not draw it.
 
     Returns
     -------
     out : numpy.ndarray, shape (batch, seqlen_q, nheads_q, head_dim), float64
     lse : numpy.ndarray, shape (batch, nheads_q, seqlen_q), float64
-        Natural-log logsumexp of the scaled, masked scores.
+        Natural-log logsumexp of the modified, masked scores (and of the sink
+        when ``sinks`` is given), before dropout; ``-inf`` for a row that sees
+        no key and has no sink.
     """
     q, k, v = (_host(x, np.float64) for x in (q, k, v))
-    p, lse, _ = _probs64(q, k, softmax_scale, causal)
+    p, lse, *_ = _probs64(q, k, softmax_scale, causal, window_size, softcap,
+                          alibi_slopes, sinks)
+    keep = _keep_scale(dropout_p, dropout_mask)
+    if keep is not None:
+        p = p * keep
     out = p @ _heads_first(v, q.shape[2])
     return out.transpose(0, 2, 1, 3), lse
 
 
-def attention_bwd(dout, q, k, v, softmax_scale=None, causal=False):
-    """Gradients of ``sum(dout * attention_fwd(q, k, v)[0])`` in float64.
+def attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, *, window_size=(-1, -1),
+                  softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0,
+                  dropout_mask=None, return_dalibi=False):
+    """Gradients of ``sum(dout * attention_fwd(q, k, v, ...)[0])`` in float64.
 
     Parameters
     ----------
     dout : array, shape (batch, seqlen_q, nheads_q, head_dim)
     q, k, v, softmax_scale, causal
         As for :func:`attention_fwd`.
+    window_size, softcap, alibi_slopes, sinks, dropout_p, dropout_mask
+        As for :func:`attention_fwd`; the backward differentiates through the
+        softcap and uses the same dropout mask.
+    return_dalibi : bool, optional
+        Also return the gradient with respect to ``alibi_slopes`` (which must
+        then be given).  Off by default: the kernels' contract is
+        ``(dq, dk, dv[, dsinks])``.
 
     Returns
     -------
     dq : numpy.ndarray, shape of ``q``, float64
     dk, dv : numpy.ndarray, shape of ``k``, float64
         Summed over the query heads that share each KV head.
+    dsinks : numpy.ndarray, shape (nheads_q,), float64
+        Only when ``sinks`` is given (a 4-tuple then): summed over batch and rows.
+    d_alibi_slopes : numpy.ndarray, shape of ``alibi_slopes``, float64
+        Only with ``return_dalibi``, last: summed over rows and keys (and over
+        batch for slopes of shape (nheads_q,)).
     """
     dout, q, k, v = (_host(x, np.float64) for x in (dout, q, k, v))
     nheads, nheads_kv = q.shape[2], k.shape[2]
-    p, _, scale = _probs64(q, k, softmax_scale, causal)
+    p, _, scale, tanh, p_sink, distance = _probs64(
+        q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks)
+    keep = _keep_scale(dropout_p, dropout_mask)
     do = dout.transpose(0, 2, 1, 3)  # (B, Hq, Sq, D)
-    dv = p.swapaxes(-1, -2) @ do
     dp = do @ _heads_first(v, nheads).swapaxes(-1, -2)
-    # softmax Jacobian-vector product: dS = P * (dP - rowsum(P * dP))
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    if keep is not None:  # out = (P * keep) @ V
+        dv = (p * keep).swapaxes(-1, -2) @ do
+        dp = dp * keep
+    else:
+        dv = p.swapaxes(-1, -2) @ do
+    # softmax Jacobian-vector product: dS = P * (dP - rowsum(P * dP)); a sink only
+    # enlarges the denominator, so the form is the same
+    row = (p * dp).sum(axis=-1, keepdims=True)
+    ds = p * (dp - row)
+    d_alibi = None
+    if return_dalibi:
+        if alibi_slopes is None:
+            raise ValueError("return_dalibi needs alibi_slopes")
+        d_alibi = -(ds * distance).sum(axis=(-1, -2))  # (B, Hq)
+        if _host(alibi_slopes).ndim == 1:
+            d_alibi = d_alibi.sum(axis=0)
+    if tanh is not None:  # d/ds [c tanh(s / c)] = 1 - tanh^2
+        ds = ds * (1.0 - tanh * tanh)
     dq = (ds @ _heads_first(k, nheads)) * scale
     dk = (ds.swapaxes(-1, -2) @ q.transpose(0, 2, 1, 3)) * scale
-    return dq.transpose(0, 2, 1, 3), _sum_groups(dk, nheads_kv), _sum_groups(dv, nheads_kv)
+    grads = [dq.transpose(0, 2, 1, 3), _sum_groups(dk, nheads_kv), _sum_groups(dv, nheads_kv)]
+    if sinks is not None:  # dP_j / d sink = -P_j * P_sink
+        grads.append(-(p_sink * row[..., 0]).sum(axis=(0, 2)))
+    if d_alibi is not None:
+        grads.append(d_alibi)
+    return tuple(grads)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
