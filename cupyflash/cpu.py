@@ -27,6 +27,39 @@ Causal masking aligns the mask bottom-right: query ``i`` sees key ``j`` iff
 skipped; only the boundary tiles run the masked path.  A row that sees no key
 ends with ``l == 0``: its output is 0, its lse ``-inf``, its gradients 0.
 
+Variants (keyword-only, all off by default; the semantics of
+:func:`cupyflash.reference.attention_fwd`), in the order the kernels apply them::
+
+    t = softmax_scale * log2(e) * q . k                 # scores in log2 units, or with
+    t = softcap * log2(e) * tanh(softmax_scale / softcap * q . k)   # softcap > 0
+    t = t - slope[b, h] * log2(e) * |i + seqlen_k - seqlen_q - j|   # alibi_slopes
+    t = -inf outside causal / window_size                # masked tiles only
+    online softmax over t (max, exp2) ... lse, with the sink folded in at the end
+    p = p * keep / (1 - dropout_p)                       # lse stays the undropped one
+
+Without softcap and ALiBi the scores stay raw and ``softmax_scale * log2(e)``
+is folded into the exponent as above (bitwise the plain path); with either,
+the modified scores are computed once in log2 units, and the max is taken over
+exactly the values that are exponentiated, so the largest term is
+``exp2(0) = 1``.  The backward recomputes the same ``t``, and ``softcap``
+multiplies ``dS`` by ``1 - tanh^2``.
+
+* **Window** ``(left, right)`` (-1 = unbounded), bottom-right aligned like the
+  causal mask, which is the window's ``right = 0``.  Key tiles outside every
+  row's window are skipped; tiles every row sees fully run unmasked; the
+  masked tiles are the ones on the two window edges (see :func:`_key_tiles`
+  and :func:`_query_tiles`).
+* **Sinks** ``(nheads_q,)``: one more logit per head with no value, folded
+  into the softmax state at the end of each query tile; lse includes it, the
+  backward returns ``dsinks = -sum_{b,i} exp(sink - lse) * delta``.  A row
+  that sees no key has output 0 and lse exactly ``sinks[h]``.
+* **Dropout**: the keep mask of each tile is drawn by
+  :func:`cupyflash._philox.keep_mask` from ``rng_state = (seed, offset)`` at
+  the tile's global (batch, head, row, column) indices, so it never depends
+  on the tiling.  The row sum takes every probability, the accumulator the
+  kept ones; ``1 / (1 - p)`` scales the output once, at the end (in the
+  backward: ``dP`` per tile and ``dV`` once per key tile).
+
 The functions take validated arguments (see :mod:`cupyflash._checks`); call
 them through :func:`cupyflash.flash_attn_fwd` and :func:`cupyflash.flash_attn_bwd`.
 """
@@ -34,6 +67,8 @@ them through :func:`cupyflash.flash_attn_fwd` and :func:`cupyflash.flash_attn_bw
 from __future__ import annotations
 
 import numpy as np
+
+from . import _philox
 
 __all__ = ["BLOCK_M", "BLOCK_N", "fwd", "bwd"]
 
@@ -43,6 +78,7 @@ BLOCK_M = 128
 BLOCK_N = 128
 
 LOG2E = 1.4426950408889634  # 1/ln(2): exp(x) == exp2(x * LOG2E)
+LN2 = 0.6931471805599453  # ln(2): log2 units -> natural log
 
 _F32 = np.float32
 
@@ -97,52 +133,180 @@ def _store_stats_rows(dst, m0, m1, tile):
 # ----------------------------------------------------------------------------
 
 
-def _key_tiles(m0, m1, seqlen_q, seqlen_k, causal):
-    """Key range for query rows [m0, m1): ``(n_split, n_end)``.
+def _window(causal, window_size):
+    """``(left, right)`` with -1 = unbounded; ``causal`` sets ``right = 0``."""
+    left, right = (-1, -1) if window_size is None else (int(w) for w in window_size)
+    left, right = max(left, -1), max(right, -1)
+    return left, (0 if causal else right)
 
-    Key tiles starting below ``n_split`` are fully visible to every row of the
-    query tile (no mask); tiles in ``[n_split, n_end)`` straddle the diagonal
-    (masked path); keys from ``n_end`` on are invisible to the whole tile.
+
+def _span(lo, hi, limit):
+    """Clamp the inclusive index range [lo, hi] (None = unbounded) to [0, limit)."""
+    lo = 0 if lo is None else max(lo, 0)
+    hi = limit - 1 if hi is None else min(hi, limit - 1)
+    return lo, hi
+
+
+def _tile_ranges(lo_any, hi_any, lo_all, hi_all, limit, block):
+    """Tile bounds ``(begin, full_begin, full_end, end)`` along one axis.
+
+    ``[lo_any, hi_any]`` is what some row (or column) of the other tile sees,
+    ``[lo_all, hi_all]`` what all of them see (inclusive, None = unbounded).
+    Tiles start at ``begin`` (a multiple of ``block``) and step by ``block``,
+    the last one ends at ``end``; the tiles in ``[full_begin, full_end)`` are
+    wholly inside ``[lo_all, hi_all]`` (unmasked), the others masked.
     """
-    if not causal:
-        return seqlen_k, seqlen_k
-    offset = seqlen_k - seqlen_q
-    n_end = min(max(m1 + offset, 0), seqlen_k)  # last row m1-1 sees keys < m1 + offset
-    n_full = max(m0 + offset + 1, 0)  # first row m0 sees keys < m0 + offset + 1
-    if n_full >= n_end:
-        return n_end, n_end
-    return (n_full // BLOCK_N) * BLOCK_N, n_end
+    lo, hi = _span(lo_any, hi_any, limit)
+    if hi < lo:
+        return 0, 0, 0, 0
+    begin, end = (lo // block) * block, hi + 1
+    lo_f, hi_f = _span(lo_all, hi_all, limit)
+    full_begin = min(max(-(-lo_f // block) * block, begin), end)
+    full_end = end if hi_f + 1 >= end else ((hi_f + 1) // block) * block
+    full_end = min(max(full_end, full_begin), end)
+    return begin, full_begin, full_end, end
 
 
-def _query_tiles(n0, n1, seqlen_q, seqlen_k, causal):
-    """Query range for key rows [n0, n1): ``(m_begin, m_split)``.
+def _key_tiles(m0, m1, seqlen_q, seqlen_k, window):
+    """Key tiles for query rows [m0, m1): ``(n_begin, n_full_begin, n_full_end, n_end)``.
 
-    Query tiles in ``[m_begin, m_split)`` straddle the diagonal (masked path);
-    tiles from ``m_split`` on see the whole key tile; rows below ``m_begin``
-    see none of it.  Both bounds are multiples of ``BLOCK_M``.
+    ``window`` is ``(left, right)`` as from :func:`_window` (``(-1, 0)`` is
+    causal, ``(-1, -1)`` no mask).  Key tiles start at ``n_begin`` and step by
+    ``BLOCK_N`` up to ``n_end``; those in ``[n_full_begin, n_full_end)`` are
+    fully visible to every row of the query tile (no mask); the ones before
+    and after straddle a window edge (masked path); keys outside
+    ``[n_begin, n_end)`` are invisible to the whole tile and skipped.
     """
-    if not causal:
-        return 0, 0
+    left, right = window
     offset = seqlen_k - seqlen_q
-    first_row = min(max(n0 - offset, 0), seqlen_q)  # first row that sees key n0
-    full_row = min(max(n1 - 1 - offset, 0), seqlen_q)  # first row that sees key n1-1
-    m_begin = (first_row // BLOCK_M) * BLOCK_M
-    m_split = -(-full_row // BLOCK_M) * BLOCK_M
-    return m_begin, max(m_begin, min(m_split, seqlen_q))
+    lo_any = None if left < 0 else m0 + offset - left  # first row's left edge
+    hi_any = None if right < 0 else m1 - 1 + offset + right  # last row's right edge
+    lo_all = None if left < 0 else m1 - 1 + offset - left
+    hi_all = None if right < 0 else m0 + offset + right
+    return _tile_ranges(lo_any, hi_any, lo_all, hi_all, seqlen_k, BLOCK_N)
 
 
-def _apply_causal_mask(s, m0, m1, n0, n1, seqlen_q, seqlen_k, group):
-    """Set scores of keys that query rows cannot see to -inf, in place.
+def _query_tiles(n0, n1, seqlen_q, seqlen_k, window):
+    """Query tiles for key rows [n0, n1): ``(m_begin, m_full_begin, m_full_end, m_end)``.
 
-    ``s`` is a (B, Hkv, G*(m1-m0), n1-n0) score tile.
+    Query tiles start at ``m_begin`` and step by ``BLOCK_M`` up to ``m_end``;
+    those in ``[m_full_begin, m_full_end)`` see the whole key tile (no mask),
+    the ones before and after straddle a window edge (masked path); rows
+    outside ``[m_begin, m_end)`` see none of the key tile and are skipped.
     """
+    left, right = window
     offset = seqlen_k - seqlen_q
-    rows = np.arange(m0, m1)[:, None]
+    # row i sees key j iff j - offset - right <= i <= j - offset + left
+    lo_any = None if right < 0 else n0 - offset - right
+    hi_any = None if left < 0 else n1 - 1 - offset + left
+    lo_all = None if right < 0 else n1 - 1 - offset - right
+    hi_all = None if left < 0 else n0 - offset + left
+    return _tile_ranges(lo_any, hi_any, lo_all, hi_all, seqlen_q, BLOCK_M)
+
+
+def _apply_causal_mask(s, m0, m1, n0, n1, seqlen_q, seqlen_k, group, window=(-1, 0)):
+    """Set scores of keys that query rows cannot see (causal / window) to -inf, in place.
+
+    ``s`` is a (B, Hkv, G*(m1-m0), n1-n0) score tile; ``window`` is
+    ``(left, right)`` as from :func:`_window`, causal by default.
+    """
+    left, right = window
+    diag = np.arange(m0, m1)[:, None] + (seqlen_k - seqlen_q)
     cols = np.arange(n0, n1)[None, :]
-    hidden = cols > rows + offset  # (BM, BN)
+    hidden = np.zeros((m1 - m0, n1 - n0), dtype=bool)  # (BM, BN)
+    if right >= 0:
+        hidden |= cols > diag + right
+    if left >= 0:
+        hidden |= cols < diag - left
     batch, nheads_kv = s.shape[:2]
     s5 = s.reshape(batch, nheads_kv, group, m1 - m0, n1 - n0)
     np.copyto(s5, -np.inf, where=hidden)
+
+
+# ----------------------------------------------------------------------------
+# Variants: the score pipeline (softcap, ALiBi, mask), sinks and dropout
+# ----------------------------------------------------------------------------
+
+
+class _Variants:
+    """The variant arguments of one call, resolved once (all off by default)."""
+
+    def __init__(self, q_shape, nheads_kv, seqlen_k, softmax_scale, causal, window_size=(-1, -1),
+                 softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None):
+        _, seqlen_q, nheads, _ = q_shape
+        self.nheads, self.group = nheads, nheads // nheads_kv
+        self.dims = (seqlen_q, seqlen_k, self.group)
+        self.scale = float(softmax_scale)
+        self.scale_log2 = _F32(softmax_scale * LOG2E)
+        self.window = _window(causal, window_size)
+        self.softcap = float(softcap or 0.0)
+        self.alibi = None  # slope * log2(e), float32 (1 or B, Hkv, G, 1, 1)
+        if alibi_slopes is not None:
+            slopes = np.asarray(alibi_slopes, dtype=_F32)
+            slopes = slopes.reshape((-1, nheads_kv, self.group, 1, 1))
+            self.alibi = slopes * _F32(LOG2E)
+        self.sinks = None if sinks is None else np.asarray(sinks, dtype=_F32).reshape(nheads)
+        self.dropout_p = float(dropout_p or 0.0)
+        if self.dropout_p:
+            if rng_state is None:
+                raise ValueError("dropout_p > 0 needs rng_state=(seed, offset)")
+            self.seed, self.offset = (int(x) for x in rng_state)
+        # softcap and ALiBi: scores computed once in log2 units (exponent factor 1);
+        # otherwise raw scores with softmax_scale * log2(e) folded into the exponent
+        self.modified = self.softcap > 0 or self.alibi is not None
+        self.score_unit = _F32(1) if self.modified else self.scale_log2
+
+    def sink_rows(self, rows):
+        """The sink logit of each tile row, shape (1, Hkv, G*rows)."""
+        sinks = self.sinks.reshape(-1, self.group, 1)
+        return np.broadcast_to(sinks, sinks.shape[:2] + (rows,)).reshape(1, sinks.shape[0], -1)
+
+
+def _alibi_bias(var, m0, m1, n0, n1):
+    """``slope * log2(e) * |i + seqlen_k - seqlen_q - j|`` as (1 or B, Hkv, G*BM, BN)."""
+    seqlen_q, seqlen_k, group = var.dims
+    diag = np.arange(m0, m1)[:, None] + (seqlen_k - seqlen_q)
+    dist = np.abs(diag - np.arange(n0, n1)[None, :]).astype(_F32)
+    bias = var.alibi * dist  # (B', Hkv, G, BM, BN)
+    return bias.reshape(bias.shape[0], bias.shape[1], group * (m1 - m0), n1 - n0)
+
+
+def _scores(q_tile, k_tile, m0, m1, n0, n1, masked, var):
+    """One score tile, in units of ``var.score_unit`` (raw, or log2 with the
+    variants applied), masked when ``masked``; also ``tanh`` for softcap (or None)."""
+    s = q_tile @ k_tile.swapaxes(-1, -2)
+    tanh = None
+    if var.modified:
+        if var.softcap:
+            s *= _F32(var.scale / var.softcap)
+            tanh = np.tanh(s, out=s)
+            s = tanh * _F32(var.softcap * LOG2E)
+        else:
+            s *= var.scale_log2
+        if var.alibi is not None:
+            s -= _alibi_bias(var, m0, m1, n0, n1)
+    if masked:
+        _apply_causal_mask(s, m0, m1, n0, n1, *var.dims, var.window)
+    return s, tanh
+
+
+def _keep_tile(var, m0, m1, n0, n1, batch, nheads_kv):
+    """The dropout keep mask of a (B, Hkv, G*(m1-m0), n1-n0) tile, drawn at the
+    tile's global indices (so independent of the tiling)."""
+    group = var.group
+    heads = np.arange(nheads_kv)[:, None] * group + np.arange(group)[None, :]
+    keep = _philox.keep_mask(var.seed, var.offset, var.dropout_p,
+                             np.arange(batch)[:, None, None, None, None],
+                             heads[None, :, :, None, None],
+                             np.arange(m0, m1)[None, None, None, :, None],
+                             np.arange(n0, n1)[None, None, None, None, :], var.nheads)
+    return keep.reshape(batch, nheads_kv, group * (m1 - m0), n1 - n0)
+
+
+def _tiles(begin, full_begin, full_end, end, block):
+    """``(t0, t1, masked)`` for the tiles of [begin, end), in ascending order."""
+    for t0 in range(begin, end, block):
+        yield t0, min(t0 + block, end), not full_begin <= t0 < full_end
 
 
 # ----------------------------------------------------------------------------
@@ -150,11 +314,13 @@ def _apply_causal_mask(s, m0, m1, n0, n1, seqlen_q, seqlen_k, group):
 # ----------------------------------------------------------------------------
 
 
-def _online_softmax_step(acc, row_max, row_sum, s, v_tile, scale_log2):
+def _online_softmax_step(acc, row_max, row_sum, s, v_tile, scale_log2, keep=None):
     """Fold one key tile into the online-softmax state; return the new state.
 
     ``acc`` (B, Hkv, R, D), ``row_max`` and ``row_sum`` (B, Hkv, R) float32;
-    ``s`` (B, Hkv, R, BN) raw scores (overwritten); ``v_tile`` (B, Hkv, BN, D).
+    ``s`` (B, Hkv, R, BN) scores (overwritten), ``scale_log2`` their exponent
+    factor; ``v_tile`` (B, Hkv, BN, D); ``keep`` the dropout mask (or None):
+    the row sum takes every probability, the accumulator the kept ones.
     """
     new_max = np.maximum(row_max, s.max(axis=-1))
     # A row that has seen only masked keys keeps a max of -inf; subtracting 0
@@ -167,13 +333,18 @@ def _online_softmax_step(acc, row_max, row_sum, s, v_tile, scale_log2):
     # --- rescale the old state by exp2(old_max - new_max) and add this tile
     alpha = np.exp2(row_max * scale_log2 - max_scaled)
     row_sum = row_sum * alpha + p.sum(axis=-1)
+    if keep is not None:
+        p *= keep
     acc *= alpha[..., None]
     acc += p @ v_tile
     return acc, new_max, row_sum
 
 
 def _finalize(acc, row_max, row_sum, softmax_scale):
-    """Normalise the accumulator; return ``(out_tile, lse_tile)`` in float32."""
+    """Normalise the accumulator; return ``(out_tile, lse_tile)`` in float32.
+
+    ``softmax_scale`` turns ``row_max`` into natural-log units.
+    """
     seen = row_sum > 0
     inv_sum = np.divide(_F32(1), row_sum, out=np.zeros_like(row_sum), where=seen)
     acc *= inv_sum[..., None]
@@ -182,7 +353,26 @@ def _finalize(acc, row_max, row_sum, softmax_scale):
     return acc, lse
 
 
-def fwd(q, k, v, softmax_scale, causal):
+def _finalize_with_sink(acc, row_max, row_sum, score_unit, lse_scale, sink):
+    """:func:`_finalize` with one more term, the sink logit (no value), in the sum.
+
+    ``row_max * score_unit`` is the running max in log2 units and
+    ``row_max * lse_scale`` in natural-log units; ``sink`` (1, Hkv, R) is in
+    natural-log units.  The sink is folded in as one last online-softmax step,
+    so every row has ``l > 0``, and a row that saw no key gets ``lse = sink``.
+    """
+    sink_log2 = sink * _F32(LOG2E)
+    max_log2 = row_max * score_unit  # -inf for a row that saw no key
+    new_max = np.maximum(max_log2, sink_log2)
+    alpha = np.exp2(max_log2 - new_max)
+    row_sum = row_sum * alpha + np.exp2(sink_log2 - new_max)
+    acc *= (alpha / row_sum)[..., None]
+    top = np.where(sink_log2 >= max_log2, sink, row_max * _F32(lse_scale))
+    return acc, top + np.log(row_sum)
+
+
+def fwd(q, k, v, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,
+        alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None):
     """Tiled forward pass: ``(out, lse)`` for validated, non-empty inputs.
 
     Parameters
@@ -193,47 +383,60 @@ def fwd(q, k, v, softmax_scale, causal):
     softmax_scale : float
         Multiplies ``q @ k.T`` before the softmax.
     causal : bool
-        Bottom-right aligned causal mask.
+        Bottom-right aligned causal mask (a window with ``right = 0``).
+    window_size : (int, int), optional
+        ``(left, right)`` sliding window, -1 = unbounded; bottom-right aligned.
+    softcap : float, optional
+        0 = off; else scaled scores become ``softcap * tanh(s / softcap)``.
+    alibi_slopes : array, shape (nheads_q,) or (batch, nheads_q), optional
+        Adds ``-slope * |i + seqlen_k - seqlen_q - j|`` after the softcap.
+    sinks : array, shape (nheads_q,), optional
+        One logit per head in the softmax denominator, with no value.
+    dropout_p : float, optional
+        Dropout probability in [0, 1); needs ``rng_state``.
+    rng_state : (int, int), optional
+        ``(seed, offset)`` of :func:`cupyflash._philox.keep_mask`.
 
     Returns
     -------
     out : numpy.ndarray, shape (batch, seqlen_q, nheads_q, head_dim), dtype of ``q``
     lse : numpy.ndarray, shape (batch, nheads_q, seqlen_q), float32
-        Natural-log logsumexp of the scaled scores; ``-inf`` for a row that sees no key.
+        Natural-log logsumexp of the (modified, masked) scaled scores and the
+        sink, before dropout; ``-inf`` for a row that sees no key and no sink.
     """
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    group = nheads // nheads_kv
-    scale_log2 = _F32(softmax_scale * LOG2E)
+    var = _Variants(q.shape, nheads_kv, seqlen_k, softmax_scale, causal, window_size, softcap,
+                    alibi_slopes, sinks, dropout_p, rng_state)
     out = np.empty(q.shape, dtype=q.dtype)
     lse = np.empty((batch, nheads, seqlen_q), dtype=_F32)
 
     for m0 in range(0, seqlen_q, BLOCK_M):
         m1 = min(m0 + BLOCK_M, seqlen_q)
-        rows = group * (m1 - m0)
+        rows = var.group * (m1 - m0)
         q_tile = _load_q_rows(q, m0, m1, nheads_kv)
         acc = np.zeros((batch, nheads_kv, rows, head_dim), dtype=_F32)
         row_max = np.full((batch, nheads_kv, rows), -np.inf, dtype=_F32)
         row_sum = np.zeros((batch, nheads_kv, rows), dtype=_F32)
-        n_split, n_end = _key_tiles(m0, m1, seqlen_q, seqlen_k, causal)
 
-        # --- key tiles every row sees: no mask code at all
-        for n0 in range(0, n_split, BLOCK_N):
-            n1 = min(n0 + BLOCK_N, n_end)
-            s = q_tile @ _load_kv_rows(k, n0, n1).swapaxes(-1, -2)
+        # --- key tiles in the window only; those every row sees fully take no mask
+        key_range = _key_tiles(m0, m1, seqlen_q, seqlen_k, var.window)
+        for n0, n1, masked in _tiles(*key_range, BLOCK_N):
+            s, _ = _scores(q_tile, _load_kv_rows(k, n0, n1), m0, m1, n0, n1, masked, var)
+            keep = (_keep_tile(var, m0, m1, n0, n1, batch, nheads_kv) if var.dropout_p
+                    else None)
             acc, row_max, row_sum = _online_softmax_step(
-                acc, row_max, row_sum, s, _load_kv_rows(v, n0, n1), scale_log2
-            )
-        # --- boundary key tiles on the causal diagonal: masked
-        for n0 in range(n_split, n_end, BLOCK_N):
-            n1 = min(n0 + BLOCK_N, n_end)
-            s = q_tile @ _load_kv_rows(k, n0, n1).swapaxes(-1, -2)
-            _apply_causal_mask(s, m0, m1, n0, n1, seqlen_q, seqlen_k, group)
-            acc, row_max, row_sum = _online_softmax_step(
-                acc, row_max, row_sum, s, _load_kv_rows(v, n0, n1), scale_log2
+                acc, row_max, row_sum, s, _load_kv_rows(v, n0, n1), var.score_unit, keep
             )
 
-        out_tile, lse_tile = _finalize(acc, row_max, row_sum, softmax_scale)
+        lse_scale = LN2 if var.modified else softmax_scale  # row_max -> natural log
+        if var.sinks is not None:
+            out_tile, lse_tile = _finalize_with_sink(acc, row_max, row_sum, var.score_unit,
+                                                     lse_scale, var.sink_rows(m1 - m0))
+        else:
+            out_tile, lse_tile = _finalize(acc, row_max, row_sum, lse_scale)
+        if var.dropout_p:
+            out_tile *= _F32(1.0 / (1.0 - var.dropout_p))
         _store_q_rows(out, m0, m1, out_tile)
         _store_stats_rows(lse, m0, m1, lse_tile)
     return out, lse
@@ -256,35 +459,42 @@ def _row_dot(dout, out):
 
 
 def _bwd_tile(k_tile, v_tile, dk_acc, dv_acc, dq_acc, q, dout, lse_log2, delta,
-              m0, m1, n0, n1, scale_log2, masked, causal_dims):
+              m0, m1, n0, n1, masked, var):
     """One (query tile, key tile) step of the backward pass, accumulating in place."""
-    nheads_kv = k_tile.shape[1]
+    batch, nheads_kv = k_tile.shape[:2]
     q_tile = _load_q_rows(q, m0, m1, nheads_kv)
     do_tile = _load_q_rows(dout, m0, m1, nheads_kv)
     # --- recompute P from lse: p = exp2(s * scale * log2e - lse * log2e)
-    s = q_tile @ k_tile.swapaxes(-1, -2)
-    if masked:
-        _apply_causal_mask(s, m0, m1, n0, n1, *causal_dims)
-    s *= scale_log2
+    s, tanh = _scores(q_tile, k_tile, m0, m1, n0, n1, masked, var)
+    if not var.modified:
+        s *= var.scale_log2
     s -= _stats_rows(lse_log2, m0, m1, nheads_kv)
     # P <= 1 exactly; at huge softmax_scale the float32 rounding of s*scale and of
     # lse (their ulp exceeds 1 beyond ~1e7) could push the exponent far above 0
     # and overflow exp2 to inf (then inf * 0 = NaN in dS). Clamp it.
     np.minimum(s, 0, out=s)
     p = np.exp2(s, out=s)
-    # --- dV += P^T dO (the G query heads of a KV head sum in the product)
-    dv_acc += p.swapaxes(-1, -2) @ do_tile
-    # --- dS = P * (dO V^T - delta)
+    keep = _keep_tile(var, m0, m1, n0, n1, batch, nheads_kv) if var.dropout_p else None
+    # --- dV += P^T dO (the G query heads of a KV head sum in the product);
+    # with dropout the kept P (1/(1-p) applied to dV at the end)
+    dv_acc += (p if keep is None else p * keep).swapaxes(-1, -2) @ do_tile
+    # --- dS = P * (dP - delta), dP = dO V^T (* keep / (1-p) with dropout)
     ds = do_tile @ v_tile.swapaxes(-1, -2)
+    if keep is not None:
+        ds *= keep
+        ds *= _F32(1.0 / (1.0 - var.dropout_p))
     ds -= _stats_rows(delta, m0, m1, nheads_kv)
     ds *= p
+    if tanh is not None:  # d/dx [c tanh(x / c)] = 1 - tanh^2
+        ds *= 1 - tanh * tanh
     # --- dQ += dS K and dK += dS^T Q (softmax_scale applied once at the end)
     _store_q_rows(dq_acc, m0, m1, ds @ k_tile, add=True)
     dk_acc += ds.swapaxes(-1, -2) @ q_tile
 
 
-def bwd(dout, q, k, v, out, lse, softmax_scale, causal):
-    """Tiled backward pass: ``(dq, dk, dv)`` for validated, non-empty inputs.
+def bwd(dout, q, k, v, out, lse, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,
+        alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None):
+    """Tiled backward pass: ``(dq, dk, dv)`` (and ``dsinks``) for validated, non-empty inputs.
 
     Parameters
     ----------
@@ -292,21 +502,24 @@ def bwd(dout, q, k, v, out, lse, softmax_scale, causal):
     k, v : numpy.ndarray, shape (batch, seqlen_k, nheads_kv, head_dim)
         All five in one dtype (float16, bfloat16, float32 or float64); any strides.
     lse : numpy.ndarray, shape (batch, nheads_q, seqlen_q), float32
-        As returned by :func:`fwd`.
+        As returned by :func:`fwd` (with the same variants).
     softmax_scale : float
     causal : bool
+    window_size, softcap, alibi_slopes, sinks, dropout_p, rng_state
+        As for :func:`fwd`; the same values as the forward that gave ``out``.
 
     Returns
     -------
     dq : numpy.ndarray, shape and dtype of ``q``
     dk, dv : numpy.ndarray, shape and dtype of ``k``
         Summed over the query heads that share each KV head.
+    dsinks : numpy.ndarray, shape (nheads_q,), float32
+        Only when ``sinks`` is given: summed over batch and rows.
     """
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    group = nheads // nheads_kv
-    scale_log2 = _F32(softmax_scale * LOG2E)
-    causal_dims = (seqlen_q, seqlen_k, group)
+    var = _Variants(q.shape, nheads_kv, seqlen_k, softmax_scale, causal, window_size, softcap,
+                    alibi_slopes, sinks, dropout_p, rng_state)
 
     delta = _row_dot(dout, out)
     # A row that saw no key has lse = -inf; +inf makes every p = exp2(-inf) = 0.
@@ -321,19 +534,23 @@ def bwd(dout, q, k, v, out, lse, softmax_scale, causal):
         v_tile = _load_kv_rows(v, n0, n1)
         dk_acc = np.zeros_like(k_tile)
         dv_acc = np.zeros_like(v_tile)
-        m_begin, m_split = _query_tiles(n0, n1, seqlen_q, seqlen_k, causal)
         tile_args = (k_tile, v_tile, dk_acc, dv_acc, dq_acc, q, dout, lse_log2, delta)
-        # --- boundary query tiles on the causal diagonal: masked
-        for m0 in range(m_begin, m_split, BLOCK_M):
-            m1 = min(m0 + BLOCK_M, seqlen_q)
-            _bwd_tile(*tile_args, m0, m1, n0, n1, scale_log2, True, causal_dims)
-        # --- query tiles that see the whole key tile: no mask code at all
-        for m0 in range(m_split, seqlen_q, BLOCK_M):
-            m1 = min(m0 + BLOCK_M, seqlen_q)
-            _bwd_tile(*tile_args, m0, m1, n0, n1, scale_log2, False, causal_dims)
+        # --- query tiles in the window only; those that see the whole key tile
+        # take no mask
+        query_range = _query_tiles(n0, n1, seqlen_q, seqlen_k, var.window)
+        for m0, m1, masked in _tiles(*query_range, BLOCK_M):
+            _bwd_tile(*tile_args, m0, m1, n0, n1, masked, var)
         dk_acc *= _F32(softmax_scale)
+        if var.dropout_p:
+            dv_acc *= _F32(1.0 / (1.0 - var.dropout_p))
         dk[:, n0:n1] = dk_acc.transpose(0, 2, 1, 3)
         dv[:, n0:n1] = dv_acc.transpose(0, 2, 1, 3)
 
     dq_acc *= _F32(softmax_scale)
-    return dq_acc.astype(q.dtype, copy=False), dk, dv
+    grads = (dq_acc.astype(q.dtype, copy=False), dk, dv)
+    if var.sinks is None:
+        return grads
+    # dP_j / d sink = -P_j * P_sink, so dsink = -sum_i P_sink,i * delta_i
+    p_sink = np.exp2(var.sinks[None, :, None] * _F32(LOG2E) - lse_log2)
+    dsinks = -(p_sink * delta).sum(axis=(0, 2), dtype=np.float64)
+    return grads + (dsinks.astype(_F32),)
