@@ -29,7 +29,8 @@ _NO_DROPOUT, _NO_WINDOW, _NO_SOFTCAP = _OFF["dropout_p"], _OFF["window_size"], _
 
 @_interop.accepts_foreign("q", "k", "v")
 def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out=None, lse=None,
-                   dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None, softcap=_NO_SOFTCAP):
+                   dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None, softcap=_NO_SOFTCAP,
+                   sinks=None, rng_state=None):
     """Exact attention forward pass, ``softmax(q @ k.T * softmax_scale) @ v``.
 
     Computed tile by tile with an online softmax (FlashAttention-2), so the
@@ -92,9 +93,23 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
     lse : array, optional
         Preallocated lse to write: float32, shape (batch, nheads_q, seqlen_q),
         unit last stride; returned.
-    dropout_p, window_size, alibi_slopes, softcap
-        flash-attention's options, not implemented yet: only their "off"
-        values (0.0, (-1, -1), None, 0.0) are taken.
+    dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state
+        Attention variants (issue 13), on the CPU path only so far (NumPy
+        arrays; the GPU raises NotImplementedError for any that is on).
+        ``softcap`` (float >= 0, 0 = off): scores ``s`` become ``softcap *
+        tanh(s / softcap)``.  ``alibi_slopes`` (float32, (nheads_q,) or
+        (batch, nheads_q)): adds ``-slope * |i + seqlen_k - seqlen_q - j|``
+        after the softcap.  ``window_size=(left, right)`` (ints, -1 =
+        unbounded): query ``i`` sees key ``j`` iff ``i + seqlen_k - seqlen_q -
+        left <= j <= i + seqlen_k - seqlen_q + right`` (``causal`` sets right
+        to 0).  ``sinks`` (float32, (nheads_q,)): a logit per head that joins
+        every row's softmax denominator with no value (``lse`` includes it).
+        ``dropout_p`` (in [0, 1)) with ``rng_state=(seed, offset)`` (a 64-bit
+        and a 32-bit int, required): probabilities are kept with probability
+        ``1 - p`` and scaled by ``1 / (1 - p)``, the keep mask drawn by
+        :mod:`cupyflash._philox` from ``(seed, offset, batch, head, row,
+        column)`` alone; ``lse`` is that of the undropped softmax.  The
+        semantics are :func:`cupyflash.reference.attention_fwd`'s.
 
     Returns
     -------
@@ -122,8 +137,12 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
         or is outside float32 range; ``out``/``lse`` have the wrong shape,
         device or last stride, are broadcast views (a zero stride), or (numpy)
         are read-only or share memory with each other.
+        A variant option is malformed: ``dropout_p`` outside [0, 1),
+        ``softcap`` negative or not finite, ``window_size`` not two ints >= -1,
+        ``alibi_slopes``/``sinks`` of the wrong shape or dtype, ``rng_state``
+        missing with ``dropout_p > 0`` or out of range.
     NotImplementedError
-        ``dropout_p``, ``window_size``, ``alibi_slopes`` or ``softcap`` is set.
+        A variant option is on for GPU arrays.
 
     See Also
     --------
@@ -162,15 +181,17 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
     ((1, 4, 2, 8), (1, 2, 4))
     """
     if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
-            or softcap is not _NO_SOFTCAP):
-        _checks.check_implemented("flash_attn_fwd", dropout_p, window_size, alibi_slopes, softcap)
+            or softcap is not _NO_SOFTCAP or sinks is not None or rng_state is not None):
+        return _variant_fwd("flash_attn_fwd", q, k, v, softmax_scale, causal, dtype, out, lse,
+                            (dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state))
     return _fwd("flash_attn_fwd", q, k, v, softmax_scale, causal, dtype, out, lse)
 
 
 @_interop.accepts_foreign("dout", "q", "k", "v", "out", "lse")
 def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
                    deterministic=False, dtype=None, dq=None, dk=None, dv=None,
-                   dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None, softcap=_NO_SOFTCAP):
+                   dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None, softcap=_NO_SOFTCAP,
+                   sinks=None, rng_state=None):
     """Exact attention backward pass: the gradients of ``flash_attn_fwd``.
 
     Recomputes the attention probabilities block by block from ``lse``
@@ -207,8 +228,9 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
         Preallocated gradients to write, each of the array type, device, shape
         and dtype of its input (``q``, ``k``, ``v``), with a unit last stride;
         returned.
-    dropout_p, window_size, alibi_slopes, softcap
-        As in :func:`flash_attn_fwd`: only their "off" values are taken.
+    dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state
+        As in :func:`flash_attn_fwd`, and the same as the forward was given
+        (the dropout mask is drawn again from ``rng_state``).
 
     Returns
     -------
@@ -217,6 +239,9 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
     dv : array, shape (batch, seqlen_k, nheads_kv, head_dim), dtype of ``v``
         With GQA, ``dk`` and ``dv`` are summed over the query heads that share
         each KV head.  Rows of ``q`` that see no key get ``dq`` 0.
+    dsinks : numpy.ndarray, shape (nheads_q,), float32
+        Only when ``sinks`` is given: the gradient of the sinks, summed over
+        the batch and the rows.
 
     Raises
     ------
@@ -237,15 +262,17 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
        and Work Partitioning", 2023, arXiv:2307.08691.  Algorithm 2.
     """
     if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
-            or softcap is not _NO_SOFTCAP):
-        _checks.check_implemented("flash_attn_bwd", dropout_p, window_size, alibi_slopes, softcap)
+            or softcap is not _NO_SOFTCAP or sinks is not None or rng_state is not None):
+        return _variant_bwd("flash_attn_bwd", dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
+                            dtype, dq, dk, dv, (dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state))
     return _bwd("flash_attn_bwd", dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype,
                 dq, dk, dv)
 
 
 @_interop.accepts_foreign("q", "k", "v")
 def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
-               dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None, softcap=_NO_SOFTCAP):
+               dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None, softcap=_NO_SOFTCAP,
+               sinks=None, rng_state=None):
     """Exact attention, ``softmax(q @ k.T * softmax_scale) @ v``: the output alone.
 
     The same as ``flash_attn_fwd(q, k, v, ...)[0]``; see :func:`flash_attn_fwd`
@@ -261,6 +288,8 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
         Bottom-right aligned causal mask.
     dtype : str, optional
         ``"bfloat16"`` for cupy arrays of raw bfloat16 bits (uint16/int16).
+    dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state
+        Attention variants, as in :func:`flash_attn_fwd` (CPU path only so far).
 
     Returns
     -------
@@ -277,9 +306,59 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
        and Work Partitioning", 2023, arXiv:2307.08691.  Algorithm 1.
     """
     if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
-            or softcap is not _NO_SOFTCAP):
-        _checks.check_implemented("flash_attn", dropout_p, window_size, alibi_slopes, softcap)
+            or softcap is not _NO_SOFTCAP or sinks is not None or rng_state is not None):
+        return _variant_fwd("flash_attn", q, k, v, softmax_scale, causal, dtype, None, None,
+                            (dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state))[0]
     return _fwd("flash_attn", q, k, v, softmax_scale, causal, dtype, None, None)[0]
+
+
+# ----------------------------------------------------------------------------
+# Attention variants (issue 13): validated on every call, run on the CPU path
+# ----------------------------------------------------------------------------
+
+
+def _variant_fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse, variants):
+    """A forward with variant options given: the plain validation, the options'
+    (NotImplementedError on the GPU), then the CPU path; all options off: the hot path."""
+    gpu = _checks.check_qkv(fn, q, k, v, dtype)
+    scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal)
+    _checks.check_outputs(fn, q, {"out": (out, q), "lse": (lse, None)})
+    options = _checks.check_variants(fn, q, gpu, *variants)
+    if not options:
+        return _fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse)
+    if out is not None or lse is not None:
+        _checks.check_numpy_outputs(fn, (("out", out), ("lse", lse)))
+    if q.size == 0 or k.shape[1] == 0:  # no query, or no key: out 0, lse -inf (the sink with sinks)
+        o = np.zeros(q.shape, dtype=q.dtype)
+        l = np.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, dtype=np.float32)
+        if "sinks" in options:
+            l[...] = options["sinks"][None, :, None]
+    else:
+        o, l = cpu.fwd(q, k, v, scale, bool(causal), **options)
+    return _into(out, o), _into(lse, l)
+
+
+def _variant_bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, dq, dk, dv,
+                 variants):
+    """The backward's counterpart of :func:`_variant_fwd`: ``(dq, dk, dv)``, and
+    ``dsinks`` when sinks are given."""
+    gpu = _checks.check_qkv(fn, q, k, v, dtype)
+    _checks.check_bwd_extras(fn, dout, out, lse, q)
+    scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal, deterministic)
+    _checks.check_outputs(fn, q, {"dq": (dq, q), "dk": (dk, k), "dv": (dv, v)})
+    options = _checks.check_variants(fn, q, gpu, *variants)
+    if not options:
+        return _bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, dq, dk, dv)
+    if dq is not None or dk is not None or dv is not None:
+        _checks.check_numpy_outputs(fn, (("dq", dq), ("dk", dk), ("dv", dv)))
+    if q.size == 0 or k.shape[1] == 0:
+        grads = tuple(np.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
+        if "sinks" in options:
+            grads += (np.zeros(options["sinks"].shape, dtype=np.float32),)
+    else:
+        grads = cpu.bwd(dout, q, k, v, out, lse, scale, bool(causal), **options)
+    result = tuple(_into(g, r) for g, r in zip((dq, dk, dv), grads[:3]))
+    return result + tuple(grads[3:])
 
 
 def _gpu_dtype(fn, dtype):

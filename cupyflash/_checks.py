@@ -414,6 +414,60 @@ def _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap):
     return tuple(int(w) for w in window)
 
 
+def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state):
+    """The variant options of a validated call (issue 13): their forms, and the arrays
+    against ``q``; then NotImplementedError on the GPU, whose kernels do not take
+    them yet.  Returns the CPU path's keyword arguments of the options that are on
+    (``cupyflash.cpu.fwd``/``bwd``), empty when every option is off."""
+    window = _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap)
+    batch, nheads = q.shape[0], q.shape[2]
+    kind = _kind(q)
+    for name, x, shapes in (("alibi_slopes", alibi_slopes, ((nheads,), (batch, nheads))),
+                            ("sinks", sinks, ((nheads,),))):
+        if x is None:
+            continue
+        _check_array(fn, name, x, kind, "q", rank=None)
+        if x.dtype != np.float32:
+            fail(TypeError, fn, f"{name} must have dtype float32; got {dtype_desc(x.dtype)}.")
+        if tuple(x.shape) not in shapes:
+            shown = " or ".join(str(s) for s in shapes)
+            fail(ValueError, fn, f"{name} must have shape {shown} (q's nheads_q = {nheads}"
+                                 f"{f', batch = {batch}' if len(shapes) > 1 else ''}); got {tuple(x.shape)}.")
+        if kind == "cupy":
+            _check_device(fn, name, x, q)
+    if rng_state is not None:
+        try:
+            seed, offset = rng_state
+        except (TypeError, ValueError):
+            fail(TypeError, fn, f"rng_state must be None or a pair of ints (seed, offset); got "
+                                f"{_type_name(rng_state)}.")
+        for part, value, bits in (("seed", seed, 64), ("offset", offset, 32)):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+                fail(TypeError, fn, f"rng_state's {part} must be an int; got {_type_name(value)}.")
+            if not 0 <= int(value) < 2**bits:
+                fail(ValueError, fn, f"rng_state's {part} must be in [0, 2**{bits}); got {int(value)}.")
+    if float(dropout_p) > 0 and rng_state is None:
+        fail(ValueError, fn, "rng_state=(seed, offset) must be given with dropout_p > 0 (the dropout mask "
+                             "is drawn from it, and the backward must be given the same); got None.")
+    options = {}
+    if float(dropout_p) > 0:
+        options.update(dropout_p=float(dropout_p), rng_state=(int(rng_state[0]), int(rng_state[1])))
+    if window != (-1, -1):
+        options["window_size"] = window
+    if float(softcap) > 0:
+        options["softcap"] = float(softcap)
+    if alibi_slopes is not None:
+        options["alibi_slopes"] = alibi_slopes
+    if sinks is not None:
+        options["sinks"] = sinks
+    if options and gpu:
+        first = next(iter(n for n in ("dropout_p", "window_size", "softcap", "alibi_slopes", "sinks")
+                          if n in options))
+        fail(NotImplementedError, fn,
+             f"{first} is not implemented on the GPU yet (issue 13); NumPy arrays run it on the CPU path.")
+    return options
+
+
 def is_empty(q, k):
     """True when there is nothing to compute (batch, seqlen or nheads is 0)."""
     return q.size == 0 or k.shape[1] == 0

@@ -194,18 +194,65 @@ def test_cupy_output_on_another_device_is_rejected(monkeypatch, rng):
 
 
 @pytest.mark.parametrize("fn_name", ["flash_attn_fwd", "flash_attn", "flash_attn_bwd"])
-@pytest.mark.parametrize("option, value, shown", [
-    ("dropout_p", 0.1, "0.1"), ("window_size", (128, 0), r"\(128, 0\)"),
-    ("alibi_slopes", np.ones(4, np.float32), "numpy.ndarray"), ("softcap", 30.0, "30.0")])
-def test_flash_attention_options_not_implemented_yet(rng, fn_name, option, value, shown):
-    q, k, v = _qkv(rng)
+@pytest.mark.parametrize("option, value", [
+    ("dropout_p", 0.1), ("window_size", (128, 0)), ("alibi_slopes", "slopes"), ("softcap", 30.0),
+    ("sinks", "sinks")])
+def test_variants_are_not_implemented_on_the_gpu_yet(monkeypatch, rng, fn_name, option, value):
+    """The variant options run on the CPU path; on GPU arrays, after their checks, a
+    NotImplementedError names the option (issue 13)."""
+    from fakes import FakeCupyArray, install_fake_gpu
+
+    install_fake_gpu(monkeypatch)
+    q, k, v = (FakeCupyArray(x.astype(np.float16)) for x in _qkv(rng))
+    if value in ("slopes", "sinks"):
+        value = FakeCupyArray(np.ones(q.shape[2], np.float32))
+    extra = {"rng_state": (1, 0)} if option == "dropout_p" else {}
     args = (q, k, v)
     if fn_name == "flash_attn_bwd":
-        out, lse = cupyflash.flash_attn_fwd(q, k, v)
-        args = (out, q, k, v, out, lse)
-    with pytest.raises(NotImplementedError, match=rf"^cupyflash\.{fn_name}: {option} must be .* \({option} is "
-                                                  rf"not implemented yet\); got {shown}\.$"):
-        getattr(cupyflash, fn_name)(*args, **{option: value})
+        lse = FakeCupyArray(np.zeros((q.shape[0], q.shape[2], q.shape[1]), np.float32))
+        args = (q, q, k, v, q, lse)
+    with pytest.raises(NotImplementedError, match=rf"^cupyflash\.{fn_name}: {option} is not implemented on "
+                                                  rf"the GPU yet \(issue 13\); NumPy arrays run it on the CPU "
+                                                  rf"path\.$"):
+        getattr(cupyflash, fn_name)(*args, **{option: value}, **extra)
+
+
+@pytest.mark.parametrize("option, value", [("dropout_p", 0.1), ("window_size", (3, 0)), ("softcap", 5.0),
+                                           ("alibi_slopes", "slopes"), ("sinks", "sinks")])
+def test_variants_run_on_the_cpu_path(rng, option, value):
+    """Through the public functions: cupyflash.cpu with the option, forward and backward."""
+    from cupyflash import cpu
+
+    q, k, v = _qkv(rng)
+    if value in ("slopes", "sinks"):
+        value = rng.standard_normal(q.shape[2]).astype(np.float32) ** 2
+    options = {option: value, **({"rng_state": (7, 2)} if option == "dropout_p" else {})}
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, causal=True, **options)
+    want_out, want_lse = cpu.fwd(q, k, v, q.shape[3] ** -0.5, True, **options)
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(lse, want_lse)
+    np.testing.assert_array_equal(cupyflash.flash_attn(q, k, v, causal=True, **options), want_out)
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    grads = cupyflash.flash_attn_bwd(dout, q, k, v, out, lse, causal=True, **options)
+    want = cpu.bwd(dout, q, k, v, out, lse, q.shape[3] ** -0.5, True, **options)
+    assert len(grads) == len(want) == (4 if option == "sinks" else 3)
+    for got, expect in zip(grads, want):
+        np.testing.assert_array_equal(got, expect)
+
+
+@pytest.mark.parametrize("option, value, cls, message", [
+    ("alibi_slopes", np.ones(3, np.float32), ValueError, "alibi_slopes must have shape (4,) or (2, 4)"),
+    ("alibi_slopes", np.ones(4, np.float64), TypeError, "alibi_slopes must have dtype float32"),
+    ("sinks", np.ones((2, 4), np.float32), ValueError, "sinks must have shape (4,)"),
+    ("rng_state", (1, 2**32), ValueError, "rng_state's offset must be in [0, 2**32)"),
+    ("rng_state", 5, TypeError, "rng_state must be None or a pair of ints"),
+    ("dropout_p", 0.2, ValueError, "rng_state=(seed, offset) must be given with dropout_p > 0"),
+])
+def test_variant_arguments_are_checked(rng, option, value, cls, message):
+    q, k, v = _qkv(rng)  # (2, seqlen, 4, d)
+    assert q.shape[0] == 2 and q.shape[2] == 4
+    with pytest.raises(cls, match=re.escape(f"cupyflash.flash_attn_fwd: {message}")):
+        cupyflash.flash_attn_fwd(q, k, v, **{option: value})
 
 
 @pytest.mark.parametrize("option, value", [("dropout_p", 0.0), ("window_size", [-1, -1]),
