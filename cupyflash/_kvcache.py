@@ -44,6 +44,7 @@ __all__ = ["flash_attn_with_kvcache"]
 
 _FN = "flash_attn_with_kvcache"
 _FLOAT32 = np.dtype(np.float32)
+_NO_WINDOW, _NO_SOFTCAP = (-1, -1), 0.0  # the variants' "off" (issue 13)
 _INT32 = np.dtype(np.int32)
 
 
@@ -191,7 +192,10 @@ def _no_broadcast_caches(k_cache, v_cache):
         _checks._check_no_repeats(_FN, name, cache)  # noqa: SLF001
 
 
-def _cpu(plan, q, k_cache, v_cache, k, v, causal):
+def _cpu(plan, q, k_cache, v_cache, k, v, causal, options=None):
+    """The CPU path; ``options``: the variants for :func:`cupyflash.cpu.fwd` (``alibi_slopes``
+    of shape (batch, nheads_q) taken per sequence)."""
+    options = options or {}
     if plan.seqlen_new and q.shape[0]:
         _no_broadcast_caches(k_cache, v_cache)
         _append(plan, k_cache, v_cache, k, v)
@@ -202,11 +206,17 @@ def _cpu(plan, q, k_cache, v_cache, k, v, causal):
         return out, lse
     for b in range(batch):
         length = int(plan.lengths[b]) + plan.seqlen_new
-        if length == 0:
-            continue  # no key: out 0, lse -inf
+        if length == 0:  # no key: out 0, lse -inf (the sink with sinks)
+            if "sinks" in options:
+                lse[b] = options["sinks"][:, None]
+            continue
         keys = _sequence_kv(plan, k_cache, b, length)
         values = _sequence_kv(plan, v_cache, b, length)
-        seq_out, seq_lse = cpu.fwd(q[b:b + 1], keys, values, plan.scale, causal)
+        seq_options = options
+        slopes = options.get("alibi_slopes")
+        if slopes is not None and slopes.ndim == 2:
+            seq_options = {**options, "alibi_slopes": slopes[b:b + 1]}
+        seq_out, seq_lse = cpu.fwd(q[b:b + 1], keys, values, plan.scale, causal, **seq_options)
         out[b] = seq_out[0]
         lse[b] = seq_lse[0]
     return out, lse
@@ -391,12 +401,14 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
 
 
 @_interop.accepts_foreign("q", "k_cache", "v_cache", "k", "v",
-                          keywords=("cache_seqlens", "cache_batch_idx", "block_table"),
-                          optional=("k", "v", "cache_seqlens", "cache_batch_idx", "block_table"),
+                          keywords=("cache_seqlens", "cache_batch_idx", "block_table", "alibi_slopes", "sinks"),
+                          optional=("k", "v", "cache_seqlens", "cache_batch_idx", "block_table", "alibi_slopes",
+                                    "sinks"),
                           appends=(("k_cache", "v_cache"), ("k", "v")))
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
                             cache_batch_idx=None, block_table=None, softmax_scale=None,
-                            causal=False, num_splits=0, return_lse=False, dtype=None):
+                            causal=False, num_splits=0, return_lse=False, dtype=None,
+                            window_size=_NO_WINDOW, softcap=_NO_SOFTCAP, alibi_slopes=None, sinks=None):
     """Exact attention of new queries against a KV cache, appending new keys first.
 
     flash-attention's ``flash_attn_with_kvcache`` in the (batch, seqlen, nheads,
@@ -467,6 +479,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     dtype : str, optional
         As in :func:`cupyflash.flash_attn_fwd` (the element type of cupy
         uint16/int16 storage); None for NumPy, torch and JAX arrays.
+    window_size, softcap, alibi_slopes, sinks : optional
+        Attention variants as in :func:`cupyflash.flash_attn_fwd`, aligned to
+        each sequence's own ``seqlen_k_b`` (``alibi_slopes`` of shape (batch,
+        nheads_q) per sequence): CPU path only so far; on GPU arrays a variant
+        that is on raises NotImplementedError (issue 13).  No dropout.
 
     Returns
     -------
@@ -539,6 +556,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     """
     if cache_seqlens is not None and type(cache_seqlens) is not int and _is_integer(cache_seqlens):
         cache_seqlens = int(cache_seqlens)  # numpy integers and int subclasses: the int they hold
+    if window_size is not _NO_WINDOW or softcap is not _NO_SOFTCAP or alibi_slopes is not None or sinks is not None:
+        plan = _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                      softmax_scale, causal, num_splits, return_lse, dtype)
+        options = _checks.check_variants(_FN, q, plan.gpu, 0.0, window_size, alibi_slopes, softcap, sinks, None)
+        if options:  # the CPU path (the GPU raised NotImplementedError)
+            out, lse = _cpu(plan, q, k_cache, v_cache, k, v, bool(causal), options)
+            return (out, lse) if return_lse else out
     try:
         key = _signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                          softmax_scale, causal, num_splits, return_lse, dtype)

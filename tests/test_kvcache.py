@@ -861,3 +861,47 @@ def test_new_keys_that_are_views_of_the_cache_are_copied_first(rng):
 @pytest.mark.parametrize("alias", ["f4", "single", "float32"])
 def test_dtype_aliases_name_the_same_dtype(alias):
     assert np.array_equal(_call(dict(_valid(), dtype=alias)), _call(_valid()))  # fresh caches each
+
+
+# ----------------------------------------------------------------------------
+# Attention variants (issue 13) on the CPU path
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", [
+    dict(window_size=(7, 0)), dict(softcap=3.0), dict(alibi_slopes="per-batch"), dict(sinks=True),
+    dict(window_size=(5, 2), softcap=2.0, alibi_slopes="per-head", sinks=True)])
+@pytest.mark.parametrize("paged", [False, True])
+def test_variants_match_the_reference_per_sequence(rng, options, paged):
+    """Each sequence against reference.attention_fwd with the variant on its own keys
+    (appended first), causal aligned to the sequence's own length."""
+    args = _paged(_valid(rng)) if paged else _valid(rng)
+    batch, _, nheads, _ = args["q"].shape
+    options = dict(options)
+    if options.get("alibi_slopes") == "per-batch":
+        options["alibi_slopes"] = rand(rng, (batch, nheads)) ** 2
+    elif options.get("alibi_slopes") == "per-head":
+        options["alibi_slopes"] = rand(rng, (nheads,)) ** 2
+    if options.get("sinks"):
+        options["sinks"] = rand(rng, (nheads,))
+    out, lse = _call(dict(args, causal=True, return_lse=True, **options))
+    table = args.get("block_table")
+    for b in range(batch):
+        length = int(args["cache_seqlens"][b]) + args["k"].shape[1]
+        keys, values = (_sequence(args[c], b, length, None, table) for c in ("k_cache", "v_cache"))
+        seq = dict(options)
+        if seq.get("alibi_slopes") is not None and seq["alibi_slopes"].ndim == 2:
+            seq["alibi_slopes"] = seq["alibi_slopes"][b]
+        ref_out, ref_lse = reference.attention_fwd(args["q"][b:b + 1], keys, values, causal=True, **seq)
+        np.testing.assert_allclose(out[b], ref_out[0], atol=2e-5)
+        np.testing.assert_allclose(lse[b], ref_lse[0], atol=2e-5)
+
+
+def test_variants_on_the_gpu_are_not_implemented_yet(monkeypatch, rng):
+    install_fake_gpu(monkeypatch)
+    args = _fake_gpu_args(rng)
+    with pytest.raises(NotImplementedError, match=re.escape(
+            f"cupyflash.{FN}: window_size is not implemented on the GPU yet (issue 13)")):
+        _call(dict(args, window_size=(4, 0)))
+    with pytest.raises(ValueError, match=re.escape(f"cupyflash.{FN}: softcap must be finite and >= 0")):
+        _call(dict(args, softcap=-1.0))
