@@ -374,7 +374,16 @@ def check_implemented(fn, dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None
 
 
 def _is_real(x) -> bool:
+    """A real scalar other than a bool."""
+    if isinstance(x, (bool, np.bool_)):
+        return False
     return isinstance(x, numbers.Real) and not hasattr(x, "ndim") or isinstance(x, np.floating | np.integer)
+
+
+#: softcap's range: scale / softcap and softcap * log2(e) stay finite in float32.
+SOFTCAP_RANGE = (1e-30, 1e30)
+#: window_size entries are key offsets: at most int32.
+WINDOW_MAX = 2**31 - 1
 
 
 def _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap):
@@ -387,11 +396,15 @@ def _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap):
         fail(TypeError, fn, f"softcap must be a float >= 0 (0: off); got {_type_name(softcap)}.")
     if not (math.isfinite(float(softcap)) and float(softcap) >= 0.0):
         fail(ValueError, fn, f"softcap must be finite and >= 0 (0: off); got {float(softcap)!r}.")
+    low, high = SOFTCAP_RANGE
+    if float(softcap) != 0.0 and not low <= float(softcap) <= high:
+        fail(ValueError, fn, f"softcap must be 0 (off) or in [{low:g}, {high:g}] (float32 range for the "
+                             f"scores' scale / softcap); got {float(softcap)!r}.")
     if alibi_slopes is not None and not (hasattr(alibi_slopes, "shape") and hasattr(alibi_slopes, "dtype")):
         fail(TypeError, fn,
              f"alibi_slopes must be None or a float32 array of shape (nheads_q,) or (batch, nheads_q); "
              f"got {_type_name(alibi_slopes)}.")
-    if isinstance(window_size, (str, bytes)):
+    if not isinstance(window_size, (tuple, list, np.ndarray)):
         window = None
     else:
         try:
@@ -409,8 +422,9 @@ def _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap):
         if isinstance(w, (bool, np.bool_)) or not isinstance(w, numbers.Integral):
             fail(TypeError, fn, f"window_size's {side} entry must be an int (-1: unbounded); got "
                                 f"{_type_name(w)}.")
-        if int(w) < -1:
-            fail(ValueError, fn, f"window_size's {side} entry must be >= -1 (-1: unbounded); got {int(w)}.")
+        if not -1 <= int(w) <= WINDOW_MAX:
+            fail(ValueError, fn, f"window_size's {side} entry must be in [-1, 2**31 - 1] (-1: unbounded); got "
+                                 f"{int(w)}.")
     return tuple(int(w) for w in window)
 
 
@@ -435,6 +449,9 @@ def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, si
                                  f"{f', batch = {batch}' if len(shapes) > 1 else ''}); got {tuple(x.shape)}.")
         if kind == "cupy":
             _check_device(fn, name, x, q)
+        elif (np.isnan(x).any() or np.isposinf(x).any()) or (name == "alibi_slopes" and not np.isfinite(x).all()):
+            rule = "finite" if name == "alibi_slopes" else "finite or -inf (no sink)"
+            fail(ValueError, fn, f"{name} must be {rule}; got a NaN or infinite value.")
     if rng_state is not None:
         try:
             seed, offset = rng_state

@@ -3,9 +3,9 @@
 This module is the specification the kernels' dropout must reproduce bit for
 bit: the keep decision of score ``(b, h, i, j)`` (sequence ``b`` of the
 batch, query head ``h``, query row ``i`` and key column ``j`` of that
-sequence) depends on nothing but ``(seed, offset, b, h, i, j)`` and ``p``:
-not on tiles, splits, the kernel or the GPU, so the CPU path and every kernel
-draw the same mask.
+sequence) depends on nothing but ``(seed, offset, b * nheads_q + h, i, j)``
+and ``p``: not on tiles, splits, the kernel or the GPU, so the CPU path and
+every kernel draw the same mask.
 
 * Generator: Philox4x32-10 (Salmon, Moraes, Dror and Shaw, "Parallel random
   numbers: as easy as 1, 2, 3", SC 2011), checked against Random123's

@@ -268,3 +268,26 @@ def test_varlen_options_not_implemented_yet(rng):
     cu = np.array([0, 3, 7], np.int32)
     with pytest.raises(NotImplementedError, match=r"^cupyflash\.flash_attn_varlen_fwd: window_size"):
         cupyflash.flash_attn_varlen_fwd(q, q, q, cu, cu, 4, 4, window_size=(2, 2))
+
+
+@pytest.mark.parametrize("option, value, cls, message", [
+    ("softcap", 3e38, ValueError, "softcap must be 0 (off) or in [1e-30, 1e+30]"),
+    ("softcap", 1e-300, ValueError, "softcap must be 0 (off) or in [1e-30, 1e+30]"),
+    ("softcap", True, TypeError, "softcap must be a float >= 0"),
+    ("window_size", (2**63, 0), ValueError, "window_size's left entry must be in [-1, 2**31 - 1]"),
+    ("window_size", {1: 2, 3: 4}, TypeError, "window_size must be a pair of ints"),
+    ("sinks", np.array([np.nan, 0, 0, 0], np.float32), ValueError, "sinks must be finite or -inf"),
+    ("alibi_slopes", np.array([np.inf, 0, 0, 0], np.float32), ValueError, "alibi_slopes must be finite"),
+])
+def test_variant_values_that_would_give_nan_are_refused(rng, option, value, cls, message):
+    q, k, v = _qkv(rng)
+    with pytest.raises(cls, match=re.escape(f"cupyflash.flash_attn_fwd: {message}")):
+        cupyflash.flash_attn_fwd(q, k, v, **{option: value})
+
+
+def test_a_minus_inf_sink_is_no_sink(rng):
+    q, k, v = _qkv(rng)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, sinks=np.full(4, -np.inf, np.float32))
+    want_out, want_lse = cupyflash.flash_attn_fwd(q, k, v)
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(lse, want_lse)

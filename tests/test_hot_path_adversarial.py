@@ -189,7 +189,7 @@ def _outcome(fn, *args, **kwargs):
     ("dropout_p", None, TypeError), ("dropout_p", "", TypeError),
     ("dropout_p", [], TypeError), ("dropout_p", np.zeros(2), TypeError), ("dropout_p", 1.0, ValueError),
     ("dropout_p", 0.5, (ValueError, NotImplementedError)),  # dense: rng_state must be given
-    ("dropout_p", False, "taken"), ("dropout_p", np.float32(0), "taken"), ("dropout_p", -0.0, "taken"),
+    ("dropout_p", False, TypeError), ("dropout_p", np.float32(0), "taken"), ("dropout_p", -0.0, "taken"),
     ("softcap", None, TypeError), ("softcap", -1.0, ValueError), ("softcap", float("inf"), ValueError),
     ("softcap", 0, "taken"), ("softcap", 50.0, ("taken", NotImplementedError)),
     ("window_size", np.array([-1, -1]), "taken"), ("window_size", [-1, -1], "taken"),
