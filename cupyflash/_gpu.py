@@ -93,9 +93,7 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
     if plan.num_splits > 1:  # dense batches only
         rows = plan.num_splits * batch * nheads_q * seqlen_q
         scratch = _launch.scratch_layout((rows * plan.head_dim_padded * 4, rows * 4))
-    strides = {f"{name}_{axis}_stride": s
-               for name, a in (("q", q), ("k", k), ("v", v), ("o", out))
-               for axis, s in zip(("batch", "row", "head"), seq_strides(a))}
+    strides = _launch.stride_fields(q=q, k=k, v=v, o=out)
     lse_batch_stride, lse_head_stride = lse_strides(lse)
     template = _params.pack(
         _params.FWD_PARAMS, **dict.fromkeys(FWD_POINTERS, 0), **strides,

@@ -32,7 +32,7 @@ import functools
 import math
 
 from . import _launch, _params, dispatch
-from ._launch import LOG2E, Contiguous, lse_strides, seq_strides, vec_ok
+from ._launch import LOG2E, Contiguous, lse_strides, vec_ok
 
 select_bwd = functools.lru_cache(maxsize=4096)(dispatch.select_bwd)
 
@@ -104,10 +104,7 @@ def plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causa
         rows_q * 4, rows_q * 4,
         rows_q * plan.head_dim_padded * 4 if plan.dq_accum else 0,
         2 * plan.kv_splits * nheads_kv * total_k * plan.head_dim_padded * 4 if plan.kv_splits > 1 else 0))
-    strides = {f"{name}_{axis}_stride": s
-               for name, a in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq), ("dk", dk),
-                               ("dv", dv))
-               for axis, s in zip(("batch", "row", "head"), seq_strides(a))}
+    strides = _launch.stride_fields(q=q, k=k, v=v, o=out, do=dout, dq=dq, dk=dk, dv=dv)
     lse_batch_stride, lse_head_stride = lse_strides(lse)
     template = _params.pack(
         _params.BWD_PARAMS, **dict.fromkeys(BWD_POINTERS, 0), **strides,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 
 from . import _launch, _params, dispatch
-from ._launch import LOG2E, Contiguous, seq_strides, vec_ok
+from ._launch import LOG2E, Contiguous, vec_ok
 
 select_decode = functools.lru_cache(maxsize=4096)(dispatch.select_decode)
 
@@ -89,10 +89,7 @@ def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k:
     if plan.num_splits > 1:
         rows = plan.num_splits * batch * nheads_q * seqlen_q
         scratch = _launch.scratch_layout((rows * plan.head_dim_padded * 4, rows * 4))
-    strides = {}
-    for name, a in (("q", q), ("k", k_cache), ("v", v_cache), ("knew", k_new), ("vnew", v_new), ("o", out)):
-        for axis, s in zip(("batch", "row", "head"), (0, 0, 0) if a is None else seq_strides(a)):
-            strides[f"{name}_{axis}_stride"] = s
+    strides = _launch.stride_fields(q=q, k=k_cache, v=v_cache, knew=k_new, vnew=v_new, o=out)
     template = _params.pack(
         _params.DECODE_PARAMS, **dict.fromkeys(DECODE_POINTERS, 0), **strides,
         block_table_batch_stride=0 if block_table is None else block_table.strides[0] // block_table.itemsize,

@@ -106,6 +106,19 @@ def _classify(t):
     return None
 
 
+def _all_native(given, kwargs, names) -> bool:
+    """Every positional array in ``given`` and every keyword array in ``names`` is NumPy,
+    CuPy or not an array (None, an int): one set lookup each once its type was seen."""
+    for x in given:
+        if type(x) not in _NATIVE_TYPES and kind(x) not in _NATIVE:
+            return False
+    for name in names:
+        x = kwargs.get(name)
+        if type(x) not in _NATIVE_TYPES and kind(x) not in _NATIVE:
+            return False
+    return True
+
+
 def foreign(*arrays):
     """True when any argument is an array that is neither NumPy nor CuPy."""
     for x in arrays:
@@ -151,18 +164,8 @@ def accepts_foreign(*names, keywords=(), optional=(), appends=None):
         @functools.wraps(fn)
         def public(*args, **kwargs):
             given = args[:count]
-            # NumPy, CuPy and non-arrays (None, ints) go straight through: one set
-            # lookup per argument once each type has been seen.
-            for x in given:
-                if type(x) not in _NATIVE_TYPES and kind(x) not in _NATIVE:
-                    break
-            else:
-                for name in all_names[len(given):]:
-                    x = kwargs.get(name)
-                    if type(x) not in _NATIVE_TYPES and kind(x) not in _NATIVE:
-                        break
-                else:
-                    return fn(*args, **kwargs)
+            if _all_native(given, kwargs, all_names[len(given):]):
+                return fn(*args, **kwargs)
             arrays = list(given)
             for name in all_names[len(given):]:
                 if name not in kwargs and name not in optional:
@@ -185,13 +188,8 @@ def _accepts_foreign_positional(names):
         @functools.wraps(fn)
         def public(*args, **kwargs):
             given = args[:count]
-            for x in given:
-                if type(x) not in _NATIVE_TYPES and kind(x) not in _NATIVE:
-                    break
-            else:
-                if len(given) == count or not any(kind(kwargs.get(name)) not in _NATIVE
-                                                  for name in names[len(given):]):
-                    return fn(*args, **kwargs)
+            if _all_native(given, kwargs, names[len(given):]):
+                return fn(*args, **kwargs)
             arrays = list(given)
             for name in names[len(given):]:
                 if name not in kwargs:

@@ -252,6 +252,13 @@ class _GpuCacheEntry:
         """An int ``cache_seqlens`` leaves room for the append (else: full validation, which raises)."""
         return type(cache_seqlens) is not int or 0 <= cache_seqlens <= self.capacity - self.seqlen_new
 
+    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
+        """``(out, lse)``, launched on the plan's device (switched to if it is not current)."""
+        if self._cupy.cuda.runtime.getDevice() != self.device_id:
+            with self._cupy.cuda.Device(self.device_id):
+                return self._run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+        return self._run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+
     def _lengths(self, cache_seqlens):
         """``(cache_seqlens pointer, cache length)`` for DecodeCall.run."""
         if cache_seqlens is None:
@@ -263,8 +270,9 @@ class _GpuCacheEntry:
 
 def _is_integer(x) -> bool:
     """An integer scalar other than a bool (numpy integers, IntEnum): taken as an int."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)) and not hasattr(x, "ndim") \
-        or isinstance(x, np.integer)
+    if isinstance(x, np.integer):
+        return True
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and not hasattr(x, "ndim")
 
 
 def _ptr(a) -> int:
@@ -276,11 +284,8 @@ class _GpuDecode(_GpuCacheEntry):
 
     __slots__ = ()
 
-    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
+    def _run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
         cupy, call = self._cupy, self.call
-        if cupy.cuda.runtime.getDevice() != self.device_id:
-            with cupy.cuda.Device(self.device_id):
-                return self(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
         out, lse = self._allocate(q.dtype)
         lengths, cache_len = self._lengths(cache_seqlens)
         stream = cupy.cuda.get_current_stream()
@@ -304,11 +309,8 @@ class _GpuChunk(_GpuCacheEntry):
         super().__init__(call, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize)
         self.fwd = fwd
 
-    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
+    def _run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
         cupy, fwd = self._cupy, self.fwd
-        if cupy.cuda.runtime.getDevice() != self.device_id:
-            with cupy.cuda.Device(self.device_id):
-                return self(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
         out, lse = self._allocate(q.dtype)
         stream = cupy.cuda.get_current_stream()
         used = None

@@ -53,6 +53,17 @@ def seq_strides(a) -> tuple[int, int, int]:
     return s[:3] if a.ndim == 4 else (0, s[0], s[1])
 
 
+def stride_fields(**arrays) -> dict[str, int]:
+    """The params structs' stride fields, ``{name}_batch_stride`` / ``_row_stride`` /
+    ``_head_stride`` in elements (:func:`seq_strides`), of each named array; an
+    absent array (None) gets strides 0."""
+    fields = {}
+    for name, a in arrays.items():
+        for axis, s in zip(("batch", "row", "head"), (0, 0, 0) if a is None else seq_strides(a)):
+            fields[f"{name}_{axis}_stride"] = s
+    return fields
+
+
 def lse_strides(lse) -> tuple[int, int]:
     """(batch, head) strides in elements of a dense (batch, nheads, seqlen) or packed
     (nheads, total) lse (unit row stride); a packed lse's batch stride is 0."""

@@ -414,3 +414,20 @@ def test_decode_long_dense_chunks_take_the_dense_forward():
     assert not dispatch.decode_uses_dense_fwd(seqlen_q=n, **dict(kw, cache_batch_idx=True))
     assert not dispatch.decode_uses_dense_fwd(seqlen_q=n, **dict(kw, cc=(8, 0)))  # no wgmma
     assert not dispatch.decode_uses_dense_fwd(seqlen_q=n, **dict(kw, vec=False))
+
+
+def test_stride_fields_name_every_axis_in_elements_and_zero_an_absent_array():
+    from cupyflash import _launch
+
+    dense = _launch.Contiguous((2, 5, 4, 8), 2)         # (batch, seqlen, nheads, head_dim)
+    packed = _launch.Contiguous((9, 4, 8), 2)           # (total, nheads, head_dim): batch stride 0
+    fields = _launch.stride_fields(q=dense, k=packed, knew=None)
+    assert fields == {"q_batch_stride": 160, "q_row_stride": 32, "q_head_stride": 8,
+                      "k_batch_stride": 0, "k_row_stride": 32, "k_head_stride": 8,
+                      "knew_batch_stride": 0, "knew_row_stride": 0, "knew_head_stride": 0}
+    # the params structs' stride fields are exactly what the plans fill
+    for struct, names in ((_params.FWD_PARAMS, ("q", "k", "v", "o")),
+                          (_params.BWD_PARAMS, ("q", "k", "v", "o", "do", "dq", "dk", "dv")),
+                          (_params.DECODE_PARAMS, ("q", "k", "v", "knew", "vnew", "o"))):
+        made = set(_launch.stride_fields(**dict.fromkeys(names, dense)))
+        assert made == {n for n in struct.names if n.endswith("_stride") and not n.startswith(("lse", "block"))}
