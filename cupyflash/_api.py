@@ -326,6 +326,8 @@ def _variant_fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse, variants):
     options = _checks.check_variants(fn, q, gpu, *variants)
     if not options:
         return _fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse)
+    if gpu:
+        return _variant_fwd_gpu(fn, q, k, v, scale, causal, dtype, out, lse, options)
     if out is not None or lse is not None:
         _checks.check_numpy_outputs(fn, (("out", out), ("lse", lse)))
     if q.size == 0 or k.shape[1] == 0:  # no query, or no key: out 0, lse -inf (the sink with sinks)
@@ -336,6 +338,20 @@ def _variant_fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse, variants):
     else:
         o, l = cpu.fwd(q, k, v, scale, bool(causal), **options)
     return _into(out, o), _into(lse, l)
+
+
+def _variant_fwd_gpu(fn, q, k, v, scale, causal, dtype, out, lse, options):
+    """The GPU forward with variants (``options`` validated, not empty)."""
+    if q.size == 0 or k.shape[1] == 0:
+        o, l = _checks.empty_fwd(q, True)
+        if "sinks" in options and l.size:
+            l[...] = options["sinks"][None, :, None]
+        return _into(out, o), _into(lse, l)
+    from . import _gpu
+
+    dtype_name = _checks.dtype_name(fn, dtype) if dtype is not None else q.dtype.name
+    return _gpu.variant_fwd(q, k, v, out, lse, softmax_scale=scale, causal=bool(causal), dtype_name=dtype_name,
+                            options=options)
 
 
 def _variant_bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, dq, dk, dv,
@@ -349,6 +365,9 @@ def _variant_bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal, determinist
     options = _checks.check_variants(fn, q, gpu, *variants)
     if not options:
         return _bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, dq, dk, dv)
+    if gpu:
+        return _variant_bwd_gpu(fn, dout, q, k, v, out, lse, scale, causal, deterministic, dtype, dq, dk, dv,
+                                options)
     if dq is not None or dk is not None or dv is not None:
         _checks.check_numpy_outputs(fn, (("dq", dq), ("dk", dk), ("dv", dv)))
     if q.size == 0 or k.shape[1] == 0:
@@ -359,6 +378,23 @@ def _variant_bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal, determinist
         grads = cpu.bwd(dout, q, k, v, out, lse, scale, bool(causal), **options)
     result = tuple(_into(g, r) for g, r in zip((dq, dk, dv), grads[:3]))
     return result + tuple(grads[3:])
+
+
+def _variant_bwd_gpu(fn, dout, q, k, v, out, lse, scale, causal, deterministic, dtype, dq, dk, dv, options):
+    """The GPU backward with variants (``options`` validated, not empty)."""
+    import cupy  # noqa: PLC0415
+
+    if q.size == 0 or k.shape[1] == 0:
+        grads = tuple(_into(g, r) for g, r in zip((dq, dk, dv), _checks.empty_bwd(q, k, v, True)))
+        if "sinks" in options:
+            grads += (cupy.zeros(q.shape[2], dtype=cupy.float32),)
+        return grads
+    from . import _gpu_bwd
+
+    dtype_name = _checks.dtype_name(fn, dtype) if dtype is not None else q.dtype.name
+    return _gpu_bwd.variant_bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=bool(causal),
+                                deterministic=bool(deterministic), dtype_name=dtype_name, options=options,
+                                dq=dq, dk=dk, dv=dv)
 
 
 def _gpu_dtype(fn, dtype):

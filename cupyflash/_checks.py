@@ -430,9 +430,9 @@ def _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap):
 
 def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state):
     """The variant options of a validated call (issue 13): their forms, and the arrays
-    against ``q``; then NotImplementedError on the GPU, whose kernels do not take
-    them yet.  Returns the CPU path's keyword arguments of the options that are on
-    (``cupyflash.cpu.fwd``/``bwd``), empty when every option is off."""
+    against ``q``.  Returns the keyword arguments of the options that are on
+    (those of ``cupyflash.cpu.fwd``/``bwd``; the GPU path takes the same), empty
+    when every option is off."""
     window = _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap)
     batch, nheads = q.shape[0], q.shape[2]
     kind = _kind(q)
@@ -477,11 +477,6 @@ def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, si
         options["alibi_slopes"] = alibi_slopes
     if sinks is not None:
         options["sinks"] = sinks
-    if options and gpu:
-        first = next(iter(n for n in ("dropout_p", "window_size", "softcap", "alibi_slopes", "sinks")
-                          if n in options))
-        fail(NotImplementedError, fn,
-             f"{first} is not implemented on the GPU yet (issue 13); NumPy arrays run it on the CPU path.")
     return options
 
 

@@ -25,7 +25,7 @@ import functools
 
 import numpy as np
 
-from . import _gpu_bwd, _launch, _params, dispatch
+from . import _gpu_bwd, _launch, _params, _variant, dispatch
 from ._launch import LOG2E, Contiguous, element_strides, lse_strides, seq_strides, vec_ok  # noqa: F401
 
 # Plans are pure functions of scalars: memoised here (not in dispatch, whose
@@ -57,23 +57,31 @@ class FwdCall:
         self.scratch_bytes, self._accum_offsets = scratch
         self._launcher = launcher
 
-    def run(self, stream, alloc, q, k, v, out, lse, cu_seqlens_q=0, cu_seqlens_k=0, seqused_k=0):
+    def run(self, stream, alloc, q, k, v, out, lse, cu_seqlens_q=0, cu_seqlens_k=0, seqused_k=0, var=None):
+        """``var``: the variants' per-call values (``_variant.call_values``) of a plan
+        made with variants, else None."""
         owner = None
         out_accum = lse_accum = 0
         if self.scratch_bytes:
             owner, base = alloc(self.scratch_bytes)
             out_accum, lse_accum = (base + o for o in self._accum_offsets)
-        self._launcher(stream, q, k, v, out, lse, out_accum, lse_accum, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        if var is None:
+            self._launcher(stream, q, k, v, out, lse, out_accum, lse_accum, cu_seqlens_q, cu_seqlens_k, seqused_k)
+        else:
+            self._launcher.call_variant(stream, var, q, k, v, out, lse, out_accum, lse_accum, cu_seqlens_q,
+                                        cu_seqlens_k, seqused_k)
         return owner
 
 
 def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_name: str, device_id: int,
-             packed=None) -> FwdCall:
+             packed=None, options=None) -> FwdCall:
     """Plan a forward on the current device (compiling its kernels on first use).
 
     ``out``/``lse`` are the arrays to write, or None for C-contiguous ones the
     caller allocates (``FwdCall.out_shape``/``lse_shape``).  ``packed`` is None
     for a dense batch, else ``(batch, max_seqlen_q, max_seqlen_k)`` of a packed one.
+    ``options``: the variants on (``_checks.check_variants``), or None; a plan
+    made with them is run with ``FwdCall.run(..., var=_variant.call_values(...))``.
     """
     nheads_q, head_dim = q.shape[-2:]
     nheads_kv = k.shape[-2]
@@ -88,7 +96,8 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
     plan = select_fwd(
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, head_dim=head_dim,
         dtype=dtype_name, causal=causal, vec=vec_ok((q, k, v, out), head_dim),
-        num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id), varlen=packed is not None)
+        num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id), varlen=packed is not None,
+        variant=_variant.bits(options) if options else 0)
     scratch = (0, (0, 0))
     if plan.num_splits > 1:  # dense batches only
         rows = plan.num_splits * batch * nheads_q * seqlen_q
@@ -101,9 +110,14 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
         batch=batch, nheads_q=nheads_q, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         head_dim=head_dim, num_m_blocks=plan.num_m_blocks, num_splits=plan.num_splits,
         n_blocks_per_split=plan.n_blocks_per_split,
-        softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E)
+        softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E,
+        var=_variant.plan_fields(options or {}, softmax_scale, nheads_q))
     launches = (plan.main,) if plan.combine is None else (plan.main, plan.combine)
-    return FwdCall(plan, tuple(q.shape), lse_shape, scratch, _launch.Launcher(launches, template, _FWD_WRITER))
+    return FwdCall(plan, tuple(q.shape), lse_shape, scratch,
+                   _launch.Launcher(launches, template, _FWD_WRITER, _VAR_WRITER))
+
+
+_VAR_WRITER = (_params.offset_of(_params.FWD_PARAMS, "var"), _variant.WRITER)
 
 
 def _storage_dtype_name(a, dtype: str | None) -> str:
@@ -152,6 +166,28 @@ def _run_fwd(q, k, v, softmax_scale, causal, dtype, out, lse, packed):
     call.run(cupy.cuda.get_current_stream().ptr, _launch.cupy_alloc, q.data.ptr, k.data.ptr, v.data.ptr,
              out.data.ptr, lse.data.ptr, *cu)
     return out, lse
+
+
+def variant_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_name: str, options,
+                packed=None):
+    """A forward with variants on the GPU (``options``: ``_checks.check_variants``'s,
+    not empty); ``packed`` as in :func:`_run_fwd`. Returns ``(out, lse)``."""
+    import cupy  # noqa: PLC0415
+
+    with q.device:
+        device_id = q.data.device_id
+        dims = None if packed is None else (packed[0].shape[0] - 1, int(packed[2]), int(packed[3]))
+        key = (_launch.geometry(q, k, v, out, lse), device_id, softmax_scale, causal, dtype_name, dims,
+               _variant.plan_key(options))
+        call = PLANS.get_or_make(key, lambda: plan_fwd(
+            q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, dtype_name=dtype_name,
+            device_id=device_id, packed=dims, options=options))
+        out = cupy.empty(call.out_shape, dtype=q.dtype) if out is None else out
+        lse = cupy.empty(call.lse_shape, dtype=np.float32) if lse is None else lse
+        cu = (0, 0) if packed is None else (packed[0].data.ptr, packed[1].data.ptr)
+        call.run(cupy.cuda.get_current_stream().ptr, _launch.cupy_alloc, q.data.ptr, k.data.ptr, v.data.ptr,
+                 out.data.ptr, lse.data.ptr, *cu, var=_variant.call_values(options))
+        return out, lse
 
 
 PLANS = _launch.PlanCache()

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import math
 
-from . import _launch, _params, dispatch
+from . import _launch, _params, _variant, dispatch
 from ._launch import LOG2E, Contiguous, lse_strides, vec_ok
 
 select_bwd = functools.lru_cache(maxsize=4096)(dispatch.select_bwd)
@@ -64,22 +64,29 @@ class BwdCall:
         self._has_dkv_accum = plan.kv_splits > 1
         self._launcher = launcher
 
-    def run(self, stream, alloc, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=0, cu_seqlens_k=0):
+    def run(self, stream, alloc, dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q=0, cu_seqlens_k=0, var=None):
+        """``var``: the variants' per-call values (``_variant.call_values``) of a plan
+        made with variants, else None."""
         owner, base = alloc(self.scratch_bytes)
         o_log2, o_delta, o_dq, o_dkv = self._offsets
-        self._launcher(stream, q, k, v, out, dout, dq, dk, dv, lse, base + o_log2, base + o_delta,
-                       base + o_dq if self._has_dq_accum else 0, base + o_dkv if self._has_dkv_accum else 0,
-                       cu_seqlens_q, cu_seqlens_k)
+        pointers = (q, k, v, out, dout, dq, dk, dv, lse, base + o_log2, base + o_delta,
+                    base + o_dq if self._has_dq_accum else 0, base + o_dkv if self._has_dkv_accum else 0,
+                    cu_seqlens_q, cu_seqlens_k)
+        if var is None:
+            self._launcher(stream, *pointers)
+        else:
+            self._launcher.call_variant(stream, var, *pointers)
         return owner
 
 
 def plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool, deterministic: bool,
-             dtype_name: str, device_id: int, packed=None) -> BwdCall:
+             dtype_name: str, device_id: int, packed=None, options=None) -> BwdCall:
     """Plan a backward on the current device (compiling its kernels on first use).
 
     ``dq``/``dk``/``dv`` are the arrays to write, or None for C-contiguous ones
     the caller allocates.  ``packed`` is None for a dense batch, else ``(batch,
-    max_seqlen_q, max_seqlen_k)`` of a packed one.
+    max_seqlen_q, max_seqlen_k)`` of a packed one.  ``options``: the variants on, or
+    None (as ``_gpu.plan_fwd``'s).
     """
     nheads_q, head_dim = q.shape[-2:]
     nheads_kv = k.shape[-2]
@@ -98,7 +105,7 @@ def plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causa
         head_dim=head_dim, dtype=dtype_name, causal=causal, deterministic=deterministic,
         vec=vec_ok((q, k, v, out, dout, dq, dk, dv), head_dim),
         num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id), varlen=packed is not None,
-        total_q=packed_totals[0], total_k=packed_totals[1])
+        total_q=packed_totals[0], total_k=packed_totals[1], variant=_variant.bits(options) if options else 0)
     rows_q = nheads_q * total_q  # the row buffers: one row per query (key) row, per head
     scratch = _launch.scratch_layout((
         rows_q * 4, rows_q * 4,
@@ -112,9 +119,40 @@ def plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causa
         batch=batch, nheads_q=nheads_q, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         total_q=packed_totals[0], total_k=packed_totals[1], head_dim=head_dim,
         head_dim_padded=plan.head_dim_padded, num_stages=plan.num_stages, kv_splits=plan.kv_splits,
-        softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E)
+        softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E,
+        var=_variant.plan_fields(options or {}, softmax_scale, nheads_q))
     grad_sizes = tuple(math.prod(x.shape) * x.itemsize for x in (q, k, v))
-    return BwdCall(plan, grad_sizes, scratch, _launch.Launcher(plan.launches, template, _BWD_WRITER))
+    return BwdCall(plan, grad_sizes, scratch, _launch.Launcher(plan.launches, template, _BWD_WRITER, _VAR_WRITER))
+
+
+_VAR_WRITER = (_params.offset_of(_params.BWD_PARAMS, "var"), _variant.WRITER)
+
+
+def variant_bwd(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, deterministic: bool,
+                dtype_name: str, options, dq=None, dk=None, dv=None, packed=None):
+    """A backward with variants on the GPU (``options`` not empty); ``packed`` as in
+    :func:`_run_bwd`. Returns ``(dq, dk, dv)``, and ``dsinks`` (float32
+    ``(nheads_q,)``, summed over the batch and rows) when sinks are on."""
+    import cupy  # noqa: PLC0415
+
+    with q.device:
+        device_id = q.data.device_id
+        dims = None if packed is None else (packed[0].shape[0] - 1, int(packed[2]), int(packed[3]))
+        key = (_launch.geometry(dout, q, k, v, out, lse, dq, dk, dv), device_id, softmax_scale, causal,
+               deterministic, dtype_name, dims, _variant.plan_key(options))
+        call = PLANS.get_or_make(key, lambda: plan_bwd(
+            dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
+            deterministic=deterministic, dtype_name=dtype_name, device_id=device_id, packed=dims,
+            options=options))
+        dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
+        dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
+        dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
+        dsinks = cupy.zeros(q.shape[-2], dtype=cupy.float32) if "sinks" in options else None
+        cu = (0, 0) if packed is None else (packed[0].data.ptr, packed[1].data.ptr)
+        call.run(cupy.cuda.get_current_stream().ptr, _launch.cupy_alloc, dout.data.ptr, q.data.ptr, k.data.ptr,
+                 v.data.ptr, out.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, *cu,
+                 var=_variant.call_values(options, 0 if dsinks is None else dsinks.data.ptr))
+        return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
 
 
 PLANS = _launch.PlanCache()

@@ -99,7 +99,8 @@ def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k:
         cache_rows=k_cache.shape[0],
         capacity=max_seqlen_k,
         group=nheads_q // nheads_kv, num_m_blocks=plan.num_m_blocks, num_splits=plan.num_splits,
-        softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E)
+        softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E,
+        var=_params.VARIANT_OFF)
     launches = (plan.main,) if plan.combine is None else (plan.main, plan.combine)
     return DecodeCall(plan, tuple(q.shape), lse_shape, scratch,
                       _launch.Launcher(launches, template, _DECODE_WRITER))

@@ -562,7 +562,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         plan = _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                       softmax_scale, causal, num_splits, return_lse, dtype)
         options = _checks.check_variants(_FN, q, plan.gpu, 0.0, window_size, alibi_slopes, softcap, sinks, None)
-        if options:  # the CPU path (the GPU raised NotImplementedError)
+        if options and plan.gpu:
+            first = next(n for n in ("window_size", "softcap", "alibi_slopes", "sinks") if n in options)
+            _checks.fail(NotImplementedError, _FN, f"{first} is not implemented on the GPU yet (issue 13); "
+                                                   f"NumPy arrays run it on the CPU path.")
+        if options:  # the CPU path
             out, lse = _cpu(plan, q, k_cache, v_cache, k, v, bool(causal), options)
             return (out, lse) if return_lse else out
     try:

@@ -164,10 +164,12 @@ class Launcher:
     make concurrent calls from several threads safe.
     """
 
-    __slots__ = ("_buffer", "_argv", "_argv_address", "_pack_into", "_kernels", "_lock", "_launch_kernel",
-                 "launches")
+    __slots__ = ("_buffer", "_argv", "_argv_address", "_pack_into", "_var_pack_into", "_var_offset", "_kernels",
+                 "_lock", "_launch_kernel", "launches")
 
-    def __init__(self, launches, template: bytes, writer):
+    def __init__(self, launches, template: bytes, writer, variant=None):
+        """``variant``: ``(offset, writer)`` of the struct's ``var`` member and the
+        writer of its per-call fields (:mod:`._variant`), for :meth:`call_variant`."""
         import cupy  # noqa: PLC0415
 
         self._launch_kernel = cupy.cuda.driver.launchKernel
@@ -179,6 +181,8 @@ class Launcher:
         self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self._buffer))
         self._argv_address = ctypes.addressof(self._argv)
         self._pack_into = writer.struct.pack_into
+        self._var_offset, self._var_pack_into = (0, None) if variant is None else (variant[0],
+                                                                                  variant[1].struct.pack_into)
         self._lock = threading.Lock()
 
     def __call__(self, stream: int, *pointers: int) -> None:
@@ -186,5 +190,14 @@ class Launcher:
         launch, argv = self._launch_kernel, self._argv_address
         with self._lock:
             self._pack_into(self._buffer, 0, *pointers)
+            for func, gx, gy, gz, bx, by, bz, smem in self._kernels:
+                launch(func, gx, gy, gz, bx, by, bz, smem, stream, argv, 0)
+
+    def call_variant(self, stream: int, var_values, *pointers: int) -> None:
+        """:meth:`__call__` with the ``var`` member's per-call fields set to ``var_values`` too."""
+        launch, argv = self._launch_kernel, self._argv_address
+        with self._lock:
+            self._pack_into(self._buffer, 0, *pointers)
+            self._var_pack_into(self._buffer, self._var_offset, *var_values)
             for func, gx, gy, gz, bx, by, bz, smem in self._kernels:
                 launch(func, gx, gy, gz, bx, by, bz, smem, stream, argv, 0)

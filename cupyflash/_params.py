@@ -17,6 +17,8 @@ import struct as _stdlib_struct
 import numpy as np
 
 _PTR = np.uint64
+_U64 = np.uint64
+_U32 = np.uint32
 _I64 = np.int64
 _I32 = np.int32
 _F32 = np.float32
@@ -24,6 +26,23 @@ _F32 = np.float32
 
 def _struct(fields):
     return np.dtype(fields, align=True)
+
+
+#: kernels_cu/variant.cuh VariantParams, the member ``var`` of every params struct.
+VARIANT_PARAMS = _struct(
+    [
+        ("alibi_slopes", _PTR), ("sinks", _PTR), ("dsinks", _PTR), ("dropout_seed", _U64),
+        ("dropout_offset", _U32), ("dropout_threshold", _U32), ("alibi_batch_stride", _I64),
+        ("window_left", _I32), ("window_right", _I32),
+        ("softcap_log2", _F32), ("softcap_scale", _F32), ("dropout_scale", _F32),
+    ]
+)
+#: VariantParams' fields set on every call (its first ones, in order).
+VARIANT_PER_CALL = ("alibi_slopes", "sinks", "dsinks", "dropout_seed", "dropout_offset")
+#: Every variant off.
+VARIANT_OFF = {"alibi_slopes": 0, "sinks": 0, "dsinks": 0, "dropout_seed": 0, "dropout_offset": 0,
+               "dropout_threshold": 0, "alibi_batch_stride": 0, "window_left": -1, "window_right": -1,
+               "softcap_log2": 0.0, "softcap_scale": 0.0, "dropout_scale": 1.0}
 
 
 FWD_PARAMS = _struct(
@@ -40,6 +59,7 @@ FWD_PARAMS = _struct(
         ("seqlen_q", _I32), ("seqlen_k", _I32), ("head_dim", _I32),
         ("num_m_blocks", _I32), ("num_splits", _I32), ("n_blocks_per_split", _I32),
         ("softmax_scale", _F32), ("softmax_scale_log2", _F32),
+        ("var", VARIANT_PARAMS),
     ]
 )
 
@@ -62,6 +82,7 @@ BWD_PARAMS = _struct(
         ("total_q", _I32), ("total_k", _I32), ("head_dim", _I32),
         ("head_dim_padded", _I32), ("num_stages", _I32), ("kv_splits", _I32),
         ("softmax_scale", _F32), ("softmax_scale_log2", _F32),
+        ("var", VARIANT_PARAMS),
     ]
 )
 
@@ -82,6 +103,7 @@ DECODE_PARAMS = _struct(
         ("seqlen_new", _I32), ("page_size", _I32), ("page_shift", _I32), ("cache_rows", _I32), ("capacity", _I32),
         ("group", _I32), ("num_m_blocks", _I32), ("num_splits", _I32),
         ("softmax_scale", _F32), ("softmax_scale_log2", _F32),
+        ("var", VARIANT_PARAMS),
     ]
 )
 
@@ -97,17 +119,31 @@ def pack(struct: np.dtype, **fields) -> bytes:
     """The bytes of one ``struct`` with every field set by name (all must be given).
 
     Pointers are ints, strides and sizes ints, scales floats (rounded to float32
-    as the C struct holds them).  Called once per call signature (the plan),
+    as the C struct holds them); a nested struct (``var``) takes a dict of its
+    fields, all given likewise.  Called once per call signature (the plan),
     never per call.
     """
+    record = np.zeros((), dtype=struct)
+    _fill(record, struct, fields)
+    return record.tobytes()
+
+
+def _fill(record, struct, fields):
     names = set(struct.names)
     if fields.keys() != names:
         missing, extra = sorted(names - fields.keys()), sorted(fields.keys() - names)
         raise TypeError(f"cupyflash: params struct fields missing {missing}, unknown {extra}")
-    record = np.zeros((), dtype=struct)
     for name, value in fields.items():
-        record[name] = value
-    return record.tobytes()
+        sub = struct.fields[name][0]
+        if sub.names is not None:
+            _fill(record[name], sub, value)
+        else:
+            record[name] = value
+
+
+def offset_of(struct: np.dtype, name: str) -> int:
+    """Byte offset of field ``name`` in ``struct``."""
+    return struct.fields[name][1]
 
 
 class FieldWriter:
@@ -123,7 +159,7 @@ class FieldWriter:
     __slots__ = ("names", "struct")
 
     _CODES = {np.dtype(np.uint64): "Q", np.dtype(np.int64): "q", np.dtype(np.int32): "i",
-              np.dtype(np.float32): "f"}
+              np.dtype(np.uint32): "I", np.dtype(np.float32): "f"}
 
     def __init__(self, struct: np.dtype, names: tuple[str, ...]):
         if tuple(names) != struct.names[:len(names)]:

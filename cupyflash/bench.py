@@ -159,13 +159,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bwd-dq", choices=("mma", "wgmma"), default="wgmma",
                         help="experiment: 'mma' runs the deterministic dQ on the mma.sync kernel even "
                              "where dispatch picks wgmma (cc 9.0), for A/B runs")
-    parser.add_argument("--bwd-sm90-block-m", action="append", default=None, metavar="D:BLOCK_M",
-                        help="experiment: query rows per step of the wgmma dK/dV kernel (cc 9.0) for one "
-                             "padded head_dim in this process, e.g. 64:128 (dispatch._BWD_SM90_BLOCK_MS "
-                             "lists the compiled values)")
-    parser.add_argument("--fwd-overlap", action="store_true",
-                        help="experiment: the software-pipelined wgmma forward (softmax of one key block "
-                             "overlapping the previous block's P·V; dispatch.FWD_SM90_OVERLAP), for A/B runs")
     parser.add_argument("--fwd-sm90", action="append", default=None, metavar="D:BLOCK_N,CTAS_PER_SM",
                         help="experiment: override the wgmma forward tile of one head_dim in this process")
     parser.add_argument("--fwd-tiles", action="append", default=None, metavar="D:BLOCK_M,BLOCK_N,WARPS",
@@ -178,18 +171,6 @@ def check_suite_options(args) -> None:
         if args.suite not in suites and getattr(args, dest) not in (None, False):
             names = ", ".join(suites[:-1]) + " and " + suites[-1] if len(suites) > 1 else suites[0]
             raise ValueError(f"{flag} applies to --suite {names} only; got --suite {args.suite}")
-
-
-def parse_bwd_sm90_block_m(specs) -> dict[int, int]:
-    """``--bwd-sm90-block-m`` values (``D:BLOCK_M``) -> {padded head_dim: BLOCK_M}."""
-    out = {}
-    for spec in specs or ():
-        d, _, block_m = spec.partition(":")
-        try:
-            out[int(d)] = int(block_m)
-        except ValueError:
-            raise ValueError(f"--bwd-sm90-block-m takes D:BLOCK_M (e.g. 64:128); got {spec!r}") from None
-    return out
 
 
 def parse_tiles(specs, flag, fields) -> dict[int, tuple[int, ...]]:
@@ -345,7 +326,7 @@ def _kernel_info(q, *, batch, seqlen, nheads, head_dim, dtype, causal, bwd):
     Read from the (internal) plans; if they change shape the point records
     ``kernel_info_error`` instead, and the ceiling is None.
     """
-    from . import _gpu, _launch  # noqa: PLC0415
+    from . import _gpu, _launch, dispatch  # noqa: PLC0415
 
     try:
         device = q.device.id
@@ -354,12 +335,12 @@ def _kernel_info(q, *, batch, seqlen, nheads, head_dim, dtype, causal, bwd):
                       num_sms=_launch.num_sms(device), cc=_launch.compute_capability(device))
         main = _gpu.select_fwd(**common).main
         wgmma = main.source == "flash_fwd_sm90.cu"
-        info = {"fwd_kernel": ("wgmma-overlap" if main.args[-1] == "true" else "wgmma")
-                if wgmma else "mma.sync"}
+        info = {"fwd_kernel": "wgmma" if wgmma else "mma.sync"}
         if bwd:
             dkdv = _gpu.select_bwd(nheads_kv=nheads, deterministic=False, **common).launches[1]
             info["bwd_kernel"] = "wgmma" if dkdv.source == "flash_bwd_sm90.cu" else "mma.sync"
-            info["bwd_dkdv_block_m"] = int(dkdv.args[2])  # both dK/dV kernels: <T, HEAD_DIM, BLOCK_M, ...>
+            info["bwd_dkdv_block_m"] = (dispatch.BWD_SM90_BLOCK_M if dkdv.source == "flash_bwd_sm90.cu"
+                                        else int(dkdv.args[2]))  # flash_bwd.cu: <T, HEAD_DIM, BLOCK_M, ...>
     except Exception as e:  # noqa: BLE001 - the plans are internal; the timings stand without them
         return {"kernel_info_error": f"{type(e).__name__}: {str(e)[:200]}"}, None
     return info, WGMMA_CEILING_TFLOPS if wgmma else MMA_SYNC_CEILING_TFLOPS
@@ -558,11 +539,6 @@ def finish(report, args, format_table, plot, out=None):
 
 def _experiments(args):
     """Validate the experiment switches; returns the parsed tile overrides.  Raises ValueError."""
-    block_ms = parse_bwd_sm90_block_m(args.bwd_sm90_block_m)
-    if block_ms:
-        from . import dispatch  # noqa: PLC0415
-        for d, block_m in block_ms.items():
-            dispatch.set_bwd_sm90_block_m(d, block_m)
     return (parse_tiles(args.fwd_sm90, "--fwd-sm90", ("BLOCK_N", "CTAS_PER_SM")),
             parse_tiles(args.fwd_tiles, "--fwd-tiles", ("BLOCK_M", "BLOCK_N", "WARPS")))
 
@@ -572,8 +548,6 @@ def _apply_experiments(args, fwd_sm90, fwd_tiles):
 
     if args.bwd_dq == "mma":
         dispatch.BWD_DQ_SM90 = False
-    if args.fwd_overlap:
-        dispatch.FWD_SM90_OVERLAP = True
     if args.fwd_kernel == "mma":
         dispatch._FWD_SM90.clear()  # noqa: SLF001
     for d, t in fwd_sm90.items():

@@ -30,17 +30,16 @@ def _quick_sm90(launch) -> bool:
     args = launch.args
     if not launch.source.endswith("_sm90.cu") or args[0] != "__half":
         return False
-    if launch.template.endswith("flash_bwd_dkdv_sm90_kernel"):  # <T, D, BLOCK_M, CAUSAL, EVEN_K, DETERMINISTIC>
+    if launch.template.endswith("flash_bwd_dkdv_sm90_kernel"):  # <T, D, CAUSAL, EVEN_K, DETERMINISTIC, VARIANT>
         from . import dispatch  # noqa: PLC0415
 
-        # the selected BLOCK_M only (the experiments' variants in the full run); no dQ
-        # where the default takes dQ from its own kernel
+        # no dQ where the default takes dQ from its own kernel
         d = int(args[1])
         no_dq = dispatch.BWD_DQ_SM90 and d in dispatch._BWD_SM90_SEPARATE_DQ  # noqa: SLF001
-        return args[2] == str(dispatch.bwd_sm90_block_m(d)) and args[4] == "true" and args[5] == str(no_dq).lower()
-    if launch.template.endswith("flash_fwd_sm90_kernel"):  # <..., IS_CAUSAL, EVEN_K, OVERLAP>
-        return args[5] == "true" and args[6] == "false"
-    return args[-1] == "true"  # dQ: <..., IS_CAUSAL, EVEN_K>
+        return args[3] == "true" and args[4] == str(no_dq).lower() and args[5] == "0"
+    if launch.template.endswith("flash_fwd_sm90_kernel"):  # <..., IS_CAUSAL, EVEN_K, VARIANT>
+        return args[5] == "true" and args[6] == "0"
+    return args[-2] == "true" and args[-1] == "0"  # dQ: <..., IS_CAUSAL, EVEN_K, VARIANT>
 
 
 def _launches(arch: tuple[int, int], quick: bool, match: str | None):
@@ -49,7 +48,7 @@ def _launches(arch: tuple[int, int], quick: bool, match: str | None):
     launches = dispatch.all_fwd_launches(arch) + dispatch.all_bwd_launches(arch) + dispatch.all_decode_launches(arch)
     if quick:
         launches = [L for L in launches
-                    if L.args[0] == "__half" and "false, true, true, false" in ", ".join(L.args[-4:]) or
+                    if L.args[0] == "__half" and "false, true, true, false, 0" in ", ".join(L.args[-5:]) or
                     (L.args[0] == "__half" and L.template.endswith("combine_kernel") and L.args[1] == "128") or
                     _quick_sm90(L)]
     if match:

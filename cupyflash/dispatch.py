@@ -3,8 +3,9 @@
 Every function here is pure (shapes in, frozen plans out), needs no GPU, and is
 unit-tested in ``tests/test_dispatch.py``. The template-argument order follows
 ``kernels_cu/flash_fwd.cu``: ``<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
-IS_CAUSAL, EVEN_K, VEC, IS_SPLIT>``, and ``kernels_cu/flash_fwd_sm90.cu``:
-``<T, HEAD_DIM, BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K, OVERLAP>``.
+IS_CAUSAL, EVEN_K, VEC, IS_SPLIT, VARIANT>``, and ``kernels_cu/flash_fwd_sm90.cu``:
+``<T, HEAD_DIM, BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K, VARIANT>``; every
+attention kernel takes the variant bits (``VARIANT``, kernels_cu/variant.cuh) last.
 """
 
 from __future__ import annotations
@@ -22,6 +23,19 @@ HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 #: Compute capabilities the kernels are built and checked for.
 ARCHS = ((8, 0), (9, 0))
 
+#: The variant bits of the kernels' VARIANT template argument (kernels_cu/variant.cuh,
+#: compared with it in tests/test_dispatch.py).
+VAR_WINDOW, VAR_SOFTCAP, VAR_ALIBI, VAR_SINKS, VAR_DROPOUT = 1, 2, 4, 8, 16
+VARIANT_BITS = {"window": VAR_WINDOW, "softcap": VAR_SOFTCAP, "alibi": VAR_ALIBI, "sinks": VAR_SINKS,
+                "dropout": VAR_DROPOUT}
+
+
+def variant_bits(*, window: bool = False, softcap: bool = False, alibi: bool = False, sinks: bool = False,
+                 dropout: bool = False) -> int:
+    """The VARIANT template argument for the variants switched on."""
+    return ((VAR_WINDOW if window else 0) | (VAR_SOFTCAP if softcap else 0) | (VAR_ALIBI if alibi else 0)
+            | (VAR_SINKS if sinks else 0) | (VAR_DROPOUT if dropout else 0))
+
 # Forward tiles per padded head_dim, (BLOCK_M, BLOCK_N, NUM_WARPS), for
 # (non-causal, causal). Each warp owns BLOCK_M / NUM_WARPS query rows; two m16
 # tiles per warp halve the shared-memory reads of K and V per mma (64-row blocks
@@ -30,15 +44,12 @@ ARCHS = ((8, 0), (9, 0))
 # See kernels_cu/PERF.md for the measurements.
 _FWD_TILES = {
     32: ((128, 64, 4), (128, 64, 4)),
-    64: ((128, 128, 4), (128, 64, 4)),
+    64: ((128, 64, 4), (128, 64, 4)),
     96: ((128, 32, 4), (128, 32, 4)),
     128: ((128, 32, 4), (128, 32, 4)),
     192: ((64, 64, 4), (64, 64, 4)),
     256: ((64, 64, 4), (64, 64, 4)),
 }
-# sm_80's ptxas needs a few more registers for the 128x128 tile and spills: it
-# keeps FA2's 128x64 there.
-_FWD_TILES_SM80 = {**_FWD_TILES, 64: ((128, 64, 4), (128, 64, 4))}
 # Unaligned data (VEC=false) loads element by element through registers, which
 # costs registers the big tiles do not have: one m16 tile per warp.
 _FWD_TILES_UNALIGNED = {
@@ -65,26 +76,29 @@ _FWD_SM90 = {
     64: ((64, 2), (64, 2)),
     128: ((128, 1), (128, 1)),
 }
-# Experiment, off by default (`bench --fwd-overlap`): the software-pipelined key
-# loop (OVERLAP; FlashAttention-3's intra-warpgroup overlap: the softmax of one key
-# block runs while the tensor cores do the previous block's P·V) on the same tiles
-# and 3-stage ring, V streamed one block behind K. No spill on either tile under
-# NVRTC 13.5 (D=64: 127-128 registers, so still two blocks per SM; D=128: 243-248).
-# Compile-checked and SASS-inspected only, not yet run on a GPU (kernels_cu/PERF.md).
-FWD_SM90_OVERLAP = False
 SM90_BLOCK_M = 128
 SM90_THREADS = 256
 SM90_STAGES = 3
 
 
+# Variants whose code does not fit the default tiles' registers (check-kernels,
+# NVRTC 13.0: a window's two edges, ALiBi's distances, dropout's Philox rounds) take
+# these instead: on the mma.sync kernel at D=128, 16-key tiles; on the wgmma kernel,
+# one block per SM (D=64: ALiBi, dropout) and 64-key tiles with dropout.
+_FWD_LEAN_VARIANTS = VAR_WINDOW | VAR_ALIBI | VAR_DROPOUT
+_FWD_TILES_LEAN = {128: (128, 16, 4)}
+
+
 def fwd_tiles(head_dim_padded: int, vec: bool, causal: bool,
-              cc: tuple[int, int] = (9, 0), split: bool = False) -> tuple[int, int, int]:
+              cc: tuple[int, int] = (9, 0), split: bool = False, variant: int = 0) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, NUM_WARPS) of the forward kernel."""
     if not vec:
         return _FWD_TILES_UNALIGNED[head_dim_padded]
+    if variant & _FWD_LEAN_VARIANTS and head_dim_padded in _FWD_TILES_LEAN:
+        return _FWD_TILES_LEAN[head_dim_padded]
     # The split-KV epilogue's fp32 stores cost registers too: splits take the
     # causal column, whose tiles leave that room (NVRTC 13.0 spills otherwise).
-    return (_FWD_TILES if cc >= (9, 0) else _FWD_TILES_SM80)[head_dim_padded][int(causal or split)]
+    return _FWD_TILES[head_dim_padded][int(causal or split)]
 
 
 @dataclass(frozen=True)
@@ -132,30 +146,37 @@ def _cbool(x: bool) -> str:
 
 
 def fwd_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool, vec: bool,
-               split: bool, grid: tuple[int, int, int] = (1, 1, 1), cc: tuple[int, int] = (9, 0)) -> Launch:
+               split: bool, grid: tuple[int, int, int] = (1, 1, 1), cc: tuple[int, int] = (9, 0),
+               variant: int = 0) -> Launch:
     """The forward kernel instantiation for one set of compile-time choices."""
-    block_m, block_n, num_warps = fwd_tiles(head_dim_padded, vec, causal, cc, split)
+    block_m, block_n, num_warps = fwd_tiles(head_dim_padded, vec, causal, cc, split, variant)
     # Q, K and V tiles: kernels_cu/flash_fwd.cu FwdTraits::SMEM_BYTES.
     smem = _smem_tile_bytes(block_m, head_dim_padded) + 2 * _smem_tile_bytes(block_n, head_dim_padded)
     args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(num_warps),
-            _cbool(causal), _cbool(even_k), _cbool(vec), _cbool(split))
+            _cbool(causal), _cbool(even_k), _cbool(vec), _cbool(split), str(variant))
     return Launch("flash_fwd.cu", "cupyflash::flash_fwd_kernel", args, grid, (num_warps * 32, 1, 1), smem)
 
 
 def fwd_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
-                    grid: tuple[int, int, int] = (1, 1, 1), overlap: bool = False) -> Launch:
-    """The wgmma forward kernel (cc 9.0) for one set of compile-time choices.
-
-    ``overlap``: the software-pipelined key loop (see ``FWD_SM90_OVERLAP``).
-    """
-    block_n, ctas_per_sm = _FWD_SM90[head_dim_padded][int(causal)]
+                    grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0) -> Launch:
+    """The wgmma forward kernel (cc 9.0) for one set of compile-time choices."""
+    block_n, ctas_per_sm = fwd_sm90_tile(head_dim_padded, causal, variant)
     # kernels_cu/flash_fwd_sm90.cu FwdSm90Traits::SMEM_BYTES: Q, STAGES x (K, V), and
-    # 1 KB to align the window to the 128-byte swizzle's 1024-byte atom. (OVERLAP
-    # adds 8 bytes of static shared memory: 225 KB + 8 B at D=128, under 227 KB.)
+    # 1 KB to align the window to the 128-byte swizzle's 1024-byte atom.
     smem = 2 * head_dim_padded * (SM90_BLOCK_M + 2 * SM90_STAGES * block_n) + 1024
     args = (CTYPES[dtype], str(head_dim_padded), str(block_n), str(ctas_per_sm), _cbool(causal), _cbool(even_k),
-            _cbool(overlap))
+            str(variant))
     return Launch("flash_fwd_sm90.cu", "cupyflash::flash_fwd_sm90_kernel", args, grid, (SM90_THREADS, 1, 1), smem)
+
+
+def fwd_sm90_tile(head_dim_padded: int, causal: bool, variant: int = 0) -> tuple[int, int]:
+    """(BLOCK_N, CTAS_PER_SM) of the wgmma forward (see _FWD_LEAN_VARIANTS)."""
+    block_n, ctas_per_sm = _FWD_SM90[head_dim_padded][int(causal)]
+    if variant & VAR_DROPOUT:
+        return min(block_n, 64), 1
+    if variant & VAR_ALIBI:
+        return block_n, 1
+    return block_n, ctas_per_sm
 
 
 def uses_sm90_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int]) -> bool:
@@ -183,7 +204,7 @@ def num_splits_heuristic(work_blocks: int, n_blocks: int, num_sms: int) -> int:
 
 def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_dim: int,
                dtype: str, causal: bool, vec: bool, num_sms: int = 132,
-               cc: tuple[int, int] = (9, 0), varlen: bool = False) -> FwdPlan:
+               cc: tuple[int, int] = (9, 0), varlen: bool = False, variant: int = 0) -> FwdPlan:
     """Choose the forward kernel, its grid and whether to split the keys.
 
     ``vec`` says 16-byte accesses are legal (data pointers 16-byte aligned,
@@ -192,6 +213,7 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     the longest lengths (``max_seqlen_q/k``); the grid covers them for every
     sequence and blocks past a shorter sequence return at once. Packed batches
     are never split over keys (the split-KV partials are laid out densely).
+    ``variant``: the VARIANT bits (:func:`variant_bits`).
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
@@ -199,25 +221,25 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
     d = padded_head_dim(head_dim)
     if uses_sm90_fwd(d, vec, cc):
-        block_m, block_n = SM90_BLOCK_M, _FWD_SM90[d][int(causal)][0]
+        block_m, block_n = SM90_BLOCK_M, fwd_sm90_tile(d, causal, variant)[0]
     else:
-        block_m, block_n, _ = fwd_tiles(d, vec, causal, cc)
+        block_m, block_n, _ = fwd_tiles(d, vec, causal, cc, variant=variant)
     splits = 1 if varlen else num_splits_heuristic(batch * nheads_q * math.ceil(seqlen_q / block_m),
                                                    math.ceil(seqlen_k / block_n), num_sms)
     if splits == 1 and uses_sm90_fwd(d, vec, cc):
         num_m_blocks = math.ceil(seqlen_q / block_m)
         main = fwd_sm90_launch(dtype, d, causal, head_dim == d, (num_m_blocks * batch * nheads_q, 1, 1),
-                               FWD_SM90_OVERLAP)
+                               variant)
         return FwdPlan(main, None, d, num_m_blocks, 1, math.ceil(seqlen_k / block_n))
     if splits > 1:
-        block_m, block_n, _ = fwd_tiles(d, vec, causal, cc, split=True)
+        block_m, block_n, _ = fwd_tiles(d, vec, causal, cc, split=True, variant=variant)
     num_m_blocks = math.ceil(seqlen_q / block_m)
     n_blocks = math.ceil(seqlen_k / block_n)
     per_split = math.ceil(n_blocks / splits)
     splits = math.ceil(n_blocks / per_split) if n_blocks else 1
     split = splits > 1
     grid = (num_m_blocks * batch * nheads_q, splits, 1)
-    main = fwd_launch(dtype, d, causal, head_dim == d, vec, split, grid, cc)
+    main = fwd_launch(dtype, d, causal, head_dim == d, vec, split, grid, cc, variant)
     combine = combine_launch(dtype, d, batch * nheads_q * seqlen_q) if split else None
     return FwdPlan(main, combine, d, num_m_blocks, splits, per_split)
 
@@ -230,12 +252,20 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
         out.append(fwd_launch(dtype, d, causal, even_k, vec, split, cc=cc))
     for dtype, d in itertools.product(CTYPES, HEAD_DIMS):
         out.append(combine_launch(dtype, d))
-    # The OVERLAP experiment too, whether or not it is switched on, so check-kernels keeps it clean.
-    for dtype, d, causal, even_k, overlap in itertools.product(CTYPES, HEAD_DIMS, (False, True), (True, False),
-                                                               (False, True)):
+    for dtype, d, causal, even_k in itertools.product(CTYPES, HEAD_DIMS, (False, True), (True, False)):
         if uses_sm90_fwd(d, True, cc):
-            out.append(fwd_sm90_launch(dtype, d, causal, even_k, overlap=overlap))
+            out.append(fwd_sm90_launch(dtype, d, causal, even_k))
+    # Each variant switched on alone, on the aligned kernels (one dtype: the other's
+    # registers are the same).
+    for bit, d, causal, split in itertools.product(VARIANT_BITS.values(), HEAD_DIMS, (False, True), (False, True)):
+        out.append(fwd_launch(_VARIANT_CHECK_DTYPE, d, causal, True, True, split, cc=cc, variant=bit))
+        if uses_sm90_fwd(d, True, cc) and not split:
+            out.append(fwd_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bit))
     return out
+
+
+#: check-kernels compiles each variant alone in this dtype.
+_VARIANT_CHECK_DTYPE = "bfloat16"
 
 
 # ----------------------------------------------------------------------------
@@ -378,21 +408,22 @@ def bwd_kv_splits(blocks: int, group: int, num_sms: int) -> int:
 
 def bwd_dkdv_launch(dtype: str, head_dim_padded: int, tile: tuple[int, ...], causal: bool, even_k: bool,
                     vec: bool, deterministic: bool, stages: int = 2,
-                    grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
+                    grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0) -> Launch:
     """The dK/dV kernel instantiation for one tile and set of compile-time choices."""
     block_m, block_n, num_warps, wm_sdp, wn_dkv, wm_dq = tile
     args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(num_warps), str(wm_sdp),
-            str(wn_dkv), str(wm_dq), _cbool(causal), _cbool(even_k), _cbool(vec), _cbool(deterministic))
+            str(wn_dkv), str(wm_dq), _cbool(causal), _cbool(even_k), _cbool(vec), _cbool(deterministic),
+            str(variant))
     return Launch("flash_bwd.cu", "cupyflash::flash_bwd_dkdv_kernel", args, grid, (num_warps * 32, 1, 1),
                   bwd_smem_bytes(head_dim_padded, tile, stages))
 
 
 def bwd_dq_launch(dtype: str, head_dim_padded: int, tile: tuple[int, int, int], causal: bool, even_k: bool,
-                  vec: bool, grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
+                  vec: bool, grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0) -> Launch:
     """The deterministic dQ kernel instantiation."""
     block_m, block_n, num_warps = tile
     args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(num_warps),
-            _cbool(causal), _cbool(even_k), _cbool(vec))
+            _cbool(causal), _cbool(even_k), _cbool(vec), str(variant))
     return Launch("flash_bwd.cu", "cupyflash::flash_bwd_dq_kernel", args, grid, (num_warps * 32, 1, 1),
                   bwd_dq_smem_bytes(head_dim_padded, tile))
 
@@ -403,33 +434,9 @@ def bwd_dq_launch(dtype: str, head_dim_padded: int, tile: tuple[int, int, int], 
 # kernels stay those of flash_bwd.cu.
 _BWD_SM90_HEAD_DIMS = (64, 128)
 BWD_SM90_BLOCK_N = 128
-# Query rows per step (BLOCK_M) of the wgmma dK/dV kernel per padded head_dim: the
-# selected value, and every value compiled (check-kernels) and allowed to be
-# selected. BLOCK_M = 128 at D=64 is an experiment (not yet measured): twice the
-# MMA per step (Sᵀ and dPᵀ as m64n128k16) to amortise the per-step index, barrier
-# and load overhead an ncu profile found dominant at 64. D=128 has no registers
-# for it. Override in one process with `bench --bwd-sm90-block-m 64:128`
-# (set_bwd_sm90_block_m); the grid does not depend on it.
-_BWD_SM90_BLOCK_M = {64: 64, 128: 64}
-_BWD_SM90_BLOCK_MS = {64: (64, 128), 128: (64,)}
-
-
-def bwd_sm90_block_m(head_dim_padded: int) -> int:
-    """BLOCK_M of the wgmma dK/dV kernel that select_bwd picks for this padded head_dim."""
-    return _BWD_SM90_BLOCK_M[head_dim_padded]
-
-
-def set_bwd_sm90_block_m(head_dim_padded: int, block_m: int) -> None:
-    """Experiment switch: select BLOCK_M query rows per step for this padded head_dim
-    in this process (plans memoised by ``_gpu.select_bwd`` must be dropped by the caller)."""
-    allowed = _BWD_SM90_BLOCK_MS.get(head_dim_padded)
-    if allowed is None:
-        raise ValueError(f"cupyflash: the wgmma dK/dV kernel serves head_dim {sorted(_BWD_SM90_BLOCK_MS)}; "
-                         f"got {head_dim_padded}")
-    if block_m not in allowed:
-        raise ValueError(f"cupyflash: the wgmma dK/dV kernel at head_dim {head_dim_padded} is built for "
-                         f"BLOCK_M in {allowed}; got {block_m}")
-    _BWD_SM90_BLOCK_M[head_dim_padded] = block_m
+#: Query rows per step (BLOCK_M) of the wgmma dK/dV kernel (kernels_cu/flash_bwd_sm90.cu).
+#: 128 at D=64 (twice the MMA per step) measured no faster than 64 (kernels_cu/PERF.md, v17).
+BWD_SM90_BLOCK_M = 64
 
 
 # Deterministic dQ on wgmma (kernels_cu/flash_bwd_sm90.cu flash_bwd_dq_sm90_kernel),
@@ -447,13 +454,13 @@ _BWD_SM90_SEPARATE_DQ = (64,)
 
 
 def bwd_dq_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
-                       grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
+                       grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0) -> Launch:
     """The wgmma deterministic dQ kernel (cc 9.0)."""
     d = head_dim_padded
     block_n, ctas_per_sm = _BWD_DQ_SM90[d]
     # BwdDqSm90Traits::SMEM_BYTES: Q, dO, 3 stages of (K, V), 1 KB to align.
     smem = 2 * BWD_DQ_SM90_BLOCK_M * d * 2 + 2 * 3 * block_n * d * 2 + 1024
-    args = (CTYPES[dtype], str(d), str(block_n), str(ctas_per_sm), _cbool(causal), _cbool(even_k))
+    args = (CTYPES[dtype], str(d), str(block_n), str(ctas_per_sm), _cbool(causal), _cbool(even_k), str(variant))
     return Launch("flash_bwd_sm90.cu", "cupyflash::flash_bwd_dq_sm90_kernel", args, grid, (256, 1, 1), smem)
 
 
@@ -462,7 +469,7 @@ def uses_sm90_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int]) -> bool:
     return cc == (9, 0) and vec and head_dim_padded in _BWD_SM90_HEAD_DIMS
 
 
-def bwd_dkdv_sm90_smem_bytes(head_dim_padded: int, block_m: int) -> int:
+def bwd_dkdv_sm90_smem_bytes(head_dim_padded: int, block_m: int = BWD_SM90_BLOCK_M) -> int:
     """kernels_cu/flash_bwd_sm90.cu BwdSm90Traits::SMEM_BYTES: K, V, dSᵀ (keys x
     BLOCK_M), two stages of (Q, dO), two of (lse_log2, delta), the block's SeqLens,
     and 1 KB to align to the swizzle atom."""
@@ -472,16 +479,11 @@ def bwd_dkdv_sm90_smem_bytes(head_dim_padded: int, block_m: int) -> int:
 
 
 def bwd_dkdv_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool, deterministic: bool,
-                         grid: tuple[int, int, int] = (1, 1, 1), block_m: int | None = None) -> Launch:
-    """The wgmma dK/dV kernel (cc 9.0) for one set of compile-time choices;
-    ``block_m`` defaults to the selected one (bwd_sm90_block_m)."""
+                         grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0) -> Launch:
+    """The wgmma dK/dV kernel (cc 9.0) for one set of compile-time choices."""
     d = head_dim_padded
-    block_m = bwd_sm90_block_m(d) if block_m is None else block_m
-    if block_m not in _BWD_SM90_BLOCK_MS[d]:
-        raise ValueError(f"cupyflash: the wgmma dK/dV kernel at head_dim {d} is built for BLOCK_M in "
-                         f"{_BWD_SM90_BLOCK_MS[d]}; got {block_m}")
-    smem = bwd_dkdv_sm90_smem_bytes(d, block_m)
-    args = (CTYPES[dtype], str(d), str(block_m), _cbool(causal), _cbool(even_k), _cbool(deterministic))
+    smem = bwd_dkdv_sm90_smem_bytes(d)
+    args = (CTYPES[dtype], str(d), _cbool(causal), _cbool(even_k), _cbool(deterministic), str(variant))
     return Launch("flash_bwd_sm90.cu", "cupyflash::flash_bwd_dkdv_sm90_kernel", args, grid, (256, 1, 1), smem)
 
 
@@ -526,7 +528,7 @@ def _pick_bwd_dq_tile(d: int, smem_limit: int) -> tuple[int, int, int]:
 def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nheads_kv: int, head_dim: int,
                dtype: str, causal: bool, deterministic: bool, vec: bool, num_sms: int = 132,
                cc: tuple[int, int] = (9, 0), varlen: bool = False, total_q: int = 0,
-               total_k: int = 0) -> BwdPlan:
+               total_k: int = 0, variant: int = 0) -> BwdPlan:
     """Choose the backward kernels, their grids and the scratch-buffer sizes.
 
     Launch order: preprocess (delta, lse·log2e, zero dq_accum); dK/dV (one
@@ -572,16 +574,17 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     kv_splits = bwd_kv_splits(kv_blocks, nheads_q // nheads_kv, num_sms)
     dkdv_grid = (kv_blocks * kv_splits, 1, 1)
     if sm90:
-        launches.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, separate_dq, dkdv_grid))
+        launches.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, separate_dq, dkdv_grid, variant))
     else:
-        launches.append(bwd_dkdv_launch(dtype, d, tile, causal, even_k, vec, deterministic, stages, dkdv_grid))
+        launches.append(bwd_dkdv_launch(dtype, d, tile, causal, even_k, vec, deterministic, stages, dkdv_grid,
+                                        variant))
     if separate_dq and sm90 and BWD_DQ_SM90:
         dq_grid = (math.ceil(seqlen_q / BWD_DQ_SM90_BLOCK_M) * batch * nheads_q, 1, 1)
-        launches.append(bwd_dq_sm90_launch(dtype, d, causal, even_k, dq_grid))
+        launches.append(bwd_dq_sm90_launch(dtype, d, causal, even_k, dq_grid, variant))
     elif deterministic:
         dq_tile = _pick_bwd_dq_tile(d, smem_limit)
         dq_grid = (math.ceil(seqlen_q / dq_tile[0]) * batch * nheads_q, 1, 1)
-        launches.append(bwd_dq_launch(dtype, d, dq_tile, causal, even_k, vec, dq_grid))
+        launches.append(bwd_dq_launch(dtype, d, dq_tile, causal, even_k, vec, dq_grid, variant))
     else:
         launches.append(bwd_convert_launch(dtype, vec, q_rows[0] * q_rows[1] * nheads_q))
     if kv_splits > 1:
@@ -600,8 +603,7 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
         for dtype, d, causal, even_k, det in itertools.product(CTYPES, HEAD_DIMS, (False, True), (True, False),
                                                                (False, True)):
             if uses_sm90_bwd(d, True, cc):
-                for block_m in _BWD_SM90_BLOCK_MS[d]:  # the experiments' too
-                    out.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, det, block_m=block_m))
+                out.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, det))
                 if det:
                     out.append(bwd_dq_sm90_launch(dtype, d, causal, even_k))
     for dtype, vec in itertools.product(CTYPES, (True, False)):
@@ -619,6 +621,16 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
         for tile, causal, even_k, vec in itertools.product(
                 _BWD_DQ_TILES[d], (False, True), (True, False), (True, False)):
             out.append(bwd_dq_launch(dtype, d, tile, causal, even_k, vec))
+    # Each variant switched on alone: the kernels a default plan takes on aligned data.
+    for bit, d, causal, det in itertools.product(VARIANT_BITS.values(), HEAD_DIMS, (False, True), (False, True)):
+        for tile in _bwd_tiles(d, causal, det, True)[:1]:
+            out.append(bwd_dkdv_launch(_VARIANT_CHECK_DTYPE, d, tile, causal, True, True, det, variant=bit))
+        if det:
+            out.append(bwd_dq_launch(_VARIANT_CHECK_DTYPE, d, _BWD_DQ_TILES[d][0], causal, True, True, variant=bit))
+        if cc is not None and uses_sm90_bwd(d, True, cc):
+            out.append(bwd_dkdv_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, det, variant=bit))
+            if det:
+                out.append(bwd_dq_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bit))
     return out
 
 
@@ -690,12 +702,13 @@ def decode_tile(head_dim_padded: int, warps: tuple[int, int], cc: tuple[int, int
 
 
 def decode_launch(dtype: str, head_dim_padded: int, warps: tuple[int, int], causal: bool, paged: bool,
-                  vec: bool, grid: tuple[int, int, int] = (1, 1, 1), cc: tuple[int, int] = (9, 0)) -> Launch:
+                  vec: bool, grid: tuple[int, int, int] = (1, 1, 1), cc: tuple[int, int] = (9, 0),
+                  variant: int = 0) -> Launch:
     """The decode kernel instantiation for one set of compile-time choices."""
     block_n, stages, warps = decode_tile(head_dim_padded, warps, cc)
     smem = decode_smem_bytes(head_dim_padded, block_n, warps[0], stages)
     args = (CTYPES[dtype], str(head_dim_padded), str(block_n), str(warps[0]), str(warps[1]), str(stages),
-            _cbool(causal), _cbool(paged), _cbool(vec))
+            _cbool(causal), _cbool(paged), _cbool(vec), str(variant))
     return Launch("flash_decode.cu", "cupyflash::flash_decode_kernel", args, grid, (DECODE_WARPS * 32, 1, 1), smem)
 
 
@@ -741,7 +754,7 @@ def decode_num_splits(blocks: int, n_tiles: int, num_sms: int) -> int:
 
 def select_decode(*, batch: int, seqlen_q: int, nheads_q: int, nheads_kv: int, head_dim: int, max_seqlen_k: int,
                   dtype: str, causal: bool, paged: bool, vec: bool, num_splits: int = 0, num_sms: int = 132,
-                  cc: tuple[int, int] = (9, 0)) -> DecodePlan:
+                  cc: tuple[int, int] = (9, 0), variant: int = 0) -> DecodePlan:
     """Choose the decode kernel's warp grid, grid and key splits.
 
     ``max_seqlen_k`` bounds every sequence's key count (cache plus appended
@@ -766,7 +779,8 @@ def select_decode(*, batch: int, seqlen_q: int, nheads_q: int, nheads_kv: int, h
         splits = min(num_splits, n_tiles, DECODE_MAX_SPLITS)
     else:
         splits = decode_num_splits(blocks, n_tiles, num_sms)
-    main = decode_launch(dtype, d, warps, causal, paged, vec, (num_m_blocks * splits, nheads_kv, batch), cc)
+    main = decode_launch(dtype, d, warps, causal, paged, vec, (num_m_blocks * splits, nheads_kv, batch), cc,
+                         variant)
     combine = decode_combine_launch(dtype, d, batch * nheads_q * seqlen_q) if splits > 1 else None
     return DecodePlan(main, combine, d, block_m, num_m_blocks, splits)
 
@@ -795,4 +809,9 @@ def all_decode_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
                                                            (False, True), (True, False)):
             out.append(decode_launch(dtype, d, warps, causal, paged, vec, cc=cc))
         out.append(decode_combine_launch(dtype, d))
+    # Each variant but dropout switched on alone (aligned, contiguous and paged).
+    for bit, d, warps, causal, paged in itertools.product(
+            [b for b in VARIANT_BITS.values() if b != VAR_DROPOUT], HEAD_DIMS, ((1, 4), (2, 2), (4, 1)),
+            (False, True), (False, True)):
+        out.append(decode_launch(_VARIANT_CHECK_DTYPE, d, warps, causal, paged, True, cc=cc, variant=bit))
     return out

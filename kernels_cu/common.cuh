@@ -9,6 +9,7 @@ namespace cupyflash {
 using int32 = int;
 using int64 = long long;
 using uint32 = unsigned int;
+using uint64 = unsigned long long;
 
 // NVRTC has no <cmath>/<type_traits>: the few pieces we need, spelled out.
 #define NEG_INF (-__int_as_float(0x7f800000))

@@ -263,7 +263,7 @@ struct BwdTraits {
 // At least one block per SM, said explicitly: without it ptxas capped the D=96
 // 64x64 tile at 128 registers (for two blocks per SM) and spilled.
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int WARPS_M_SDP, int WARPS_N_DKV,
-          int WARPS_M_DQ, bool IS_CAUSAL, bool EVEN_K, bool VEC, bool DETERMINISTIC>
+          int WARPS_M_DQ, bool IS_CAUSAL, bool EVEN_K, bool VEC, bool DETERMINISTIC, int VARIANT>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_bwd_dkdv_kernel(const BwdParams p) {
     using Tr = BwdTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, WARPS_M_SDP, WARPS_N_DKV, WARPS_M_DQ>;
@@ -552,7 +552,8 @@ struct BwdDqTraits {
     static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "k16 steps");
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool IS_CAUSAL, bool EVEN_K, bool VEC>
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool IS_CAUSAL, bool EVEN_K, bool VEC,
+          int VARIANT>
 __global__ void __launch_bounds__(NUM_WARPS * 32)
 flash_bwd_dq_kernel(const BwdParams p) {
     using Tr = BwdDqTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;

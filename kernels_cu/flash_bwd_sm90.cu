@@ -7,8 +7,8 @@
 // are masked. Dense and packed (varlen) batches alike (seqlens.cuh).
 //
 // One block owns BLOCK_N = 128 keys of one (batch, KV head); each of its two
-// warpgroups owns 64 of them and loops over the query blocks (BLOCK_M = 64; 128
-// at D=64 as an experiment, see dispatch.py) of the group's query heads.
+// warpgroups owns 64 of them and loops over the query blocks (BLOCK_M = 64) of
+// the group's query heads.
 // Everything is computed transposed, keys as rows, so every product's A operand
 // is either in shared memory or already in registers:
 //   Sᵀ  = K·Qᵀ          A = K (smem), B = Q (smem)               -> registers
@@ -18,13 +18,11 @@
 //   dK += dSᵀ·Q         A = dSᵀ (registers), B = Q (smem, MN-major)
 //   dQ  = dS·K          A = dSᵀ staged in smem (read MN-major), B = K (smem, MN-major);
 //                       over all 128 keys, warpgroup w takes columns [w·D/2, (w+1)·D/2)
-//                       of the 64 query rows (BLOCK_M = 64), or query rows
-//                       [64w, 64w + 64) with every column (BLOCK_M = 128); added to
-//                       dq_accum with fp32 atomics.
+//                       of the 64 query rows; added to dq_accum with fp32 atomics.
 // Q, dO, lse_log2 and delta are double-buffered (cp.async, 128-byte swizzle).
 //
-// Template parameters: T, HEAD_DIM (64 or 128), BLOCK_M (64; or 128 at D=64),
-// IS_CAUSAL, EVEN_K, DETERMINISTIC (skip dQ: flash_bwd_dq_kernel computes it).
+// Template parameters: T, HEAD_DIM (64 or 128), IS_CAUSAL, EVEN_K, DETERMINISTIC
+// (skip dQ: flash_bwd_dq_kernel computes it), VARIANT (variant.cuh).
 // 16-byte loads are assumed.
 #include "params.cuh"
 #include "ptx.cuh"
@@ -38,15 +36,12 @@
 
 namespace cupyflash {
 
-template <typename T_, int HEAD_DIM_, int BLOCK_M_>
+template <typename T_, int HEAD_DIM_>
 struct BwdSm90Traits {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
-    static constexpr int BLOCK_M = BLOCK_M_;  // query rows per step
-    static constexpr int BLOCK_N = 128;       // keys per block, 64 per warpgroup
-    // Sᵀ and dPᵀ hold BLOCK_M fp32 per thread next to dK and dV's HEAD_DIM: 128 query
-    // rows make that 192 at D=64 (250 registers in all), 256 at D=128.
-    static_assert(BLOCK_M == 64 || (BLOCK_M == 128 && HEAD_DIM == 64), "BLOCK_M: 64, or 128 at D=64");
+    static constexpr int BLOCK_M = 64;   // query rows per step
+    static constexpr int BLOCK_N = 128;  // keys per block, 64 per warpgroup
     static constexpr int NUM_THREADS = 256;
     using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;   // K, V (and dK, dV staging)
     using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;    // Q, dO
@@ -59,19 +54,15 @@ struct BwdSm90Traits {
     static constexpr int SMEM_BYTES = SEQ_OFFSET + SeqLensSlot::BYTES + 1024;
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M_, bool IS_CAUSAL, bool EVEN_K, bool DETERMINISTIC>
+template <typename T, int HEAD_DIM, bool IS_CAUSAL, bool EVEN_K, bool DETERMINISTIC, int VARIANT>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
-    using Tr = BwdSm90Traits<T, HEAD_DIM, BLOCK_M_>;
+    using Tr = BwdSm90Traits<T, HEAD_DIM>;
     constexpr int BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N, NT = Tr::NUM_THREADS;
     constexpr int D_TILES = HEAD_DIM / 8;        // n8 tiles of dK, dV
     constexpr int M_TILES = BLOCK_M / 8;         // n8 tiles of Sᵀ, dPᵀ (query columns)
-    // dQ's BLOCK_M x HEAD_DIM per step, split over the two warpgroups as 64-row
-    // wgmmas: the 64 rows, half the columns each (BLOCK_M = 64), or 64 rows each,
-    // every column (BLOCK_M = 128: one m64n64 accumulator, as many registers as
-    // 128 rows x 32 columns, but half the wgmmas, and the K tile read once).
-    constexpr bool DQ_SPLIT_ROWS = BLOCK_M == 128;
-    constexpr int DQ_COLS = DQ_SPLIT_ROWS ? HEAD_DIM : HEAD_DIM / 2;  // dQ columns per warpgroup
+    // dQ's 64 x HEAD_DIM per step, split over the two warpgroups: half the columns each.
+    constexpr int DQ_COLS = HEAD_DIM / 2;  // dQ columns per warpgroup
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
     using DSTile = typename Tr::DSTile;
@@ -93,7 +84,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     // (Sᵀ, dPᵀ, dK, dV); in dQ, query rows dq_row0 + 16 (warp % 4) + g (+ 8) of a
     // step, columns from dq_col0.
     const int key_row0 = wg * 64 + (warp % 4) * 16 + g;
-    const int dq_row0 = DQ_SPLIT_ROWS ? wg * 64 : 0, dq_col0 = DQ_SPLIT_ROWS ? 0 : wg * DQ_COLS;
+    const int dq_row0 = 0, dq_col0 = wg * DQ_COLS;
 
     // ---- which tile (as flash_bwd_dkdv_kernel): key blocks of one (batch, KV
     //      head, split) adjacent; causal runs the heaviest key blocks first.
@@ -396,7 +387,7 @@ struct BwdDqSm90Traits {
     static constexpr int SMEM_BYTES = 2 * QTile::BYTES + 2 * STAGES * KVTile::BYTES + 1024;
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int CTAS_PER_SM, bool IS_CAUSAL, bool EVEN_K>
+template <typename T, int HEAD_DIM, int BLOCK_N, int CTAS_PER_SM, bool IS_CAUSAL, bool EVEN_K, int VARIANT>
 __global__ void __launch_bounds__(256, CTAS_PER_SM)
 flash_bwd_dq_sm90_kernel(const BwdParams p) {
     using Tr = BwdDqSm90Traits<T, HEAD_DIM, BLOCK_N>;

@@ -124,7 +124,7 @@ __device__ __forceinline__ T* cache_slot(T* base, const KvSource<T, PAGED>& src,
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS_M, int WARPS_N, int STAGES,
-          bool IS_CAUSAL, bool PAGED, bool VEC>
+          bool IS_CAUSAL, bool PAGED, bool VEC, int VARIANT>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, 1)
 flash_decode_kernel(const DecodeParams p) {
     using Tr = DecodeTraits<T, HEAD_DIM, BLOCK_N, WARPS_M, WARPS_N, STAGES>;
@@ -331,7 +331,11 @@ flash_decode_kernel(const DecodeParams p) {
             }
             apply_col_limits<1, N_TILES>(s, n * BLOCK_N + wn * WARP_KEYS + 2 * t, limit);
         }
-        softmax.update(s, acc_o, acc_l, p.softmax_scale_log2);
+#pragma unroll
+        for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[0][j][e] *= p.softmax_scale_log2;  // log2 units (online_softmax.cuh)
+        softmax.update(s, acc_o, acc_l);
         uint32 pa[1][WARP_KEYS / 16][4];
         pack_a<T, 1, WARP_KEYS / 16>(pa, s);
 #pragma unroll
@@ -348,7 +352,7 @@ flash_decode_kernel(const DecodeParams p) {
 
     // ---- epilogue: merge the WARPS_N warps of a row block (their lse), then write
     float lse[1][2];
-    softmax.finalize(acc_o, acc_l, p.softmax_scale, lse);
+    softmax.finalize(acc_o, acc_l, lse);
     if constexpr (WARPS_N > 1) {
         float* s_lse = reinterpret_cast<float*>(smem + QTile::BYTES);  // [WARPS_N][BLOCK_M]
         float* s_o = s_lse + WARPS_N * BLOCK_M;                         // [WARPS_N - 1][BLOCK_M][O_STRIDE]

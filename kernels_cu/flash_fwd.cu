@@ -16,6 +16,7 @@
 //   EVEN_K      head_dim == HEAD_DIM (no column predicates)
 //   VEC         16-byte loads are legal (pointers, strides, head_dim multiples of 8 elements)
 //   IS_SPLIT    split-KV: write fp32 partial (out, lse) for flash_fwd_combine
+//   VARIANT     the variants switched on (variant.cuh's VAR_* bits)
 //
 // Dense and packed (varlen) batches run the same instantiations: seqlens.cuh
 // gives each block its sequence's rows and lengths (split-KV: dense only).
@@ -24,8 +25,9 @@
 #include "seqlens.cuh"
 #include "query_grid.cuh"
 #include "tile_io.cuh"
-#include "mask.cuh"
+#include "variant.cuh"
 #include "online_softmax.cuh"
+#include "warp_mma.cuh"
 
 namespace cupyflash {
 
@@ -50,7 +52,7 @@ struct FwdTraits {
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS,
-          bool IS_CAUSAL, bool EVEN_K, bool VEC, bool IS_SPLIT>
+          bool IS_CAUSAL, bool EVEN_K, bool VEC, bool IS_SPLIT, int VARIANT>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_fwd_kernel(const FwdParams p) {
     using Tr = FwdTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
@@ -74,14 +76,16 @@ flash_fwd_kernel(const FwdParams p) {
     const T* q = static_cast<const T*>(p.q) + tc.b * p.q_batch_stride + int64(seq.q_start + m0) * p.q_row_stride +
                  tc.h * p.q_head_stride;
 
-    int n_begin = 0;
-    int n_end = n_block_end<IS_CAUSAL>(m0, BLOCK_M, BLOCK_N, seq.seqlen_q, seq.seqlen_k);
-    if (IS_SPLIT) {
-        n_begin = blockIdx.y * p.n_blocks_per_split;
-        n_end = min(n_end, n_begin + p.n_blocks_per_split);
+    const Mask<IS_CAUSAL, VARIANT> mask(p.var, seq.seqlen_q, seq.seqlen_k);
+    BlockRange blocks = mask.key_blocks(m0, BLOCK_M, BLOCK_N);
+    if (IS_SPLIT) {  // this split's share of the key blocks
+        blocks.begin = max(blocks.begin, int(blockIdx.y) * p.n_blocks_per_split);
+        blocks.end = min(blocks.end, int(blockIdx.y + 1) * p.n_blocks_per_split);
+        blocks.clamp();
     }
-    const int n_unmasked_end =
-        max(n_begin, n_block_unmasked_end<IS_CAUSAL>(m0, BLOCK_N, seq.seqlen_q, seq.seqlen_k));
+    const ScoreMod<VARIANT> mod(p.var, p.softmax_scale_log2, tc.b, tc.h, seq.seqlen_q, seq.seqlen_k);
+    // The sink joins the rows of one split only.
+    const float sink = blockIdx.y == 0 ? sink_log2<VARIANT>(p.var, tc.h) : NEG_INF;
 
     // Per-thread fragment rows: row r0 + 16 i (+ 8) of this block, i < M_TILES.
     const int r0 = warp * Tr::ROWS_PER_WARP + g;
@@ -99,7 +103,7 @@ flash_fwd_kernel(const FwdParams p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_l[i][e] = 0.f;
     OnlineSoftmax<M_TILES> softmax;
-    softmax.init();
+    softmax.init(sink);
 
     const T* k = static_cast<const T*>(p.k) + tc.b * p.k_batch_stride + int64(seq.k_start) * p.k_row_stride +
                  tc.h_kv * p.k_head_stride;
@@ -112,9 +116,9 @@ flash_fwd_kernel(const FwdParams p) {
     auto load_k = [&](int n) { load_kv(sK, k, p.k_row_stride, n); };
     auto load_v = [&](int n) { load_kv(sV, v, p.v_row_stride, n); };
 
-    if (n_begin < n_end) {
+    if (blocks.begin < blocks.end) {
         load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ, q, p.q_row_stride, seq.seqlen_q - m0, p.head_dim);
-        load_k(n_end - 1);
+        load_k(blocks.end - 1);
         cp_async_commit();
     }
 
@@ -134,11 +138,14 @@ flash_fwd_kernel(const FwdParams p) {
         load_v(n);
         cp_async_commit();
 
-        // On the causal diagonal a warp whose rows all end before this key block
-        // skips its mma work (it still takes part in the loads and barriers); the
-        // SM's other block gets its issue slots. Unmasked blocks never branch here.
-        const bool warp_idle = decltype(masked)::value && IS_CAUSAL &&
-                               n * BLOCK_N > m0 + (warp + 1) * Tr::ROWS_PER_WARP - 1 + seq.seqlen_k - seq.seqlen_q;
+        // A warp whose rows see none of this block's keys (the causal diagonal, the
+        // window's edges) skips its mma work (it still takes part in the loads and
+        // barriers); the SM's other block gets its issue slots. Unmasked blocks
+        // never branch here.
+        const int warp_row0 = m0 + warp * Tr::ROWS_PER_WARP;
+        const bool warp_idle = decltype(masked)::value &&
+                               mask.none_visible(warp_row0, warp_row0 + Tr::ROWS_PER_WARP - 1, n * BLOCK_N,
+                                                 (n + 1) * BLOCK_N - 1);
         if (!warp_idle) {
             // ---- S = Q·Kᵀ (rolled over k16 steps: unrolling lets the compiler hoist
             //      fragment loads and spill at HEAD_DIM 128)
@@ -162,36 +169,35 @@ flash_fwd_kernel(const FwdParams p) {
                     }
                 }
             }
-            if constexpr (decltype(masked)::value) {
-                apply_mask<M_TILES, N_TILES, IS_CAUSAL>(s, m0 + r0, n * BLOCK_N + 2 * t, seq.seqlen_q,
-                                                        seq.seqlen_k);
-            }
-
+            // ---- scores in log2 units (the variant's), masked where the block needs it
+            score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
         }
 
         cp_async_wait<0>();
         __syncthreads();  // V[n] landed; every warp is done reading K[n]
-        if (n > n_begin) {
+        if (n > blocks.begin) {
             load_k(n - 1);
             cp_async_commit();
         }
 
         if (!warp_idle) {
             // ---- online softmax: s becomes P, acc_o and acc_l are rescaled
-            softmax.update(s, acc_o, acc_l, p.softmax_scale_log2);
+            softmax.update(s, acc_o, acc_l);
 
-            // ---- O += P·V and l += P·1, with P repacked from the S accumulators as the A operand
+            // ---- l += P·1 and O += P·V, with P repacked from the S accumulators as the A
+            //      operand; dropout zeroes its dropped entries for P·V only (the row sums
+            //      are the undropped ones; 1/(1-p) comes in the epilogue)
             uint32 pa[M_TILES][BLOCK_N / 16][4];
+            pack_a<T>(pa, s);
 #pragma unroll
-            for (int i = 0; i < M_TILES; ++i) {
+            for (int i = 0; i < M_TILES; ++i)
 #pragma unroll
-                for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-                    pa[i][kk][0] = TypeTraits<T>::pack(s[i][2 * kk][0], s[i][2 * kk][1]);
-                    pa[i][kk][1] = TypeTraits<T>::pack(s[i][2 * kk][2], s[i][2 * kk][3]);
-                    pa[i][kk][2] = TypeTraits<T>::pack(s[i][2 * kk + 1][0], s[i][2 * kk + 1][1]);
-                    pa[i][kk][3] = TypeTraits<T>::pack(s[i][2 * kk + 1][2], s[i][2 * kk + 1][3]);
+                for (int kk = 0; kk < BLOCK_N / 16; ++kk)
                     mma_m16n8k16<T>(acc_l[i], pa[i][kk], TypeTraits<T>::ONE_PAIR, TypeTraits<T>::ONE_PAIR);
-                }
+            if constexpr ((VARIANT & VAR_DROPOUT) != 0) {
+                const TileCoords td = fwd_tile_coords<IS_CAUSAL>(p);
+                Dropout(p.var, td.b, td.h, p.nheads_q).apply(s, m0 + r0, n * BLOCK_N + 2 * t);
+                pack_a<T>(pa, s);
             }
 #pragma unroll
             for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
@@ -209,14 +215,18 @@ flash_fwd_kernel(const FwdParams p) {
         }
     };
 
-    // Masked blocks (key tail, causal diagonal) come first, then the bulk with no mask code.
-    int n = n_end - 1;
-    for (; n >= n_unmasked_end; --n) step(n, Bool<true>{});
-    for (; n >= n_begin; --n) step(n, Bool<false>{});
+    // Masked blocks (key tail, causal diagonal) first, then the bulk with no mask
+    // code, then the masked blocks of the window's left edge.
+    int n = blocks.end - 1;
+    for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{});
+    for (; n >= blocks.unmasked_begin; --n) step(n, Bool<false>{});
+    if constexpr (Mask<IS_CAUSAL, VARIANT>::WINDOW) {
+        for (; n >= blocks.begin; --n) step(n, Bool<true>{});
+    }
 
     // ---- epilogue (tile coordinates recomputed: nothing but accumulators crossed the loop)
     float lse[M_TILES][2];
-    softmax.finalize(acc_o, acc_l, p.softmax_scale, lse);
+    softmax.finalize(acc_o, acc_l, lse, sink, (VARIANT & VAR_DROPOUT) ? p.var.dropout_scale : 1.f);
     const TileCoords te = fwd_tile_coords<IS_CAUSAL>(p);
     const SeqLens se = seq_lens(p, te.b);
     const int e_m0 = te.m_block * BLOCK_M;

@@ -3,8 +3,11 @@
 // fragments, the rescaling of the accumulators, and the final normalisation
 // that yields lse.
 //
-// Scores arrive unscaled (raw q.k); softmax_scale * log2(e) is folded into one
-// FMA before exp2. The mma.sync kernel does not add the row sums up here: it
+// Scores arrive in log2 units (variant.cuh's score_tile: x = softmax_scale·log2(e)·q·k,
+// or the variant's modified score), and the running max is taken over those same
+// rounded values, so a row's largest term is exactly exp2(0) = 1 at any logit
+// magnitude. A row's max may start at its sink (variant.cuh), which then joins the
+// sum in finalize. The mma.sync kernel does not add the row sums up here: it
 // accumulates them on the Tensor Cores as one more n8 tile, P·1 (acc_l), next to
 // P·V. That keeps no fp32 copy of P alive past the softmax (the adds otherwise get
 // scheduled below P·V and cost ~30 registers at D=128), and it normalises by the
@@ -18,32 +21,32 @@ namespace cupyflash {
 
 template <int M_TILES>
 struct OnlineSoftmax {
-    float row_max[M_TILES][2];  // raw-score units; rows g and g+8 of each m-tile
+    float row_max[M_TILES][2];  // log2 units; rows g and g+8 of each m-tile
 
-    __device__ __forceinline__ void init() {
+    // start: -inf, or the rows' sink in log2 units (one head per tile; see init_rows).
+    __device__ __forceinline__ void init(float start = NEG_INF) {
 #pragma unroll
-        for (int i = 0; i < M_TILES; ++i) { row_max[i][0] = NEG_INF; row_max[i][1] = NEG_INF; }
+        for (int i = 0; i < M_TILES; ++i) { row_max[i][0] = start; row_max[i][1] = start; }
     }
 
     // Turn row (i, h) of the scores s into unnormalised probabilities
-    // p = exp2((s - m_new) * scale_log2) in place, update the running max, and
-    // return the factor exp2((m_old - m_new) * scale_log2) that rescales what was
-    // accumulated for that row. A row whose max is still -inf (every key masked so
-    // far) gets p = 0 and no NaN.
+    // p = exp2(s - m_new) in place, update the running max, and return the factor
+    // exp2(m_old - m_new) that rescales what was accumulated for that row. A row
+    // whose max is still -inf (every key masked so far) gets p = 0 and no NaN.
     template <int N_TILES>
-    __device__ __forceinline__ float exp_row(float (&s)[M_TILES][N_TILES][4], int i, int h, float scale_log2) {
+    __device__ __forceinline__ float exp_row(float (&s)[M_TILES][N_TILES][4], int i, int h) {
         float m_tile = row_max[i][h];
 #pragma unroll
         for (int j = 0; j < N_TILES; ++j) m_tile = fmaxf(m_tile, fmaxf(s[i][j][2 * h], s[i][j][2 * h + 1]));
         const float m_new = quad_max(m_tile);
         // Guard the all-masked row: subtract 0 instead of -inf.
-        const float m_scaled = m_new == NEG_INF ? 0.f : m_new * scale_log2;
-        const float alpha = fast_exp2(row_max[i][h] * scale_log2 - m_scaled);
+        const float m_sub = m_new == NEG_INF ? 0.f : m_new;
+        const float alpha = fast_exp2(row_max[i][h] - m_sub);
         row_max[i][h] = m_new;
 #pragma unroll
         for (int j = 0; j < N_TILES; ++j) {
-            s[i][j][2 * h] = fast_exp2(fmaf(s[i][j][2 * h], scale_log2, -m_scaled));
-            s[i][j][2 * h + 1] = fast_exp2(fmaf(s[i][j][2 * h + 1], scale_log2, -m_scaled));
+            s[i][j][2 * h] = fast_exp2(s[i][j][2 * h] - m_sub);
+            s[i][j][2 * h + 1] = fast_exp2(s[i][j][2 * h + 1] - m_sub);
         }
         return alpha;
     }
@@ -51,12 +54,12 @@ struct OnlineSoftmax {
     // s becomes P; the accumulators (acc_o = P·V, acc_l = P·1) are rescaled.
     template <int N_TILES, int D_TILES>
     __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float (&acc_o)[M_TILES][D_TILES][4],
-                                           float (&acc_l)[M_TILES][4], float scale_log2) {
+                                           float (&acc_l)[M_TILES][4]) {
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const float alpha = exp_row(s, i, h, scale_log2);
+                const float alpha = exp_row(s, i, h);
                 acc_l[i][2 * h] *= alpha;
                 acc_l[i][2 * h + 1] *= alpha;
 #pragma unroll
@@ -74,86 +77,66 @@ struct OnlineSoftmax {
     // finalize_sums.
     template <int N_TILES, int D_TILES>
     __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float (&acc_o)[M_TILES][D_TILES][4],
-                                           float (&row_sum)[M_TILES][2], float scale_log2) {
-        float alpha[M_TILES][2];
-        update_sums(s, row_sum, scale_log2, alpha);
-        rescale(acc_o, alpha);
-    }
-
-    // update() in two parts, for kernels whose O += P·V of the previous key block is
-    // still in flight when the next block's scores arrive (FlashAttention-3's
-    // intra-warpgroup overlap): update_sums turns s into P and rescales and adds to
-    // the thread-partial row sums, leaving in alpha each row's factor for acc_o;
-    // rescale applies it once that product has landed (before the next one is issued).
-    template <int N_TILES>
-    __device__ __forceinline__ void update_sums(float (&s)[M_TILES][N_TILES][4], float (&row_sum)[M_TILES][2],
-                                                float scale_log2, float (&alpha)[M_TILES][2]) {
+                                           float (&row_sum)[M_TILES][2]) {
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                alpha[i][h] = exp_row(s, i, h, scale_log2);
+                const float alpha = exp_row(s, i, h);
                 float sum = 0.f;
 #pragma unroll
                 for (int j = 0; j < N_TILES; ++j) sum += s[i][j][2 * h] + s[i][j][2 * h + 1];
-                row_sum[i][h] = fmaf(row_sum[i][h], alpha[i][h], sum);
-            }
-        }
-    }
-    template <int D_TILES>
-    __device__ __forceinline__ static void rescale(float (&acc_o)[M_TILES][D_TILES][4],
-                                                   const float (&alpha)[M_TILES][2]) {
-#pragma unroll
-        for (int i = 0; i < M_TILES; ++i) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
+                row_sum[i][h] = fmaf(row_sum[i][h], alpha, sum);
 #pragma unroll
                 for (int d = 0; d < D_TILES; ++d) {
-                    acc_o[i][d][2 * h] *= alpha[i][h];
-                    acc_o[i][d][2 * h + 1] *= alpha[i][h];
+                    acc_o[i][d][2 * h] *= alpha;
+                    acc_o[i][d][2 * h + 1] *= alpha;
                 }
             }
         }
     }
 
-    // Divide the accumulator by the row sum and return lse = m * scale + ln(sum)
-    // (natural log). A row that saw no key gets output 0 and lse = -inf.
+    // Divide the accumulator by the row sum (plus the sink's term, when sink, the
+    // rows' sink in log2 units, is not -inf), times out_scale (dropout's 1/(1-p)),
+    // and return lse = (m + log2(sum))·ln(2) (natural log). A row that saw no key
+    // gets output 0 and lse = -inf (the sink, with one).
     template <int D_TILES>
     __device__ __forceinline__ void finalize(float (&acc_o)[M_TILES][D_TILES][4], const float (&acc_l)[M_TILES][4],
-                                             float softmax_scale, float (&lse)[M_TILES][2]) {
+                                             float (&lse)[M_TILES][2], float sink = NEG_INF, float out_scale = 1.f) {
         float sums[M_TILES][2];
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
             sums[i][0] = acc_l[i][0];  // every column of P·1 holds the whole row sum
             sums[i][1] = acc_l[i][2];
         }
-        normalize(acc_o, sums, softmax_scale, lse);
+        normalize(acc_o, sums, lse, sink, out_scale);
     }
     // The same from thread-partial row sums (the wgmma kernels' update).
     template <int D_TILES>
     __device__ __forceinline__ void finalize_sums(float (&acc_o)[M_TILES][D_TILES][4],
-                                                  const float (&row_sum)[M_TILES][2], float softmax_scale,
-                                                  float (&lse)[M_TILES][2]) {
+                                                  const float (&row_sum)[M_TILES][2], float (&lse)[M_TILES][2],
+                                                  float sink = NEG_INF, float out_scale = 1.f) {
         float sums[M_TILES][2];
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
             sums[i][0] = quad_sum(row_sum[i][0]);
             sums[i][1] = quad_sum(row_sum[i][1]);
         }
-        normalize(acc_o, sums, softmax_scale, lse);
+        normalize(acc_o, sums, lse, sink, out_scale);
     }
 
     template <int D_TILES>
     __device__ __forceinline__ void normalize(float (&acc_o)[M_TILES][D_TILES][4], const float (&sums)[M_TILES][2],
-                                              float softmax_scale, float (&lse)[M_TILES][2]) {
+                                              float (&lse)[M_TILES][2], float sink, float out_scale) {
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const float sum = sums[i][h];
+                // row_max >= sink once the max started there: no -inf - -inf
+                const float sum = sink == NEG_INF ? sums[i][h] : sums[i][h] + fast_exp2(sink - row_max[i][h]);
                 const bool empty = !(sum > 0.f);    // also catches NaN
-                const float inv = empty ? 0.f : 1.f / sum;
-                lse[i][h] = empty ? NEG_INF : row_max[i][h] * softmax_scale + __logf(sum);
+                const float inv = empty ? 0.f : out_scale / sum;
+                lse[i][h] = empty ? NEG_INF : (row_max[i][h] + __log2f(sum)) * LN2;
 #pragma unroll
                 for (int d = 0; d < D_TILES; ++d) {
                     acc_o[i][d][2 * h] *= inv;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "variant.cuh"
 
 namespace cupyflash {
 
@@ -34,6 +35,7 @@ struct FwdParams {
     int32 n_blocks_per_split;  // key blocks each split visits
     float softmax_scale;       // multiplies q.k
     float softmax_scale_log2;  // softmax_scale * log2(e), for exp2
+    VariantParams var;         // window, softcap, ALiBi, sinks, dropout (variant.cuh)
 };
 
 #ifdef CUPYFLASH_FWD_PARAMS_BYTES
@@ -82,6 +84,7 @@ struct BwdParams {
                                // nheads_q / nheads_kv / kv_splits of the group's query heads
     float softmax_scale;       // multiplies q.k
     float softmax_scale_log2;  // softmax_scale * log2(e), for exp2
+    VariantParams var;         // window, softcap, ALiBi, sinks, dropout (variant.cuh)
 };
 
 #ifdef CUPYFLASH_BWD_PARAMS_BYTES
@@ -128,6 +131,7 @@ struct DecodeParams {
     int32 num_splits;          // key ranges per (sequence, KV head, row block)
     float softmax_scale;       // multiplies q.k
     float softmax_scale_log2;  // softmax_scale * log2(e), for exp2
+    VariantParams var;         // window, softcap, ALiBi, sinks, dropout (variant.cuh)
 };
 
 #ifdef CUPYFLASH_DECODE_PARAMS_BYTES

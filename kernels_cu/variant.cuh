@@ -1,0 +1,269 @@
+// variant.cuh: the attention variants, written once for every kernel (issue 13).
+//
+// A kernel takes one template argument VARIANT, a set of the VAR_* bits below,
+// and asks this header three things:
+//   * block level (Mask::key_blocks, Mask::query_blocks): which blocks of the
+//     other side a block visits, and which of those need no mask code at all;
+//   * element level (Mask::visible, ScoreMod::operator()): whether query row i
+//     sees key j, and the score of (i, j) in log2 units;
+//   * the backward's pieces (ScoreMod::dscore, the softcap derivative; the
+//     probability recompute prob()).
+// Nothing else in a kernel knows which variant it runs.
+//
+// Semantics (flash-attention's; cupyflash/reference.py is the specification).
+// With s = q·k (raw) and off = seqlen_k - seqlen_q (bottom-right alignment):
+//   softcap  u = softcap · tanh(softmax_scale · s / softcap), else u = softmax_scale · s
+//   alibi    u -= slope[b, h] · |i + off - j|
+//   window   row i sees key j iff i + off - left <= j <= i + off + right (-1: unbounded);
+//            causal is right = 0; every row sees only j < seqlen_k
+//   sinks    a logit sinks[h] that joins each row's denominator with no value
+//   dropout  each probability kept iff its Philox word >= threshold, scaled by 1/(1-p)
+// Scores are kept in log2 units, x = u · log2(e), computed once per element; the
+// online softmax subtracts the row maximum of those same rounded values, so the
+// largest term of a row is exactly exp2(0) = 1 at any logit magnitude.
+#pragma once
+
+#include "ptx.cuh"
+
+namespace cupyflash {
+
+constexpr int VAR_WINDOW = 1;   // window_size (left, right)
+constexpr int VAR_SOFTCAP = 2;  // tanh logit softcap
+constexpr int VAR_ALIBI = 4;    // ALiBi slopes
+constexpr int VAR_SINKS = 8;    // attention sinks
+constexpr int VAR_DROPOUT = 16; // Philox dropout
+
+// The variants' runtime arguments, one member `var` of every params struct
+// (mirrored as VARIANT_PARAMS in cupyflash/_params.py). Fields of a variant that
+// is off are never read.
+struct VariantParams {
+    // per call (the first fields: written at each launch)
+    const float* alibi_slopes;  // (batch, nheads_q) fp32, batch stride alibi_batch_stride (0: (nheads_q,))
+    const float* sinks;         // (nheads_q,) fp32, natural-log units
+    float* dsinks;              // backward: (nheads_q,) fp32, zeroed, summed into; null otherwise
+    uint64 dropout_seed;        // Philox key: (seed & 0xffffffff, seed >> 32)
+    uint32 dropout_offset;      // Philox counter word 3
+    // per plan
+    uint32 dropout_threshold;   // keep iff word >= threshold (floor(p * 2^32))
+    int64 alibi_batch_stride;   // in elements
+    int32 window_left;          // keys before the diagonal a row sees; -1: unbounded
+    int32 window_right;         // keys after it; -1: unbounded (causal forces 0)
+    float softcap_log2;         // softcap·log2(e), softcap > 0
+    float softcap_scale;        // softmax_scale / softcap
+    float dropout_scale;        // 1 / (1 - p)
+};
+__device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((b - 1 - a) / b); }
+
+// Blocks [begin, end) are visited; those in [unmasked_begin, unmasked_end) need
+// no mask; begin <= unmasked_begin <= unmasked_end <= end. Kernels walk them from
+// end - 1 down: masked, unmasked, masked again (the window's far edge: a loop
+// compiled only with a window, since a dead loop still costs registers).
+struct BlockRange {
+    int begin, end, unmasked_begin, unmasked_end;
+
+    __device__ __forceinline__ void clamp() {
+        end = max(end, 0);
+        begin = min(max(begin, 0), end);
+        unmasked_end = min(max(unmasked_end, begin), end);
+        unmasked_begin = min(max(unmasked_begin, begin), unmasked_end);
+    }
+    __device__ __forceinline__ bool masked(int n) const { return n < unmasked_begin || n >= unmasked_end; }
+};
+
+// Which keys each query row of one sequence sees.
+template <bool IS_CAUSAL, int VARIANT>
+struct Mask {
+    static constexpr bool WINDOW = (VARIANT & VAR_WINDOW) != 0;
+    static constexpr bool HAS_RIGHT = IS_CAUSAL || WINDOW;  // a right edge may exist
+    int seqlen_k, off;  // off = seqlen_k - seqlen_q
+    int left, right;    // window edges clamped to seqlen_q + seqlen_k (= unbounded)
+
+    __device__ __forceinline__ Mask(const VariantParams& v, int seqlen_q, int seqlen_k_)
+        : seqlen_k(seqlen_k_), off(seqlen_k_ - seqlen_q) {
+        const int far = seqlen_q + seqlen_k_;
+        left = WINDOW && v.window_left >= 0 ? min(v.window_left, far) : far;
+        right = IS_CAUSAL ? 0 : WINDOW && v.window_right >= 0 ? min(v.window_right, far) : far;
+    }
+
+    // Row i sees keys [col_begin(i), col_end(i)).
+    __device__ __forceinline__ int col_begin(int row) const { return WINDOW ? max(0, row + off - left) : 0; }
+    __device__ __forceinline__ int col_end(int row) const {
+        return HAS_RIGHT ? min(seqlen_k, max(0, row + off + right + 1)) : seqlen_k;
+    }
+    __device__ __forceinline__ bool visible(int row, int col) const {
+        return col < col_end(row) && (!WINDOW || col >= col_begin(row));
+    }
+
+    // Whether rows [row_first, row_last] see none of keys [col_first, col_last] (each
+    // row sees some key of the block range being visited).
+    __device__ __forceinline__ bool none_visible(int row_first, int row_last, int col_first, int col_last) const {
+        return (HAS_RIGHT && col_first > row_last + off + right) || (WINDOW && col_last < row_first + off - left);
+    }
+
+    // Key blocks of block_n keys that rows [m0, m0 + block_m) see.
+    __device__ __forceinline__ BlockRange key_blocks(int m0, int block_m, int block_n) const {
+        BlockRange r;
+        r.end = ceil_div(col_end(m0 + block_m - 1), block_n);
+        r.unmasked_end = col_end(m0) / block_n;  // whole blocks before the first row's right edge
+        if (WINDOW) {
+            r.begin = col_begin(m0) / block_n;
+            r.unmasked_begin = ceil_div(col_begin(m0 + block_m - 1), block_n);
+            r.clamp();
+        } else {  // ends >= 0 as computed; the beginnings known to be 0
+            r.begin = r.unmasked_begin = 0;
+            r.unmasked_end = min(r.unmasked_end, r.end);
+        }
+        return r;
+    }
+
+    // Query blocks of block_m rows (num_m_blocks of them) that see keys [n0, n0 + block_n);
+    // keys_valid < block_n (the key tail) masks every one.
+    __device__ __forceinline__ BlockRange query_blocks(int n0, int block_n, int keys_valid, int block_m,
+                                                       int num_m_blocks) const {
+        BlockRange r;
+        r.begin = HAS_RIGHT ? max(0, n0 - off - right) / block_m : 0;
+        r.end = WINDOW ? min(num_m_blocks, floor_div(n0 + block_n - 1 - off + left, block_m) + 1) : num_m_blocks;
+        if (keys_valid <= 0) r.end = 0;
+        r.unmasked_begin = HAS_RIGHT ? ceil_div(max(0, n0 + block_n - 1 - off - right), block_m) : 0;
+        r.unmasked_end = WINDOW ? floor_div(n0 - off + left + 1, block_m) : num_m_blocks;
+        if (keys_valid < block_n) r.unmasked_end = r.unmasked_begin = 0;
+        r.clamp();
+        return r;
+    }
+};
+
+// tanh on the special-function unit (sm_75+), as flash-attention's softcap.
+__device__ __forceinline__ float fast_tanh(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Raw q·k -> the score in log2 units, for the rows of one (batch, head). The
+// scales stay references to the kernel's params (constant-bank operands, no
+// registers); only ALiBi's per-head slope is held.
+template <int VARIANT>
+struct ScoreMod {
+    static constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0;
+    static constexpr bool ALIBI = (VARIANT & VAR_ALIBI) != 0;
+    const VariantParams& v;
+    const float& softmax_scale_log2;
+    float slope_log2;  // alibi slope·log2(e) (alibi only)
+    int off;           // seqlen_k - seqlen_q (alibi only)
+
+    __device__ __forceinline__ ScoreMod(const VariantParams& v_, const float& softmax_scale_log2_, int b, int h,
+                                        int seqlen_q, int seqlen_k)
+        : v(v_), softmax_scale_log2(softmax_scale_log2_),
+          slope_log2(ALIBI ? __ldg(v_.alibi_slopes + b * v_.alibi_batch_stride + h) * LOG2E : 0.f),
+          off(seqlen_k - seqlen_q) {}
+
+    __device__ __forceinline__ float operator()(float s, int row, int col) const {
+        float x = SOFTCAP ? v.softcap_log2 * fast_tanh(s * v.softcap_scale) : s * softmax_scale_log2;
+        if (ALIBI) x = fmaf(-slope_log2, float(abs(row + off - col)), x);
+        return x;
+    }
+    // d(score)/d(softmax_scale·s) relative to the plain one: 1 - tanh² with softcap
+    // (the kernels multiply dS by softmax_scale at the end, as without variants).
+    __device__ __forceinline__ float dscore(float s) const {
+        if (!SOFTCAP) return 1.f;
+        const float th = fast_tanh(s * v.softcap_scale);
+        return fmaf(-th, th, 1.f);
+    }
+};
+
+// The backward's P = exp2(x - lse_log2), never above 1 (at extreme logits lse_log2
+// differs from the forward's row maximum by its rounding).
+__device__ __forceinline__ float prob(float x, float lse_log2) { return fast_exp2(fminf(x - lse_log2, 0.f)); }
+
+// Scores of an mma accumulator tile set -> log2 units, masked (MASKED: the block
+// needs it). s[i][j][e]: m-tile i, n-tile j, element e (rows row0 + 16 i (+ 8 for
+// e >= 2), columns col0 + 8 j + (e & 1)); row0, col0 are this lane's in the sequence.
+template <bool MASKED, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES>
+__device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], const ScoreMod<VARIANT>& mod,
+                                           const Mask<IS_CAUSAL, VARIANT>& mask, int row0, int col0) {
+#pragma unroll
+    for (int i = 0; i < M_TILES; ++i) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + i * 16 + half * 8;
+            int begin = 0, end = 0;
+            if (MASKED) { begin = mask.col_begin(row); end = mask.col_end(row); }
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int col = col0 + j * 8 + e;
+                    float& x = s[i][j][half * 2 + e];
+                    x = mod(x, row, col);
+                    if (MASKED && (col >= end || (Mask<IS_CAUSAL, VARIANT>::WINDOW && col < begin))) x = NEG_INF;
+                }
+            }
+        }
+    }
+}
+
+// The sink of head h in log2 units, or -inf (no sink: the running max starts there).
+template <int VARIANT>
+__device__ __forceinline__ float sink_log2(const VariantParams& v, int h) {
+    return (VARIANT & VAR_SINKS) ? __ldg(v.sinks + h) * LOG2E : NEG_INF;
+}
+
+// ---------------------------------------------------------------------------
+// Dropout: Philox4x32-10 (Salmon et al. 2011) exactly as cupyflash/_philox.py:
+// key (seed lo, seed hi), counter (j >> 2, i, b·nheads_q + h, offset); word j & 3
+// decides column j.
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint32 k0, uint32 k1) {
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        if (r) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
+        const uint32 lo0 = 0xD2511F53u * c.x, hi0 = __umulhi(0xD2511F53u, c.x);
+        const uint32 lo1 = 0xCD9E8D57u * c.z, hi1 = __umulhi(0xCD9E8D57u, c.z);
+        c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
+    }
+    return c;
+}
+
+struct Dropout {
+    uint32 k0, k1, bh, offset, threshold;
+    float scale;  // 1 / (1 - p)
+
+    __device__ __forceinline__ Dropout(const VariantParams& v, int b, int h, int nheads_q)
+        : k0(uint32(v.dropout_seed)), k1(uint32(v.dropout_seed >> 32)), bh(uint32(b * nheads_q + h)),
+          offset(v.dropout_offset), threshold(v.dropout_threshold), scale(v.dropout_scale) {}
+
+    // The keep bits of columns 4c .. 4c + 3 of row i (bit e: column 4c + e).
+    __device__ __forceinline__ uint32 keep4(int row, int col4) const {
+        // The round keys are rebuilt each call (20 adds): hoisted out of the loops
+        // by the compiler, they would hold 20 registers.
+        uint32 a = k0, b = k1;
+        asm volatile("" : "+r"(a), "+r"(b));
+        const uint4 w = philox4x32_10(make_uint4(uint32(col4), uint32(row), bh, offset), a, b);
+        return uint32(w.x >= threshold) | uint32(w.y >= threshold) << 1 | uint32(w.z >= threshold) << 2 |
+               uint32(w.w >= threshold) << 3;
+    }
+    __device__ __forceinline__ bool keep(int row, int col) const { return (keep4(row, col >> 2) >> (col & 3)) & 1u; }
+
+    // Zero the dropped probabilities of an accumulator tile set (the layout of
+    // score_tile; columns col0 + 8 j + (e & 1) with col0 even, so each lane's two
+    // columns of an n8 tile share one Philox call).
+    template <int M_TILES, int N_TILES>
+    __device__ __forceinline__ void apply(float (&p)[M_TILES][N_TILES][4], int row0, int col0) const {
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = row0 + i * 16 + half * 8;
+#pragma unroll
+                for (int j = 0; j < N_TILES; ++j) {
+                    const int col = col0 + j * 8;
+                    const uint32 bits = keep4(row, col >> 2) >> (col & 3);
+                    if (!(bits & 1u)) p[i][j][half * 2] = 0.f;
+                    if (!(bits & 2u)) p[i][j][half * 2 + 1] = 0.f;
+                }
+            }
+        }
+    }
+};
+
+}  // namespace cupyflash
