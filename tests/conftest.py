@@ -9,7 +9,6 @@ Every test that takes ``rng`` gets a generator seeded from fresh entropy; the
 seed is printed in the report of a failing test.  Set ``CUPYFLASH_TEST_SEED``
 to rerun with a given seed.
 
-``bwd_sm90_block_m_128`` switches on an experimental kernel variant for one test.
 """
 
 from __future__ import annotations
@@ -67,21 +66,6 @@ def pytest_runtest_makereport(item, call):
                 report.sections.append(
                     ("rng seed", f"rerun with CUPYFLASH_TEST_SEED={value}")
                 )
-
-
-@pytest.fixture
-def bwd_sm90_block_m_128(monkeypatch):
-    """The experiment switch for one test: the wgmma dK/dV kernel takes 128 query rows
-    per step at padded head_dim 64 (dispatch.set_bwd_sm90_block_m, on a copy of the
-    table). Plans are memoised (``_gpu.select_bwd``): those made before are dropped on
-    the way in, those made with the switch on, on the way out."""
-    from cupyflash import _gpu, dispatch
-
-    monkeypatch.setattr(dispatch, "_BWD_SM90_BLOCK_M", dict(dispatch._BWD_SM90_BLOCK_M))
-    dispatch.set_bwd_sm90_block_m(64, 128)
-    _gpu.select_bwd.cache_clear()
-    yield
-    _gpu.select_bwd.cache_clear()
 
 
 @pytest.fixture(autouse=True)

@@ -82,7 +82,7 @@ def test_an_option_of_another_suite_is_refused_before_the_gpu(capsys, monkeypatc
 @pytest.mark.parametrize("argv", [
     ["--suite", "seed", "--seqlen", "512"], ["--suite", "overhead", "--calls", "50", "--reps", "3"],
     ["--suite", "frameworks", "--no-jax", "--no-torch"], ["--head-dim", "64", "--causal", "yes"],
-    ["--suite", "seed", "--fwd-overlap"],  # the experiment switches are process-wide: every suite
+    ["--suite", "seed", "--bwd-dq", "mma"],  # the experiment switches are process-wide: every suite
     ["--suite", "decode", "--batch", "1", "--seqlen", "1024", "--heads", "32:8", "--head-dim", "128",
      "--dtype", "bfloat16", "--part", "grid", "--part", "paged", "--copy-tbps", "3.35", "--max-kv-gb", "20"],
 ])

@@ -37,14 +37,14 @@ def test_default_mode_launches_preprocess_dkdv_convert():
     assert _names(plan) == ["flash_bwd_preprocess_kernel", "flash_bwd_dkdv_kernel",
                             "flash_bwd_convert_dq_kernel"]
     assert plan.dq_accum
-    assert plan.launches[1].args[-1] == "false"  # DETERMINISTIC
+    assert plan.launches[1].args[-2] == "false"  # DETERMINISTIC (then VARIANT)
 
 
 def test_deterministic_mode_launches_dq_kernel_and_no_accumulator():
     plan = _plan(deterministic=True)
     assert _names(plan) == ["flash_bwd_preprocess_kernel", "flash_bwd_dkdv_kernel", "flash_bwd_dq_kernel"]
     assert not plan.dq_accum
-    assert plan.launches[1].args[-1] == "true"
+    assert plan.launches[1].args[-2] == "true"
 
 
 @pytest.mark.parametrize("head_dim,padded,even_k", [(32, 32, True), (40, 64, False), (59, 64, False),
@@ -322,96 +322,39 @@ def test_quick_variants_compile_without_spills(launch, arch):
     _compile_clean(launch, arch)
 
 
-@pytest.mark.parametrize("head_dim,causal,even_k,deterministic,block_m",
-                         [(64, True, True, False, 64), (128, True, False, False, 64), (128, False, True, True, 64),
-                          (64, True, False, False, 128), (64, False, True, True, 128)])
-def test_wgmma_dkdv_variant_compiles_for_sm90a_without_spills(head_dim, causal, even_k, deterministic, block_m):
-    _compile_clean(dispatch.bwd_dkdv_sm90_launch("bfloat16", head_dim, causal, even_k, deterministic,
-                                                 block_m=block_m), (9, 0))
+@pytest.mark.parametrize("head_dim,causal,even_k,deterministic",
+                         [(64, True, True, False), (128, True, False, False), (128, False, True, True),
+                          (64, True, False, False), (64, False, True, True)])
+def test_wgmma_dkdv_variant_compiles_for_sm90a_without_spills(head_dim, causal, even_k, deterministic):
+    _compile_clean(dispatch.bwd_dkdv_sm90_launch("bfloat16", head_dim, causal, even_k, deterministic), (9, 0))
 
 
-# The BLOCK_M = 128 experiment of the wgmma dK/dV kernel (D=64; off by default)
-
-
-def test_wgmma_dkdv_takes_64_query_rows_per_step_by_default():
+def test_wgmma_dkdv_takes_64_query_rows_per_step():
+    """BLOCK_M is fixed at 64 (128 at D=64 measured no faster: kernels_cu/PERF.md v17)."""
     for head_dim in (40, 64, 100, 128):
         dkdv = _plan(head_dim=head_dim, cc=(9, 0)).launches[1]
-        assert dkdv.template == "cupyflash::flash_bwd_dkdv_sm90_kernel" and dkdv.args[2] == "64"
-        assert dispatch.bwd_sm90_block_m(dispatch.padded_head_dim(head_dim)) == 64
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("head_dim", [40, 64])
-def test_wgmma_dkdv_block_m_128_experiment(monkeypatch, causal, deterministic, head_dim):
-    kw = dict(head_dim=head_dim, causal=causal, deterministic=deterministic, cc=(9, 0), seqlen_k=1000,
-              nheads_q=8, nheads_kv=2)
-    default = _plan(**kw)
-    monkeypatch.setattr(dispatch, "_BWD_SM90_BLOCK_M", dict(dispatch._BWD_SM90_BLOCK_M))
-    dispatch.set_bwd_sm90_block_m(64, 128)
-    plan = _plan(**kw)
-    dkdv = plan.launches[1]
-    assert dkdv.template == "cupyflash::flash_bwd_dkdv_sm90_kernel"
-    assert dkdv.args == (default.launches[1].args[:2] + ("128",) + default.launches[1].args[3:])
-    # the grid counts key blocks (128 keys each) and GQA splits, not query rows
-    assert dkdv.grid == default.launches[1].grid == (math.ceil(1000 / 128) * 2 * 2 * plan.kv_splits, 1, 1)
-    assert dkdv.block == (256, 1, 1)
-    assert dkdv.smem_bytes == dispatch.bwd_dkdv_sm90_smem_bytes(64, 128) <= dispatch.max_smem_per_block((9, 0))
-    assert dkdv.name_expression in {L.name_expression for L in dispatch.all_bwd_launches((9, 0))}
-    assert [L.name_expression for L in plan.launches[:1] + plan.launches[2:]] == \
-        [L.name_expression for L in default.launches[:1] + default.launches[2:]]
-    assert _plan(**{**kw, "head_dim": 128}).launches[1].args[2] == "64"  # D=128 keeps 64
-    assert _plan(**{**kw, "cc": (8, 0)}).launches[1].template == "cupyflash::flash_bwd_dkdv_kernel"
+        assert dkdv.template == "cupyflash::flash_bwd_dkdv_sm90_kernel"
+        assert dkdv.args[1] == str(dispatch.padded_head_dim(head_dim)) and len(dkdv.args) == 6
+        assert dkdv.smem_bytes == dispatch.bwd_dkdv_sm90_smem_bytes(int(dkdv.args[1]))
+    assert dispatch.BWD_SM90_BLOCK_M == 64
 
 
 def test_wgmma_dkdv_shared_memory():
     # K, V (128 keys), dSᵀ (128 keys x BLOCK_M), 2 stages of Q and dO (BLOCK_M rows) and
     # of lse/delta (BLOCK_M floats each), SeqLens, 1 KB of alignment
-    assert dispatch.bwd_dkdv_sm90_smem_bytes(64, 64) == 32768 + 16384 + 32768 + 1024 + 16 + 1024
-    assert dispatch.bwd_dkdv_sm90_smem_bytes(64, 128) == 32768 + 32768 + 65536 + 2048 + 16 + 1024
-    assert dispatch.bwd_dkdv_sm90_smem_bytes(128, 64) == 65536 + 16384 + 65536 + 1024 + 16 + 1024
-    for d, block_ms in dispatch._BWD_SM90_BLOCK_MS.items():
-        for block_m in block_ms:
-            assert dispatch.bwd_dkdv_sm90_smem_bytes(d, block_m) <= dispatch.max_smem_per_block((9, 0))
+    assert dispatch.bwd_dkdv_sm90_smem_bytes(64) == 32768 + 16384 + 32768 + 1024 + 16 + 1024
+    assert dispatch.bwd_dkdv_sm90_smem_bytes(128) == 65536 + 16384 + 65536 + 1024 + 16 + 1024
+    for d in (64, 128):
+        assert dispatch.bwd_dkdv_sm90_smem_bytes(d) <= dispatch.max_smem_per_block((9, 0))
 
 
-def test_every_wgmma_dkdv_block_m_is_listed_for_check_kernels():
+def test_every_wgmma_dkdv_variant_is_listed_for_check_kernels():
     sm90 = [L for L in dispatch.all_bwd_launches((9, 0)) if L.template.endswith("flash_bwd_dkdv_sm90_kernel")]
-    got = {(L.args[0], L.args[1], L.args[2], *L.args[3:]) for L in sm90}
-    assert len(got) == len(sm90) == 2 * 2 * 2 * 2 * 3  # dtype, causal, even_k, det x (64: 64, 128; 128: 64)
-    assert {(L.args[1], L.args[2]) for L in sm90} == {("64", "64"), ("64", "128"), ("128", "64")}
+    plain = {L.args for L in sm90 if L.args[-1] == "0"}
+    assert len(plain) == 2 * 2 * 2 * 2 * 2  # dtype, head_dim, causal, even_k, det
+    variants = {L.args for L in sm90 if L.args[-1] != "0"}
+    assert len(variants) == len(dispatch.VARIANT_BITS) * 2 * 2 * 2  # each alone: head_dim, causal, det
     assert not [L for L in dispatch.all_bwd_launches((8, 0)) if L.source == "flash_bwd_sm90.cu"]
-
-
-@pytest.mark.parametrize("head_dim,block_m", [(128, 128), (64, 96), (64, 256), (96, 64), (32, 64)])
-def test_wgmma_dkdv_block_m_switch_rejects_unbuilt_variants(monkeypatch, head_dim, block_m):
-    monkeypatch.setattr(dispatch, "_BWD_SM90_BLOCK_M", dict(dispatch._BWD_SM90_BLOCK_M))
-    with pytest.raises(ValueError, match="BLOCK_M|head_dim"):
-        dispatch.set_bwd_sm90_block_m(head_dim, block_m)
-    assert dispatch._BWD_SM90_BLOCK_M == {64: 64, 128: 64}
-    if head_dim in dispatch._BWD_SM90_BLOCK_MS:
-        with pytest.raises(ValueError, match="BLOCK_M"):
-            dispatch.bwd_dkdv_sm90_launch("float16", head_dim, False, True, False, block_m=block_m)
-
-
-def test_bench_switch_for_the_wgmma_dkdv_block_m(monkeypatch, capsys):
-    import argparse
-
-    from cupyflash import bench
-
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    args = parser.parse_args(["--bwd-sm90-block-m", "64:128"])
-    assert bench.parse_bwd_sm90_block_m(args.bwd_sm90_block_m) == {64: 128}
-    assert bench.parse_bwd_sm90_block_m(None) == {}
-    with pytest.raises(ValueError, match="D:BLOCK_M"):
-        bench.parse_bwd_sm90_block_m(["64-128"])
-    # bad values fail before any GPU work, and leave the table alone
-    monkeypatch.setattr(dispatch, "_BWD_SM90_BLOCK_M", dict(dispatch._BWD_SM90_BLOCK_M))
-    for bad in ("64", "128:128", "64:32"):
-        assert bench.main(parser.parse_args(["--bwd-sm90-block-m", bad])) == 2
-        assert "bench:" in capsys.readouterr().err
-    assert dispatch._BWD_SM90_BLOCK_M == {64: 64, 128: 64}
 
 
 @pytest.mark.parametrize("cc,wgmma", [((9, 0), True), ((8, 0), False), ((10, 0), False)])
@@ -453,7 +396,7 @@ def test_hopper_default_mode_takes_the_dq_kernel_where_measured_faster(monkeypat
     names = _names(plan)
     if separate:
         assert names[1:3] == ["flash_bwd_dkdv_sm90_kernel", "flash_bwd_dq_sm90_kernel"]
-        assert not plan.dq_accum and plan.launches[1].args[-1] == "true"  # dK/dV skips dQ
+        assert not plan.dq_accum and plan.launches[1].args[-2] == "true"  # dK/dV skips dQ
     else:
         assert names[2] == "flash_bwd_convert_dq_kernel" and plan.dq_accum
     assert _names(_plan(head_dim=head_dim, deterministic=False, cc=(8, 0)))[2] == "flash_bwd_convert_dq_kernel"

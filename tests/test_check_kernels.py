@@ -32,13 +32,14 @@ def test_fwd_variant_compiles_without_spills(arch, head_dim, causal):
     assert compiled.cubin[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("head_dim,causal,even_k,overlap", [(64, False, True, False), (128, True, False, False),
-                                                           (64, True, False, True), (128, True, False, True)])
-def test_wgmma_fwd_variant_compiles_for_sm90a_without_spills(head_dim, causal, even_k, overlap):
-    """(The overlap variants: the two with the most registers, D=64 against the 128 of two
-    blocks per SM.)"""
+@pytest.mark.parametrize("head_dim,causal,even_k,variant", [(64, False, True, 0), (128, True, False, 0),
+                                                           (64, True, True, dispatch.VAR_WINDOW),
+                                                           (128, True, True, dispatch.VAR_DROPOUT)])
+def test_wgmma_fwd_variant_compiles_for_sm90a_without_spills(head_dim, causal, even_k, variant):
+    """(A window at D=64, within the 128 registers of two blocks per SM; dropout at
+    D=128, the most registers.)"""
     _compile = _nvrtc_or_skip()
-    launch = dispatch.fwd_sm90_launch("bfloat16", head_dim, causal, even_k, overlap=overlap)
+    launch = dispatch.fwd_sm90_launch("bfloat16", head_dim, causal, even_k, variant=variant)
     assert "-arch=sm_90a" in _compile.compile_options((9, 0))
     compiled = _compile.compile_variant(launch.source, launch.name_expression, (9, 0), use_cache=False)
     res = _compile.parse_ptxas_log(compiled.log)

@@ -132,13 +132,6 @@ def test_plugin_is_registered(monkeypatch, command, module):
     assert seen == ["9.0"]
 
 
-def test_bench_has_the_fwd_overlap_experiment_switch():
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    assert parser.parse_args([]).fwd_overlap is False
-    assert parser.parse_args(["--fwd-overlap"]).fwd_overlap is True
-
-
 @pytest.fixture
 def fake_gpu_stack(monkeypatch):
     """A fake cupy with one device, and fake GPU modules that run the CPU path;

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import pytest
 
 from cupyflash import _params, dispatch
+from cupyflash._sources import kernels_dir
 
 
 @pytest.mark.parametrize("head_dim,expected", [(1, 32), (8, 32), (32, 32), (33, 64), (59, 64), (64, 64),
@@ -64,54 +66,47 @@ def test_which_forward_kernel(case, wgmma):
 
 def test_wgmma_variants_fit_hopper_shared_memory_and_are_checked_on_sm90_only():
     sm90 = [L for L in dispatch.all_fwd_launches((9, 0)) if L.source == "flash_fwd_sm90.cu"]
-    assert len(sm90) == 2 * 2 * 2 * 2 * 2  # dtype x head_dim (64, 128) x causal x even_k x overlap
-    # + 8 bytes of static shared memory for the overlap variants
-    assert all(L.smem_bytes + 8 <= 227 * 1024 for L in sm90)
+    plain = [L for L in sm90 if L.args[-1] == "0"]
+    assert len(plain) == 2 * 2 * 2 * 2  # dtype x head_dim (64, 128) x causal x even_k
+    assert len(sm90) - len(plain) == len(dispatch.VARIANT_BITS) * 2 * 2  # each variant alone, bf16
+    assert all(L.smem_bytes <= 227 * 1024 for L in sm90)
     assert not [L for L in dispatch.all_fwd_launches((8, 0)) if L.source == "flash_fwd_sm90.cu"]
 
 
-@pytest.mark.parametrize("head_dim,causal", [(64, False), (64, True), (100, True), (128, False)])
-def test_overlap_flag_selects_the_pipelined_wgmma_loop(monkeypatch, head_dim, causal):
-    """dispatch.FWD_SM90_OVERLAP (off by default) flips only OVERLAP, the last template
-    argument: same tile, grid, block and shared memory."""
-    kw = dict(batch=2, seqlen_q=1000, seqlen_k=1500, nheads_q=16, head_dim=head_dim, dtype="bfloat16",
-              causal=causal, vec=True, cc=(9, 0))
-    assert dispatch.FWD_SM90_OVERLAP is False
-    serial = dispatch.select_fwd(**kw)
-    monkeypatch.setattr(dispatch, "FWD_SM90_OVERLAP", True)
-    overlap = dispatch.select_fwd(**kw)
-    assert serial.main.template == overlap.main.template == "cupyflash::flash_fwd_sm90_kernel"
-    assert (serial.main.args[-1], overlap.main.args[-1]) == ("false", "true")
-    assert serial.main.args[:-1] == overlap.main.args[:-1]
-    assert (serial.main.grid, serial.main.block, serial.main.smem_bytes) == \
-        (overlap.main.grid, overlap.main.block, overlap.main.smem_bytes)
-    assert serial.n_blocks_per_split == overlap.n_blocks_per_split
+def test_variant_bits_are_variant_cuh_s():
+    """dispatch's VAR_* bits against kernels_cu/variant.cuh's constants."""
+    text = (kernels_dir() / "variant.cuh").read_text()
+    found = dict(re.findall(r"constexpr int VAR_(\w+) = (\d+);", text))
+    assert {name.lower(): int(v) for name, v in found.items()} == dispatch.VARIANT_BITS
+    assert dispatch.variant_bits() == 0
+    assert dispatch.variant_bits(window=True, sinks=True) == dispatch.VAR_WINDOW | dispatch.VAR_SINKS
 
 
-@pytest.mark.parametrize("case", [dict(cc=(8, 0)), dict(vec=False), dict(head_dim=256),
-                                  dict(seqlen_q=1, seqlen_k=8192)])
-def test_overlap_flag_leaves_the_mma_sync_kernel_alone(monkeypatch, case):
-    kw = dict(batch=2, seqlen_q=2048, seqlen_k=2048, nheads_q=16, head_dim=64, dtype="float16",
-              causal=False, vec=True, cc=(9, 0))
-    kw.update(case)
-    before = dispatch.select_fwd(**kw)
-    monkeypatch.setattr(dispatch, "FWD_SM90_OVERLAP", True)
-    assert dispatch.select_fwd(**kw) == before
-    assert before.main.template == "cupyflash::flash_fwd_kernel"
+@pytest.mark.parametrize("variant", [0, 1, 2, 4, 8, 16, 31])
+def test_variant_is_the_last_template_argument_of_every_forward(variant):
+    for cc in ((8, 0), (9, 0)):
+        for seqlen_q in (1, 2048):  # split-KV (mma.sync), and the wgmma kernel on cc 9.0
+            plan = dispatch.select_fwd(batch=1, seqlen_q=seqlen_q, seqlen_k=8192, nheads_q=8, head_dim=128,
+                                       dtype="bfloat16", causal=True, vec=True, cc=cc, variant=variant)
+            assert plan.main.args[-1] == str(variant)
+            if plan.combine is not None:  # the combine kernel has no variant
+                assert len(plan.combine.args) == 2
 
 
-def test_check_kernels_lists_the_overlap_variants():
-    """check-kernels compiles the overlap variants whether or not the flag is on (--quick
-    keeps to the default loop)."""
-    from cupyflash import check_kernels
-
-    names = {L.name_expression for L in check_kernels._launches((9, 0), False, "flash_fwd_sm90")}
-    for dtype, d, causal, even_k in itertools.product(dispatch.CTYPES, (64, 128), (False, True), (True, False)):
-        for overlap in (False, True):
-            assert dispatch.fwd_sm90_launch(dtype, d, causal, even_k, overlap=overlap).name_expression in names
-    assert len(names) == 32
-    assert all(n.endswith(", false>") for n in
-               (L.name_expression for L in check_kernels._launches((9, 0), True, "flash_fwd_sm90")))
+def test_lean_variants_take_the_lean_tiles():
+    """Window, ALiBi and dropout take tiles with registers for their code (_FWD_LEAN_VARIANTS)."""
+    kw = dict(batch=4, seqlen_q=4096, seqlen_k=4096, nheads_q=16, head_dim=128, dtype="bfloat16",
+              causal=True, vec=True)
+    plain = dispatch.select_fwd(**kw, cc=(8, 0))
+    for bit in (dispatch.VAR_WINDOW, dispatch.VAR_ALIBI, dispatch.VAR_DROPOUT):
+        lean = dispatch.select_fwd(**kw, cc=(8, 0), variant=bit)
+        assert lean.main.args[2:5] == tuple(str(x) for x in dispatch._FWD_TILES_LEAN[128])
+    for bit in (dispatch.VAR_SOFTCAP, dispatch.VAR_SINKS):
+        assert dispatch.select_fwd(**kw, cc=(8, 0), variant=bit).main.args[2:5] == plain.main.args[2:5]
+    # wgmma: (BLOCK_N, CTAS_PER_SM)
+    assert dispatch.fwd_sm90_tile(64, True, dispatch.VAR_ALIBI) == (64, 1)
+    assert dispatch.fwd_sm90_tile(128, True, dispatch.VAR_DROPOUT) == (64, 1)
+    assert dispatch.fwd_sm90_tile(64, False, dispatch.VAR_WINDOW) == dispatch.fwd_sm90_tile(64, False)
 
 
 def test_decode_shape_splits_keys_and_covers_them_all():
@@ -123,7 +118,7 @@ def test_decode_shape_splits_keys_and_covers_them_all():
     assert plan.num_splits * plan.n_blocks_per_split >= n_blocks
     assert (plan.num_splits - 1) * plan.n_blocks_per_split < n_blocks  # no empty trailing split
     assert plan.combine is not None and plan.main.grid[1] == plan.num_splits
-    assert plan.main.args[0] == "__nv_bfloat16" and plan.main.args[-1] == "true"
+    assert plan.main.args[0] == "__nv_bfloat16" and plan.main.args[-2:] == ("true", "0")  # IS_SPLIT, VARIANT
 
 
 def test_uneven_head_dim_and_unaligned_data_pick_predicated_variants():
@@ -154,26 +149,27 @@ def test_every_tile_fits_shared_memory_and_divides_its_warps():
 def test_name_expression_is_the_template_with_its_arguments():
     launch = dispatch.fwd_launch("float16", 64, True, True, True, False)
     assert launch.name_expression.startswith("cupyflash::flash_fwd_kernel<__half, 64, ")
-    assert launch.name_expression.endswith(", true, true, true, false>")
+    assert launch.name_expression.endswith(", true, true, true, false, 0>")
 
 
 def test_fwd_params_mirror_layout():
     dt = _params.FWD_PARAMS
     offsets = [dt.fields[n][1] for n in dt.names]
     assert offsets == sorted(offsets)
-    # 10 pointers + 14 int64 strides, then 9 int32 and 2 float32, padded to 8 bytes.
+    # 10 pointers + 14 int64 strides, then 9 int32 and 2 float32, padded to 8 bytes; then var.
     assert dt.fields["cu_seqlens_q"][1] == 7 * 8 and dt.fields["cu_seqlens_k"][1] == 8 * 8
     assert dt.fields["seqused_k"][1] == 9 * 8
     assert dt.fields["lse_head_stride"][1] == 10 * 8 + 13 * 8
     assert dt.fields["batch"][1] == 10 * 8 + 14 * 8
-    assert dt.itemsize == 240
+    assert dt.fields["var"][1] == 240 and dt.itemsize == 240 + _params.VARIANT_PARAMS.itemsize
     assert f"-DCUPYFLASH_FWD_PARAMS_BYTES={dt.itemsize}" in _params.size_defines()
 
 
-def test_sm80_keeps_the_narrower_d64_tile():
+def test_d64_forward_takes_64_key_tiles_on_the_mma_sync_kernel():
+    """The 128x128 tile spills since the variant policy (NVRTC 13.0): 128x64 everywhere."""
     kw = dict(batch=4, seqlen_q=4096, seqlen_k=4096, nheads_q=32, head_dim=64, dtype="float16",
               causal=False, vec=True)
-    assert dispatch.select_fwd(**kw, cc=(12, 0)).main.args[3] == "128"  # mma.sync kernel, cc >= 9.0 tables
+    assert dispatch.select_fwd(**kw, cc=(12, 0)).main.args[3] == "64"  # mma.sync kernel, cc >= 9.0
     assert dispatch.select_fwd(**kw, cc=(8, 0)).main.args[3] == "64"
 
 
@@ -228,7 +224,7 @@ def test_varlen_forward_never_splits_and_grids_over_the_longest_sequence():
               causal=False, vec=True, cc=(8, 0))
     assert dispatch.select_fwd(**kw).num_splits > 1  # the dense decode shape splits...
     plan = dispatch.select_fwd(**kw, varlen=True)    # ...a packed one never does
-    assert plan.num_splits == 1 and plan.combine is None and plan.main.args[-1] == "false"
+    assert plan.num_splits == 1 and plan.combine is None and plan.main.args[-2] == "false"  # IS_SPLIT
     kw["cc"] = (9, 0)  # Hopper: the wgmma kernel, which has no split-KV
     plan = dispatch.select_fwd(**kw, varlen=True)
     assert plan.num_splits == 1 and plan.main.template == "cupyflash::flash_fwd_sm90_kernel"

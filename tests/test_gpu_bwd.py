@@ -311,16 +311,6 @@ def test_bwd_wgmma_dq_kernel_is_deterministic(rng, dtype, head_dim, causal, seql
     check(host, grads, dtype, scale, causal)
 
 
-def _wgmma_block_m_128_cases():
-    shapes = [(384, 384), (1000, 1500), (1500, 1000), (129, 257), (640, 8), (130, 1)]
-    for i, (seqlens, head_dim, causal) in enumerate(itertools.product(shapes, (64, 40), (False, True))):
-        dtype = "bfloat16" if i % 2 else "float16"
-        det = i % 3 == 0
-        yield pytest.param(dtype, head_dim, causal, seqlens, det,
-                           id=f"{dtype}-d{head_dim}-{'causal' if causal else 'full'}-{seqlens[0]}x{seqlens[1]}-"
-                              f"{'det' if det else 'atomic'}")
-
-
 def _skip_unless_hopper(cp):
     from cupyflash import _gpu
 
@@ -328,56 +318,6 @@ def _skip_unless_hopper(cp):
     if cc != (9, 0):
         pytest.skip(f"the wgmma kernels run on compute capability 9.0; this GPU is {cc}")
     return cc
-
-
-@pytest.mark.parametrize("dtype,head_dim,causal,seqlens,deterministic", list(_wgmma_block_m_128_cases()))
-def test_bwd_wgmma_kernel_block_m_128(rng, monkeypatch, bwd_sm90_block_m_128, dtype, head_dim, causal, seqlens,
-                                      deterministic):
-    """The experiment (off by default): the wgmma dK/dV kernel at D=64 with 128 query rows
-    per step. Tails (query blocks cut short, keys past seqlen_k), bottom-right causal with
-    seqlen_q != seqlen_k, GQA; head_dim 40 pads to 64. dK and dV take no atomics: bitwise
-    equal over two runs. The atomic cases run the kernel's atomic dQ, which the default
-    mode at D=64 skips on Hopper (dispatch._BWD_SM90_SEPARATE_DQ)."""
-    from cupyflash import dispatch
-
-    cp = _cp()
-    cc = _skip_unless_hopper(cp)
-    if not deterministic:
-        monkeypatch.setattr(dispatch, "BWD_DQ_SM90", False)  # no plan is memoised yet (the fixture cleared them)
-    plan = dispatch.select_bwd(batch=1, seqlen_q=seqlens[0], seqlen_k=seqlens[1], nheads_q=4, nheads_kv=2,
-                               head_dim=head_dim, dtype=dtype, causal=causal, deterministic=deterministic,
-                               vec=True, cc=cc)
-    dkdv = plan.launches[1]
-    assert dkdv.template == "cupyflash::flash_bwd_dkdv_sm90_kernel" and dkdv.args[2] == "128"
-    host, dev = make_problem(rng, dtype, 1, *seqlens, 4, 2, head_dim)
-    scale = 1.0 / math.sqrt(head_dim)
-    grads = run(dev, dtype, scale, causal, deterministic)
-    again = run(dev, dtype, scale, causal, deterministic)
-    for a, b in zip(grads[1:], again[1:]):
-        cp.testing.assert_array_equal(a, b)
-    check(host, grads, dtype, scale, causal)
-
-
-@pytest.mark.parametrize("num_sms,splits", [(3, 1), (6, 2), (100, 4)])
-@pytest.mark.parametrize("deterministic", DETERMINISTIC, ids=["atomic", "det"])
-def test_bwd_wgmma_block_m_128_gqa_group_splits(rng, monkeypatch, bwd_sm90_block_m_128, num_sms, splits,
-                                                deterministic):
-    """The BLOCK_M = 128 experiment with a GQA group's query heads split over 1, 2 or 4
-    dK/dV blocks (fp32 partials), several query blocks per head, causal."""
-    from cupyflash import _gpu, _gpu_bwd, dispatch
-
-    cp = _cp()
-    cc = _skip_unless_hopper(cp)
-    host, dev = make_problem(rng, "float16", 1, 260, 300, 8, 2, 64)  # 3 key blocks x 2 KV heads
-    q, k, v, dout = dev
-    out, lse = _gpu.fwd(q, k, v, softmax_scale=0.125, causal=True)
-    monkeypatch.setattr(_launch, "num_sms", lambda device_id: num_sms)
-    plan = dispatch.select_bwd(batch=1, seqlen_q=260, seqlen_k=300, nheads_q=8, nheads_kv=2, head_dim=64,
-                               dtype="float16", causal=True, deterministic=deterministic, vec=True,
-                               num_sms=num_sms, cc=cc)
-    assert plan.kv_splits == splits and plan.launches[1].args[2] == "128"
-    grads = _gpu_bwd.bwd(dout, q, k, v, out, lse, softmax_scale=0.125, causal=True, deterministic=deterministic)
-    check(host, grads, "float16", 0.125, True)
 
 
 @pytest.mark.parametrize("num_sms,splits", [(3, 1), (6, 2), (100, 4)])

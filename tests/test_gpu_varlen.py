@@ -161,31 +161,6 @@ def test_kernels_match_reference(rng, launches, lens_q, lens_k, head_dim, dtype,
     assert bwd[3:] in ([], ["flash_bwd_convert_dkv_kernel"])
 
 
-@pytest.mark.parametrize("lens_q,lens_k,head_dim",
-                         [case[1:] for case in LAYOUTS if 32 < case[3] <= 64],  # padded head_dim 64
-                         ids=[case[0] for case in LAYOUTS if 32 < case[3] <= 64])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
-def test_wgmma_block_m_128_packed(rng, launches, bwd_sm90_block_m_128, lens_q, lens_k, head_dim, causal,
-                                  deterministic):
-    """The experimental 128-row query steps of the wgmma dK/dV kernel (head_dims padding
-    to 64) on packed batches, GQA 2 (cc 9.0 only; elsewhere the switch changes nothing)."""
-    cp = _cp()
-    from cupyflash import _gpu, dispatch
-
-    if _launch.compute_capability(cp.cuda.Device().id) != (9, 0):
-        pytest.skip("the wgmma kernels run on compute capability 9.0")
-    plan = dispatch.select_bwd(batch=len(lens_q), seqlen_q=max(lens_q), seqlen_k=max(lens_k), nheads_q=4,
-                               nheads_kv=2, head_dim=head_dim, dtype="float16", causal=causal,
-                               deterministic=deterministic, vec=True, cc=(9, 0), varlen=True,
-                               total_q=sum(lens_q), total_k=sum(lens_k))
-    assert plan.launches[1].args[2] == "128"
-    problem = _problem(rng, lens_q, lens_k, 4, 2, head_dim, np.float16)
-    results = _run(*problem, lens_q, lens_k, causal, deterministic=deterministic)
-    _check(results, _reference(*problem, lens_q, lens_k, causal))
-    assert launches[2] == "flash_bwd_dkdv_sm90_kernel"
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
 def test_max_seqlen_above_the_longest_sequence(rng, launches, causal, deterministic):

@@ -189,32 +189,43 @@ def test_cupy_output_on_another_device_is_rejected(monkeypatch, rng):
 
 
 # ----------------------------------------------------------------------------
-# flash-attention's options that are not implemented yet
+# flash-attention's variant options
 # ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("fn_name", ["flash_attn_fwd", "flash_attn", "flash_attn_bwd"])
-@pytest.mark.parametrize("option, value", [
-    ("dropout_p", 0.1), ("window_size", (128, 0)), ("alibi_slopes", "slopes"), ("softcap", 30.0),
-    ("sinks", "sinks")])
-def test_variants_are_not_implemented_on_the_gpu_yet(monkeypatch, rng, fn_name, option, value):
-    """The variant options run on the CPU path; on GPU arrays, after their checks, a
-    NotImplementedError names the option (issue 13)."""
+@pytest.mark.parametrize("option, value, want", [
+    ("dropout_p", 0.1, {"dropout_p": 0.1, "rng_state": (1, 0)}), ("window_size", (128, 0), {"window_size": (128, 0)}),
+    ("alibi_slopes", "slopes", None), ("softcap", 30.0, {"softcap": 30.0}), ("sinks", "sinks", None)])
+def test_variants_on_gpu_arrays_go_to_the_gpu_variant_path(monkeypatch, rng, fn_name, option, value, want):
+    """On GPU arrays, after their checks, the options that are on reach the GPU
+    variant entry (``_gpu.variant_fwd`` / ``_gpu_bwd.variant_bwd``) as the CPU path
+    would take them (issue 13)."""
     from fakes import FakeCupyArray, install_fake_gpu
 
     install_fake_gpu(monkeypatch)
     q, k, v = (FakeCupyArray(x.astype(np.float16)) for x in _qkv(rng))
     if value in ("slopes", "sinks"):
         value = FakeCupyArray(np.ones(q.shape[2], np.float32))
+        want = {option: value}
     extra = {"rng_state": (1, 0)} if option == "dropout_p" else {}
+    seen = {}
+
+    def record(*args, **kwargs):
+        seen.update(kwargs)
+        return "sentinel", "lse"
+
+    cupyflash._gpu.variant_fwd = record  # the fake modules install_fake_gpu put in place
+    cupyflash._gpu_bwd.variant_bwd = record
     args = (q, k, v)
     if fn_name == "flash_attn_bwd":
         lse = FakeCupyArray(np.zeros((q.shape[0], q.shape[2], q.shape[1]), np.float32))
         args = (q, q, k, v, q, lse)
-    with pytest.raises(NotImplementedError, match=rf"^cupyflash\.{fn_name}: {option} is not implemented on "
-                                                  rf"the GPU yet \(issue 13\); NumPy arrays run it on the CPU "
-                                                  rf"path\.$"):
-        getattr(cupyflash, fn_name)(*args, **{option: value}, **extra)
+    result = getattr(cupyflash, fn_name)(*args, **{option: value}, **extra)
+    assert seen["options"] == want
+    assert seen["causal"] is False and seen["dtype_name"] == "float16"
+    assert seen["softmax_scale"] == pytest.approx(q.shape[3] ** -0.5)
+    assert result[0] == "sentinel" if fn_name != "flash_attn" else result == "sentinel"
 
 
 @pytest.mark.parametrize("option, value", [("dropout_p", 0.1), ("window_size", (3, 0)), ("softcap", 5.0),

@@ -11,18 +11,25 @@ from cupyflash import _params
 from cupyflash._sources import kernels_dir
 
 _C_TYPES = {"const void*": np.uint64, "void*": np.uint64, "float*": np.uint64, "const float*": np.uint64,
-            "const int*": np.uint64, "int*": np.uint64, "int64": np.int64, "int32": np.int32, "float": np.float32}
+            "const int*": np.uint64, "int*": np.uint64, "int64": np.int64, "int32": np.int32, "float": np.float32,
+            "uint64": np.uint64, "uint32": np.uint32}
+_NESTED = {"VariantParams": ("variant.cuh", _params.VARIANT_PARAMS)}
 
 
-def _c_fields(struct_name):
-    """(name, numpy type) of each field of ``struct_name`` in params.cuh, in order."""
-    text = (kernels_dir() / "params.cuh").read_text()
+def _c_fields(struct_name, header="params.cuh"):
+    """(name, numpy type) of each field of ``struct_name`` in a kernels_cu header, in
+    order; a nested struct's type is its field list."""
+    text = (kernels_dir() / header).read_text()
     body = re.search(rf"struct {struct_name} {{(.*?)\n}};", text, re.S).group(1)
     body = re.sub(r"//[^\n]*", "", body)
     fields = []
     for declaration in body.split(";"):
         declaration = " ".join(declaration.split())
         if not declaration:
+            continue
+        nested = declaration.split(" ")[0]
+        if nested in _NESTED:
+            fields.append((declaration.split(" ")[1], _c_fields(nested, _NESTED[nested][0])))
             continue
         ctype = next(t for t in sorted(_C_TYPES, key=len, reverse=True) if declaration.startswith(t + " "))
         for name in declaration[len(ctype):].split(","):
@@ -35,22 +42,37 @@ def _c_fields(struct_name):
                                                  ("DecodeParams", _params.DECODE_PARAMS)])
 def test_mirror_has_the_fields_of_the_c_struct_in_order(struct_name, mirror):
     # The size check (static_assert in params.cuh) cannot see two swapped fields of one type.
-    assert [(name, mirror.fields[name][0]) for name in mirror.names] == _c_fields(struct_name)
+    assert _mirror_fields(mirror) == _c_fields(struct_name)
+
+
+def _mirror_fields(mirror):
+    return [(name, _mirror_fields(mirror.fields[name][0]) if mirror.fields[name][0].names else
+             mirror.fields[name][0]) for name in mirror.names]
+
+
+def test_variant_params_per_call_fields_lead():
+    """The launcher writes VariantParams' per-call fields in one pack: they must be its first."""
+    assert _params.VARIANT_PARAMS.names[:len(_params.VARIANT_PER_CALL)] == _params.VARIANT_PER_CALL
+    assert set(_params.VARIANT_OFF) == set(_params.VARIANT_PARAMS.names)
 
 
 def test_c_struct_parser_sees_a_swap():
     fields = _c_fields("FwdParams")
     assert fields[10] == ("q_batch_stride", np.dtype(np.int64))
     assert fields[11] == ("q_row_stride", np.dtype(np.int64))
-    assert len(fields) == len(_params.FWD_PARAMS.names) == 35
+    assert len(fields) == len(_params.FWD_PARAMS.names) == 36
+    assert fields[-1][0] == "var" and len(fields[-1][1]) == len(_params.VARIANT_PARAMS.names)
 
 
 @pytest.mark.parametrize("mirror", [_params.FWD_PARAMS, _params.BWD_PARAMS, _params.DECODE_PARAMS])
 def test_pack_sets_every_field_by_name(mirror):
-    values = {name: (i + 1) * 3 for i, name in enumerate(mirror.names)}
-    record = np.frombuffer(_params.pack(mirror, **values), dtype=mirror)[0]
+    values = {name: (i + 1) * 3 for i, name in enumerate(mirror.names) if name != "var"}
+    var = {name: (i + 1) * 5 for i, name in enumerate(_params.VARIANT_PARAMS.names)}
+    record = np.frombuffer(_params.pack(mirror, **values, var=var), dtype=mirror)[0]
     for name, value in values.items():
         assert record[name] == value, name
+    for name, value in var.items():
+        assert record["var"][name] == value, name
 
 
 def test_pack_needs_every_field_and_no_other():
@@ -63,12 +85,15 @@ def test_pack_needs_every_field_and_no_other():
 
 def test_field_writer_sets_only_its_fields():
     mirror = _params.BWD_PARAMS
-    template = _params.pack(mirror, **{name: 7 for name in mirror.names})
+    template = _params.pack(mirror, **{name: 7 for name in mirror.names if name != "var"},
+                            var=dict(_params.VARIANT_OFF))
     names = ("q", "k", "v", "out")
     buffer = bytearray(template)
     _params.FieldWriter(mirror, names).pack_into(buffer, 101, 102, 103, 104)
     record = np.frombuffer(bytes(buffer), dtype=mirror)[0]
     for name in mirror.names:
+        if name == "var":
+            continue
         want = 101 + names.index(name) if name in names else 7
         assert record[name] == want, name
 
