@@ -361,16 +361,23 @@ def _finalize_with_sink(acc, row_max, row_sum, score_unit, lse_scale, sink):
     ``row_max * score_unit`` is the running max in log2 units and
     ``row_max * lse_scale`` in natural-log units; ``sink`` (1, Hkv, R) is in
     natural-log units.  The sink is folded in as one last online-softmax step,
-    so every row has ``l > 0``, and a row that saw no key gets ``lse = sink``.
+    so a row has ``l > 0`` unless it saw no key and its sink is ``-inf`` (no
+    sink): a row that saw no key gets ``lse = sink``, and out 0.
     """
     sink_log2 = sink * _F32(LOG2E)
     max_log2 = row_max * score_unit  # -inf for a row that saw no key
     new_max = np.maximum(max_log2, sink_log2)
-    alpha = np.exp2(max_log2 - new_max)
-    row_sum = row_sum * alpha + np.exp2(sink_log2 - new_max)
-    acc *= (alpha / row_sum)[..., None]
+    # no key and a -inf sink: the max stays -inf; subtracting 0 instead keeps
+    # exp2(-inf - -inf) = NaN out (every term is then exp2(-inf) = 0)
+    shift = np.where(new_max == -np.inf, _F32(0), new_max)
+    alpha = np.exp2(max_log2 - shift)
+    row_sum = row_sum * alpha + np.exp2(sink_log2 - shift)
+    seen = row_sum > 0
+    acc *= np.divide(alpha, row_sum, out=np.zeros_like(row_sum), where=seen)[..., None]
     top = np.where(sink_log2 >= max_log2, sink, row_max * _F32(lse_scale))
-    return acc, top + np.log(row_sum)
+    lse = np.log(row_sum, out=np.full_like(row_sum, -np.inf), where=seen)
+    lse += np.where(seen, top, _F32(0))
+    return acc, lse
 
 
 def fwd(q, k, v, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,

@@ -120,14 +120,15 @@ def _softmax_rows(scores, visible):
     """
     from scipy.special import logsumexp, softmax  # imported here: it takes ~0.2 s
 
-    empty = ~visible.any(axis=-1)  # (Sq,)
     if scores.shape[-1] == 0:  # no key at all: scipy cannot reduce an empty axis
         return np.zeros(scores.shape, scores.dtype), np.full(scores.shape[:-1], -np.inf)
-    safe = np.where(empty[:, None], 0.0, scores)
+    # a row with no visible key, or whose only visible term is a -inf sink (no sink)
+    empty = ~visible.any(axis=-1) | np.isneginf(np.where(visible, scores, -np.inf)).all(axis=-1)
+    safe = np.where(empty[..., None], 0.0, scores)
     p = softmax(safe, axis=-1)
     lse = logsumexp(safe, axis=-1)
-    p[..., empty, :] = 0.0
-    lse[..., empty] = -np.inf
+    p[np.broadcast_to(empty[..., None], p.shape)] = 0.0
+    lse[np.broadcast_to(empty, lse.shape)] = -np.inf
     return p, lse
 
 

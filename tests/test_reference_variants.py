@@ -323,3 +323,18 @@ def test_naive_without_variants_is_unchanged(rng):
         for a, b in zip(reference.naive_attention_bwd(dout, q, k, v, None, True, dtype),
                         reference.naive_attention_bwd(dout, q, k, v, None, True, dtype, **off)):
             np.testing.assert_array_equal(a, b)
+
+
+def test_a_minus_inf_sink_on_a_row_that_sees_no_key(rng):
+    """No key and a -inf sink (no sink): out 0 and lse -inf, not NaN; the naive one too."""
+    q, k, v, dout = _inputs(rng, 1, 5, 2, 2, 1, 3)
+    sinks = np.array([-np.inf, 0.5])
+    out, lse = reference.attention_fwd(q, k, v, causal=True, sinks=sinks)
+    assert not np.isnan(out).any() and (out[:, :3] == 0).all()
+    np.testing.assert_array_equal(lse[0, :, :3], [[-np.inf] * 3, [0.5] * 3])
+    grads = reference.attention_bwd(dout, q, k, v, causal=True, sinks=sinks)
+    assert all(np.isfinite(g).all() for g in grads)
+    naive_out, naive_lse = reference.naive_attention(q, k, v, None, True, np.float16, sinks=sinks)
+    assert not np.isnan(naive_out.astype(np.float32)).any() and (naive_lse[0, 0, :3] == -np.inf).all()
+    assert all(np.isfinite(g.astype(np.float32)).all()
+               for g in reference.naive_attention_bwd(dout, q, k, v, None, True, np.float16, sinks=sinks))
