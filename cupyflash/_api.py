@@ -94,8 +94,7 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
         Preallocated lse to write: float32, shape (batch, nheads_q, seqlen_q),
         unit last stride; returned.
     dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state
-        Attention variants (issue 13), on the CPU path only so far (NumPy
-        arrays; the GPU raises NotImplementedError for any that is on).
+        Attention variants (issue 13), on the CPU path and in the GPU kernels.
         ``softcap`` (float >= 0, 0 = off): scores ``s`` become ``softcap *
         tanh(s / softcap)``.  ``alibi_slopes`` (float32, (nheads_q,) or
         (batch, nheads_q)): adds ``-slope * |i + seqlen_k - seqlen_q - j|``
@@ -141,8 +140,6 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
         ``softcap`` negative or not finite, ``window_size`` not two ints >= -1,
         ``alibi_slopes``/``sinks`` of the wrong shape or dtype, ``rng_state``
         missing with ``dropout_p > 0`` or out of range.
-    NotImplementedError
-        A variant option is on for GPU arrays.
 
     See Also
     --------
@@ -253,8 +250,6 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
         As for :func:`flash_attn_fwd`; also when ``dout`` or ``out`` differ
         from ``q`` in shape, or ``lse`` is not (batch, nheads_q, seqlen_q);
         ``dq``/``dk``/``dv`` as ``out`` in :func:`flash_attn_fwd`.
-    NotImplementedError
-        As for :func:`flash_attn_fwd`.
 
     References
     ----------
@@ -289,7 +284,7 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
     dtype : str, optional
         ``"bfloat16"`` for cupy arrays of raw bfloat16 bits (uint16/int16).
     dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state
-        Attention variants, as in :func:`flash_attn_fwd` (CPU path only so far).
+        Attention variants, as in :func:`flash_attn_fwd`.
 
     Returns
     -------
@@ -297,7 +292,7 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
 
     Raises
     ------
-    TypeError, ValueError, NotImplementedError
+    TypeError, ValueError
         As for :func:`flash_attn_fwd`.
 
     References
@@ -313,13 +308,13 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
 
 
 # ----------------------------------------------------------------------------
-# Attention variants (issue 13): validated on every call, run on the CPU path
+# Attention variants (issue 13): validated on every call, run on the GPU or the CPU path
 # ----------------------------------------------------------------------------
 
 
 def _variant_fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse, variants):
-    """A forward with variant options given: the plain validation, the options'
-    (NotImplementedError on the GPU), then the CPU path; all options off: the hot path."""
+    """A forward with variant options given: the plain validation, the options',
+    then the GPU kernels or the CPU path; all options off: the hot path."""
     gpu = _checks.check_qkv(fn, q, k, v, dtype)
     scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal)
     _checks.check_outputs(fn, q, {"out": (out, q), "lse": (lse, None)})

@@ -428,13 +428,18 @@ def _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap):
     return tuple(int(w) for w in window)
 
 
-def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state):
+def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state, *,
+                   batch=None):
     """The variant options of a validated call (issue 13): their forms, and the arrays
     against ``q``.  Returns the keyword arguments of the options that are on
     (those of ``cupyflash.cpu.fwd``/``bwd``; the GPU path takes the same), empty
-    when every option is off."""
+    when every option is off.
+
+    ``q`` is dense ``(batch, seqlen, nheads, head_dim)``; or, with ``batch`` (the
+    number of sequences, ``len(cu_seqlens) - 1``), packed ``(total, nheads,
+    head_dim)`` as in the varlen functions."""
     window = _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap)
-    batch, nheads = q.shape[0], q.shape[2]
+    batch, nheads = (q.shape[0], q.shape[2]) if batch is None else (batch, q.shape[1])
     kind = _kind(q)
     for name, x, shapes in (("alibi_slopes", alibi_slopes, ((nheads,), (batch, nheads))),
                             ("sinks", sinks, ((nheads,),))):

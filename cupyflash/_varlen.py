@@ -6,7 +6,10 @@ layout).  Validation follows :mod:`cupyflash._checks`; then
 
 * NumPy arrays loop over the sequences and run the tiled CPU path
   (:func:`cupyflash.cpu.fwd` / :func:`cupyflash.cpu.bwd`) on ``(1, len, H, D)``
-  views, writing into the packed outputs, so extra memory stays O(tokens);
+  views, writing into the packed outputs, so extra memory stays O(tokens).
+  The attention variants (issue 13) run there too, sequence ``b`` as the dense
+  batch element ``b`` would: its own row of (batch, nheads_q) ALiBi slopes, its
+  dropout mask drawn at batch index ``b`` (``batch_start``);
 * CuPy arrays go to ``_gpu.varlen_fwd`` / ``_gpu.varlen_bwd`` (bfloat16 as
   uint16/int16 storage with ``dtype="bfloat16"``, as in ``_api``): one launch
   of each kernel covers the whole batch, the kernels read ``cu_seqlens`` on the
@@ -18,8 +21,8 @@ layout).  Validation follows :mod:`cupyflash._checks`; then
   through :func:`._interop.call` like the dense functions: viewed as NumPy/CuPy
   arrays without copying, results handed back in the caller's type.
 
-Either way a sequence with no key gets out 0, lse ``-inf`` and dq 0 on its
-query rows, and one with no query dk = dv = 0 on its key rows (the loop skips
+Either way a sequence with no key gets out 0, lse ``-inf`` (``sinks[h]`` with
+sinks) and dq 0 on its query rows, and one with no query dk = dv = 0 on its key rows (the loop skips
 such pairs; the kernels find no key block, or no query block, to visit).
 """
 
@@ -31,7 +34,7 @@ import sys
 import numpy as np
 
 from . import _checks, _interop, cpu
-from ._api import _gpu_dtype
+from ._api import _NO_DROPOUT, _NO_SOFTCAP, _NO_WINDOW, _gpu_dtype
 from ._checks import fail
 
 __all__ = ["flash_attn_varlen_fwd", "flash_attn_varlen_bwd", "flash_attn_varlen"]
@@ -119,47 +122,78 @@ def _xp(gpu):
 
 
 def _pairs(cu_q, cu_k):
-    """``(q0, q1, k0, k1)`` for each sequence with at least one query and one key."""
-    for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+    """``(b, q0, q1, k0, k1)`` for each sequence ``b`` with at least one query and one key."""
+    for b, (q0, q1, k0, k1) in enumerate(zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])):
         if q1 > q0 and k1 > k0:
-            yield int(q0), int(q1), int(k0), int(k1)
+            yield b, int(q0), int(q1), int(k0), int(k1)
 
 
-def _fwd_loop(fwd_one, xp, q, k, v, cu_q, cu_k):
-    """Packed ``(out, lse)`` from ``fwd_one`` applied to each sequence's (1, len, H, D) views.
+def _sequence_options(options, b):
+    """The variant options of sequence ``b`` run as a batch of one: ALiBi slopes of
+    shape (batch, nheads_q) sliced to its row, and the dropout mask drawn at batch
+    index ``b`` (``batch_start``), as the dense path draws it for that sequence."""
+    if not options:
+        return options
+    slopes = options.get("alibi_slopes")
+    if slopes is not None and slopes.ndim == 2:
+        options = {**options, "alibi_slopes": slopes[b:b + 1]}
+    if "dropout_p" in options:
+        options = {**options, "batch_start": b}
+    return options
 
-    Rows of a sequence with no key keep out 0 and lse -inf.
+
+def _fwd_loop(fwd_one, xp, q, k, v, cu_q, cu_k, sinks=None):
+    """Packed ``(out, lse)`` from ``fwd_one(b, q, k, v)`` applied to each sequence's
+    (1, len, H, D) views.
+
+    Rows of a sequence with no key keep out 0 and lse -inf (``sinks[h]`` with sinks).
     """
     out = xp.zeros(q.shape, dtype=q.dtype)
     lse = xp.full((q.shape[1], q.shape[0]), -np.inf, dtype=np.float32)
-    for q0, q1, k0, k1 in _pairs(cu_q, cu_k):
-        seq_out, seq_lse = fwd_one(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1])
+    if sinks is not None:
+        lse[...] = sinks[:, None]
+    for b, q0, q1, k0, k1 in _pairs(cu_q, cu_k):
+        seq_out, seq_lse = fwd_one(b, q[None, q0:q1], k[None, k0:k1], v[None, k0:k1])
         out[q0:q1] = seq_out[0]
         lse[:, q0:q1] = seq_lse[0]
     return out, lse
 
 
-def _bwd_loop(bwd_one, xp, dout, q, k, v, out, lse, cu_q, cu_k):
-    """Packed ``(dq, dk, dv)`` from ``bwd_one`` applied to each sequence's views.
+def _bwd_loop(bwd_one, xp, dout, q, k, v, out, lse, cu_q, cu_k, sinks=None):
+    """Packed ``(dq, dk, dv)`` from ``bwd_one(b, dout, q, k, v, out, lse)`` applied to
+    each sequence's views; with ``sinks``, also ``dsinks`` summed over the sequences.
 
-    Rows of a sequence with no key (dq) or no query (dk, dv) keep 0.
+    Rows of a sequence with no key (dq) or no query (dk, dv) keep 0; such a
+    sequence adds nothing to ``dsinks`` (its rows have out 0, so delta 0).
     """
     dq = xp.zeros(q.shape, dtype=q.dtype)
     dk = xp.zeros(k.shape, dtype=k.dtype)
     dv = xp.zeros(v.shape, dtype=v.dtype)
-    for q0, q1, k0, k1 in _pairs(cu_q, cu_k):
+    dsinks = None if sinks is None else xp.zeros(sinks.shape, dtype=np.float64)
+    for b, q0, q1, k0, k1 in _pairs(cu_q, cu_k):
         rows, keys = slice(q0, q1), slice(k0, k1)
-        seq_dq, seq_dk, seq_dv = bwd_one(dout[None, rows], q[None, rows], k[None, keys],
-                                         v[None, keys], out[None, rows], lse[None, :, rows])
-        dq[rows] = seq_dq[0]
-        dk[keys] = seq_dk[0]
-        dv[keys] = seq_dv[0]
-    return dq, dk, dv
+        seq_grads = bwd_one(b, dout[None, rows], q[None, rows], k[None, keys], v[None, keys],
+                            out[None, rows], lse[None, :, rows])
+        dq[rows] = seq_grads[0][0]
+        dk[keys] = seq_grads[1][0]
+        dv[keys] = seq_grads[2][0]
+        if dsinks is not None:
+            dsinks += seq_grads[3]
+    if dsinks is None:
+        return dq, dk, dv
+    return dq, dk, dv, dsinks.astype(np.float32)
 
 
-def _empty_fwd(xp, q):
-    return (xp.zeros(q.shape, dtype=q.dtype),
-            xp.full((q.shape[1], q.shape[0]), -np.inf, dtype=np.float32))
+def _empty_fwd(xp, q, sinks=None):
+    lse = xp.full((q.shape[1], q.shape[0]), -np.inf, dtype=np.float32)
+    if sinks is not None:  # no key: the sink alone
+        lse[...] = sinks[:, None]
+    return xp.zeros(q.shape, dtype=q.dtype), lse
+
+
+def _empty_bwd(xp, q, k, v, sinks=None):
+    grads = tuple(xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
+    return grads if sinks is None else grads + (xp.zeros(sinks.shape, dtype=np.float32),)
 
 
 def _nothing_to_compute(q, k):
@@ -171,32 +205,97 @@ _FWD_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
 _BWD_NAMES = ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k")
 
 
+def _given(dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state):
+    """The variant options for :func:`._checks.check_variants`, or None when every one
+    was left out (the defaults are the dense functions' "off" objects, told by
+    identity: a value given, an equal one too, is checked)."""
+    if (dropout_p is _NO_DROPOUT and window_size is _NO_WINDOW and alibi_slopes is None
+            and softcap is _NO_SOFTCAP and sinks is None and rng_state is None):
+        return None
+    return dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state
+
+
+def _variants(fn, q, gpu, cu_q, variants):
+    """The variant options that are on (``cupyflash.cpu``'s keywords), checked against
+    q's heads and the number of sequences."""
+    if variants is None:
+        return {}
+    return _checks.check_variants(fn, q, gpu, *variants, batch=cu_q.shape[0] - 1)
+
+
 def _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-         causal, dtype):
+         causal, dtype, variants=None):
     """Validate, then run the forward on the CPU, the GPU varlen kernels, or the GPU loop."""
     gpu, cu_q, cu_k = _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, dtype)
     scale = _checks.check_flags(fn, softmax_scale, q.shape[2], causal)
     causal = bool(causal)
+    options = _variants(fn, q, gpu, cu_q, variants)
+    sinks = options.get("sinks")
     if not gpu:
         if _nothing_to_compute(q, k):
-            return _empty_fwd(np, q)
-        return _fwd_loop(lambda qs, ks, vs: cpu.fwd(qs, ks, vs, scale, causal),
-                         np, q, k, v, cu_q, cu_k)
+            return _empty_fwd(np, q, sinks)
+        return _fwd_loop(
+            lambda b, qs, ks, vs: cpu.fwd(qs, ks, vs, scale, causal, **_sequence_options(options, b)),
+            np, q, k, v, cu_q, cu_k, sinks)
     from . import _gpu
 
     kw_dtype = _gpu_dtype(fn, dtype)
     with q.device:
         if _nothing_to_compute(q, k):
-            return _empty_fwd(_xp(gpu), q)
+            return _empty_fwd(_xp(gpu), q, sinks)
+        if options:
+            return _gpu.variant_fwd(q, k, v, None, None, softmax_scale=scale, causal=causal,
+                                    dtype_name=kw_dtype.get("dtype", q.dtype.name), options=options,
+                                    packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
         if hasattr(_gpu, "varlen_fwd"):
             return _gpu.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                    int(max_seqlen_k), softmax_scale=scale, causal=causal,
                                    **kw_dtype)
         return _fwd_loop(
-            lambda qs, ks, vs: _gpu.fwd(qs, ks, vs, softmax_scale=scale, causal=causal,
-                                        **kw_dtype),
-            _xp(gpu), q, k, v, cu_q, cu_k)
+            lambda b, qs, ks, vs: _gpu.fwd(qs, ks, vs, softmax_scale=scale, causal=causal,
+                                           **kw_dtype, **_sequence_options(options, b)),
+            _xp(gpu), q, k, v, cu_q, cu_k, sinks)
+
+
+def _bwd(fn, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+         softmax_scale, causal, deterministic, dtype, variants=None):
+    """Validate, then run the backward on the CPU, the GPU varlen kernels, or the GPU loop."""
+    gpu, cu_q, cu_k = _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k, dtype)
+    _checks.check_bwd_extras(fn, dout, out, lse, q, packed=True)
+    scale = _checks.check_flags(fn, softmax_scale, q.shape[2], causal, deterministic)
+    causal, deterministic = bool(causal), bool(deterministic)
+    options = _variants(fn, q, gpu, cu_q, variants)
+    sinks = options.get("sinks")
+    if not gpu:
+        if _nothing_to_compute(q, k):
+            return _empty_bwd(np, q, k, v, sinks)
+        return _bwd_loop(
+            lambda b, *a: cpu.bwd(*a, scale, causal, **_sequence_options(options, b)),
+            np, dout, q, k, v, out, lse, cu_q, cu_k, sinks)
+    from . import _gpu
+
+    kw_dtype = _gpu_dtype(fn, dtype)
+    with q.device:
+        if _nothing_to_compute(q, k):
+            return _empty_bwd(_xp(gpu), q, k, v, sinks)
+        if options:
+            from . import _gpu_bwd
+
+            return _gpu_bwd.variant_bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal,
+                                        deterministic=deterministic,
+                                        dtype_name=kw_dtype.get("dtype", q.dtype.name), options=options,
+                                        packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        if hasattr(_gpu, "varlen_bwd"):
+            return _gpu.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                   int(max_seqlen_q), int(max_seqlen_k), softmax_scale=scale,
+                                   causal=causal, deterministic=deterministic, **kw_dtype)
+        return _bwd_loop(
+            lambda b, *a: _gpu.bwd(*a, softmax_scale=scale, causal=causal,
+                                   deterministic=deterministic, **kw_dtype,
+                                   **_sequence_options(options, b)),
+            _xp(gpu), dout, q, k, v, out, lse, cu_q, cu_k, sinks)
 
 
 # ----------------------------------------------------------------------------
@@ -207,13 +306,15 @@ def _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, so
 @_interop.accepts_foreign(*_FWD_NAMES)
 def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                           softmax_scale=None, causal=False, dtype=None,
-                          dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
+                          dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None,
+                          softcap=_NO_SOFTCAP, sinks=None, rng_state=None):
     """Exact attention forward pass over a packed batch of variable-length sequences.
 
     Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key
     rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; its queries attend only to its
     own keys, so padding never exists and is never attended.  Per sequence the
-    result is that of :func:`cupyflash.flash_attn_fwd` on a batch of one.
+    result is that of :func:`cupyflash.flash_attn_fwd` on a batch of one (with
+    the variants, at batch index ``b``: see ``dropout_p`` and ``alibi_slopes``).
 
     Parameters
     ----------
@@ -265,6 +366,20 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         ``"float16"``) for cupy arrays of raw bits in uint16/int16 storage.
         ``None`` (default) or q's own dtype name otherwise; torch and JAX
         arrays carry their dtype and take None.
+    dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state
+        Attention variants (issue 13) as in :func:`cupyflash.flash_attn_fwd`,
+        with the same checks, on the CPU path and in the GPU kernels.  Each sequence is
+        aligned bottom-right to its own lengths: ``window_size=(left, right)``
+        lets query ``i`` of a sequence see its key ``j`` iff ``i + len_k -
+        len_q - left <= j <= i + len_k - len_q + right``, and ALiBi adds
+        ``-slope * |i + len_k - len_q - j|``.  ``alibi_slopes`` is float32 of
+        shape (nheads_q,) or (batch, nheads_q), row ``b`` for sequence ``b``;
+        ``sinks`` float32 (nheads_q,) (a row that sees no key then has lse
+        ``sinks[h]``).  ``dropout_p`` needs ``rng_state=(seed, offset)``; the
+        keep mask of sequence ``b`` is drawn by :mod:`cupyflash._philox` at
+        batch index ``b`` with rows and columns counted within the sequence,
+        so it is the mask :func:`cupyflash.flash_attn_fwd` draws for batch
+        element ``b`` of a dense batch holding the same sequence.
 
     Returns
     -------
@@ -272,7 +387,8 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         Same array type and dtype as ``q`` (uint16 storage stays uint16),
         C-contiguous.
     lse : array, shape (nheads_q, total_q), float32
-        The natural-log logsumexp of each row of scaled, masked scores.
+        The natural-log logsumexp of each row of scaled, masked scores (and of
+        the sink with ``sinks``; before dropout).
 
     Raises
     ------
@@ -285,7 +401,9 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         also when a ``cu_seqlens`` is not 1-D, empty, not contiguous, does not
         start at 0, decreases, or does not end at the number of tokens; when
         the two ``cu_seqlens`` differ in length; or when a ``max_seqlen`` is
-        smaller than the longest sequence.
+        smaller than the longest sequence.  A variant option is malformed as
+        for :func:`cupyflash.flash_attn_fwd` (``alibi_slopes`` of shape
+        (batch, nheads_q) counts ``batch = len(cu_seqlens_q) - 1``).
 
     Notes
     -----
@@ -310,18 +428,20 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     >>> out, lse = cupyflash.flash_attn_varlen_fwd(q, q, q, cu, cu, 4, 4, causal=True)
     >>> out.shape, lse.shape
     ((7, 2, 8), (2, 7))
+    >>> out, lse = cupyflash.flash_attn_varlen_fwd(q, q, q, cu, cu, 4, 4, window_size=(1, 0),
+    ...                                            sinks=np.zeros(2, np.float32))
     """
     fn = "flash_attn_varlen_fwd"
-    _checks.check_implemented(fn, dropout_p, window_size, alibi_slopes, softcap)
     return _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, causal, dtype)
+                softmax_scale, causal, dtype,
+                _given(dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state))
 
 
 @_interop.accepts_foreign(*_BWD_NAMES)
 def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, *, softmax_scale=None, causal=False, deterministic=False,
-                          dtype=None, dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None,
-                          softcap=0.0):
+                          dtype=None, dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW,
+                          alibi_slopes=None, softcap=_NO_SOFTCAP, sinks=None, rng_state=None):
     """Exact attention backward pass over a packed batch: the gradients of
     :func:`flash_attn_varlen_fwd`.
 
@@ -350,6 +470,9 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
     dtype : str, optional
         As in :func:`flash_attn_varlen_fwd`: ``"bfloat16"`` for cupy arrays of
         raw bfloat16 bits (dout, q, k, v and out alike).
+    dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state
+        As in :func:`flash_attn_varlen_fwd`, and the same as the forward was
+        given (the dropout mask is drawn again from ``rng_state``).
 
     Returns
     -------
@@ -357,6 +480,9 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
     dk, dv : array, shape (total_k, nheads_kv, head_dim), dtype of ``k``
         With GQA, summed over the query heads that share each KV head.  Rows of
         a sequence whose other side is empty are 0.
+    dsinks : numpy.ndarray, shape (nheads_q,), float32
+        Only when ``sinks`` is given: the gradient of the sinks, summed over
+        the sequences and their rows.
 
     Raises
     ------
@@ -366,43 +492,21 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
         ``(nheads_q, total_q)`` float32, or ``deterministic`` is not a bool.
     """
     fn = "flash_attn_varlen_bwd"
-    _checks.check_implemented(fn, dropout_p, window_size, alibi_slopes, softcap)
-    gpu, cu_q, cu_k = _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                    max_seqlen_q, max_seqlen_k, dtype)
-    _checks.check_bwd_extras(fn, dout, out, lse, q, packed=True)
-    scale = _checks.check_flags(fn, softmax_scale, q.shape[2], causal, deterministic)
-    causal, deterministic = bool(causal), bool(deterministic)
-    if not gpu:
-        if _nothing_to_compute(q, k):
-            return tuple(np.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
-        return _bwd_loop(
-            lambda *a: cpu.bwd(*a, scale, causal), np, dout, q, k, v, out, lse, cu_q, cu_k)
-    from . import _gpu
-
-    kw_dtype = _gpu_dtype(fn, dtype)
-    with q.device:
-        if _nothing_to_compute(q, k):
-            xp = _xp(gpu)
-            return tuple(xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
-        if hasattr(_gpu, "varlen_bwd"):
-            return _gpu.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                   int(max_seqlen_q), int(max_seqlen_k), softmax_scale=scale,
-                                   causal=causal, deterministic=deterministic, **kw_dtype)
-        return _bwd_loop(
-            lambda *a: _gpu.bwd(*a, softmax_scale=scale, causal=causal,
-                                deterministic=deterministic, **kw_dtype),
-            _xp(gpu), dout, q, k, v, out, lse, cu_q, cu_k)
+    return _bwd(fn, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k, softmax_scale, causal, deterministic, dtype,
+                _given(dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state))
 
 
 @_interop.accepts_foreign(*_FWD_NAMES)
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                       softmax_scale=None, causal=False, dtype=None,
-                      dropout_p=0.0, window_size=(-1, -1), alibi_slopes=None, softcap=0.0):
+                      dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None,
+                      softcap=_NO_SOFTCAP, sinks=None, rng_state=None):
     """Exact attention over a packed batch of variable-length sequences: the output alone.
 
     The same as ``flash_attn_varlen_fwd(...)[0]``; see
-    :func:`flash_attn_varlen_fwd` for the layout, the causal alignment and what
-    is raised.
+    :func:`flash_attn_varlen_fwd` for the layout, the causal alignment, the
+    variants and what is raised.
 
     Parameters
     ----------
@@ -414,12 +518,14 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     causal : bool, optional
     dtype : str, optional
         ``"bfloat16"`` for cupy arrays of raw bfloat16 bits (uint16/int16).
+    dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state : optional
+        As in :func:`flash_attn_varlen_fwd`.
 
     Returns
     -------
     out : array, shape (total_q, nheads_q, head_dim), dtype of ``q``
     """
     fn = "flash_attn_varlen"
-    _checks.check_implemented(fn, dropout_p, window_size, alibi_slopes, softcap)
     return _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, causal, dtype)[0]
+                softmax_scale, causal, dtype,
+                _given(dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state))[0]

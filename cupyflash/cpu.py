@@ -55,8 +55,8 @@ multiplies ``dS`` by ``1 - tanh^2``.
   that sees no key has output 0 and lse exactly ``sinks[h]``.
 * **Dropout**: the keep mask of each tile is drawn by
   :func:`cupyflash._philox.keep_mask` from ``rng_state = (seed, offset)`` at
-  the tile's global (batch, head, row, column) indices, so it never depends
-  on the tiling.  The row sum takes every probability, the accumulator the
+  the tile's global (batch, head, row, column) indices (the batch index
+  counted from ``batch_start``), so it never depends on the tiling.  The row sum takes every probability, the accumulator the
   kept ones; ``1 / (1 - p)`` scales the output once, at the end (in the
   backward: ``dP`` per tile and ``dV`` once per key tile).
 
@@ -232,7 +232,8 @@ class _Variants:
     """The variant arguments of one call, resolved once (all off by default)."""
 
     def __init__(self, q_shape, nheads_kv, seqlen_k, softmax_scale, causal, window_size=(-1, -1),
-                 softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None):
+                 softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None,
+                 batch_start=0):
         _, seqlen_q, nheads, _ = q_shape
         self.nheads, self.group = nheads, nheads // nheads_kv
         self.dims = (seqlen_q, seqlen_k, self.group)
@@ -251,6 +252,7 @@ class _Variants:
             if rng_state is None:
                 raise ValueError("dropout_p > 0 needs rng_state=(seed, offset)")
             self.seed, self.offset = (int(x) for x in rng_state)
+        self.batch_start = int(batch_start)  # the dropout counter's index of sequence 0
         # softcap and ALiBi: scores computed once in log2 units (exponent factor 1);
         # otherwise raw scores with softmax_scale * log2(e) folded into the exponent
         self.modified = self.softcap > 0 or self.alibi is not None
@@ -296,7 +298,7 @@ def _keep_tile(var, m0, m1, n0, n1, batch, nheads_kv):
     group = var.group
     heads = np.arange(nheads_kv)[:, None] * group + np.arange(group)[None, :]
     keep = _philox.keep_mask(var.seed, var.offset, var.dropout_p,
-                             np.arange(batch)[:, None, None, None, None],
+                             np.arange(var.batch_start, var.batch_start + batch)[:, None, None, None, None],
                              heads[None, :, :, None, None],
                              np.arange(m0, m1)[None, None, None, :, None],
                              np.arange(n0, n1)[None, None, None, None, :], var.nheads)
@@ -359,20 +361,27 @@ def _finalize_with_sink(acc, row_max, row_sum, score_unit, lse_scale, sink):
     ``row_max * score_unit`` is the running max in log2 units and
     ``row_max * lse_scale`` in natural-log units; ``sink`` (1, Hkv, R) is in
     natural-log units.  The sink is folded in as one last online-softmax step,
-    so every row has ``l > 0``, and a row that saw no key gets ``lse = sink``.
+    so a row has ``l > 0`` unless it saw no key and its sink is ``-inf`` (no
+    sink): a row that saw no key gets ``lse = sink``, and out 0.
     """
     sink_log2 = sink * _F32(LOG2E)
     max_log2 = row_max * score_unit  # -inf for a row that saw no key
     new_max = np.maximum(max_log2, sink_log2)
-    alpha = np.exp2(max_log2 - new_max)
-    row_sum = row_sum * alpha + np.exp2(sink_log2 - new_max)
-    acc *= (alpha / row_sum)[..., None]
+    # no key and a -inf sink: the max stays -inf; subtracting 0 instead keeps
+    # exp2(-inf - -inf) = NaN out (every term is then exp2(-inf) = 0)
+    shift = np.where(new_max == -np.inf, _F32(0), new_max)
+    alpha = np.exp2(max_log2 - shift)
+    row_sum = row_sum * alpha + np.exp2(sink_log2 - shift)
+    seen = row_sum > 0
+    acc *= np.divide(alpha, row_sum, out=np.zeros_like(row_sum), where=seen)[..., None]
     top = np.where(sink_log2 >= max_log2, sink, row_max * _F32(lse_scale))
-    return acc, top + np.log(row_sum)
+    lse = np.log(row_sum, out=np.full_like(row_sum, -np.inf), where=seen)
+    lse += np.where(seen, top, _F32(0))
+    return acc, lse
 
 
 def fwd(q, k, v, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,
-        alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None):
+        alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None, batch_start=0):
     """Tiled forward pass: ``(out, lse)`` for validated, non-empty inputs.
 
     Parameters
@@ -396,6 +405,11 @@ def fwd(q, k, v, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,
         Dropout probability in [0, 1); needs ``rng_state``.
     rng_state : (int, int), optional
         ``(seed, offset)`` of :func:`cupyflash._philox.keep_mask`.
+    batch_start : int, optional
+        The dropout mask's batch index of ``q``'s first sequence (0): sequence
+        ``b`` of ``q`` draws the mask of batch index ``batch_start + b``.  The
+        varlen CPU path runs sequence ``b`` of a packed batch as a batch of one
+        with ``batch_start=b``, so that it draws the mask the dense batch would.
 
     Returns
     -------
@@ -407,7 +421,7 @@ def fwd(q, k, v, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     var = _Variants(q.shape, nheads_kv, seqlen_k, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, sinks, dropout_p, rng_state)
+                    alibi_slopes, sinks, dropout_p, rng_state, batch_start)
     out = np.empty(q.shape, dtype=q.dtype)
     lse = np.empty((batch, nheads, seqlen_q), dtype=_F32)
 
@@ -493,7 +507,7 @@ def _bwd_tile(k_tile, v_tile, dk_acc, dv_acc, dq_acc, q, dout, lse_log2, delta,
 
 
 def bwd(dout, q, k, v, out, lse, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,
-        alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None):
+        alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None, batch_start=0):
     """Tiled backward pass: ``(dq, dk, dv)`` (and ``dsinks``) for validated, non-empty inputs.
 
     Parameters
@@ -505,7 +519,7 @@ def bwd(dout, q, k, v, out, lse, softmax_scale, causal, *, window_size=(-1, -1),
         As returned by :func:`fwd` (with the same variants).
     softmax_scale : float
     causal : bool
-    window_size, softcap, alibi_slopes, sinks, dropout_p, rng_state
+    window_size, softcap, alibi_slopes, sinks, dropout_p, rng_state, batch_start
         As for :func:`fwd`; the same values as the forward that gave ``out``.
 
     Returns
@@ -519,7 +533,7 @@ def bwd(dout, q, k, v, out, lse, softmax_scale, causal, *, window_size=(-1, -1),
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     var = _Variants(q.shape, nheads_kv, seqlen_k, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, sinks, dropout_p, rng_state)
+                    alibi_slopes, sinks, dropout_p, rng_state, batch_start)
 
     delta = _row_dot(dout, out)
     # A row that saw no key has lse = -inf; +inf makes every p = exp2(-inf) = 0.

@@ -120,14 +120,15 @@ def _softmax_rows(scores, visible):
     """
     from scipy.special import logsumexp, softmax  # imported here: it takes ~0.2 s
 
-    empty = ~visible.any(axis=-1)  # (Sq,)
     if scores.shape[-1] == 0:  # no key at all: scipy cannot reduce an empty axis
         return np.zeros(scores.shape, scores.dtype), np.full(scores.shape[:-1], -np.inf)
-    safe = np.where(empty[:, None], 0.0, scores)
+    # a row with no visible key, or whose only visible term is a -inf sink (no sink)
+    empty = ~visible.any(axis=-1) | np.isneginf(np.where(visible, scores, -np.inf)).all(axis=-1)
+    safe = np.where(empty[..., None], 0.0, scores)
     p = softmax(safe, axis=-1)
     lse = logsumexp(safe, axis=-1)
-    p[..., empty, :] = 0.0
-    lse[..., empty] = -np.inf
+    p[np.broadcast_to(empty[..., None], p.shape)] = 0.0
+    lse[np.broadcast_to(empty, lse.shape)] = -np.inf
     return p, lse
 
 
@@ -426,24 +427,47 @@ class _Rounding:
         return self.round(_host(x, np.float64))
 
 
-def _naive_probs(r, q, k, softmax_scale, causal):
-    """Naive scores -> probabilities, each step rounded; q, k in (B, S, H, D)."""
+def _naive_probs(r, q, k, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
+                 alibi_slopes=None, sinks=None):
+    """Naive scores -> probabilities, each step rounded; q, k in (B, S, H, D).
+
+    Returns ``(p, lse, scale, tanh, p_sink)``: ``tanh`` (rounded) with softcap and
+    the sink's probability (B, Hq, Sq) with sinks, else None."""
     scale = _default_scale(softmax_scale, q.shape[-1])
-    visible = visible_keys(q.shape[1], k.shape[1], causal)
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    visible = visible_keys(seqlen_q, seqlen_k, causal, window_size=window_size)
     scores = r.matmul(q.transpose(0, 2, 1, 3), _heads_first(k, q.shape[2]).swapaxes(-1, -2))
     scores = r.round(scores * r.acc(scale))
+    tanh = None
+    if softcap:
+        tanh = r.round(np.tanh(r.round(scores / r.acc(softcap))))
+        scores = r.round(tanh * r.acc(softcap))
+    if alibi_slopes is not None:  # the bias in float32 (the slopes' dtype), added into the scores
+        bias = _alibi_slopes4(alibi_slopes).astype(r.acc) * _alibi_distance(seqlen_q, seqlen_k).astype(r.acc)
+        scores = r.round(scores - bias)
     scores = np.where(visible, scores, -np.inf)
-    p, lse = _softmax_rows(scores, visible)
-    return r.round(p), r.round(lse), scale
+    if sinks is None:
+        p, lse = _softmax_rows(scores, visible)
+        return r.round(p), r.round(lse), scale, tanh, None
+    sink = np.broadcast_to(r.round(_host(sinks, np.float64))[None, :, None, None],
+                           scores.shape[:-1] + (1,))
+    p, lse = _softmax_rows(np.concatenate([scores, sink], axis=-1),
+                           np.concatenate([visible, np.ones((seqlen_q, 1), bool)], axis=-1))
+    p = r.round(p)
+    return p[..., :-1], r.round(lse), scale, tanh, p[..., -1]
 
 
-def naive_attention(q, k, v, softmax_scale=None, causal=False, dtype=None):
+def naive_attention(q, k, v, softmax_scale=None, causal=False, dtype=None, *, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_mask=None):
     """Dense attention as a naive implementation computes it in ``dtype``.
 
     Each matmul accumulates in float32 (float64 when ``dtype`` is float64) and
     rounds its result to ``dtype``; the scaled scores, the softmax and the
-    logsumexp are rounded to ``dtype`` too.  Rows with no visible key give 0
-    and lse ``-inf``, as in :func:`attention_fwd`.
+    logsumexp are rounded to ``dtype``, and so is every step of the variants
+    (the softcap's divide, tanh and multiply; the scores after the ALiBi bias,
+    which is computed in float32 like its slopes; the sink logit; the dropped
+    probabilities).  Rows with no visible key give 0 and lse ``-inf``, as in
+    :func:`attention_fwd`.
 
     Parameters
     ----------
@@ -451,6 +475,8 @@ def naive_attention(q, k, v, softmax_scale=None, causal=False, dtype=None):
         As for :func:`attention_fwd`; inputs are first rounded to ``dtype``.
     dtype : dtype or str, optional
         float16, "bfloat16", float32 or float64; defaults to ``q.dtype``.
+    window_size, softcap, alibi_slopes, sinks, dropout_p, dropout_mask
+        The variants, as for :func:`attention_fwd` (all off by default).
 
     Returns
     -------
@@ -459,27 +485,49 @@ def naive_attention(q, k, v, softmax_scale=None, causal=False, dtype=None):
     """
     r = _Rounding(_host(q).dtype if dtype is None else dtype)
     q, k, v = (r.load(x) for x in (q, k, v))
-    p, lse, _ = _naive_probs(r, q, k, softmax_scale, causal)
+    p, lse, *_ = _naive_probs(r, q, k, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                              sinks)
+    keep = _keep_scale(dropout_p, dropout_mask)
+    if keep is not None:
+        p = r.round(p * keep)
     out = r.matmul(p, _heads_first(v, q.shape[2]))
     return out.transpose(0, 2, 1, 3).astype(r.dtype), lse.astype(r.dtype)
 
 
-def naive_attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, dtype=None):
+def naive_attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, dtype=None, *,
+                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+                        dropout_p=0.0, dropout_mask=None):
     """Backward of :func:`naive_attention`, as autograd would run it in ``dtype``.
+
+    Parameters
+    ----------
+    dout, q, k, v, softmax_scale, causal, dtype
+        As for :func:`naive_attention`.
+    window_size, softcap, alibi_slopes, sinks, dropout_p, dropout_mask
+        As for :func:`attention_bwd`.
 
     Returns
     -------
     dq : numpy.ndarray, shape of ``q``, ``dtype``
     dk, dv : numpy.ndarray, shape of ``k``, ``dtype``
+    dsinks : numpy.ndarray, shape (nheads_q,), ``dtype``
+        Only when ``sinks`` is given.
     """
     r = _Rounding(_host(q).dtype if dtype is None else dtype)
     dout, q, k, v = (r.load(x) for x in (dout, q, k, v))
     nheads, nheads_kv = q.shape[2], k.shape[2]
-    p, _, scale = _naive_probs(r, q, k, softmax_scale, causal)
+    p, _, scale, tanh, p_sink = _naive_probs(r, q, k, softmax_scale, causal, window_size, softcap,
+                                             alibi_slopes, sinks)
+    keep = _keep_scale(dropout_p, dropout_mask)
     do = dout.transpose(0, 2, 1, 3)
-    dv = r.matmul(p.swapaxes(-1, -2), do)
+    dv = r.matmul((p if keep is None else r.round(p * keep)).swapaxes(-1, -2), do)
     dp = r.matmul(do, _heads_first(v, nheads).swapaxes(-1, -2))
-    ds = r.round(p * (dp - (p * dp).sum(axis=-1, keepdims=True)))
+    if keep is not None:
+        dp = r.round(dp * keep)
+    row = (p * dp).sum(axis=-1, keepdims=True)
+    ds = r.round(p * (dp - row))
+    if tanh is not None:
+        ds = r.round(ds * r.round(1 - tanh * tanh))
     ds = r.round(ds * r.acc(scale))
     dq = r.matmul(ds, _heads_first(k, nheads))
     dk = r.matmul(ds.swapaxes(-1, -2), q.transpose(0, 2, 1, 3))
@@ -488,4 +536,6 @@ def naive_attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, dtype=N
         r.round(_sum_groups(dk, nheads_kv)),
         r.round(_sum_groups(dv, nheads_kv)),
     )
+    if p_sink is not None:
+        grads += (r.round(-(p_sink * row[..., 0]).sum(axis=(0, 2))),)
     return tuple(g.astype(r.dtype) for g in grads)

@@ -140,40 +140,73 @@ def _floor(ref64):
     return REL_FLOOR * max(1.0, float(np.abs(finite).max()) if finite.size else 1.0)
 
 
-def assert_fwd_matches_reference(q, k, v, out, lse, *, softmax_scale=None, causal=False):
+def assert_fwd_matches_reference(q, k, v, out, lse, *, softmax_scale=None, causal=False, floor=None,
+                                 **variants):
     """Check a forward result against the float64 reference with the naive rule.
+
+    Parameters
+    ----------
+    q, k, v : array
+        The inputs, (batch, seqlen, nheads, head_dim); NumPy or CuPy.
+    out, lse : array
+        The result to check.
+    softmax_scale, causal
+        As for :func:`cupyflash.reference.attention_fwd`.
+    floor : float, optional
+        The bound's floor; defaults to ``REL_FLOOR * max(1, max|ref64|)``.
+    **variants
+        ``window_size``, ``softcap``, ``alibi_slopes``, ``sinks``, ``dropout_p``
+        and ``dropout_mask``, given alike to the reference and to the naive
+        implementation.
 
     Returns
     -------
     dict
         Max absolute errors, ``{"out": ..., "lse": ...}``.
     """
-    ref_out, ref_lse = reference.attention_fwd(q, k, v, softmax_scale, causal)
+    ref_out, ref_lse = reference.attention_fwd(q, k, v, softmax_scale, causal, **variants)
     dtype = naive_dtype(_host_dtype(q))
-    naive_out, naive_lse = reference.naive_attention(q, k, v, softmax_scale, causal, dtype)
+    naive_out, naive_lse = reference.naive_attention(q, k, v, softmax_scale, causal, dtype, **variants)
     return {
         "out": assert_close_to_reference("out", out, ref_out, naive_out, OUT_FACTOR,
-                                         _floor(ref_out)),
+                                         _floor(ref_out) if floor is None else floor),
         "lse": assert_close_to_reference("lse", lse, ref_lse, naive_lse, OUT_FACTOR,
-                                         _floor(ref_lse)),
+                                         _floor(ref_lse) if floor is None else floor),
     }
 
 
 def assert_bwd_matches_reference(dout, q, k, v, dq, dk, dv, *, softmax_scale=None,
-                                 causal=False):
+                                 causal=False, dsinks=None, floor=None, **variants):
     """Check gradients against the float64 reference with the naive rule.
+
+    Parameters
+    ----------
+    dout, q, k, v : array
+        The inputs; NumPy or CuPy.
+    dq, dk, dv : array
+        The gradients to check.
+    softmax_scale, causal, floor, **variants
+        As for :func:`assert_fwd_matches_reference`.
+    dsinks : array, optional
+        The sinks' gradient to check; required when ``sinks`` is given.
 
     Returns
     -------
     dict
-        Max absolute errors, ``{"dq": ..., "dk": ..., "dv": ...}``.
+        Max absolute errors, ``{"dq": ..., "dk": ..., "dv": ...}`` (and ``"dsinks"``).
     """
-    refs = reference.attention_bwd(dout, q, k, v, softmax_scale, causal)
+    refs = reference.attention_bwd(dout, q, k, v, softmax_scale, causal, **variants)
     dtype = naive_dtype(_host_dtype(q))
-    naives = reference.naive_attention_bwd(dout, q, k, v, softmax_scale, causal, dtype)
+    naives = reference.naive_attention_bwd(dout, q, k, v, softmax_scale, causal, dtype, **variants)
+    names, got = ("dq", "dk", "dv"), (dq, dk, dv)
+    if variants.get("sinks") is not None:
+        if dsinks is None:
+            raise ValueError("assert_bwd_matches_reference: dsinks must be given with sinks")
+        names, got = names + ("dsinks",), got + (dsinks,)
     return {
-        name: assert_close_to_reference(name, got, ref, naive, GRAD_FACTOR, _floor(ref))
-        for name, got, ref, naive in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, naives)
+        name: assert_close_to_reference(name, g, ref, naive, GRAD_FACTOR,
+                                        _floor(ref) if floor is None else floor)
+        for name, g, ref, naive in zip(names, got, refs, naives)
     }
 
 

@@ -286,3 +286,26 @@ def test_extreme_logits_keep_the_largest_term(rng):
     out, lse = cpu.fwd(q, k, v, 10.0, False, alibi_slopes=np.zeros(1, np.float32))
     np.testing.assert_array_equal(out, v)
     assert np.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_minus_inf_sink_on_a_row_that_sees_no_key(rng, small_tiles, dtype):
+    """A -inf sink is no sink: a row that sees no key then gets out 0 and lse -inf,
+    not NaN (it gave NaN: the max of the row and the sink stayed -inf)."""
+    q, k, v = testing.random_qkv(rng, 1, 40, 16, 4, 2, 16, dtype)
+    dout = testing.random_normal(rng, q.shape, dtype)
+    sinks = np.array([0.5, -np.inf, 1.0, -np.inf], np.float32)
+    out, lse = cpu.fwd(q, k, v, SCALE, True, sinks=sinks)
+    grads = cpu.bwd(dout, q, k, v, out, lse, SCALE, True, sinks=sinks)
+    empty = 40 - 16
+    assert not np.isnan(out.astype(np.float32)).any() and not np.isnan(lse).any()
+    assert (out[:, :empty] == 0).all()
+    np.testing.assert_array_equal(lse[0, :, :empty], np.broadcast_to(sinks[:, None], (4, empty)))
+    ref_out, ref_lse = reference.attention_fwd(q, k, v, SCALE, True, sinks=sinks)
+    tol_out, tol_grad = _tols(dtype)
+    _assert_close("out", out, ref_out, tol_out)
+    _assert_close("lse", lse, ref_lse, 1e-5)
+    refs = reference.attention_bwd(dout, q, k, v, SCALE, True, sinks=sinks)
+    for name, got, ref in zip(("dq", "dk", "dv", "dsinks"), grads, refs):
+        _assert_close(name, got, ref, tol_grad)
+    assert grads[3][1] == 0 and grads[3][3] == 0

@@ -270,3 +270,71 @@ def test_masked_rows_give_no_nan(rng, kwargs):
     grads = reference.attention_bwd(dout, q, k, v, **kwargs)
     assert all(np.isfinite(g).all() for g in grads)
     assert (grads[0][:, :3] == 0).all()
+
+
+# ----------------------------------------------------------------------------
+# The naive implementation's variants: in float64 they are the reference; in a
+# low precision they round (their error sets the tolerance of the fast paths)
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_naive_in_float64_is_the_reference(rng, name):
+    shape, make = CASES[name]
+    kwargs = make(rng)
+    causal = kwargs.pop("causal", False)
+    q, k, v, dout = _inputs(rng, *shape)
+    want = reference.attention_fwd(q, k, v, 0.6, causal, **kwargs)
+    got = reference.naive_attention(q, k, v, 0.6, causal, np.float64, **kwargs)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    want = reference.attention_bwd(dout, q, k, v, 0.6, causal, **kwargs)
+    got = reference.naive_attention_bwd(dout, q, k, v, 0.6, causal, np.float64, **kwargs)
+    assert len(got) == len(want) == (4 if "sinks" in kwargs else 3)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["softcap+alibi", "sinks+window", "everything"])
+def test_naive_in_float16_rounds_but_stays_close(rng, name):
+    """float16 results: near the reference, not equal to it, in float16."""
+    shape, make = CASES[name]
+    kwargs = make(rng)
+    causal = kwargs.pop("causal", False)
+    q, k, v, dout = _inputs(rng, *shape)
+    want = reference.attention_fwd(q, k, v, 0.6, causal, **kwargs)[0]
+    got = reference.naive_attention(q, k, v, 0.6, causal, np.float16, **kwargs)[0]
+    assert got.dtype == np.float16 and 0 < np.abs(got - want).max() < 2e-2
+    grads = reference.naive_attention_bwd(dout, q, k, v, 0.6, causal, np.float16, **kwargs)
+    refs = reference.attention_bwd(dout, q, k, v, 0.6, causal, **kwargs)
+    for g, r in zip(grads, refs):
+        assert g.dtype == np.float16 and np.abs(g - r).max() < 5e-2 * max(1.0, np.abs(r).max())
+
+
+def test_naive_without_variants_is_unchanged(rng):
+    """The variants' keywords given off are bitwise the defaults."""
+    q, k, v, dout = _inputs(rng, 2, 9, 11, 4, 2, 8)
+    off = dict(window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0,
+               dropout_mask=None)
+    for dtype in (np.float16, np.float32):
+        for a, b in zip(reference.naive_attention(q, k, v, None, True, dtype),
+                        reference.naive_attention(q, k, v, None, True, dtype, **off)):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(reference.naive_attention_bwd(dout, q, k, v, None, True, dtype),
+                        reference.naive_attention_bwd(dout, q, k, v, None, True, dtype, **off)):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_minus_inf_sink_on_a_row_that_sees_no_key(rng):
+    """No key and a -inf sink (no sink): out 0 and lse -inf, not NaN; the naive one too."""
+    q, k, v, dout = _inputs(rng, 1, 5, 2, 2, 1, 3)
+    sinks = np.array([-np.inf, 0.5])
+    out, lse = reference.attention_fwd(q, k, v, causal=True, sinks=sinks)
+    assert not np.isnan(out).any() and (out[:, :3] == 0).all()
+    np.testing.assert_array_equal(lse[0, :, :3], [[-np.inf] * 3, [0.5] * 3])
+    grads = reference.attention_bwd(dout, q, k, v, causal=True, sinks=sinks)
+    assert all(np.isfinite(g).all() for g in grads)
+    naive_out, naive_lse = reference.naive_attention(q, k, v, None, True, np.float16, sinks=sinks)
+    assert not np.isnan(naive_out.astype(np.float32)).any() and (naive_lse[0, 0, :3] == -np.inf).all()
+    assert all(np.isfinite(g.astype(np.float32)).all()
+               for g in reference.naive_attention_bwd(dout, q, k, v, None, True, np.float16, sinks=sinks))

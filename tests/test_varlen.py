@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash import cpu, reference, testing
+from cupyflash import _philox, cpu, reference, testing
 from fakes import FakeCupyArray
 
 _NO_BF16 = pytest.mark.skipif(importlib.util.find_spec("ml_dtypes") is None,
@@ -45,27 +45,54 @@ def packed_inputs(rng, lens_q, lens_k, nheads, nheads_kv, head_dim, dtype):
     return q, k, v
 
 
-def packed_reference(q, k, v, dout, cu_q, cu_k, causal, softmax_scale=None):
+def sequence_variants(variants, b, len_q, len_k, nheads):
+    """The reference's variant keywords for sequence ``b`` run as a batch of one:
+    ALiBi slopes of shape (batch, nheads_q) sliced to row ``b``; ``dropout_p`` with
+    ``rng_state`` turned into the Philox keep mask at batch index ``b`` (rows and
+    columns counted within the sequence), as the varlen contract draws it."""
+    seq = dict(variants)
+    slopes = seq.get("alibi_slopes")
+    if slopes is not None and np.ndim(slopes) == 2:
+        seq["alibi_slopes"] = slopes[b]
+    rng_state = seq.pop("rng_state", None)
+    if seq.get("dropout_p"):
+        seq["dropout_mask"] = _philox.keep_mask(
+            *rng_state, seq["dropout_p"], b, np.arange(nheads)[:, None, None],
+            np.arange(len_q)[None, :, None], np.arange(len_k)[None, None, :], nheads)[None]
+    return seq
+
+
+def packed_reference(q, k, v, dout, cu_q, cu_k, causal, softmax_scale=None, **variants):
     """Float64 reference and naive results, per sequence, packed like the outputs.
 
-    Returns ``{name: (ref64, naive)}`` for out, lse, dq, dk, dv.
+    ``variants`` are the public functions' variant keywords (``window_size``,
+    ``softcap``, ``alibi_slopes``, ``sinks``, ``dropout_p`` with ``rng_state``),
+    applied per sequence by :func:`sequence_variants`.
+
+    Returns ``{name: (ref64, naive)}`` for out, lse, dq, dk, dv (and dsinks, summed
+    over the sequences, when ``sinks`` is given).
     """
     naive_dtype = testing.naive_dtype(q.dtype)
     nheads = q.shape[1]
+    sinks = variants.get("sinks")
     res = {
         "out": np.zeros((2,) + q.shape), "lse": np.full((2, nheads, q.shape[0]), -np.inf),
         "dq": np.zeros((2,) + q.shape), "dk": np.zeros((2,) + k.shape),
         "dv": np.zeros((2,) + v.shape),
     }
-    for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+    if sinks is not None:  # a row that sees no key has lse sinks[h]
+        res["lse"][...] = np.asarray(sinks, np.float64)[None, :, None]
+        res["dsinks"] = np.zeros((2, nheads))
+    for b, (q0, q1, k0, k1) in enumerate(zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])):
         if q1 == q0 or k1 == k0:
-            continue  # out 0 and lse -inf for the queries; zero gradients
+            continue  # out 0 and lse -inf (or the sink) for the queries; zero gradients
+        seq_kw = sequence_variants(variants, b, q1 - q0, k1 - k0, nheads)
         args = (q[None, q0:q1], k[None, k0:k1], v[None, k0:k1])
-        ref_fwd = reference.attention_fwd(*args, softmax_scale, causal)
-        naive_fwd = reference.naive_attention(*args, softmax_scale, causal, naive_dtype)
-        ref_bwd = reference.attention_bwd(dout[None, q0:q1], *args, softmax_scale, causal)
+        ref_fwd = reference.attention_fwd(*args, softmax_scale, causal, **seq_kw)
+        naive_fwd = reference.naive_attention(*args, softmax_scale, causal, naive_dtype, **seq_kw)
+        ref_bwd = reference.attention_bwd(dout[None, q0:q1], *args, softmax_scale, causal, **seq_kw)
         naive_bwd = reference.naive_attention_bwd(dout[None, q0:q1], *args, softmax_scale,
-                                                  causal, naive_dtype)
+                                                  causal, naive_dtype, **seq_kw)
         seq = {"out": (ref_fwd[0], naive_fwd[0]), "lse": (ref_fwd[1], naive_fwd[1]),
                "dq": (ref_bwd[0], naive_bwd[0]), "dk": (ref_bwd[1], naive_bwd[1]),
                "dv": (ref_bwd[2], naive_bwd[2])}
@@ -73,6 +100,8 @@ def packed_reference(q, k, v, dout, cu_q, cu_k, causal, softmax_scale=None):
                  "dk": np.s_[:, k0:k1], "dv": np.s_[:, k0:k1]}
         for name, (ref, naive) in seq.items():
             res[name][where[name]] = ref[0], naive[0]
+        if sinks is not None:
+            res["dsinks"] += np.stack([ref_bwd[3], naive_bwd[3].astype(np.float64)])
     return {name: (pair[0], pair[1]) for name, pair in res.items()}
 
 
