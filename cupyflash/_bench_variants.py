@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import importlib
 import sys
 import time
 
@@ -330,11 +331,13 @@ def flex_calls(torch, flex_attention, aux_request=None, *, softmax_scale, softca
     flex_attention : callable
         ``torch.nn.attention.flex_attention.flex_attention``.
     aux_request : type, optional
-        ``AuxRequest`` where torch has it (``return_aux=AuxRequest(lse=True)``);
-        otherwise sinks take the lse through ``return_lse=True``.
+        ``AuxRequest`` where torch has it (``return_aux=AuxRequest(lse=True)``,
+        torch >= 2.9, where ``return_lse`` is deprecated); otherwise sinks take
+        the lse through ``return_lse=True``.
     softmax_scale, softcap : float
     """
     scale = softmax_scale
+    request = None if aux_request is None else aux_request(lse=True)  # made once, a constant to dynamo
 
     def window(q, k, v, block_mask):
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
@@ -352,11 +355,10 @@ def flex_calls(torch, flex_attention, aux_request=None, *, softmax_scale, softca
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
 
     def sinks(q, k, v, block_mask, sink):
-        if aux_request is None:
+        if request is None:
             out, lse = flex_attention(q, k, v, block_mask=block_mask, scale=scale, return_lse=True)
         else:
-            out, aux = flex_attention(q, k, v, block_mask=block_mask, scale=scale,
-                                      return_aux=aux_request(lse=True))
+            out, aux = flex_attention(q, k, v, block_mask=block_mask, scale=scale, return_aux=request)
             lse = aux.lse
         # the sink joins each row's denominator: out * sum / (sum + exp(sink)) = out * sigmoid(lse - sink)
         return (out * torch.sigmoid(lse - sink[None, :, None])[..., None]).to(out.dtype)
@@ -418,7 +420,7 @@ def flex_env(torch_env, softmax_scale):
         return None, "torch not measured"
     torch = torch_env[0]
     try:
-        from torch.nn.attention import flex_attention as module  # noqa: PLC0415
+        module = importlib.import_module("torch.nn.attention.flex_attention")
     except Exception as e:  # noqa: BLE001 - an older torch
         return None, f"torch has no flex_attention ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
     return FlexEnv(torch, module, softmax_scale=softmax_scale), None
