@@ -366,7 +366,7 @@ VARIANTS = ["window", "causal_window", "softcap", "alibi", "alibi_batch", "sinks
 @pytest.mark.parametrize("seqlen_q,nheads_q,nheads_kv", [(1, 32, 8), (4, 32, 8), (1, 8, 8), (4, 8, 8)])
 @pytest.mark.parametrize("paged", [False, True])
 def test_decode_variants(rng, which, seqlen_q, nheads_q, nheads_kv, paged):
-    """Decode steps with an append, lengths 0 / inside / beyond the window, unsplit and 4 splits."""
+    """Decode steps with an append, cache lengths 0 / inside / beyond the window, unsplit and 4 splits."""
     cp = _cp()
     dtype = "bfloat16" if nheads_kv == 8 and nheads_q == 32 else "float16"
     head_dim, batch, capacity, page_size = (128 if nheads_q == 32 else 64), 3, 640, 32
@@ -379,17 +379,27 @@ def test_decode_variants(rng, which, seqlen_q, nheads_q, nheads_kv, paged):
         shape = (table.max() + 1, page_size, nheads_kv, head_dim)
     else:
         table, shape = None, (batch, capacity, nheads_kv, head_dim)
-    results = []
     for num_splits in (1, 4):
         k_cache, v_cache = (_host(rng, shape, dtype) for _ in range(2))  # fresh caches: the append writes them
-        results.append(run_variant_and_check(cp, dtype, q, k_cache, v_cache, k, v, cache_seqlens=lengths,
-                                             block_table=table, causal=causal, num_splits=num_splits,
-                                             options=options))
-    if "sinks" in options:  # the empty sequence: out 0, lse the sink
-        for out, lse in results:
-            assert (out[0] == 0).all()
-            np.testing.assert_allclose(lse[0], np.broadcast_to(options["sinks"][:, None], lse[0].shape),
-                                       rtol=1e-6, atol=1e-6)
+        run_variant_and_check(cp, dtype, q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table,
+                              causal=causal, num_splits=num_splits, options=options)
+
+
+@pytest.mark.parametrize("which", ["sinks", "causal_window+sinks"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_sinks_of_rows_that_see_no_key(rng, which, num_splits):
+    """No key (an empty sequence; causal rows above the diagonal): out 0 and lse the sink."""
+    cp = _cp()
+    dtype, batch, seqlen_q, nheads_q, nheads_kv, head_dim = "float16", 3, 4, 8, 2, 64
+    options, _ = _variant_options(rng, which, batch, nheads_q, seqlen_q)
+    q = _host(rng, (batch, seqlen_q, nheads_q, head_dim), dtype)
+    k_cache, v_cache = (_host(rng, (batch, 300, nheads_kv, head_dim), dtype) for _ in range(2))
+    out, lse = run_variant_and_check(cp, dtype, q, k_cache, v_cache, cache_seqlens=i32([0, 2, 290]), causal=True,
+                                     num_splits=num_splits, options=options)
+    sinks = np.broadcast_to(options["sinks"][:, None], (nheads_q, seqlen_q))
+    assert (out[0] == 0).all() and (out[1, :2] == 0).all()  # sequence 1: rows 0, 1 see no key
+    np.testing.assert_allclose(lse[0], sinks, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse[1][:, :2], sinks[:, :2], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("which", ["causal_window+sinks", "softcap+alibi_batch", "window"])
@@ -445,8 +455,10 @@ def test_long_chunk_variants_run_the_dense_forward(rng, variant_launches, which,
     """seqlen_q >= DECODE_DENSE_MIN_SEQLEN_Q on a dense cache: the dense forward with the
     variants, aligned to each sequence's length (an append first: the plain append-only launch)."""
     cp = _cp()
-    from cupyflash import dispatch
+    from cupyflash import _launch, dispatch
 
+    if _launch.compute_capability(cp.cuda.Device().id) != (9, 0):
+        pytest.skip("the dense (wgmma) forward serves long chunks on sm_90 only")
     dtype, seqlen_q = "bfloat16", dispatch.DECODE_DENSE_MIN_SEQLEN_Q
     batch, nheads_q, nheads_kv, head_dim, capacity = 2, 4, 2, 128, 1024
     options, causal = _variant_options(rng, which, batch, nheads_q, seqlen_q)
