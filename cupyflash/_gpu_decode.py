@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-from . import _launch, _params, dispatch
+from . import _launch, _params, _variant, dispatch
 from ._launch import LOG2E, Contiguous, vec_ok
 
 select_decode = functools.lru_cache(maxsize=4096)(dispatch.select_decode)
@@ -26,17 +26,20 @@ select_decode = functools.lru_cache(maxsize=4096)(dispatch.select_decode)
 DECODE_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "out_accum", "lse_accum",
                    "cache_seqlens", "cache_batch_idx", "block_table", "seqused_k_out", "cache_seqlen")
 _DECODE_WRITER = _params.FieldWriter(_params.DECODE_PARAMS, DECODE_POINTERS)
+_VAR_WRITER = (_params.offset_of(_params.DECODE_PARAMS, "var"), _variant.WRITER)
 
 
 class DecodeCall:
     """One planned decode call: its kernels, packed params and output shapes.
 
     ``run(stream, alloc, q, k_cache, v_cache, k_new, v_new, out, lse,
-    cache_seqlens, cache_batch_idx, block_table, cache_seqlen, seqused_k_out=0)``
+    cache_seqlens, cache_batch_idx, block_table, cache_seqlen, seqused_k_out=0, var=None)``
     takes device pointers (0 for an absent array) and the cache length used
     when ``cache_seqlens`` is 0; ``seqused_k_out``, an int32 ``(batch,)``
     buffer, receives each sequence's key count after the append; ``alloc(nbytes) -> (owner, pointer)`` provides the
-    split partials, kept by the caller until the launches are queued.
+    split partials, kept by the caller until the launches are queued.  ``var``:
+    the variants' per-call values (``_variant.call_values``) of a plan made with
+    variants, else None.
     """
 
     __slots__ = ("plan", "out_shape", "lse_shape", "scratch_bytes", "_accum_offsets", "_launcher")
@@ -47,20 +50,25 @@ class DecodeCall:
         self._launcher = launcher
 
     def run(self, stream, alloc, q, k_cache, v_cache, k_new, v_new, out, lse, cache_seqlens, cache_batch_idx,
-            block_table, cache_seqlen, seqused_k_out=0):
+            block_table, cache_seqlen, seqused_k_out=0, var=None):
         owner = None
         out_accum = lse_accum = 0
         if self.scratch_bytes:
             owner, base = alloc(self.scratch_bytes)
             out_accum, lse_accum = (base + o for o in self._accum_offsets)
-        self._launcher(stream, q, k_cache, v_cache, k_new, v_new, out, lse, out_accum, lse_accum, cache_seqlens,
-                       cache_batch_idx, block_table, seqused_k_out, cache_seqlen)
+        if var is None:
+            self._launcher(stream, q, k_cache, v_cache, k_new, v_new, out, lse, out_accum, lse_accum, cache_seqlens,
+                           cache_batch_idx, block_table, seqused_k_out, cache_seqlen)
+        else:
+            self._launcher.call_variant(stream, var, q, k_cache, v_cache, k_new, v_new, out, lse, out_accum,
+                                        lse_accum, cache_seqlens, cache_batch_idx, block_table, seqused_k_out,
+                                        cache_seqlen)
         return owner
 
 
 def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k: int,
                 softmax_scale: float, causal: bool, num_splits: int, dtype_name: str, device_id: int,
-                append_only: bool = False) -> DecodeCall:
+                append_only: bool = False, options=None) -> DecodeCall:
     """Plan a decode call on the current device (compiling its kernels on first use).
 
     ``k_new``/``v_new``: the keys and values to append, or None.  ``block_table``:
@@ -71,7 +79,12 @@ def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k:
     C-contiguous: out like q, lse ``(batch, nheads_q, seqlen_q)`` float32.
     ``append_only``: no attention (as if seqlen_q were 0): the launch appends
     and writes ``seqused_k_out``, for the dense forward that follows.
+    ``options``: the variants on (``_checks.check_variants``; no dropout), or
+    None; a plan made with them is run with ``DecodeCall.run(..., var=...)``.
+    An append-only plan ignores them (it attends to nothing).
     """
+    if append_only or not options:
+        options = {}
     batch, seqlen_q, nheads_q, head_dim = q.shape
     if append_only:
         seqlen_q = 0
@@ -82,7 +95,8 @@ def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k:
         batch=batch, seqlen_q=seqlen_q, nheads_q=nheads_q, nheads_kv=nheads_kv, head_dim=head_dim,
         max_seqlen_k=max_seqlen_k, dtype=dtype_name, causal=causal, paged=block_table is not None,
         vec=vec_ok((q, k_cache, v_cache, *appended), head_dim), num_splits=num_splits,
-        num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id))
+        num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id),
+        variant=_variant.bits(options), window_left=options.get("window_size", (-1, -1))[0])
     lse_shape = (batch, nheads_q, q.shape[1])
     page_size = k_cache.shape[1] if block_table is not None else 0
     scratch = (0, (0, 0))
@@ -100,10 +114,10 @@ def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k:
         capacity=max_seqlen_k,
         group=nheads_q // nheads_kv, num_m_blocks=plan.num_m_blocks, num_splits=plan.num_splits,
         softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E,
-        var=_params.VARIANT_OFF)
+        var=_variant.plan_fields(options, softmax_scale, nheads_q))
     launches = (plan.main,) if plan.combine is None else (plan.main, plan.combine)
     return DecodeCall(plan, tuple(q.shape), lse_shape, scratch,
-                      _launch.Launcher(launches, template, _DECODE_WRITER))
+                      _launch.Launcher(launches, template, _DECODE_WRITER, _VAR_WRITER))
 
 
 def clear_plans() -> None:

@@ -232,10 +232,13 @@ class _GpuCacheEntry:
     the full validation; later calls re-check only the value of an int
     ``cache_seqlens`` (cheap) against the capacity."""
 
-    __slots__ = ("call", "device_id", "capacity", "seqlen_new", "_cupy", "_outputs")
+    __slots__ = ("call", "device_id", "capacity", "seqlen_new", "variant", "_cupy", "_outputs")
 
-    def __init__(self, call, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize):
+    def __init__(self, call, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize, variant=False):
+        """``variant``: the plans were made with variants (issue 13): each call passes
+        their per-call values (the slopes' and sinks' pointers)."""
         self.call, self.device_id, self.capacity, self.seqlen_new = call, device_id, capacity, seqlen_new
+        self.variant = variant
         self._cupy = sys.modules["cupy"]
         out_bytes = itemsize * int(np.prod(out_shape))
         total, (_, lse_offset) = _launch.scratch_layout((out_bytes, 4 * int(np.prod(lse_shape))))
@@ -252,12 +255,31 @@ class _GpuCacheEntry:
         """An int ``cache_seqlens`` leaves room for the append (else: full validation, which raises)."""
         return type(cache_seqlens) is not int or 0 <= cache_seqlens <= self.capacity - self.seqlen_new
 
-    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
-        """``(out, lse)``, launched on the plan's device (switched to if it is not current)."""
+    def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes=None,
+                 sinks=None):
+        """``(out, lse)``, launched on the plan's device (switched to if it is not current);
+        ``alibi_slopes``, ``sinks``: this call's (validated, as planned)."""
         if self._cupy.cuda.runtime.getDevice() != self.device_id:
             with self._cupy.cuda.Device(self.device_id):
-                return self._run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
-        return self._run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+                return self(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
+                            sinks)
+        if self.variant:
+            return self._variant_run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                                     alibi_slopes, sinks)
+        return self._run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, None)
+
+    def _variant_run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
+                     sinks):
+        # The kernels index slopes and sinks densely: a strided view is copied (kept alive
+        # by a captured graph, which replays reading it).
+        copies = tuple(None if x is None or _c_contiguous(x) else self._cupy.ascontiguousarray(x)
+                       for x in (alibi_slopes, sinks))
+        alibi_slopes, sinks = (x if c is None else c for x, c in zip((alibi_slopes, sinks), copies))
+        var = (_ptr(alibi_slopes), _ptr(sinks), 0, 0, 0)  # _variant.call_values: no dsinks, no dropout
+        result = self._run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, var)
+        if any(c is not None for c in copies) and self._cupy.cuda.get_current_stream().is_capturing():
+            _api._CAPTURED_SCRATCH.extend(c for c in copies if c is not None)
+        return result
 
     def _lengths(self, cache_seqlens):
         """``(cache_seqlens pointer, cache length)`` for DecodeCall.run."""
@@ -279,19 +301,29 @@ def _ptr(a) -> int:
     return 0 if a is None else a.data.ptr
 
 
+def _c_contiguous(x) -> bool:
+    """Whether ``x``'s elements lie densely in C order (strides of its dimensions > 1)."""
+    expected = x.itemsize
+    for n, stride in zip(reversed(x.shape), reversed(x.strides)):
+        if n > 1 and stride != expected:
+            return False
+        expected *= n
+    return True
+
+
 class _GpuDecode(_GpuCacheEntry):
     """The decode kernel: append and attention in one launch (plus the combine when split)."""
 
     __slots__ = ()
 
-    def _run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
+    def _run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, var):
         cupy, call = self._cupy, self.call
         out, lse = self._allocate(q.dtype)
         lengths, cache_len = self._lengths(cache_seqlens)
         stream = cupy.cuda.get_current_stream()
         owner = call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
                          _ptr(k), _ptr(v), out.data.ptr, lse.data.ptr, lengths, _ptr(cache_batch_idx),
-                         _ptr(block_table), cache_len)
+                         _ptr(block_table), cache_len, var=var)
         if owner is not None and stream.is_capturing():
             _api._CAPTURED_SCRATCH.append(owner)  # a captured graph replays into it
         return out, lse
@@ -301,15 +333,17 @@ class _GpuChunk(_GpuCacheEntry):
     """A long chunk on a dense cache (dispatch.decode_uses_dense_fwd): the
     dense forward reads the cache in place with each sequence's key count as
     seqused_k: ``cache_seqlens`` itself without an append, else the counts an
-    append-only decode launch writes (after appending)."""
+    append-only decode launch writes (after appending). With variants the forward
+    is planned with them (aligned to each sequence's seqused_k); the append-only
+    launch has none."""
 
     __slots__ = ("fwd",)
 
-    def __init__(self, call, fwd, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize):
-        super().__init__(call, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize)
+    def __init__(self, call, fwd, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize, variant=False):
+        super().__init__(call, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize, variant)
         self.fwd = fwd
 
-    def _run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
+    def _run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, var):
         cupy, fwd = self._cupy, self.fwd
         out, lse = self._allocate(q.dtype)
         stream = cupy.cuda.get_current_stream()
@@ -325,7 +359,7 @@ class _GpuChunk(_GpuCacheEntry):
             self.call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
                           _ptr(k), _ptr(v), 0, 0, lengths, 0, 0, cache_len, seqused)
         owner = fwd.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
-                        out.data.ptr, lse.data.ptr, 0, 0, seqused)
+                        out.data.ptr, lse.data.ptr, 0, 0, seqused, var=var)
         if stream.is_capturing():
             _api._CAPTURED_SCRATCH.extend(x for x in (used, owner) if x is not None)
         return out, lse
@@ -347,8 +381,10 @@ class _EmptyDecode:
                 self._cupy.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, _FLOAT32))
 
 
-def _gpu_entry(plan, q, k_cache, v_cache, k, v, cache_batch_idx, block_table, causal, num_splits, dtype):
-    """The entry that runs GPU calls of this (validated) signature."""
+def _gpu_entry(plan, q, k_cache, v_cache, k, v, cache_batch_idx, block_table, causal, num_splits, dtype,
+               options=None):
+    """The entry that runs GPU calls of this (validated) signature; ``options``: the
+    variants on (``_checks.check_variants``), or empty."""
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     if q.shape[0] == 0:
@@ -365,13 +401,14 @@ def _gpu_entry(plan, q, k_cache, v_cache, k, v, cache_batch_idx, block_table, ca
     with q.device:
         call = _gpu_decode.plan_decode(q, k_cache, v_cache, k, v, block_table, max_seqlen_k=capacity,
                                        softmax_scale=plan.scale, causal=causal, num_splits=num_splits,
-                                       dtype_name=dtype_name, device_id=device_id, append_only=dense)
+                                       dtype_name=dtype_name, device_id=device_id, append_only=dense,
+                                       options=None if dense else options)
         shapes = (q.shape, (q.shape[0], q.shape[2], q.shape[1]), q.itemsize)
         if not dense:
-            return _GpuDecode(call, device_id, capacity, plan.seqlen_new, *shapes)
+            return _GpuDecode(call, device_id, capacity, plan.seqlen_new, *shapes, variant=bool(options))
         fwd = _gpu.plan_fwd(q, k_cache, v_cache, None, None, softmax_scale=plan.scale, causal=causal,
-                            dtype_name=dtype_name, device_id=device_id)
-    return _GpuChunk(call, fwd, device_id, capacity, plan.seqlen_new, *shapes)
+                            dtype_name=dtype_name, device_id=device_id, options=options or None)
+    return _GpuChunk(call, fwd, device_id, capacity, plan.seqlen_new, *shapes, variant=bool(options))
 
 
 _ENTRIES = _launch.PlanCache()
@@ -395,6 +432,18 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
     return (type(softmax_scale), softmax_scale, type(causal), causal, type(num_splits), num_splits,
             type(return_lse), return_lse, dtype, lengths, sig(q, g), sig(k_cache, g), sig(v_cache, g),
             sig(k, g), sig(v, g), sig(cache_batch_idx, g), sig(block_table, g))
+
+
+def _variant_signature(window_size, softcap, alibi_slopes, sinks):
+    """The variants' part of a call's signature (appended to :func:`_signature`'s), or
+    None when it cannot be one: a window other than a tuple of ints, a softcap of
+    a type whose value is not its key.  Two calls of one signature validate alike
+    (on the GPU the slopes and sinks are checked by their geometry only)."""
+    if type(window_size) is not tuple or any(type(w) is not int for w in window_size) \
+            or type(softcap) not in _api.SCALE_KEY_TYPES:
+        return None
+    g = _api._gpu_type()
+    return ("variants", window_size, type(softcap), softcap, _api._sig(alibi_slopes, g), _api._sig(sinks, g))
 
 
 # ----------------------------------------------------------------------------
@@ -484,8 +533,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     window_size, softcap, alibi_slopes, sinks : optional
         Attention variants as in :func:`cupyflash.flash_attn_fwd`, aligned to
         each sequence's own ``seqlen_k_b`` (``alibi_slopes`` of shape (batch,
-        nheads_q) per sequence): CPU path only so far; on GPU arrays a variant
-        that is on raises NotImplementedError (issue 13).  No dropout.
+        nheads_q) per sequence; ``sinks`` per query head, in every row's
+        denominator: a row that sees no key gets out 0 and lse the sink).  On
+        the GPU too (the decode kernel visits only the keys a window shows);
+        no dropout.
 
     Returns
     -------
@@ -558,31 +609,30 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     """
     if cache_seqlens is not None and type(cache_seqlens) is not int and _is_integer(cache_seqlens):
         cache_seqlens = int(cache_seqlens)  # numpy integers and int subclasses: the int they hold
-    if window_size is not _NO_WINDOW or softcap is not _NO_SOFTCAP or alibi_slopes is not None or sinks is not None:
-        plan = _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                      softmax_scale, causal, num_splits, return_lse, dtype)
-        options = _checks.check_variants(_FN, q, plan.gpu, 0.0, window_size, alibi_slopes, softcap, sinks, None)
-        if options and plan.gpu:
-            first = next(n for n in ("window_size", "softcap", "alibi_slopes", "sinks") if n in options)
-            _checks.fail(NotImplementedError, _FN, f"{first} is not implemented on the GPU yet (issue 13); "
-                                                   f"NumPy arrays run it on the CPU path.")
-        if options:  # the CPU path
-            out, lse = _cpu(plan, q, k_cache, v_cache, k, v, bool(causal), options)
-            return (out, lse) if return_lse else out
+    variants = (window_size is not _NO_WINDOW or softcap is not _NO_SOFTCAP or alibi_slopes is not None
+                or sinks is not None)
     try:
         key = _signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                          softmax_scale, causal, num_splits, return_lse, dtype)
+        if key is not None and variants:
+            extra = _variant_signature(window_size, softcap, alibi_slopes, sinks)
+            key = None if extra is None else key + extra
         entry = None if key is None else _ENTRIES.get(key)
     except Exception:  # noqa: BLE001 (unhashable, a raising __hash__: validation says what is wrong)
         key = entry = None
+    options = {}
     if entry is None or not entry.lengths_ok(cache_seqlens):
         plan = _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                       softmax_scale, causal, num_splits, return_lse, dtype)
+        if variants:
+            options = _checks.check_variants(_FN, q, plan.gpu, 0.0, window_size, alibi_slopes, softcap, sinks,
+                                             None)
         if plan.gpu:
             entry = _ENTRIES.put(key, _gpu_entry(plan, q, k_cache, v_cache, k, v, cache_batch_idx, block_table,
-                                                 bool(causal), int(num_splits), dtype))
+                                                 bool(causal), int(num_splits), dtype, options))
     if entry is not None:
-        out, lse = entry(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+        out, lse = entry(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
+                         sinks)
         return (out, lse) if return_lse else out
-    out, lse = _cpu(plan, q, k_cache, v_cache, k, v, bool(causal))
+    out, lse = _cpu(plan, q, k_cache, v_cache, k, v, bool(causal), options)
     return (out, lse) if return_lse else out

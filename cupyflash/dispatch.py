@@ -755,13 +755,16 @@ def decode_num_splits(blocks: int, n_tiles: int, num_sms: int) -> int:
 
 def select_decode(*, batch: int, seqlen_q: int, nheads_q: int, nheads_kv: int, head_dim: int, max_seqlen_k: int,
                   dtype: str, causal: bool, paged: bool, vec: bool, num_splits: int = 0, num_sms: int = 132,
-                  cc: tuple[int, int] = (9, 0), variant: int = 0) -> DecodePlan:
+                  cc: tuple[int, int] = (9, 0), variant: int = 0, window_left: int = -1) -> DecodePlan:
     """Choose the decode kernel's warp grid, grid and key splits.
 
     ``max_seqlen_k`` bounds every sequence's key count (cache plus appended
     keys): the capacity of the cache when the lengths live on the GPU.
     ``num_splits`` > 0 asks for that many splits (clipped to the key tiles and
-    to DECODE_MAX_SPLITS); 0 chooses.
+    to DECODE_MAX_SPLITS); 0 chooses.  ``variant``: the VARIANT bits
+    (:func:`variant_bits`; no dropout); ``window_left``: a window's left size
+    (-1: unbounded), which bounds the key tiles a block visits
+    (:func:`decode_visible_tiles`) and so its splits.
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
@@ -772,7 +775,7 @@ def select_decode(*, batch: int, seqlen_q: int, nheads_q: int, nheads_kv: int, h
     block_n, stages, warps = decode_tile(d, decode_warps(rows), cc)
     block_m = 16 * warps[0]
     num_m_blocks = max(1, math.ceil(rows / block_m))  # one block still appends when seqlen_q = 0
-    n_tiles = max(1, math.ceil(max_seqlen_k / block_n))
+    n_tiles = decode_visible_tiles(max_seqlen_k, seqlen_q, block_n, window_left)
     blocks = batch * nheads_kv * num_m_blocks
     if rows == 0:
         splits = 1
@@ -784,6 +787,20 @@ def select_decode(*, batch: int, seqlen_q: int, nheads_q: int, nheads_kv: int, h
                          variant)
     combine = decode_combine_launch(dtype, d, batch * nheads_q * seqlen_q) if splits > 1 else None
     return DecodePlan(main, combine, d, block_m, num_m_blocks, splits)
+
+
+def decode_visible_tiles(max_seqlen_k: int, seqlen_q: int, block_n: int, window_left: int = -1) -> int:
+    """The most key tiles of ``block_n`` keys that one decode block visits (at least 1).
+
+    Every tile of the longest sequence, or with a window of ``window_left`` keys
+    (>= 0) fewer: query row ``i`` sees no key before ``i + seqlen_k - seqlen_q -
+    left``, so a block's rows see at most ``left + seqlen_q`` keys between them
+    (none past ``seqlen_k``), which start anywhere in a tile: one tile more.
+    """
+    n_tiles = max(1, math.ceil(max_seqlen_k / block_n))
+    if window_left >= 0:
+        n_tiles = min(n_tiles, math.ceil((window_left + seqlen_q) / block_n) + 1)
+    return n_tiles
 
 
 #: Chunks of at least this many new queries on a dense cache (no block_table, no

@@ -31,6 +31,13 @@
 //   IS_CAUSAL   bottom-right aligned causal mask (per sequence)
 //   PAGED       block_table lookup
 //   VEC         16-byte loads are legal
+//   VARIANT     the variants switched on (variant.cuh's VAR_* bits; no dropout here)
+// Variants act per packed row: row r is query row r / group of head h_kv * group
+// + r % group, so its mask (causal, window), its ALiBi slope and its sink are its
+// own. The block visits only the key tiles some row of it sees (a window over a
+// long cache reads ~window keys), and the splits share those tiles. A sink joins
+// each row's softmax once: in warp column 0 of split 0, whose running max starts
+// there; the warp merge and the combine then carry it in that partial's lse.
 // head_dim < HEAD_DIM is a run-time predicate on the columns (no EVEN_K
 // variants: in a kernel bound by memory it costs nothing measurable).
 #include "params.cuh"
@@ -38,6 +45,7 @@
 #include "tile_io.cuh"
 #include "warp_mma.cuh"
 #include "mask.cuh"
+#include "variant.cuh"
 #include "online_softmax.cuh"
 
 namespace cupyflash {
@@ -153,17 +161,33 @@ flash_decode_kernel(const DecodeParams p) {
                               p.capacity - p.seqlen_new);
     const int seqlen_k = cache_len + p.seqlen_new;
 
-    // Key tiles: causal rows see keys up to q_row + seqlen_k - seqlen_q.
+    // Key tiles: causal rows see keys up to q_row + seqlen_k - seqlen_q. With a window,
+    // the block's query rows q_first .. q_last (packed r -> r / group) see keys
+    // [mask.col_begin(q_first), mask.col_end(q_last)) between them, and every one of
+    // them keys [col_begin(q_last), col_end(q_first)). The splits share the visited tiles.
+    using MaskT = Mask<IS_CAUSAL, VARIANT>;
+    // (made where a variant needs it: an unused Mask still moves the plain kernel's code)
+    auto make_mask = [&]() { return MaskT(p.var, p.seqlen_q, seqlen_k); };
     const int diag = seqlen_k - p.seqlen_q;
     int visible = seqlen_k;
     if (IS_CAUSAL) visible = min(visible, max(0, (min(rows, m0 + BLOCK_M) - 1) / p.group + 1 + diag));
+    if constexpr (MaskT::WINDOW) visible = make_mask().col_end((min(rows, m0 + BLOCK_M) - 1) / p.group);
     const int n_tiles_all = rows == 0 ? 0 : ceil_div(visible, BLOCK_N);  // rows 0: append only
-    const int per_split = ceil_div(n_tiles_all, p.num_splits);
-    const int n_begin = min(split * per_split, n_tiles_all);
+    int n_first = 0;
+    if constexpr (MaskT::WINDOW) n_first = min(make_mask().col_begin(m0 / p.group) / BLOCK_N, n_tiles_all);
+    const int per_split = ceil_div(n_tiles_all - n_first, p.num_splits);
+    const int n_begin = min(n_first + split * per_split, n_tiles_all);
     const int n_end = min(n_begin + per_split, n_tiles_all);
     int unmasked = seqlen_k;  // keys every row of the block sees
     if (IS_CAUSAL) unmasked = min(unmasked, max(0, m0 / p.group + 1 + diag));
+    if constexpr (MaskT::WINDOW) unmasked = make_mask().col_end(m0 / p.group);
     const int n_unmasked_end = max(n_begin, min(n_end, unmasked / BLOCK_N));
+    // window: the tiles below n_unmasked_begin hold keys before the last row's left edge (masked again)
+    int n_unmasked_begin = n_begin;
+    if constexpr (MaskT::WINDOW) {
+        const int last_row_begin = make_mask().col_begin((min(rows, m0 + BLOCK_M) - 1) / p.group);
+        n_unmasked_begin = min(max(n_begin, ceil_div(last_row_begin, BLOCK_N)), n_unmasked_end);
+    }
     const int n_tiles = n_end - n_begin;
 
     KvSource<T, PAGED> src;
@@ -303,6 +327,20 @@ flash_decode_kernel(const DecodeParams p) {
     OnlineSoftmax<1> softmax;
     softmax.init();
     const int r_lane = m0 + wm * 16 + g;  // packed rows r_lane and r_lane + 8 of this thread
+    // Variants (made only where one needs them: even unused, they move the plain kernel's code).
+    // Row r_lane + 8 h is of head head_of(h), with its own score modifier (ALiBi slope).
+    auto head_of = [&](int h) { return h_kv * p.group + (r_lane + 8 * h) % p.group; };
+    auto make_mod = [&](int h) {
+        return ScoreMod<VARIANT>(p.var, p.softmax_scale_log2, b, head_of(h), p.seqlen_q, seqlen_k);
+    };
+    // The sink joins the rows' softmax in one partial: warp column 0 of split 0.
+    constexpr bool SINKS = (VARIANT & VAR_SINKS) != 0;
+    if constexpr (SINKS) {
+        if (split == 0 && wn == 0) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) softmax.row_max[0][h] = sink_log2<VARIANT>(p.var, head_of(h));
+        }
+    }
 
     auto step = [&](int i, auto masked) {
         const int n = n_end - 1 - i;
@@ -322,19 +360,25 @@ flash_decode_kernel(const DecodeParams p) {
         clear(s);
         warp_gemm<T, 1, N_TILES, HEAD_DIM / 16, QTile, false, KVTile, false, (HEAD_DIM > 128)>(s, sQ, wm * 16, sK,
                                                                                    wn * WARP_KEYS);
-        if constexpr (decltype(masked)::value) {
-            int limit[1][2];
+        if constexpr (VARIANT == 0) {
+            if constexpr (decltype(masked)::value) {
+                int limit[1][2];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                limit[0][h] = seqlen_k;
-                if (IS_CAUSAL) limit[0][h] = min(limit[0][h], max(0, (r_lane + 8 * h) / p.group + 1 + diag));
+                for (int h = 0; h < 2; ++h) {
+                    limit[0][h] = seqlen_k;
+                    if (IS_CAUSAL) limit[0][h] = min(limit[0][h], max(0, (r_lane + 8 * h) / p.group + 1 + diag));
+                }
+                apply_col_limits<1, N_TILES>(s, n * BLOCK_N + wn * WARP_KEYS + 2 * t, limit);
             }
-            apply_col_limits<1, N_TILES>(s, n * BLOCK_N + wn * WARP_KEYS + 2 * t, limit);
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[0][j][e] *= p.softmax_scale_log2;  // log2 units (online_softmax.cuh)
+        } else {  // the variant's scores in log2 units, masked per row (each its own query row)
+            const int rows_q[2] = {r_lane / p.group, (r_lane + 8) / p.group};
+            score_tile_rows<decltype(masked)::value>(s, make_mod(0), make_mod(1), make_mask(), rows_q,
+                                                     n * BLOCK_N + wn * WARP_KEYS + 2 * t);
         }
-#pragma unroll
-        for (int j = 0; j < N_TILES; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[0][j][e] *= p.softmax_scale_log2;  // log2 units (online_softmax.cuh)
         softmax.update(s, acc_o, acc_l);
         uint32 pa[1][WARP_KEYS / 16][4];
         pack_a<T, 1, WARP_KEYS / 16>(pa, s);
@@ -344,13 +388,21 @@ flash_decode_kernel(const DecodeParams p) {
         warp_gemm_areg<T, 1, D_TILES, WARP_KEYS / 16, KVTile, true>(acc_o, pa,
                                                                     sV + KVTile::offset(wn * WARP_KEYS, 0), 0);
     };
+    // Masked tiles (tail, causal diagonal, window's right edge) first, then the bulk
+    // with no mask code, then the masked tiles of the window's left edge.
     const int n_masked = n_end - n_unmasked_end;
     int i = 0;
     for (; i < n_masked; ++i) step(i, Bool<true>{});
-    for (; i < n_tiles; ++i) step(i, Bool<false>{});
+    for (; i < (MaskT::WINDOW ? n_end - n_unmasked_begin : n_tiles); ++i) step(i, Bool<false>{});
+    if constexpr (MaskT::WINDOW) {
+        for (; i < n_tiles; ++i) step(i, Bool<true>{});
+    }
     cp_async_wait<0>();
 
     // ---- epilogue: merge the WARPS_N warps of a row block (their lse), then write
+    if constexpr (SINKS) {
+        if (split == 0 && wn == 0) add_sink_term<VARIANT>(acc_l, softmax.row_max, p.var, head_of(0), head_of(1));
+    }
     float lse[1][2];
     softmax.finalize(acc_o, acc_l, lse);
     if constexpr (WARPS_N > 1) {

@@ -266,4 +266,56 @@ struct Dropout {
     }
 };
 
+// ---------------------------------------------------------------------------
+// Rows that are not one query row of one head each: the decode kernel's packed
+// GQA rows (flash_decode.cu), where the two fragment rows g and g + 8 of an m16
+// tile are each some query row of some head.
+// ---------------------------------------------------------------------------
+
+// score_tile for one m16 tile whose fragment rows g and g + 8 are query rows
+// row_q[0] and row_q[1], each with its own head's score modifier (mod_lo, mod_hi:
+// ALiBi slopes) and its own key range. Columns col0 + 8 j + (e & 1).
+template <bool MASKED, bool IS_CAUSAL, int VARIANT, int N_TILES>
+__device__ __forceinline__ void score_tile_rows(float (&s)[1][N_TILES][4], const ScoreMod<VARIANT>& mod_lo,
+                                                const ScoreMod<VARIANT>& mod_hi,
+                                                const Mask<IS_CAUSAL, VARIANT>& mask, const int (&row_q)[2],
+                                                int col0) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const ScoreMod<VARIANT>& mod = half ? mod_hi : mod_lo;
+        const int row = row_q[half];
+        int begin = 0, end = 0;
+        if (MASKED) { begin = mask.col_begin(row); end = mask.col_end(row); }
+#pragma unroll
+        for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int col = col0 + j * 8 + e;
+                float& x = s[0][j][half * 2 + e];
+                x = mod(x, row, col);
+                if (MASKED && (col >= end || (Mask<IS_CAUSAL, VARIANT>::WINDOW && col < begin))) x = NEG_INF;
+            }
+        }
+    }
+}
+
+// The sinks of fragment rows g and g + 8 (heads head_lo, head_hi) joined to their
+// row sums: acc_l is one m-tile's P·1 accumulator (elements 0, 1: row g; 2, 3: row
+// g + 8) and row_max its running max, which started at those sinks
+// (online_softmax.cuh); finalize then runs with no sink of its own. For rows whose
+// heads differ, where OnlineSoftmax's one sink per tile does not apply.
+template <int VARIANT>
+__device__ __forceinline__ void add_sink_term(float (&acc_l)[1][4], const float (&row_max)[1][2],
+                                              const VariantParams& v, int head_lo, int head_hi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float sink = sink_log2<VARIANT>(v, h ? head_hi : head_lo);
+        if (sink != NEG_INF) {  // row_max >= sink: no -inf - -inf
+            const float term = fast_exp2(sink - row_max[0][h]);
+            acc_l[0][2 * h] += term;
+            acc_l[0][2 * h + 1] += term;
+        }
+    }
+}
+
 }  // namespace cupyflash

@@ -114,19 +114,22 @@ class FakeCall:
 
     grads_bytes = scratch_bytes = 0  # the fake allocator ignores sizes
     grads_offsets = (0, 0, 0)
+    last_var = None
 
     def __init__(self, kind, plan_kwargs, shapes, compute, runs):
         self.kind, self.plan_kwargs, self.compute, self.runs = kind, plan_kwargs, compute, runs
         self.out_shape, self.lse_shape = shapes
 
-    def run(self, stream, alloc, *pointers):
+    def run(self, stream, alloc, *pointers, var=None):
+        """``var``: the variants' per-call values (kept as ``last_var``), or None."""
+        self.last_var = var
         self.runs.append((self.kind, self.plan_kwargs))
         if self.kind == "decode":  # 10 pointers, then the int cache length
             arrays = [BY_POINTER.get(p) for p in pointers[:10]] + [pointers[10]]
         else:
             arrays = [BY_POINTER.get(p) for p in pointers[:5 if self.kind == "fwd" else 9]]
-        if self.compute is not None:
-            self.compute(self.plan_kwargs, *arrays)
+        if self.compute is not None:  # with var= only for a call with variants
+            self.compute(self.plan_kwargs, *arrays, **({} if var is None else {"var": var}))
         return None
 
 

@@ -427,3 +427,41 @@ def test_stride_fields_name_every_axis_in_elements_and_zero_an_absent_array():
                           (_params.DECODE_PARAMS, ("q", "k", "v", "knew", "vnew", "o"))):
         made = set(_launch.stride_fields(**dict.fromkeys(names, dense)))
         assert made == {n for n in struct.names if n.endswith("_stride") and not n.startswith(("lse", "block"))}
+
+
+def test_decode_visible_tiles_bound_a_window():
+    assert dispatch.decode_visible_tiles(131072, 1, 64) == 2048  # no window: every tile of the cache
+    assert dispatch.decode_visible_tiles(131072, 1, 64, 4095) == 65  # 4096 keys, anywhere in a tile
+    assert dispatch.decode_visible_tiles(131072, 4, 64, 0) == 2
+    assert dispatch.decode_visible_tiles(100, 1, 64, 10_000) == 2  # never more than the cache's
+    assert dispatch.decode_visible_tiles(0, 0, 64, 0) == 1
+
+
+@pytest.mark.parametrize("left", [0, 63, 64, 1000, 4095])
+@pytest.mark.parametrize("seqlen_q,block_n", [(1, 64), (4, 64), (7, 32), (300, 64)])
+def test_decode_visible_tiles_cover_every_blocks_rows(left, seqlen_q, block_n):
+    """No block of packed rows sees keys of more tiles than decode_visible_tiles, at any length
+    (the kernel's range: tiles of keys [i + off - left, i + off + right] over its rows)."""
+    for seqlen_k in (seqlen_q, seqlen_q + 5, 1000, 5000):
+        off = seqlen_k - seqlen_q
+        for first, last in ((0, seqlen_q - 1), (seqlen_q // 2, seqlen_q - 1), (0, 0)):
+            begin = max(0, first + off - left)
+            end = seqlen_k  # right unbounded: the most keys
+            tiles = -(-end // block_n) - begin // block_n
+            assert tiles <= dispatch.decode_visible_tiles(seqlen_k, seqlen_q, block_n, left)
+
+
+def test_decode_window_splits_share_the_visible_tiles():
+    kw = dict(batch=1, seqlen_q=1, nheads_q=32, nheads_kv=8, head_dim=128, max_seqlen_k=131072, dtype="bfloat16",
+              causal=True, paged=True, vec=True)
+    plain = dispatch.select_decode(**kw)
+    window = dispatch.select_decode(**kw, variant=dispatch.VAR_WINDOW, window_left=4095)
+    assert window.main.args[-1] == str(dispatch.VAR_WINDOW) and plain.main.args[-1] == "0"
+    assert window.num_splits == dispatch.decode_num_splits(8, 65, 132) <= 65  # each split 1-2 tiles of the window
+    asked = dispatch.select_decode(**kw, variant=dispatch.VAR_WINDOW, window_left=4095, num_splits=128)
+    assert asked.num_splits == 65  # no more splits than visible tiles
+    every = {L.name_expression for L in dispatch.all_decode_launches()}
+    for bit in (dispatch.VAR_WINDOW, dispatch.VAR_SOFTCAP, dispatch.VAR_ALIBI, dispatch.VAR_SINKS):
+        for rows in (1, 20, 100):
+            plan = dispatch.select_decode(**dict(kw, seqlen_q=rows, nheads_q=8), variant=bit)
+            assert plan.main.name_expression in every

@@ -288,3 +288,188 @@ def test_long_chunk_on_a_dense_cache_runs_the_dense_forward(rng, launches, appen
     names = " ".join(launches)
     assert "flash_fwd" in names  # the dense forward (wgmma, or its split-KV mma.sync kernel)
     assert ("flash_decode_kernel" in names) == (appended or lengths == "int")
+
+
+# ----------------------------------------------------------------------------
+# Attention variants (issue 13): the GPU against the CPU path of
+# flash_attn_with_kvcache on float32 copies of the same inputs (the CPU path is
+# checked against the float64 reference in test_kvcache.py)
+# ----------------------------------------------------------------------------
+
+#: max|gpu - cpu| <= tol * max(1, max|cpu|), out and lse (P is rounded to the
+#: input type before P·V, so bf16 gets a looser bound)
+_VARIANT_TOL = {"float16": {"out": 5e-3, "lse": 3e-3}, "bfloat16": {"out": 3e-2, "lse": 1e-2}}
+
+
+def _variant_options(rng, which, batch, nheads_q, seqlen_q):
+    """Host options (float32 arrays) for a case name: parts joined by '+'."""
+    options, causal = {}, False
+    for part in which.split("+"):
+        if part == "window":  # left and right edges; a left edge well inside the longest sequence
+            options["window_size"] = (37, 2 if seqlen_q > 1 else 0)
+        elif part == "causal_window":
+            options["window_size"], causal = (70, -1), True
+        elif part == "softcap":
+            options["softcap"] = 1.5
+        elif part == "alibi":  # per query head
+            options["alibi_slopes"] = (rng.random(nheads_q, dtype=np.float32) * 0.05).astype(np.float32)
+        elif part == "alibi_batch":  # per (sequence, query head)
+            options["alibi_slopes"] = (rng.random((batch, nheads_q), dtype=np.float32) * 0.05).astype(np.float32)
+        elif part == "sinks":
+            options["sinks"] = (rng.standard_normal(nheads_q, dtype=np.float32) * 2 + 1).astype(np.float32)
+        else:
+            raise ValueError(part)
+    return options, causal
+
+
+def _assert_close_variant(name, got, want, dtype):
+    empty = np.isneginf(want)
+    assert not np.isnan(got).any(), name
+    assert np.array_equal(np.isneginf(got), empty), name
+    got, want = got[~empty].astype(np.float64), want[~empty].astype(np.float64)
+    if want.size:
+        err, scale = np.abs(got - want).max(), max(1.0, np.abs(want).max())
+        assert err <= _VARIANT_TOL[dtype][name] * scale, (name, err, scale)
+
+
+def run_variant_and_check(cp, dtype, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
+                          block_table=None, cache_batch_idx=None, causal=False, num_splits=0, options):
+    """The GPU (device copies) against the CPU path (float32 copies): out, lse, the caches."""
+    d = {name: (None if x is None else _dev(cp, x)) for name, x in
+         (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+          ("cache_batch_idx", cache_batch_idx), ("block_table", block_table))}
+    lengths = cache_seqlens if not isinstance(cache_seqlens, np.ndarray) else cp.asarray(cache_seqlens)
+    dev_options = {n: (cp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in options.items()}
+    _poison_pool(cp, (q.nbytes, q.size * 2))
+    out, lse = cupyflash.flash_attn_with_kvcache(
+        d["q"], d["k_cache"], d["v_cache"], d["k"], d["v"], cache_seqlens=lengths,
+        cache_batch_idx=d["cache_batch_idx"], block_table=d["block_table"], causal=causal,
+        num_splits=num_splits, return_lse=True, dtype=dtype, **dev_options)
+    f32 = {name: (None if x is None else x.astype(np.float32)) for name, x in
+           (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v))}
+    want_out, want_lse = cupyflash.flash_attn_with_kvcache(
+        f32["q"], f32["k_cache"], f32["v_cache"], f32["k"], f32["v"], cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx, block_table=block_table, causal=causal, return_lse=True, **options)
+    got_out, got_lse = _back(out, dtype), lse.get()
+    _assert_close_variant("out", got_out, want_out, dtype)
+    _assert_close_variant("lse", got_lse, want_lse, dtype)
+    assert np.array_equal(_back(d["k_cache"], dtype), f32["k_cache"])
+    assert np.array_equal(_back(d["v_cache"], dtype), f32["v_cache"])
+    return got_out, got_lse
+
+
+VARIANTS = ["window", "causal_window", "softcap", "alibi", "alibi_batch", "sinks", "causal_window+sinks",
+            "softcap+alibi_batch"]
+
+
+@pytest.mark.parametrize("which", VARIANTS)
+@pytest.mark.parametrize("seqlen_q,nheads_q,nheads_kv", [(1, 32, 8), (4, 32, 8), (1, 8, 8), (4, 8, 8)])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_variants(rng, which, seqlen_q, nheads_q, nheads_kv, paged):
+    """Decode steps with an append, cache lengths 0 / inside / beyond the window, unsplit and 4 splits."""
+    cp = _cp()
+    dtype = "bfloat16" if nheads_kv == 8 and nheads_q == 32 else "float16"
+    head_dim, batch, capacity, page_size = (128 if nheads_q == 32 else 64), 3, 640, 32
+    options, causal = _variant_options(rng, which, batch, nheads_q, seqlen_q)
+    q = _host(rng, (batch, seqlen_q, nheads_q, head_dim), dtype)
+    k, v = (_host(rng, (batch, seqlen_q, nheads_kv, head_dim), dtype) for _ in range(2))
+    lengths = i32([0, 20, capacity - seqlen_q - 3])
+    if paged:
+        table = _table(rng, batch, capacity // page_size, batch * capacity // page_size + 2)
+        shape = (table.max() + 1, page_size, nheads_kv, head_dim)
+    else:
+        table, shape = None, (batch, capacity, nheads_kv, head_dim)
+    for num_splits in (1, 4):
+        k_cache, v_cache = (_host(rng, shape, dtype) for _ in range(2))  # fresh caches: the append writes them
+        run_variant_and_check(cp, dtype, q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table,
+                              causal=causal, num_splits=num_splits, options=options)
+
+
+@pytest.mark.parametrize("which", ["sinks", "causal_window+sinks"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_sinks_of_rows_that_see_no_key(rng, which, num_splits):
+    """No key (an empty sequence; causal rows above the diagonal): out 0 and lse the sink."""
+    cp = _cp()
+    dtype, batch, seqlen_q, nheads_q, nheads_kv, head_dim = "float16", 3, 4, 8, 2, 64
+    options, _ = _variant_options(rng, which, batch, nheads_q, seqlen_q)
+    q = _host(rng, (batch, seqlen_q, nheads_q, head_dim), dtype)
+    k_cache, v_cache = (_host(rng, (batch, 300, nheads_kv, head_dim), dtype) for _ in range(2))
+    out, lse = run_variant_and_check(cp, dtype, q, k_cache, v_cache, cache_seqlens=i32([0, 2, 290]), causal=True,
+                                     num_splits=num_splits, options=options)
+    sinks = np.broadcast_to(options["sinks"][:, None], (nheads_q, seqlen_q))
+    assert (out[0] == 0).all() and (out[1, :2] == 0).all()  # sequence 1: rows 0, 1 see no key
+    np.testing.assert_allclose(lse[0], sinks, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse[1][:, :2], sinks[:, :2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("which", ["causal_window+sinks", "softcap+alibi_batch", "window"])
+@pytest.mark.parametrize("seqlen_q,nheads_q,nheads_kv", [(5, 8, 2), (3, 32, 4), (40, 4, 2)])
+def test_decode_variants_every_warp_grid(rng, which, seqlen_q, nheads_q, nheads_kv):
+    """20, 24 and 80 packed rows (warp grids 2x2, 2x2, 4x1); cache_batch_idx; automatic splits."""
+    cp = _cp()
+    dtype, head_dim, batch = "float16", 64, 2
+    options, causal = _variant_options(rng, which, batch, nheads_q, seqlen_q)
+    q = _host(rng, (batch, seqlen_q, nheads_q, head_dim), dtype)
+    k, v = (_host(rng, (batch, 2, nheads_kv, head_dim), dtype) for _ in range(2))
+    k_cache, v_cache = (_host(rng, (3, 900, nheads_kv, head_dim), dtype) for _ in range(2))
+    run_variant_and_check(cp, dtype, q, k_cache, v_cache, k, v, cache_seqlens=i32([850, 3]),
+                          cache_batch_idx=i32([2, 0]), causal=causal, options=options)
+
+
+def test_decode_window_over_a_long_cache_splits_the_window(rng):
+    """A window of 300 keys over 20k: the automatic splits share the window's tiles."""
+    cp = _cp()
+    q = _host(rng, (1, 1, 32, 128), "bfloat16")
+    k_cache, v_cache = (_host(rng, (1, 20000, 8, 128), "bfloat16") for _ in range(2))
+    options = {"window_size": (300, 0), "sinks": (rng.standard_normal(32) + 1).astype(np.float32)}
+    for num_splits in (0, 1, 3, 64):
+        run_variant_and_check(cp, "bfloat16", q, k_cache, v_cache, cache_seqlens=i32([19999]), causal=True,
+                              num_splits=num_splits, options=options)
+
+
+@pytest.fixture
+def variant_launches(monkeypatch):
+    """The names of the kernels launched, with or without variants."""
+    from cupyflash import _launch
+
+    names = []
+    real_call, real_variant = _launch.Launcher.__call__, _launch.Launcher.call_variant
+
+    def call(self, stream, *pointers):
+        names.extend(spec.template.rsplit("::", 1)[1] for spec in self.launches)
+        real_call(self, stream, *pointers)
+
+    def call_variant(self, stream, var, *pointers):
+        names.extend("variant:" + spec.template.rsplit("::", 1)[1] for spec in self.launches)
+        real_variant(self, stream, var, *pointers)
+
+    monkeypatch.setattr(_launch.Launcher, "__call__", call)
+    monkeypatch.setattr(_launch.Launcher, "call_variant", call_variant)
+    return names
+
+
+@pytest.mark.parametrize("which", ["window", "causal_window", "softcap", "alibi_batch", "sinks",
+                                   "causal_window+sinks", "softcap+alibi"])
+@pytest.mark.parametrize("appended", [False, True])
+def test_long_chunk_variants_run_the_dense_forward(rng, variant_launches, which, appended):
+    """seqlen_q >= DECODE_DENSE_MIN_SEQLEN_Q on a dense cache: the dense forward with the
+    variants, aligned to each sequence's length (an append first: the plain append-only launch)."""
+    cp = _cp()
+    from cupyflash import _launch, dispatch
+
+    if _launch.compute_capability(cp.cuda.Device().id) != (9, 0):
+        pytest.skip("the dense (wgmma) forward serves long chunks on sm_90 only")
+    dtype, seqlen_q = "bfloat16", dispatch.DECODE_DENSE_MIN_SEQLEN_Q
+    batch, nheads_q, nheads_kv, head_dim, capacity = 2, 4, 2, 128, 1024
+    options, causal = _variant_options(rng, which, batch, nheads_q, seqlen_q)
+    q = _host(rng, (batch, seqlen_q, nheads_q, head_dim), dtype)
+    k_cache, v_cache = (_host(rng, (batch, capacity, nheads_kv, head_dim), dtype) for _ in range(2))
+    k = v = None
+    if appended:
+        k, v = (_host(rng, (batch, seqlen_q, nheads_kv, head_dim), dtype) for _ in range(2))
+    lengths = i32([100, capacity - seqlen_q - 5])
+    run_variant_and_check(cp, dtype, q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=causal,
+                          options=options)
+    names = " ".join(variant_launches)
+    assert "variant:flash_fwd" in names
+    assert ("flash_decode_kernel" in names) == appended and "variant:flash_decode" not in names

@@ -1,5 +1,6 @@
 """flash_attn_with_kvcache on the CPU path: results, the in-place append, paged
-caches, validation, and the refusal of GPU arrays (no decode kernel yet).
+caches, validation, and the GPU path's wiring on a fake GPU (the kernels' own
+tests are in test_gpu_decode.py).
 
 Results are checked against ``reference.attention_with_kvcache`` (float64) with
 the naive same-dtype rule of :mod:`cupyflash.testing` (error at most 2x that of
@@ -897,11 +898,149 @@ def test_variants_match_the_reference_per_sequence(rng, options, paged):
         np.testing.assert_allclose(lse[b], ref_lse[0], atol=2e-5)
 
 
-def test_variants_on_the_gpu_are_not_implemented_yet(monkeypatch, rng):
+def _fake_variant_options(rng, batch, nheads, which):
+    """Variant options for the fake GPU (float32 FakeCupyArrays) and the same on the host."""
+    options = {}
+    if "window" in which:
+        options["window_size"] = (6, 0) if "causal" in which else (5, 2)
+    if "softcap" in which:
+        options["softcap"] = 2.5
+    if "alibi" in which:
+        options["alibi_slopes"] = rand(rng, (batch, nheads) if "per-batch" in which else (nheads,)) ** 2
+    if "sinks" in which:
+        options["sinks"] = rand(rng, (nheads,))
+    gpu = {n: (FakeCupyArray(x) if isinstance(x, np.ndarray) else x) for n, x in options.items()}
+    return gpu, options
+
+
+def _compute_decode_with_variants(plan_kwargs, q, k_cache, v_cache, k_new, v_new, out, lse, cache_seqlens,
+                                  cache_batch_idx, block_table, cache_seqlen, var=None):
+    """compute_decode for the fake GPU: the CPU path with the plan's variant options,
+    the slopes and sinks read at the call's pointers (``var``)."""
+    from fakes import BY_POINTER
+
+    options = dict(plan_kwargs.get("options") or {})
+    assert (var is None) == (not options)
+    if options:
+        alibi, sinks, dsinks, seed, offset = var
+        assert (dsinks, seed, offset) == (0, 0, 0)
+        assert (alibi != 0) == ("alibi_slopes" in options) and (sinks != 0) == ("sinks" in options)
+        for name, ptr in (("alibi_slopes", alibi), ("sinks", sinks)):
+            if ptr:
+                options[name] = BY_POINTER[ptr].host
+    host = lambda a: None if a is None else a.host  # noqa: E731
+    lengths = cache_seqlen if cache_seqlens is None else cache_seqlens.host
+    o, l = cupyflash.flash_attn_with_kvcache(
+        host(q), host(k_cache), host(v_cache), host(k_new), host(v_new), cache_seqlens=lengths,
+        cache_batch_idx=host(cache_batch_idx), block_table=host(block_table),
+        softmax_scale=plan_kwargs["softmax_scale"], causal=plan_kwargs["causal"], return_lse=True, **options)
+    out.host[...], lse.host[...] = o, l
+
+
+@pytest.mark.parametrize("which", ["window", "window causal", "softcap", "alibi", "alibi per-batch", "sinks",
+                                   "window sinks causal", "softcap alibi per-batch"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_variants_on_the_gpu_run_the_planned_decode_call(monkeypatch, rng, which, paged):
+    """GPU arrays with variants: the decode plan gets the options, each run the slopes'
+    and sinks' pointers of its own call; one plan per signature (fresh values reuse it)."""
+    plans, runs = install_fake_gpu(monkeypatch, compute_decode=_compute_decode_with_variants)
+    args = _fake_gpu_args(rng, paged)
+    causal = "causal" in which
+    for step in range(2):
+        gpu_opts, host_opts = _fake_variant_options(rng, 2, 4, which)
+        host = _host_args(args)
+        expect = _call(dict(host, causal=causal, return_lse=True, **host_opts))
+        out, lse = _call(dict(args, causal=causal, return_lse=True, **gpu_opts))
+        assert np.array_equal(out.host, expect[0]) and np.array_equal(lse.host, expect[1])
+        assert np.array_equal(args["k_cache"].host, host["k_cache"])  # the append reached the cache
+    assert [kind for kind, _ in plans] == ["decode"] and len(runs) == 2
+    planned = plans[0][1]["options"]
+    assert sorted(planned) == sorted(host_opts) and not planned.get("append_only")
+    if "window_size" in host_opts:
+        assert planned["window_size"] == host_opts["window_size"]
+    # another window is another plan; the same call without variants another again
+    if "window_size" in host_opts:
+        _call(dict(args, causal=causal, **dict(gpu_opts, window_size=(3, 0))))
+        assert len(plans) == 2 and plans[1][1]["options"]["window_size"] == (3, 0)
+    before = len(plans)
+    _call(dict(args, causal=causal))
+    assert len(plans) == before + 1 and not plans[-1][1].get("options")
+
+
+def test_variants_off_take_the_plain_plan(monkeypatch, rng):
+    """Options given but off (window (-1, -1), softcap 0) plan and run as no variant."""
+    plans, runs = install_fake_gpu(monkeypatch, compute_decode=_compute_decode_with_variants)
+    args = _fake_gpu_args(rng)
+    out = _call(dict(args, window_size=(-1, -1), softcap=0.0))
+    assert not plans[0][1]["options"]
+    assert np.array_equal(out.host, _call(_host_args(args)))
+
+
+def test_variants_on_the_long_chunk_path_plan_the_dense_forward_with_them(monkeypatch, rng):
+    """A chunk that takes the dense forward: the append-only decode launch has no variant,
+    the forward is planned with the options and run with this call's pointers."""
+    from cupyflash import dispatch
+
+    seen = []
+    plans, runs = install_fake_gpu(
+        monkeypatch, compute_fwd=lambda kw, *arrays, var=None: seen.append(("fwd", var)),
+        compute_decode=lambda kw, *arrays, var=None: seen.append(("decode", var)))
+    monkeypatch.setattr(dispatch, "decode_uses_dense_fwd", lambda **kw: True)
+    args = _fake_gpu_args(rng)
+    gpu_opts, host_opts = _fake_variant_options(rng, 2, 4, "window sinks alibi per-batch")
+    _call(dict(args, causal=True, **gpu_opts))
+    (k1, decode), (k2, fwd) = plans
+    assert (k1, k2) == ("decode", "fwd")
+    assert decode["append_only"] and not decode.get("options")
+    assert sorted(fwd["options"]) == sorted(host_opts) and fwd["causal"]
+    assert seen == [("decode", None),
+                    ("fwd", (gpu_opts["alibi_slopes"].data.ptr, gpu_opts["sinks"].data.ptr, 0, 0, 0))]
+
+
+def test_variants_bad_input_on_the_gpu(monkeypatch, rng):
     install_fake_gpu(monkeypatch)
     args = _fake_gpu_args(rng)
-    with pytest.raises(NotImplementedError, match=re.escape(
-            f"cupyflash.{FN}: window_size is not implemented on the GPU yet (issue 13)")):
-        _call(dict(args, window_size=(4, 0)))
     with pytest.raises(ValueError, match=re.escape(f"cupyflash.{FN}: softcap must be finite and >= 0")):
         _call(dict(args, softcap=-1.0))
+    with pytest.raises(TypeError, match=re.escape(f"cupyflash.{FN}: sinks must be a cupy.ndarray like q")):
+        _call(dict(args, sinks=rand(rng, (4,))))
+    with pytest.raises(ValueError, match=re.escape(f"cupyflash.{FN}: alibi_slopes must have shape (4,) or (2, 4)")):
+        _call(dict(args, alibi_slopes=FakeCupyArray(rand(rng, (3,)))))
+
+
+@pytest.mark.parametrize("which", ["", "window", "softcap alibi per-batch", "window sinks causal"])
+def test_plan_decode_sets_the_variant_bits_and_fields(monkeypatch, rng, which):
+    """The real planner (kernels not built): the kernel's VARIANT argument, VariantParams'
+    per-plan fields in the params template, the variant writer; the append-only plan
+    has none."""
+    from cupyflash import _gpu_decode, _launch, _params, _variant, dispatch
+
+    made = []
+
+    class Launcher:
+        def __init__(self, launches, template, writer, variant=None):
+            made.append((launches, template, variant))
+
+    monkeypatch.setattr(_launch, "Launcher", Launcher)
+    monkeypatch.setattr(_launch, "num_sms", lambda device_id: 132)
+    monkeypatch.setattr(_launch, "compute_capability", lambda device_id: (9, 0))
+    q = FakeCupyArray(np.zeros((2, 3, 8, 64), np.float16))
+    k_cache, v_cache = (FakeCupyArray(np.zeros((2, 4096, 2, 64), np.float16)) for _ in range(2))
+    _, options = _fake_variant_options(rng, 2, 8, which)
+    for append_only in (False, True):
+        made.clear()
+        call = _gpu_decode.plan_decode(q, k_cache, v_cache, None, None, None, max_seqlen_k=4096, softmax_scale=0.125,
+                                       causal="causal" in which, num_splits=0, dtype_name="float16", device_id=0,
+                                       append_only=append_only, options=options)
+        (launches, template, variant), = made
+        bits = 0 if append_only else _variant.bits(options)
+        assert launches[0].args[-1] == str(bits)
+        var = np.frombuffer(template, _params.DECODE_PARAMS)[0]["var"]
+        want = _variant.plan_fields({} if append_only else options, 0.125, 8)
+        for name, value in want.items():
+            assert var[name] == np.asarray(value, var[name].dtype), name
+        assert variant == (_params.offset_of(_params.DECODE_PARAMS, "var"), _variant.WRITER)
+        if "window" in which and not append_only:  # the splits share the window's tiles, not the cache's
+            left = options["window_size"][0]
+            tiles = dispatch.decode_visible_tiles(4096, 3, 64, left)
+            assert call.plan.num_splits == dispatch.decode_num_splits(2 * 2, tiles, 132) <= tiles
