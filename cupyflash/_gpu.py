@@ -175,6 +175,7 @@ def variant_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_
     import cupy  # noqa: PLC0415
 
     with q.device:
+        options = _variant.contiguous(options)
         device_id = q.data.device_id
         dims = None if packed is None else (packed[0].shape[0] - 1, int(packed[2]), int(packed[3]))
         key = (_launch.geometry(q, k, v, out, lse), device_id, softmax_scale, causal, dtype_name, dims,

@@ -136,6 +136,7 @@ def variant_bwd(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, 
     import cupy  # noqa: PLC0415
 
     with q.device:
+        options = _variant.contiguous(options)
         device_id = q.data.device_id
         dims = None if packed is None else (packed[0].shape[0] - 1, int(packed[2]), int(packed[3]))
         key = (_launch.geometry(dout, q, k, v, out, lse, dq, dk, dv), device_id, softmax_scale, causal,

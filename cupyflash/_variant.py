@@ -49,6 +49,20 @@ def plan_fields(options, softmax_scale: float, nheads_q: int) -> dict:
     return fields
 
 
+def contiguous(options):
+    """``options`` with the slopes and sinks as C-contiguous device arrays (the kernels
+    read them with unit head stride, and ``(batch, nheads_q)`` slopes with batch stride
+    ``nheads_q``): a view is copied, a contiguous array kept as it is."""
+    import cupy  # noqa: PLC0415
+
+    out = options
+    for name in ("alibi_slopes", "sinks"):
+        x = options.get(name)
+        if x is not None and not x.flags.c_contiguous:
+            out = {**out, name: cupy.ascontiguousarray(x)}
+    return out
+
+
 def call_values(options, dsinks: int = 0) -> tuple[int, int, int, int, int]:
     """VariantParams' per-call fields: the slopes' and sinks' pointers, ``dsinks``
     (the backward's output pointer, or 0), and the dropout seed and offset."""
