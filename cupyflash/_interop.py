@@ -5,7 +5,9 @@ Anything else that is an array (``torch.Tensor``, ``jax.Array``, an object with
 ``__dlpack__`` or ``__cuda_array_interface__``) comes here: :func:`call` views
 every argument as a NumPy (CPU) or CuPy (GPU) array without copying, calls the
 public function again with the views, and hands the results back in the
-caller's type.
+caller's type.  The attention variants' arrays (``alibi_slopes=``, ``sinks=``)
+are viewed the same way when given, with the same type and device checks
+(float32, whatever q's dtype), and ``dsinks`` comes back in the caller's type.
 
 What each framework gets
 ------------------------
@@ -224,9 +226,9 @@ def call(fn_name, fn, names, arrays, rest, kwargs, keywords=(), optional=frozens
     """
     # The variants' arrays (alibi_slopes, sinks) are keyword arrays of every function
     # that takes them: viewed like q, k and v when given (None is passed on as it is).
-    extra = tuple(name for name in _VARIANT_ARRAYS
-                  if name not in names and kwargs.get(name) is not None)
-    if extra:
+    if kwargs.get("alibi_slopes") is not None or kwargs.get("sinks") is not None:  # two lookups otherwise
+        extra = tuple(name for name in _VARIANT_ARRAYS
+                      if name not in names and kwargs.get(name) is not None)
         names = tuple(names) + extra
         arrays = tuple(arrays) + tuple(kwargs.pop(name) for name in extra)
         keywords = tuple(keywords) + extra

@@ -50,6 +50,7 @@ Examples
 >>> flash_attn_func(q, k, v, causal=True).sum().backward()   # doctest: +SKIP
 """
 
+import numpy as np
 import torch
 
 from . import _api, _checks, _kvcache, _torch_path
@@ -265,6 +266,7 @@ _NO_DROPOUT, _NO_WINDOW, _NO_SOFTCAP = _api._NO_DROPOUT, _api._NO_WINDOW, _api._
 _FN = "torch.flash_attn_func"
 _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
+_RNG_SPEC = np.zeros((1, 1, 1, 1), np.float32)  # a q for checking rng_state alone
 
 
 def flash_attn_func(q, k, v, dropout_p=_NO_DROPOUT, softmax_scale=None, causal=False,
@@ -390,9 +392,12 @@ def _variant_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_
                                      "torch.compile (drawing it reads and advances torch's generator "
                                      "state on the host, which a compiled graph does not do); got None")
             rng_state = _draw_rng_state(q, generator)
-        elif generator is not None:
-            _checks.fail(ValueError, _FN, "generator must be None when rng_state is given (the state "
-                                          "to draw from, or the state itself: not both); got both.")
+        else:
+            if generator is not None:
+                _checks.fail(ValueError, _FN, "generator must be None when rng_state is given (the state "
+                                              "to draw from, or the state itself: not both); got both.")
+            # the core's rules for rng_state, here too: the operators' int64 slots take any int
+            _checks.check_variants(_FN, _RNG_SPEC, False, dropout_p, window, None, softcap, None, rng_state)
     else:
         rng_state = None
     if softmax_scale is None:
