@@ -1,6 +1,6 @@
 """``python -m cupyflash bench``: cupyflash against torch SDPA (FA2, cuDNN) and JAX.
 
-Five suites (``--suite``):
+Six suites (``--suite``):
 
 grid (default)
     The standard grid: head_dim 64 and 128, nheads = 2048 / head_dim,
@@ -25,6 +25,14 @@ decode
     K/V bandwidth against the copy bandwidth, ratios and bars (issue 12);
     then a paged cache against the contiguous one, and chunked prefill
     against the dense forward.
+variants
+    The attention variants of issue 13 at head_dim 128, 16 heads, batch *
+    seqlen = 16384, seqlen 4096 and 16384 (:mod:`._bench_variants`): sliding
+    window, softcap, ALiBi, sinks and dropout beside plain (causal and not),
+    beside torch's compiled ``flex_attention`` expressing the same variant, and
+    for the window beside ``jax.nn.dot_product_attention``'s cuDNN sliding
+    window; FLOPs on the visible pairs, and the issue's bars.  A variant the
+    GPU kernels do not implement yet is marked "n/impl".
 
 FLOPs are 4 * B * H * Sq * Sk * D, halved when causal, x2.5 for backward.
 Times are CUDA-event medians after a time-based warm-up (cupy events for
@@ -61,28 +69,30 @@ WGMMA_CEILING_TFLOPS = 741.0
 #: The H200's L2 cache.  An input set smaller than this is rotated with others.
 L2_BYTES = 50 * 2**20
 
-SUITES = ("grid", "seed", "overhead", "frameworks", "decode")
+SUITES = ("grid", "seed", "overhead", "frameworks", "decode", "variants")
 
 #: Timed repetitions per measurement when --reps is not given.
-DEFAULT_REPS = {"grid": 20, "seed": 20, "overhead": 10, "frameworks": 20, "decode": 10}
+DEFAULT_REPS = {"grid": 20, "seed": 20, "overhead": 10, "frameworks": 20, "decode": 10,
+                "variants": 10}
 
 #: Options that belong to some suites only: dest -> (flag, suites).  Given with
 #: another suite they are an error rather than silently ignored.
 SUITE_OPTIONS = {
     "head_dim": ("--head-dim", ("grid", "decode")),
-    "dtype": ("--dtype", ("grid", "decode")),
+    "dtype": ("--dtype", ("grid", "decode", "variants")),
     "causal": ("--causal", ("grid",)),
     "tokens": ("--tokens", ("grid",)),
     "no_bwd": ("--no-bwd", ("grid",)),
     "deterministic": ("--deterministic", ("grid",)),
-    "seqlen": ("--seqlen", ("grid", "seed", "decode")),
+    "seqlen": ("--seqlen", ("grid", "seed", "decode", "variants")),
     "calls": ("--calls", ("overhead",)),
-    "no_jax": ("--no-jax", ("frameworks",)),
+    "no_jax": ("--no-jax", ("frameworks", "variants")),
     "batch": ("--batch", ("decode",)),
     "heads": ("--heads", ("decode",)),
     "part": ("--part", ("decode",)),
     "copy_tbps": ("--copy-tbps", ("decode",)),
     "max_kv_gb": ("--max-kv-gb", ("decode",)),
+    "variant": ("--variant", ("variants",)),
 }
 
 _positive_int = cli._int_type(1)  # noqa: SLF001 - the CLI's own argument type
@@ -117,14 +127,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="grid: the standard grid (default); seed: B=1 H=32 D=128 causal fp16 "
                              "latency, memory and errors; overhead: host us per call; frameworks: "
                              "torch and JAX training steps; decode: flash_attn_with_kvcache against "
-                             "SDPA, paged, chunked prefill")
+                             "SDPA, paged, chunked prefill; variants: window, softcap, ALiBi, sinks and "
+                             "dropout against plain causal and FlexAttention")
     parser.add_argument("--head-dim", type=_positive_int, action="append", default=None,
                         help="grid, decode: default 64 and 128")
     parser.add_argument("--seqlen", type=_positive_int, action="append", default=None,
                         help="grid: default 512..16384; seed: default 512..32768; decode: seqlen_k of "
-                             "the decode grid, default 1024, 8192, 32768, 131072")
+                             "the decode grid, default 1024, 8192, 32768, 131072; variants: default 4096 "
+                             "and 16384")
     parser.add_argument("--dtype", action="append", choices=("float16", "bfloat16"), default=None,
-                        help="grid, decode: default both")
+                        help="grid, decode: default both; variants: default bfloat16")
     parser.add_argument("--batch", type=_positive_int, action="append", default=None,
                         help="decode: batch of the decode grid, default 1, 8, 64")
     parser.add_argument("--heads", type=_heads, action="append", default=None, metavar="Q:KV",
@@ -143,7 +155,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="grid: batch * seqlen (default 16384)")
     parser.add_argument("--no-bwd", action="store_true", help="grid: forward only")
     parser.add_argument("--no-torch", action="store_true", help="do not measure torch")
-    parser.add_argument("--no-jax", action="store_true", help="frameworks: do not measure JAX")
+    parser.add_argument("--no-jax", action="store_true", help="frameworks, variants: do not measure JAX")
+    parser.add_argument("--variant", action="append", default=None,
+                        choices=("plain", "causal", "window", "softcap", "alibi", "sinks", "dropout"),
+                        help="variants: the variants to run (default all; causal, the bars' reference, "
+                             "always runs)")
     parser.add_argument("--deterministic", action="store_true",
                         help="grid: also time the deterministic backward (no dQ atomics)")
     parser.add_argument("--reps", type=_positive_int, default=None,
@@ -506,6 +522,10 @@ def _suite(name):
     if name == "grid":
         return run_grid, lambda report: format_grid_table(report["results"]), \
             lambda report, path: _plot(report["results"], path)
+    if name == "variants":
+        from . import _bench_variants  # noqa: PLC0415
+
+        return _bench_variants.SUITE
     from . import _bench_suites  # noqa: PLC0415
 
     return _bench_suites.SUITES[name]

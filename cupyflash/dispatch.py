@@ -435,7 +435,8 @@ def bwd_dq_launch(dtype: str, head_dim_padded: int, tile: tuple[int, int, int], 
 _BWD_SM90_HEAD_DIMS = (64, 128)
 BWD_SM90_BLOCK_N = 128
 #: Query rows per step (BLOCK_M) of the wgmma dK/dV kernel (kernels_cu/flash_bwd_sm90.cu).
-#: 128 at D=64 (twice the MMA per step) measured no faster than 64 (kernels_cu/PERF.md, v17).
+#: 128 at D=64 (twice the MMA per step) was not shown faster than 64 (1.16-1.22x FA2 in
+#: run 46, within the 1.06-1.33x of 64 in run 32; kernels_cu/PERF.md, v17): removed.
 BWD_SM90_BLOCK_M = 64
 
 

@@ -32,7 +32,7 @@ print(f"progress of {args.suite}", file=sys.stderr)
 if args.suite == os.environ.get("SLOW_SUITE"):
     time.sleep(30)
 report = {"suite": args.suite, "notes": [], "results": [{}, {}]}
-if args.suite in ("overhead", "frameworks", "decode"):
+if args.suite in ("overhead", "frameworks", "decode", "variants"):
     report["bars"] = {"PASS": 3, "FAIL": 1}
 with open(args.json, "w") as f:
     json.dump(report, f)
@@ -198,13 +198,27 @@ def test_decode_takes_its_arguments_and_what_is_left_before_the_deadline(stubs):
     assert 0 < _timeouts(log)[1] <= 30  # 40 - 10 s for the summary - the time already spent
 
 
+def test_variants_runs_only_when_asked_for_with_its_limit_and_arguments(stubs):
+    """variants is not among the default suites (the quick run above); SUITES=variants runs it
+    under its 180 s limit with VARIANTS_ARGS, and its bars come into the summary."""
+    result, log, out = _run(stubs, "quick", TESTS="none", SUITES="variants", VARIANTS_ARGS="--variant window")
+    assert result.returncode == 0
+    bench = next(line for line in log if line.startswith("python3 -m cupyflash bench"))
+    assert bench.endswith("--suite variants --json " + str(out / "bench_variants.json")
+                          + " --reps 10 --variant window")
+    assert _timeouts(log)[1] == 180
+    row = _summary(result.stdout)[1][2]
+    assert row[:2] == ["variants", "0"] and row[3] == "2 results, bars: 3 PASS, 1 FAIL"
+    assert sorted(p.name for p in out.iterdir()) == ["bench.txt", "bench_variants.json", "gpu.txt"]
+
+
 def test_a_bad_mode_or_suite_is_refused(stubs):
     result, _, _ = _run(stubs, "fast")
     assert result.returncode == 2 and "mode must be quick or full; got 'fast'" in result.stderr
     result, _, _ = _run(stubs, "quick", TESTS="none", SUITES="grd")
     assert result.returncode == 1
     assert _summary(result.stdout)[1][2] == ["grd", "-", "-",
-                                             "unknown suite (grid, seed, overhead, frameworks or decode)"]
+                                             "unknown suite (grid, seed, overhead, frameworks, decode or variants)"]
 
 
 def test_the_summary_reads_a_partial_json(stubs, tmp_path):

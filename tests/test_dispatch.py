@@ -30,7 +30,7 @@ def test_standard_grid_does_not_split(head_dim, causal, cc):
     plan = dispatch.select_fwd(batch=16, seqlen_q=1024, seqlen_k=1024, nheads_q=2048 // head_dim,
                                head_dim=head_dim, dtype="float16", causal=causal, vec=True, cc=cc)
     assert plan.num_splits == 1 and plan.combine is None
-    if cc == (9, 0):  # the wgmma kernel: <T, HEAD_DIM, BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K, OVERLAP>
+    if cc == (9, 0):  # the wgmma kernel: <T, HEAD_DIM, BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K, VARIANT>
         assert plan.main.template == "cupyflash::flash_fwd_sm90_kernel"
         block_m, causal_arg = dispatch.SM90_BLOCK_M, plan.main.args[4]
     else:

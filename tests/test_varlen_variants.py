@@ -8,7 +8,7 @@ checked against the float64 reference sequence by sequence with the naive
 same-dtype rule of :mod:`cupyflash.testing` (``test_varlen.packed_reference``),
 and against the dense functions on batches holding the same sequences.  Bad
 values raise TypeError/ValueError naming the argument; on GPU arrays (a fake
-cupy) a variant that is on raises the dense functions' NotImplementedError.
+cupy) the options reach the GPU variant entries with the packed batch.
 """
 
 from __future__ import annotations
@@ -351,7 +351,7 @@ def test_bad_variant_values(monkeypatch, fn_name, exc_type, arg, text, kwargs):
 
 
 # ----------------------------------------------------------------------------
-# GPU arrays (a fake cupy): checked, then NotImplementedError naming the option
+# GPU arrays (a fake cupy): checked, then the GPU variant entries with the packed batch
 # ----------------------------------------------------------------------------
 
 
@@ -365,15 +365,27 @@ def _fake_gpu_args():
 @pytest.mark.parametrize("option, value", [
     ("dropout_p", 0.1), ("window_size", (128, 0)), ("alibi_slopes", "slopes"), ("softcap", 30.0),
     ("sinks", "sinks")])
-def test_variants_are_not_implemented_on_the_gpu_yet(monkeypatch, fn_name, option, value):
+def test_variants_on_the_gpu_go_to_the_variant_entries(monkeypatch, fn_name, option, value):
+    """The options that are on reach ``_gpu.variant_fwd`` / ``_gpu_bwd.variant_bwd`` with
+    the packed batch (cu_seqlens and the max lengths)."""
     install_fake_gpu(monkeypatch)
     if value in ("slopes", "sinks"):
         value = FakeCupyArray(np.ones(4, np.float32))
     extra = {"rng_state": (1, 0)} if option == "dropout_p" else {}
-    with pytest.raises(NotImplementedError, match=rf"^cupyflash\.{fn_name}: {option} is not implemented on "
-                                                  rf"the GPU yet \(issue 13\); NumPy arrays run it on the CPU "
-                                                  rf"path\.$"):
-        _call(fn_name, _fake_gpu_args(), **{option: value}, **extra)
+    seen = {}
+
+    def record(*args, **kwargs):
+        seen.update(kwargs)
+        return "out", "lse"
+
+    cupyflash._gpu.variant_fwd = record  # the fake modules install_fake_gpu put in place
+    cupyflash._gpu_bwd.variant_bwd = record
+    args = _fake_gpu_args()
+    _call(fn_name, args, **{option: value}, **extra)
+    assert option in seen["options"] or (option == "dropout_p" and seen["options"]["dropout_p"] == 0.1)
+    cu_q, cu_k, max_q, max_k = seen["packed"]
+    assert cu_q is args["cu_seqlens_q"] and cu_k is args["cu_seqlens_k"]
+    assert (max_q, max_k) == (args["max_seqlen_q"], args["max_seqlen_k"])
 
 
 @pytest.mark.parametrize("fn_name", FUNCTIONS)
