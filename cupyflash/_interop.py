@@ -5,7 +5,9 @@ Anything else that is an array (``torch.Tensor``, ``jax.Array``, an object with
 ``__dlpack__`` or ``__cuda_array_interface__``) comes here: :func:`call` views
 every argument as a NumPy (CPU) or CuPy (GPU) array without copying, calls the
 public function again with the views, and hands the results back in the
-caller's type.
+caller's type.  The attention variants' arrays (``alibi_slopes=``, ``sinks=``)
+are viewed the same way when given, with the same type and device checks
+(float32, whatever q's dtype), and ``dsinks`` comes back in the caller's type.
 
 What each framework gets
 ------------------------
@@ -206,6 +208,10 @@ def _accepts_foreign_positional(names):
 #: handed back as the caller's own objects.
 _OUTPUTS = ("out", "lse", "dq", "dk", "dv")
 
+#: Keyword arrays of the attention variants (issue 13): viewed like the inputs when
+#: given, whatever the function (their checks are the core's, after the views).
+_VARIANT_ARRAYS = ("alibi_slopes", "sinks")
+
 
 def call(fn_name, fn, names, arrays, rest, kwargs, keywords=(), optional=frozenset(),
          appends=None):
@@ -218,6 +224,14 @@ def call(fn_name, fn, names, arrays, rest, kwargs, keywords=(), optional=frozens
     ``optional`` that are not arrays (None, an int) are passed on unchanged;
     ``appends`` as for :func:`accepts_foreign`.
     """
+    # The variants' arrays (alibi_slopes, sinks) are keyword arrays of every function
+    # that takes them: viewed like q, k and v when given (None is passed on as it is).
+    if kwargs.get("alibi_slopes") is not None or kwargs.get("sinks") is not None:  # two lookups otherwise
+        extra = tuple(name for name in _VARIANT_ARRAYS
+                      if name not in names and kwargs.get(name) is not None)
+        names = tuple(names) + extra
+        arrays = tuple(arrays) + tuple(kwargs.pop(name) for name in extra)
+        keywords = tuple(keywords) + extra
     q = arrays[names.index("q")]
     k0 = kind(q)
     if k0 == "torch" and "dtype" not in kwargs and not keywords:
@@ -265,7 +279,8 @@ def call(fn_name, fn, names, arrays, rest, kwargs, keywords=(), optional=frozens
     # A preallocated output is handed back as the caller's own object.
     slots = _RESULT_SLOTS.get(fn_name)
     if outputs and slots:
-        result = tuple(outputs.get(slot, r) for slot, r in zip(slots, result))
+        result = (tuple(outputs.get(slot, r) for slot, r in zip(slots, result))
+                  + tuple(result[len(slots):]))  # dsinks after dq, dk, dv
     return result
 
 
@@ -303,7 +318,7 @@ def _map(result, convert):
 
 
 #: Arguments whose dtype is fixed, whatever q's is (the others must have q's).
-_FIXED_DTYPES = {"lse": "float32", "cu_seqlens_q": "int32", "cu_seqlens_k": "int32",
+_FIXED_DTYPES = {"lse": "float32", "alibi_slopes": "float32", "sinks": "float32", "cu_seqlens_q": "int32", "cu_seqlens_k": "int32",
                  "cache_seqlens": "int32", "cache_batch_idx": "int32", "block_table": "int32"}
 
 

@@ -12,7 +12,7 @@ device (torch's caching allocator: memory statistics, streams and CUDA graph
 pools see them), and launches on ``torch.cuda.current_stream()``.
 
 Anything this path does not cover (CPU tensors, empty inputs, the varlen
-functions) returns ``NotImplemented`` and takes the general DLPack path of
+functions, a call with an attention variant on) returns ``NotImplemented`` and takes the general DLPack path of
 :mod:`._interop`.
 
 Importing this module imports torch (the caller already has it).
@@ -136,14 +136,21 @@ def run(fn_name, names, arrays, rest, kwargs):
 
 
 class _Unsupported(Exception):
-    """A keyword this path does not take (the general path will say what is wrong)."""
+    """A keyword this path does not take (the general path takes it, or says what is wrong)."""
+
+
+#: The variant options (issue 13) with their "off" values.  A call that gives one
+#: with any other value (or type) takes the general path, which checks it and runs
+#: the variant; off, this path runs as if it was not given.
+_VARIANTS_OFF = {**_checks.NOT_IMPLEMENTED, "sinks": None, "rng_state": None}
 
 
 def _check_options(fn_name, options):
-    unknown = options.keys() - _checks.NOT_IMPLEMENTED.keys()
-    if unknown:
-        raise _Unsupported
-    _checks.check_implemented(fn_name, **options)
+    for name, value in options.items():
+        off = _VARIANTS_OFF.get(name, _Unsupported)
+        if off is _Unsupported or not (value is off or (
+                off is not None and type(value) is type(off) and value == off)):
+            raise _Unsupported
 
 
 def _views(fn_name, names, tensors):

@@ -378,7 +378,235 @@ def _attention_bwd(softmax_scale, causal, deterministic, residuals, dout):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def flash_attention(q, k, v, *, softmax_scale=None, causal=False, deterministic=False):
+# ----------------------------------------------------------------------------
+# The attention variants (issue 13): their own callbacks, which run the core on
+# views of XLA's buffers (the plain calls above keep their planned path)
+# ----------------------------------------------------------------------------
+
+_NO_DROPOUT, _NO_WINDOW, _NO_SOFTCAP = _api._NO_DROPOUT, _api._NO_WINDOW, _api._NO_SOFTCAP  # noqa: SLF001
+_MASK32 = (1 << 32) - 1
+
+
+class _VariantStatic(tuple):
+    """What a variant call fixes at trace time (hashable): ``(softmax_scale, causal,
+    deterministic, window_size, softcap, dropout_p, rng_state, inputs)``, where
+    ``rng_state`` is the static ``(seed, offset)`` (None: none, or a key's bits
+    given as an input) and ``inputs`` names the optional inputs given, in order,
+    among ``("alibi_slopes", "sinks", "rng")``."""
+
+    __slots__ = ()
+
+    def variants(self, rng=None):
+        """The core's keyword arguments (``rng``: the bits of a key, read on the host)."""
+        _, _, _, window, softcap, dropout_p, rng_state, _ = self
+        if rng is not None:
+            words = [int(w) for w in np.asarray(rng, dtype=np.uint32)]
+            rng_state = (words[0] | words[1] << 32, words[2])
+        return dict(window_size=window, softcap=softcap, dropout_p=dropout_p,
+                    rng_state=rng_state if dropout_p > 0 else None)
+
+
+def _host_rng(buffer, device_id, cupy=None):
+    """The three uint32 words of a key's bits, on the host (from the GPU: a copy, on
+    XLA's stream, that waits for it)."""
+    if cupy is None:
+        return np.asarray(buffer)
+    return _cupy_view(cupy, buffer, np.uint32, device_id).get()
+
+
+class _VariantCallback:
+    """``buffer_callback`` functions of the variants: the core on views of XLA's buffers
+    (NumPy on the CPU; CuPy on the GPU, on XLA's stream, the results written straight
+    into XLA's buffers)."""
+
+    __slots__ = ("static", "dtype_name", "__weakref__")
+
+    def __init__(self, static, dtype_name):
+        self.static, self.dtype_name = static, dtype_name
+
+    def _views(self, buffers, names):
+        """``(views, device_id, cupy, dtype)``: views of ``buffers`` by name."""
+        kind, device_id = buffers[0].__dlpack_device__()
+        if kind == _interop.DL_CPU:
+            return {name: np.asarray(b) for name, b in zip(names, buffers)}, device_id, None, None
+        cupy = _interop._import_cupy(_FN, "jax.Array")  # noqa: SLF001
+        bf16 = self.dtype_name == "bfloat16"
+        data = np.dtype(np.uint16) if bf16 else np.dtype(self.dtype_name)
+        fixed = {"lse": np.float32, "alibi_slopes": np.float32, "sinks": np.float32, "dsinks": np.float32,
+                 "rng": np.uint32}
+        views = {name: _cupy_view(cupy, b, fixed.get(name, data), device_id) for name, b in zip(names, buffers)}
+        return views, device_id, cupy, ("bfloat16" if bf16 else None)
+
+
+class _VariantFwd(_VariantCallback):
+    """``callback(ctx, (out, lse), q, k, v, *optional)``."""
+
+    __slots__ = ()
+
+    def __call__(self, ctx, outputs, *inputs):
+        scale, causal = self.static[:2]
+        names = ("out", "lse", "q", "k", "v") + self.static[7]
+        kind, device_id = inputs[0].__dlpack_device__()
+        context = contextlib.nullcontext() if kind == _interop.DL_CPU else _cuda_device(device_id)
+        with context:
+            views, device_id, cupy, dtype = self._views((*outputs, *inputs), names)
+            stream = contextlib.nullcontext() if cupy is None else _interop.use_stream(cupy, ctx.stream)
+            with stream:
+                rng = views.pop("rng", None)
+                variants = self.static.variants(None if rng is None else (
+                    np.asarray(rng) if cupy is None else rng.get()))
+                extra = {} if dtype is None else {"dtype": dtype}
+                if cupy is None:
+                    o, l = _api.flash_attn_fwd(views["q"], views["k"], views["v"], softmax_scale=scale,
+                                               causal=causal, alibi_slopes=views.get("alibi_slopes"),
+                                               sinks=views.get("sinks"), **variants)
+                    views["out"][...] = o
+                    views["lse"][...] = l
+                else:  # straight into XLA's out and lse
+                    _api.flash_attn_fwd(views["q"], views["k"], views["v"], softmax_scale=scale, causal=causal,
+                                        alibi_slopes=views.get("alibi_slopes"), sinks=views.get("sinks"),
+                                        out=views["out"], lse=views["lse"], **variants, **extra)
+
+
+class _VariantBwd(_VariantCallback):
+    """``callback(ctx, (dq, dk, dv[, dsinks]), dout, q, k, v, out, lse, *optional)``."""
+
+    __slots__ = ()
+
+    def __call__(self, ctx, outputs, *inputs):
+        scale, causal, deterministic = self.static[:3]
+        optional = self.static[7]
+        grads = ("dq", "dk", "dv") + (("dsinks",) if "sinks" in optional else ())
+        names = grads + ("dout", "q", "k", "v", "out", "lse") + optional
+        kind, device_id = inputs[0].__dlpack_device__()
+        context = contextlib.nullcontext() if kind == _interop.DL_CPU else _cuda_device(device_id)
+        with context:
+            views, device_id, cupy, dtype = self._views((*outputs, *inputs), names)
+            stream = contextlib.nullcontext() if cupy is None else _interop.use_stream(cupy, ctx.stream)
+            with stream:
+                rng = views.pop("rng", None)
+                variants = self.static.variants(None if rng is None else (
+                    np.asarray(rng) if cupy is None else rng.get()))
+                args = [views[name] for name in ("dout", "q", "k", "v", "out", "lse")]
+                kwargs = dict(softmax_scale=scale, causal=causal, deterministic=deterministic,
+                              alibi_slopes=views.get("alibi_slopes"), sinks=views.get("sinks"), **variants)
+                if cupy is None:
+                    result = _api.flash_attn_bwd(*args, **kwargs)
+                    for name, r in zip(grads, result):
+                        views[name][...] = r
+                else:  # dq, dk, dv straight into XLA's buffers; dsinks copied there
+                    result = _api.flash_attn_bwd(*args, dq=views["dq"], dk=views["dk"], dv=views["dv"],
+                                                 **kwargs, **({} if dtype is None else {"dtype": dtype}))
+                    if "dsinks" in views:
+                        views["dsinks"][...] = result[3]
+
+
+_variant_fwd_callback = functools.lru_cache(maxsize=1024)(_VariantFwd)
+_variant_bwd_callback = functools.lru_cache(maxsize=1024)(_VariantBwd)
+
+
+def _variant_fwd_call(static, q, k, v, optional):
+    if _checks.is_empty(q, k):
+        batch, seqlen_q, nheads_q, _ = q.shape
+        lse = jnp.full((batch, nheads_q, seqlen_q), -jnp.inf, jnp.float32)
+        if "sinks" in static[7]:  # a row that sees no key: the sink alone
+            lse = jnp.broadcast_to(optional[static[7].index("sinks")][None, :, None], lse.shape)
+        return jnp.zeros(q.shape, q.dtype), lse
+    callback = _variant_fwd_callback(static, np.dtype(q.dtype).name)
+    batch, seqlen_q, nheads_q, _ = q.shape
+    result = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+              jax.ShapeDtypeStruct((batch, nheads_q, seqlen_q), jnp.float32))
+    return tuple(_buffer_callback(callback, result, vmap_method="sequential")(q, k, v, *optional))
+
+
+def _variant_bwd_call(static, dout, q, k, v, out, lse, optional):
+    sinks = "sinks" in static[7]
+    if _checks.is_empty(q, k):
+        grads = tuple(jnp.zeros(x.shape, x.dtype) for x in (q, k, v))
+        return grads + ((jnp.zeros((q.shape[2],), jnp.float32),) if sinks else ())
+    callback = _variant_bwd_callback(static, np.dtype(q.dtype).name)
+    result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    if sinks:
+        result += (jax.ShapeDtypeStruct((q.shape[2],), jnp.float32),)
+    return tuple(_buffer_callback(callback, result, vmap_method="sequential")(
+        dout, q, k, v, out, lse, *optional))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _variant_attention(static, q, k, v, optional):
+    return _variant_fwd_call(static, q, k, v, optional)[0]
+
+
+def _variant_attention_fwd(static, q, k, v, optional):
+    out, lse = _variant_fwd_call(static, q, k, v, optional)
+    return out, (q, k, v, out, lse, optional)
+
+
+def _variant_attention_bwd(static, residuals, dout):
+    q, k, v, out, lse, optional = residuals
+    grads = _variant_bwd_call(static, dout, q, k, v, out, lse, optional)
+    names = static[7]
+    # alibi_slopes are constants (flash-attention does not differentiate them either);
+    # rng (a key's bits, integers) has no cotangent
+    d_optional = tuple(grads[3] if name == "sinks" else None for name in names)
+    return grads[0], grads[1], grads[2], d_optional
+
+
+_variant_attention.defvjp(_variant_attention_fwd, _variant_attention_bwd)
+
+
+def _is_key(x):
+    """A JAX PRNG key: typed (``jax.random.key``) or raw (``jax.random.PRNGKey``, uint32 (2,))."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return np.dtype(dtype) == np.uint32 and tuple(getattr(x, "shape", ())) == (2,)
+
+
+def _variant_call(q, k, v, scale, causal, deterministic, dropout_p, window_size, softcap, alibi_slopes,
+                  sinks, rng_state):
+    """:func:`flash_attention` with a variant argument given: validated at trace time
+    with the core's rules (on NumPy specs of the arrays), then the variant callbacks."""
+    key = rng_state if _is_key(rng_state) else None
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None and isinstance(x, np.ndarray):
+            x = jnp.asarray(x)
+        if x is not None and not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            _checks.fail(TypeError, _FN, f"{name} must be None or a float32 jax.Array; got "
+                                         f"{_checks._type_name(x)}.")  # noqa: SLF001
+    options = _checks.check_variants(
+        _FN, _spec(q), False, dropout_p, window_size, None if alibi_slopes is None else _spec(alibi_slopes),
+        softcap, None if sinks is None else _spec(sinks), (0, 0) if key is not None else rng_state)
+    if not options:
+        return _attention(q, k, v, scale, causal, deterministic)
+    if _buffer_callback is None:
+        return _eager(_api.flash_attn, q, k, v, softmax_scale=scale, causal=causal, alibi_slopes=alibi_slopes,
+                      sinks=sinks, **_VariantStatic((scale, causal, deterministic, options.get(
+                          "window_size", (-1, -1)), options.get("softcap", 0.0), options.get("dropout_p", 0.0),
+                          options.get("rng_state"), ())).variants())
+    names, optional = [], []
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None:
+            names.append(name)
+            optional.append(jnp.asarray(x))
+    static_rng = options.get("rng_state")
+    if "dropout_p" in options and key is not None:
+        if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.wrap_key_data(key)
+        names.append("rng")
+        optional.append(jax.random.bits(key, (3,), jnp.uint32))  # seed (two words) and offset
+        static_rng = None
+    static = _VariantStatic((scale, causal, deterministic, options.get("window_size", (-1, -1)),
+                             options.get("softcap", 0.0), options.get("dropout_p", 0.0), static_rng,
+                             tuple(names)))
+    return _variant_attention(static, q, k, v, tuple(optional))
+
+
+def flash_attention(q, k, v, *, softmax_scale=None, causal=False, deterministic=False,
+                    dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, softcap=_NO_SOFTCAP, alibi_slopes=None,
+                    sinks=None, rng_state=None):
     """Exact attention for JAX arrays; differentiable, usable under ``jax.jit``.
 
     Parameters
@@ -396,6 +624,35 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, deterministic=
         With ``seqlen_q == seqlen_k`` the usual lower triangle.
     deterministic : bool, optional
         Bitwise reproducible backward (slower).
+    dropout_p : float, optional
+        Dropout probability in [0, 1) (0: off): each attention probability
+        is kept with probability ``1 - dropout_p`` and scaled by ``1 / (1 -
+        dropout_p)``; the backward uses the same mask.  Needs ``rng_state``.
+    window_size : (int, int), optional
+        Sliding window ``(left, right)``, -1 for unbounded (see
+        :func:`cupyflash.flash_attn_fwd`); combines with ``causal``.
+    softcap : float, optional
+        Logit softcapping (0: off): ``s -> softcap * tanh(s / softcap)``.
+    alibi_slopes : jax.Array, shape (nheads_q,) or (batch, nheads_q), float32, optional
+        ALiBi slopes.  Constants: ``jax.grad`` gives them a zero cotangent
+        (flash-attention does not differentiate them either).
+    sinks : jax.Array, shape (nheads_q,), float32, optional
+        Attention sinks, a logit per head in every row's softmax denominator.
+        Differentiable: ``jax.grad`` with respect to them gives dsinks (from
+        the backward, summed over the batch and the rows).
+    rng_state : (int, int) or jax PRNG key, optional
+        The dropout state, required with ``dropout_p > 0``: either a pair of
+        Python ints ``(seed, offset)`` (a 64-bit seed and a 32-bit offset, as
+        in :func:`cupyflash.flash_attn_fwd`; fixed at trace time, so a new
+        pair under ``jax.jit`` retraces), or a JAX PRNG key
+        (``jax.random.key(...)``, or a raw ``jax.random.PRNGKey``: any uint32
+        array of shape (2,) is taken as one), which may be traced: the state is
+        ``jax.random.bits(key, (3,), uint32)`` (seed = word 0 + word 1 << 32,
+        offset = word 2), computed in the graph and read on the host when the
+        kernels are launched (on a GPU a 12-byte copy that waits for XLA's
+        stream).  Split the key per step and per layer, as for any JAX
+        randomness.  The same state gives the same mask, here and in
+        :func:`cupyflash.flash_attn_fwd`.
 
     Returns
     -------
@@ -404,7 +661,9 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, deterministic=
     Raises
     ------
     TypeError, ValueError
-        At trace time, with the rules of :func:`cupyflash.flash_attn_fwd`.
+        At trace time, with the rules of :func:`cupyflash.flash_attn_fwd`
+        (the variants' too: shapes and dtypes of the slopes and sinks; their
+        values are not read at trace time).
     ImportError
         At trace time on a GPU when CuPy cannot be imported.
     RuntimeError
@@ -417,8 +676,20 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, deterministic=
     call is traced, for the device JAX traces for.  ``jax.vmap`` runs the
     kernels once per mapped element (``vmap_method="sequential"``); map over a
     batch axis instead where you can.
+
+    With a variant on, the call runs callbacks of its own that call
+    :func:`cupyflash.flash_attn_fwd` / :func:`cupyflash.flash_attn_bwd` on
+    views of XLA's buffers (NumPy on the CPU backend; CuPy on a GPU, on XLA's
+    stream, writing out, lse, dq, dk and dv into XLA's buffers): planned when
+    they run rather than at trace time, with the kernels' scratch from CuPy's
+    pool.  Without one (the defaults, or values that mean off) the call is
+    the plain one above.
     """
     scale = _validate(q, k, v, softmax_scale, causal, deterministic)
+    if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or softcap is not _NO_SOFTCAP
+            or alibi_slopes is not None or sinks is not None or rng_state is not None):
+        return _variant_call(q, k, v, scale, bool(causal), bool(deterministic), dropout_p, window_size,
+                             softcap, alibi_slopes, sinks, rng_state)
     return _attention(q, k, v, scale, bool(causal), bool(deterministic))
 
 

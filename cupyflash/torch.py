@@ -11,8 +11,13 @@ differentiable.  It is built on two custom operators,
 
 registered with ``torch.library.custom_op`` together with their shapes
 (``register_fake``), so ``torch.compile(..., fullgraph=True)`` keeps them in
-the graph as opaque nodes instead of breaking it.  In eager mode
-:func:`flash_attn_func` runs :class:`FlashAttnFunc`, a plain
+the graph as opaque nodes instead of breaking it.  The attention variants
+(window, softcap, ALiBi, sinks, dropout) have a pair of their own,
+``torch.ops.cupyflash.flash_attn_variant`` (differentiable in q, k, v and
+sinks) and ``torch.ops.cupyflash.flash_attn_variant_bwd`` (which also returns
+dsinks), whose schema holds every variant.  In eager mode
+:func:`flash_attn_func` runs :class:`FlashAttnFunc` (with a variant on,
+:class:`FlashAttnVariantFunc`), a plain
 ``torch.autograd.Function`` over the same kernels (identical results): the
 custom-op dispatch costs tens of microseconds per call that eager mode does
 not need.  Outputs and scratch memory come from torch's caching allocator, and
@@ -45,11 +50,12 @@ Examples
 >>> flash_attn_func(q, k, v, causal=True).sum().backward()   # doctest: +SKIP
 """
 
+import numpy as np
 import torch
 
-from . import _api, _kvcache, _torch_path
+from . import _api, _checks, _kvcache, _torch_path
 
-__all__ = ["FlashAttnFunc", "flash_attn_func", "flash_attn_with_kvcache"]
+__all__ = ["FlashAttnFunc", "FlashAttnVariantFunc", "flash_attn_func", "flash_attn_with_kvcache"]
 
 
 def _unit_last_stride(x):
@@ -112,6 +118,77 @@ def _backward(ctx, dout, _dlse):
 _flash_attn_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+# The attention variants (issue 13): one more pair of operators, whose schema holds
+# every variant (window as two ints, the dropout state as two ints), so the plain
+# operators above keep their schema.  dsinks is an empty tensor when sinks is None
+# (an operator returns no None).
+
+_VARIANT_SCHEMA = ("Tensor? alibi_slopes, Tensor? sinks, float softmax_scale, bool causal, "
+                   "bool deterministic, int window_left, int window_right, float softcap, "
+                   "float dropout_p, int seed, int offset")
+
+
+def _variant_kwargs(alibi_slopes, sinks, window_left, window_right, softcap, dropout_p, seed, offset):
+    """The core's keyword arguments for the operators' variant arguments."""
+    return dict(window_size=(int(window_left), int(window_right)), softcap=float(softcap),
+                alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=float(dropout_p),
+                rng_state=(int(seed) & _MASK64, int(offset)) if dropout_p > 0 else None)
+
+
+@torch.library.custom_op(
+    "cupyflash::flash_attn_variant", mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, {_VARIANT_SCHEMA}) -> (Tensor, Tensor)")
+def _flash_attn_variant_op(q, k, v, alibi_slopes, sinks, softmax_scale, causal, deterministic,
+                           window_left, window_right, softcap, dropout_p, seed, offset):
+    out, lse = _api.flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal, **_variant_kwargs(
+        alibi_slopes, sinks, window_left, window_right, softcap, dropout_p, seed, offset))
+    return out, lse
+
+
+@_flash_attn_variant_op.register_fake
+def _flash_attn_variant_fake(q, k, v, *_):
+    batch, seqlen_q, nheads_q, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, nheads_q, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "cupyflash::flash_attn_variant_bwd", mutates_args=(),
+    schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_VARIANT_SCHEMA}) "
+           "-> (Tensor, Tensor, Tensor, Tensor)")
+def _flash_attn_variant_bwd_op(dout, q, k, v, out, lse, alibi_slopes, sinks, softmax_scale, causal,
+                               deterministic, window_left, window_right, softcap, dropout_p, seed, offset):
+    grads = _api.flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
+                                deterministic=deterministic, **_variant_kwargs(
+                                    alibi_slopes, sinks, window_left, window_right, softcap, dropout_p,
+                                    seed, offset))
+    dsinks = grads[3] if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+    return grads[0], grads[1], grads[2], dsinks
+
+
+@_flash_attn_variant_bwd_op.register_fake
+def _flash_attn_variant_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, sinks, *_):
+    dsinks = q.new_empty((0,) if sinks is None else (q.shape[2],), dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+def _variant_setup_context(ctx, inputs, output):
+    q, k, v, alibi_slopes, sinks, *flags = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
+    ctx.flags = flags
+    ctx.mark_non_differentiable(lse)
+
+
+def _variant_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.cupyflash.flash_attn_variant_bwd(
+        _unit_last_stride(dout), q, k, v, out, lse, alibi_slopes, sinks, *ctx.flags)
+    return (dq, dk, dv, None, dsinks if sinks is not None else None) + (None,) * len(ctx.flags)
+
+
+_flash_attn_variant_op.register_autograd(_variant_backward, setup_context=_variant_setup_context)
+
+
 # ----------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------
@@ -143,15 +220,59 @@ class FlashAttnFunc(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+class FlashAttnVariantFunc(torch.autograd.Function):
+    """``out = FlashAttnVariantFunc.apply(q, k, v, alibi_slopes, sinks, softmax_scale, causal,
+    deterministic, window_size, softcap, dropout_p, rng_state)``.
+
+    The autograd.Function that eager :func:`flash_attn_func` runs when an
+    attention variant is on (all twelve arguments required; ``alibi_slopes``
+    and ``sinks`` may be None, ``rng_state`` is a ``(seed, offset)`` pair or
+    None without dropout).  Differentiable in q, k, v and sinks (dsinks from
+    :func:`cupyflash.flash_attn_bwd`); alibi_slopes are constants.  Saves q,
+    k, v, out, lse, the slopes and the sinks; the backward is given the
+    forward's variants, the dropout state included, so it draws the same mask.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, alibi_slopes, sinks, softmax_scale, causal, deterministic, window_size,
+                softcap, dropout_p, rng_state):
+        variants = dict(window_size=window_size, softcap=softcap, dropout_p=dropout_p,
+                        rng_state=rng_state if dropout_p > 0 else None)
+        out, lse = _api.flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                       alibi_slopes=alibi_slopes, sinks=sinks, **variants)
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
+        ctx.softmax_scale, ctx.causal, ctx.deterministic, ctx.variants = (
+            softmax_scale, causal, deterministic, variants)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
+        grads = _api.flash_attn_bwd(_unit_last_stride(dout), q, k, v, out, lse,
+                                    softmax_scale=ctx.softmax_scale, causal=ctx.causal,
+                                    deterministic=ctx.deterministic, alibi_slopes=alibi_slopes,
+                                    sinks=sinks, **ctx.variants)
+        dsinks = grads[3] if sinks is not None else None
+        return (grads[0], grads[1], grads[2], None, dsinks) + (None,) * 7
+
+
 def _unsupported(option, rule, value, fn="flash_attn_func"):
     raise NotImplementedError(
         f"cupyflash.torch.{fn}: {option} must be {rule} ({option} is not "
         f"implemented); got {value!r}.")
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, softcap=0.0):
+_NO_DROPOUT, _NO_WINDOW, _NO_SOFTCAP = _api._NO_DROPOUT, _api._NO_WINDOW, _api._NO_SOFTCAP  # noqa: SLF001
+_FN = "torch.flash_attn_func"
+_MASK64 = (1 << 64) - 1
+_MASK32 = (1 << 32) - 1
+_RNG_SPEC = np.zeros((1, 1, 1, 1), np.float32)  # a q for checking rng_state alone
+
+
+def flash_attn_func(q, k, v, dropout_p=_NO_DROPOUT, softmax_scale=None, causal=False,
+                    window_size=_NO_WINDOW, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False, *, softcap=_NO_SOFTCAP, sinks=None, rng_state=None,
+                    generator=None):
     """Exact attention for torch tensors, differentiable; flash-attention's signature.
 
     Parameters
@@ -164,21 +285,43 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         Same dtype and device as q; ``nheads_q`` a multiple of ``nheads_kv``
         (GQA/MQA, never expanded in memory).
     dropout_p : float
-        Must be 0.0: dropout is not implemented.
+        Dropout probability in [0, 1) (0: off).  Each attention probability
+        is kept with probability ``1 - dropout_p`` and scaled by
+        ``1 / (1 - dropout_p)``; the keep mask comes from cupyflash's Philox
+        generator at ``rng_state`` (see below), and the backward uses the
+        same mask.  As in flash-attention, pass 0.0 at evaluation time.
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(head_dim)``.
     causal : bool
         Causal mask aligned bottom-right (see :func:`cupyflash.flash_attn_fwd`).
     window_size : (int, int)
-        Must be (-1, -1): local attention is not implemented.
-    alibi_slopes : None
-        Must be None: ALiBi is not implemented.
+        Sliding window ``(left, right)``, -1 for unbounded: query ``i`` sees
+        key ``j`` iff ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k -
+        seqlen_q + right``.  Combines with ``causal`` (which sets right to 0).
+    alibi_slopes : torch.Tensor, shape (nheads_q,) or (batch, nheads_q), float32, optional
+        ALiBi: adds ``-slope * |i + seqlen_k - seqlen_q - j|`` to the scores
+        (after the softcap).  On q's device.  A constant: no gradient flows to
+        it (flash-attention does not differentiate the slopes either), even
+        when it requires grad.
     deterministic : bool
         Bitwise reproducible backward (slower; see :func:`cupyflash.flash_attn_bwd`).
     return_attn_probs : bool
-        Must be False.
+        Must be False (cupyflash never forms the attention matrix).
     softcap : float, keyword-only
-        Must be 0.0: softcapping is not implemented.
+        Logit softcapping (0: off): scores ``s`` become ``softcap * tanh(s /
+        softcap)``; differentiated through.
+    sinks : torch.Tensor, shape (nheads_q,), float32, keyword-only, optional
+        Attention sinks: a logit per head that joins every row's softmax
+        denominator with no value.  On q's device.  Differentiable: a
+        ``sinks`` that requires grad gets ``.grad`` (dsinks, summed over the
+        batch and the rows).
+    rng_state : (int, int), keyword-only, optional
+        The dropout state ``(seed, offset)``: a 64-bit seed and a 32-bit
+        offset (see :func:`cupyflash.flash_attn_fwd`).  Default: drawn from
+        torch's generator, as below.  Ignored without dropout.
+    generator : torch.Generator, keyword-only, optional
+        The generator to draw ``rng_state`` from when it is not given; default
+        torch's default generator of q's device.
 
     Returns
     -------
@@ -187,20 +330,42 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     Raises
     ------
     NotImplementedError
-        An unsupported option is set; the message names it.
+        ``return_attn_probs=True``; under ``torch.compile``, dropout without
+        an explicit ``rng_state``.
     TypeError, ValueError
-        As :func:`cupyflash.flash_attn_fwd` for the tensors.
+        As :func:`cupyflash.flash_attn_fwd` for the tensors and the variants.
+
+    Notes
+    -----
+    Without any variant on (the defaults) the call is exactly the plain one:
+    :class:`FlashAttnFunc` in eager mode, ``cupyflash::flash_attn`` under
+    ``torch.compile``.  With a variant on it runs :class:`FlashAttnVariantFunc`
+    in eager mode (through the general DLPack path of the core functions, a
+    few microseconds more per call) and the custom operators
+    ``cupyflash::flash_attn_variant`` / ``cupyflash::flash_attn_variant_bwd``
+    under ``torch.compile``, whose schema holds every variant.
+
+    **Dropout's random state** follows flash-attention's convention: with no
+    ``rng_state`` the forward takes a ``(seed, offset)`` from torch's
+    generator and advances it, and the autograd context keeps it for the
+    backward.  On a CUDA device that is ``torch.cuda.default_generators[i]``
+    (or ``generator``), read and advanced on the host (``get_state`` /
+    ``set_state``, no synchronisation): the seed is the generator's seed
+    (``torch.cuda.manual_seed``'s value) and the offset is its Philox offset,
+    which advances by 4, as one of torch's random ops would; cupyflash's
+    32-bit offset is that offset / 4 (the bits above 32 are folded into the
+    seed).  So ``torch.cuda.manual_seed(s)`` makes a run's masks
+    reproducible, and successive calls draw different masks.  On the CPU the
+    seed is drawn with ``torch.randint`` from ``torch.default_generator`` (or
+    ``generator``), offset 0.  Under ``torch.compile``, or inside a CUDA graph
+    capture (where a host-side state would be baked into every replay), pass
+    ``rng_state`` explicitly.
     """
-    if dropout_p != 0.0:
-        _unsupported("dropout_p", "0.0", dropout_p)
-    if tuple(window_size) != (-1, -1):
-        _unsupported("window_size", "(-1, -1)", window_size)
-    if alibi_slopes is not None:
-        _unsupported("alibi_slopes", "None", type(alibi_slopes).__name__)
-    if return_attn_probs:
-        _unsupported("return_attn_probs", "False", return_attn_probs)
-    if softcap != 0.0:
-        _unsupported("softcap", "0.0", softcap)
+    if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
+            or softcap is not _NO_SOFTCAP or sinks is not None or rng_state is not None
+            or generator is not None or return_attn_probs is not False):
+        return _variant_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+                             deterministic, return_attn_probs, softcap, sinks, rng_state, generator)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0  # 0: rejected later
     q, k, v = (_unit_last_stride(x) for x in (q, k, v))
@@ -209,6 +374,85 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                                                 bool(deterministic))
         return out
     return FlashAttnFunc.apply(q, k, v, float(softmax_scale), bool(causal), bool(deterministic))
+
+
+def _variant_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
+                  return_attn_probs, softcap, sinks, rng_state, generator):
+    """:func:`flash_attn_func` with a variant argument given (any value)."""
+    if return_attn_probs:
+        _unsupported("return_attn_probs", "False", return_attn_probs)
+    window = _checks._check_option_forms(_FN, dropout_p, window_size, alibi_slopes, softcap)  # noqa: SLF001
+    dropout_p, softcap = float(dropout_p), float(softcap)
+    if dropout_p == 0.0 and window == (-1, -1) and softcap == 0.0 and alibi_slopes is None and sinks is None:
+        return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, deterministic=deterministic)
+    if dropout_p > 0.0:
+        if rng_state is None:
+            if _is_compiling():
+                _unsupported_compile("rng_state=(seed, offset) must be given with dropout_p > 0 under "
+                                     "torch.compile (drawing it reads and advances torch's generator "
+                                     "state on the host, which a compiled graph does not do); got None")
+            rng_state = _draw_rng_state(q, generator)
+        else:
+            if generator is not None:
+                _checks.fail(ValueError, _FN, "generator must be None when rng_state is given (the state "
+                                              "to draw from, or the state itself: not both); got both.")
+            # the core's rules for rng_state, here too: the operators' int64 slots take any int
+            _checks.check_variants(_FN, _RNG_SPEC, False, dropout_p, window, None, softcap, None, rng_state)
+    else:
+        rng_state = None
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0  # 0: rejected later
+    q, k, v = (_unit_last_stride(x) for x in (q, k, v))
+    if _is_compiling():
+        seed, offset = _rng_ints(rng_state)
+        out, _ = torch.ops.cupyflash.flash_attn_variant(
+            q, k, v, alibi_slopes, sinks, float(softmax_scale), bool(causal), bool(deterministic),
+            window[0], window[1], softcap, dropout_p, seed, offset)
+        return out
+    return FlashAttnVariantFunc.apply(q, k, v, alibi_slopes, sinks, softmax_scale, causal, deterministic,
+                                      window, softcap, dropout_p, rng_state)
+
+
+def _rng_ints(rng_state):
+    """``(seed, offset)`` for the operators' int64 schema (the seed as its signed bits)."""
+    if rng_state is None:
+        return 0, 0
+    try:
+        seed, offset = rng_state
+    except (TypeError, ValueError):
+        seed, offset = rng_state, 0  # the core's check names it
+    if isinstance(seed, int) and seed >= 1 << 63:
+        seed -= 1 << 64
+    return seed, offset
+
+
+def _unsupported_compile(message):
+    raise NotImplementedError(f"cupyflash.{_FN}: {message}.")
+
+
+def _draw_rng_state(q, generator):
+    """A dropout ``(seed, offset)`` from torch's generator (see :func:`flash_attn_func`'s Notes)."""
+    device = q.device
+    if device.type == "cuda":
+        if generator is None:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            generator = torch.cuda.default_generators[index]
+        elif generator.device.type != "cuda":
+            _checks.fail(ValueError, _FN, f"generator must be a CUDA generator for tensors on {device}; "
+                                          f"got one on {generator.device}.")
+        state = generator.get_state()  # a copy on the host: (seed, Philox offset), int64 each
+        words = state.view(torch.int64)
+        seed, offset = int(words[0]) & _MASK64, int(words[1])
+        words[1] = offset + 4
+        generator.set_state(state)
+        unit = offset >> 2
+        if unit >> 32:  # past cupyflash's 32-bit offset: fold the rest into the seed
+            seed ^= ((unit >> 32) * 0x9E3779B97F4A7C15) & _MASK64
+        return seed, unit & _MASK32
+    if generator is None:
+        generator = torch.default_generator
+    seed = int(torch.randint(0, 1 << 62, (), generator=generator, dtype=torch.int64))
+    return seed, 0
 
 
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)

@@ -229,6 +229,123 @@ def test_torch_compile_inductor(torch, rng):
         torch.testing.assert_close(g, e, rtol=1e-2, atol=1e-2)
 
 
+# the variants of flash_attn_func (issue 13): kwargs, alibi shape or None, sinks
+TORCH_VARIANTS = {
+    "sinks+window+causal": ({"window_size": (40, 0), "causal": True}, None, True),
+    "softcap+alibi+sinks": ({"softcap": 5.0}, (B, HQ), True),
+    "alibi+window": ({"window_size": (17, 9)}, (HQ,), False),
+    "dropout+causal": ({"dropout_p": 0.2, "rng_state": (123456789123, 77), "causal": True}, None, False),
+    "dropout+sinks": ({"dropout_p": 0.1, "rng_state": (5, 2**32 - 1)}, None, True),
+}
+
+
+def _host_like(torch, x):
+    """A NumPy copy of a tensor in its own dtype (bfloat16 as ml_dtypes), for cupyflash.testing."""
+    from cupyflash import _interop
+
+    return _interop.torch_to_numpy(x.detach().cpu()).copy()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(TORCH_VARIANTS))
+def test_torch_flash_attn_func_variant_grads_match_reference(torch, rng, dtype, case):
+    """flash_attn_func with variants, forward and backward (q, k, v and sinks), against the
+    float64 reference with cupyflash.testing's rule; alibi_slopes get no gradient."""
+    from cupyflash import _philox
+    from cupyflash.torch import flash_attn_func
+
+    kwargs, alibi_shape, with_sinks = TORCH_VARIANTS[case]
+    kwargs = dict(kwargs)
+    causal = kwargs.pop("causal", False)
+    q, k, v = _torch_qkv(torch, rng, getattr(torch, dtype), requires_grad=True)
+    dout = _torch_qkv(torch, rng, q.dtype)[0]
+    sinks = (torch.from_numpy(rng.standard_normal(HQ).astype(np.float32)).cuda().requires_grad_(True)
+             if with_sinks else None)
+    alibi = (torch.from_numpy((0.02 + 0.1 * rng.random(alibi_shape)).astype(np.float32)).cuda()
+             .requires_grad_(True) if alibi_shape else None)
+    out = flash_attn_func(q, k, v, causal=causal, alibi_slopes=alibi, sinks=sinks, **kwargs)
+    out.backward(dout)
+    assert out.dtype == q.dtype and q.grad.dtype == q.dtype
+    rng_state = kwargs.pop("rng_state", None)
+    variants = dict(kwargs, alibi_slopes=None if alibi is None else alibi.detach().cpu().numpy(),
+                    sinks=None if sinks is None else sinks.detach().cpu().numpy())
+    if rng_state is not None:
+        variants["dropout_mask"] = _philox.dropout_keep_mask(*rng_state, kwargs["dropout_p"], B, HQ, S, S)
+    host = [_host_like(torch, x) for x in (q, k, v)]
+    core = {n: x for n, x in variants.items() if x is not None and n != "dropout_mask"}
+    _, lse = cupyflash.flash_attn_fwd(*host, causal=causal, rng_state=rng_state, **core)  # the CPU path's lse
+    testing.assert_fwd_matches_reference(*host, _host_like(torch, out), lse, causal=causal, **variants)
+    testing.assert_bwd_matches_reference(
+        _host_like(torch, dout), *host, *(_host_like(torch, x.grad) for x in (q, k, v)), causal=causal,
+        dsinks=None if sinks is None else sinks.grad.cpu().numpy(), **variants)
+    if alibi is not None:
+        assert alibi.grad is None
+    if sinks is not None:
+        assert sinks.grad.dtype == torch.float32 and sinks.grad.device == q.device
+
+
+def test_torch_dropout_follows_torch_cuda_manual_seed(torch, rng):
+    """Without rng_state the state is (seed, Philox offset / 4) of torch's CUDA generator, which
+    advances by 4 per call: torch.cuda.manual_seed reproduces the masks, the next call differs,
+    and the backward draws the forward's mask."""
+    from cupyflash.torch import flash_attn_func
+
+    q, k, v = _torch_qkv(torch, rng, torch.float16, requires_grad=True)
+    dout = _torch_qkv(torch, rng, q.dtype)[0]
+    gen = torch.cuda.default_generators[q.device.index]
+    runs = []
+    for _ in range(2):
+        torch.cuda.manual_seed(2024)
+        before = gen.get_state().view(torch.int64).clone()
+        out = flash_attn_func(q, k, v, dropout_p=0.25, causal=True)
+        runs.append((out, torch.autograd.grad(out, (q, k, v), dout)))
+        after = gen.get_state().view(torch.int64)
+        assert int(after[0]) == int(before[0]) and int(after[1]) == int(before[1]) + 4
+    seed, offset = int(before[0]) & (2**64 - 1), int(before[1]) >> 2
+    for a, b in zip((runs[0][0], *runs[0][1]), (runs[1][0], *runs[1][1])):
+        assert torch.equal(a, b)
+    explicit = flash_attn_func(q, k, v, dropout_p=0.25, causal=True, rng_state=(seed, offset))
+    assert torch.equal(explicit, runs[0][0])
+    assert not torch.equal(flash_attn_func(q, k, v, dropout_p=0.25, causal=True), runs[0][0])
+
+
+def test_torch_core_functions_take_cuda_sinks_and_return_cuda_dsinks(torch, rng):
+    q, k, v = _torch_qkv(torch, rng, torch.bfloat16)
+    sinks = torch.randn(HQ, device="cuda")
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, sinks=sinks, causal=True)
+    grads = cupyflash.flash_attn_bwd(out, q, k, v, out, lse, sinks=sinks, causal=True)
+    assert len(grads) == 4 and grads[3].device == q.device and grads[3].dtype == torch.float32
+    assert grads[0].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"^cupyflash\.flash_attn_fwd: sinks must have the same device as q"):
+        cupyflash.flash_attn_fwd(q, k, v, sinks=sinks.cpu())
+
+
+def test_torch_compile_fullgraph_with_variants(torch, rng):
+    """The variant ops stay in the graph: sinks get their gradient, alibi none; dropout needs an
+    explicit rng_state under torch.compile."""
+    from cupyflash.torch import flash_attn_func
+
+    q, k, v = _torch_qkv(torch, rng, torch.float16, requires_grad=True)
+    sinks = torch.randn(HQ, device="cuda", requires_grad=True)
+    alibi = torch.full((HQ,), 0.05, device="cuda")
+
+    def loss(q, k, v, sinks):
+        return flash_attn_func(q, k, v, causal=True, window_size=(33, 0), softcap=4.0, alibi_slopes=alibi,
+                               sinks=sinks, dropout_p=0.1, rng_state=(9, 1),
+                               deterministic=True).float().square().sum()
+
+    eager = torch.autograd.grad(loss(q, k, v, sinks), (q, k, v, sinks))
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v, sinks), (q, k, v, sinks))
+    for g, e in zip(got, eager):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    no_state = torch.compile(lambda q: flash_attn_func(q, k, v, dropout_p=0.1), fullgraph=True,
+                             backend="aot_eager")
+    with pytest.raises(Exception, match=r"rng_state=\(seed, offset\) must be given with dropout_p > 0 under "
+                                        r"torch\.compile"):
+        no_state(q)
+
+
 def test_torch_and_cupy_mixed_is_rejected(torch, rng):
     cp = _cp()
     q, k, v = _torch_qkv(torch, rng, torch.float16)
@@ -418,6 +535,36 @@ def test_jax_jit_step_plans_once_and_allocates_nothing_in_cupy(monkeypatch, jax,
     assert planned == {"fwd": 1, "bwd": 1}
     for a, b in zip(first, again):
         np.testing.assert_allclose(_host(a), _host(b), rtol=1e-2, atol=1e-2)
+
+
+def test_jax_flash_attention_variant_grads_match_reference(jax, rng):
+    """jax.jit(jax.grad) through flash_attention with sinks, window, softcap, ALiBi and dropout
+    (a PRNG key) on the GPU: q, k, v and sinks against the float64 reference."""
+    from cupyflash import _philox
+    from cupyflash.jax import flash_attention
+
+    jnp = jax.numpy
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _draw(rng))
+    dout = jnp.asarray(_draw(rng)[0], jnp.bfloat16)
+    sinks = jnp.asarray(rng.standard_normal(HQ).astype(np.float32))
+    alibi = jnp.full((HQ,), 0.03, jnp.float32)
+    key = jax.random.key(3)
+    kw = dict(causal=True, window_size=(50, 0), softcap=6.0, dropout_p=0.15)
+
+    def loss(q, k, v, sinks, key):
+        out = flash_attention(q, k, v, sinks=sinks, alibi_slopes=alibi, rng_state=key, **kw)
+        return (out.astype(jnp.float32) * dout.astype(jnp.float32)).sum()
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks, key)
+    bits = [int(b) for b in np.asarray(jax.random.bits(key, (3,), jnp.uint32))]
+    state = (bits[0] | bits[1] << 32, bits[2])
+    mask = _philox.dropout_keep_mask(*state, kw["dropout_p"], B, HQ, S, S)
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    host = [np.asarray(x).astype(ml_dtypes.bfloat16) for x in (dout, q, k, v)]
+    variants = dict(window_size=kw["window_size"], softcap=kw["softcap"], alibi_slopes=np.asarray(alibi),
+                    sinks=np.asarray(sinks), dropout_p=kw["dropout_p"], dropout_mask=mask)
+    testing.assert_bwd_matches_reference(*host, *(np.asarray(g).astype(ml_dtypes.bfloat16) for g in grads[:3]),
+                                         causal=True, dsinks=np.asarray(grads[3]), **variants)
 
 
 def test_jax_and_torch_mixed_is_rejected(jax, torch, rng):

@@ -429,17 +429,130 @@ def test_torch_custom_ops_pass_opcheck(torch, rng):
                            0.25, True, False))
 
 
-@pytest.mark.parametrize("option,value", [
-    ("dropout_p", 0.1), ("window_size", (4, 0)), ("alibi_slopes", [0.5]),
-    ("return_attn_probs", True), ("softcap", 30.0),
-])
-def test_torch_unsupported_options_are_named(torch, rng, option, value):
+def test_torch_return_attn_probs_is_named(torch, rng):
     from cupyflash.torch import flash_attn_func
 
     q, k, v = _torch_qkv(torch, rng, torch.float32)
     with pytest.raises(NotImplementedError,
-                       match=rf"^cupyflash\.torch\.flash_attn_func: {option} must be "):
+                       match=r"^cupyflash\.torch\.flash_attn_func: return_attn_probs must be "):
+        flash_attn_func(q, k, v, return_attn_probs=True)
+
+
+@pytest.mark.parametrize("option,value,error,text", [
+    ("dropout_p", 1.0, ValueError, r"dropout_p must be in \[0, 1\)"),
+    ("window_size", (4, -2), ValueError, r"window_size's right entry must be in \[-1"),
+    ("alibi_slopes", [0.5], TypeError, r"alibi_slopes must be None or a float32 array"),
+    ("softcap", -1.0, ValueError, r"softcap must be finite and >= 0"),
+])
+def test_torch_malformed_variants_are_named(torch, rng, option, value, error, text):
+    from cupyflash.torch import flash_attn_func
+
+    q, k, v = _torch_qkv(torch, rng, torch.float32)
+    with pytest.raises(error, match=r"^cupyflash\.torch\.flash_attn_func: " + text):
         flash_attn_func(q, k, v, **{option: value})
+
+
+# the variants of flash_attn_func: (kwargs without tensors, alibi shape or None, sinks)
+TORCH_VARIANTS = {
+    "sinks": ({}, None, True),
+    "sinks+window+causal": ({"window_size": (6, 1), "causal": True}, None, True),
+    "softcap+alibi+sinks": ({"softcap": 3.0}, (2, 4), True),
+    "alibi+window": ({"window_size": (3, 3)}, (4,), False),
+}
+
+
+@pytest.mark.parametrize("case", list(TORCH_VARIANTS))
+def test_torch_flash_attn_func_variant_grads_match_reference(torch, rng, case):
+    """Gradients of q, k, v and sinks (alibi_slopes constants) against the float64 reference."""
+    from cupyflash import testing
+    from cupyflash.torch import flash_attn_func
+
+    kwargs, alibi_shape, with_sinks = TORCH_VARIANTS[case]
+    kwargs = dict(kwargs)
+    causal = kwargs.pop("causal", False)
+    q, k, v = _torch_qkv(torch, rng, torch.float32, requires_grad=True)
+    sinks = torch.from_numpy(rng.standard_normal(4).astype(np.float32)).requires_grad_(True) if with_sinks else None
+    alibi = (torch.from_numpy((0.1 + 0.2 * rng.random(alibi_shape)).astype(np.float32)).requires_grad_(True)
+             if alibi_shape else None)
+    dout = torch.randn(q.shape, dtype=torch.float32)
+    out = flash_attn_func(q, k, v, causal=causal, alibi_slopes=alibi, sinks=sinks, **kwargs)
+    out.backward(dout)
+    variants = dict(kwargs, alibi_slopes=None if alibi is None else alibi.detach().numpy(),
+                    sinks=None if sinks is None else sinks.detach().numpy())
+    host = [x.detach().numpy() for x in (q, k, v)]
+    _, lse = cupyflash.flash_attn_fwd(*host, causal=causal, **{n: x for n, x in variants.items() if x is not None})
+    testing.assert_fwd_matches_reference(*host, out.detach().numpy(), lse, causal=causal, **variants)
+    testing.assert_bwd_matches_reference(dout.numpy(), *host, q.grad.numpy(), k.grad.numpy(), v.grad.numpy(),
+                                         causal=causal, dsinks=None if sinks is None else sinks.grad.numpy(),
+                                         **variants)
+    if alibi is not None:
+        assert alibi.grad is None  # constants, as in flash-attention
+
+
+def test_torch_dropout_draws_from_torch_generator_and_keeps_it_for_backward(torch, rng):
+    from cupyflash.torch import flash_attn_func
+
+    q, k, v = _torch_qkv(torch, rng, torch.float32, requires_grad=True)
+    dout = torch.randn(q.shape)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(1234)
+        outs.append(flash_attn_func(q, k, v, dropout_p=0.3))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)  # torch.manual_seed: the same mask
+    assert not torch.equal(outs[0], flash_attn_func(q, k, v, dropout_p=0.3))  # the next draw: a new mask
+    # the backward is the core's with the forward's state: rng_state explicit gives the same bits
+    generator = torch.Generator().manual_seed(99)
+    out = flash_attn_func(q, k, v, dropout_p=0.3, generator=generator)
+    (dq,) = torch.autograd.grad(out, (q,), dout)
+    seed = int(torch.randint(0, 1 << 62, (), generator=torch.Generator().manual_seed(99), dtype=torch.int64))
+    host = [x.detach().numpy() for x in (q, k, v)]
+    o, lse = cupyflash.flash_attn_fwd(*host, dropout_p=0.3, rng_state=(seed, 0))
+    np.testing.assert_array_equal(out.detach().numpy(), o)
+    want = cupyflash.flash_attn_bwd(dout.numpy(), *host, o, lse, dropout_p=0.3, rng_state=(seed, 0))[0]
+    np.testing.assert_array_equal(dq.numpy(), want)
+    explicit = flash_attn_func(q, k, v, dropout_p=0.3, rng_state=(seed, 0))
+    torch.testing.assert_close(explicit, out, rtol=0, atol=0)
+
+
+def test_torch_variants_off_take_the_plain_function(monkeypatch, torch, rng):
+    import cupyflash.torch as cft
+
+    q, k, v = _torch_qkv(torch, rng, torch.float32, requires_grad=True)
+    monkeypatch.setattr(cft.FlashAttnVariantFunc, "apply", None)  # would raise if called
+    out = cft.flash_attn_func(q, k, v, 0.0, None, True, (-1, -1), None, softcap=0.0)
+    torch.testing.assert_close(out, cft.flash_attn_func(q, k, v, causal=True), rtol=0, atol=0)
+
+
+def test_torch_core_functions_take_tensor_sinks_and_return_tensor_dsinks(torch, rng):
+    q, k, v = _torch_qkv(torch, rng, torch.float32)
+    sinks = torch.from_numpy(rng.standard_normal(4).astype(np.float32))
+    alibi = torch.full((4,), 0.1)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, sinks=sinks, alibi_slopes=alibi, softcap=2.0)
+    grads = cupyflash.flash_attn_bwd(out, q, k, v, out, lse, sinks=sinks, alibi_slopes=alibi, softcap=2.0)
+    assert len(grads) == 4 and all(isinstance(g, torch.Tensor) for g in grads)
+    host = [x.numpy() for x in (q, k, v)]
+    want = cupyflash.flash_attn_bwd(out.numpy(), *host, out.numpy(), lse.numpy(), sinks=sinks.numpy(),
+                                    alibi_slopes=alibi.numpy(), softcap=2.0)
+    for g, w in zip(grads, want):
+        np.testing.assert_array_equal(g.numpy(), w)
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn_fwd: sinks must have dtype float32; got float64"):
+        cupyflash.flash_attn_fwd(q, k, v, sinks=sinks.double())
+
+
+def test_torch_variant_custom_ops_pass_opcheck(torch, rng):
+    import cupyflash.torch  # noqa: F401  (registers the ops)
+
+    q, k, v = _torch_qkv(torch, rng, torch.float32, requires_grad=True)
+    sinks = torch.from_numpy(rng.standard_normal(4).astype(np.float32)).requires_grad_(True)
+    alibi = torch.full((4,), 0.1)
+    flags = (0.25, True, False, 5, 0, 3.0, 0.2, 7, 3)  # scale, causal, deterministic, window, softcap, p, seed, offset
+    torch.library.opcheck(torch.ops.cupyflash.flash_attn_variant, (q, k, v, alibi, sinks, *flags))
+    out, lse = torch.ops.cupyflash.flash_attn_variant(q.detach(), k.detach(), v.detach(), alibi, sinks.detach(),
+                                                      *flags)
+    for s in (sinks.detach(), None):
+        torch.library.opcheck(torch.ops.cupyflash.flash_attn_variant_bwd,
+                              (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, alibi, s,
+                               *flags))
 
 
 # ----------------------------------------------------------------------------
@@ -463,6 +576,50 @@ def test_jax_cpu_in_jax_out(jax, rng, dtype):
     assert isinstance(out, jax.Array) and out.dtype == q.dtype and lse.dtype == np.float32
     want = cupyflash.flash_attn(*(np.asarray(x) for x in (q, k, v)), causal=True)
     np.testing.assert_array_equal(np.asarray(out), want)
+
+
+def test_jax_core_functions_take_jax_sinks_and_return_jax_dsinks(jax, rng):
+    q, k, v = _jax_qkv(jax, rng)
+    sinks = jax.numpy.asarray(rng.standard_normal(4).astype(np.float32))
+    alibi = jax.numpy.full((2, 4), 0.1, jax.numpy.float32)
+    kw = dict(causal=True, window_size=(5, 0))
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, sinks=sinks, alibi_slopes=alibi, **kw)
+    grads = cupyflash.flash_attn_bwd(out, q, k, v, out, lse, sinks=sinks, alibi_slopes=alibi, **kw)
+    assert len(grads) == 4 and all(isinstance(g, jax.Array) for g in grads)
+    host = [np.asarray(x) for x in (q, k, v)]
+    o, l = cupyflash.flash_attn_fwd(*host, sinks=np.asarray(sinks), alibi_slopes=np.asarray(alibi), **kw)
+    np.testing.assert_array_equal(np.asarray(out), o)
+    want = cupyflash.flash_attn_bwd(o, *host, o, l, sinks=np.asarray(sinks), alibi_slopes=np.asarray(alibi), **kw)
+    for g, w in zip(grads, want):
+        np.testing.assert_array_equal(np.asarray(g), w)
+
+
+def test_jax_sinks_are_checked_like_q(jax, rng):
+    q, k, v = _jax_qkv(jax, rng)
+    sinks = np.zeros(4, np.float32)
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn_fwd: sinks must be a jax\.Array like q "
+                                        r"\(array types cannot be mixed\); got numpy\.ndarray\.$"):
+        cupyflash.flash_attn_fwd(q, k, v, sinks=sinks)
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn: alibi_slopes must have dtype float32; "
+                                        r"got bfloat16\.$"):
+        cupyflash.flash_attn(q, k, v, alibi_slopes=jax.numpy.zeros(4, jax.numpy.bfloat16))
+    with pytest.raises(ValueError, match=r"^cupyflash\.flash_attn_fwd: sinks must have shape \(4,\)"):
+        cupyflash.flash_attn_fwd(q, k, v, sinks=jax.numpy.zeros(3, jax.numpy.float32))
+
+
+def test_dlpack_sinks_are_viewed_and_dsinks_follows_preallocated_gradients(rng):
+    """Variant arrays of a foreign type are viewed like q; with dq= given (handed back as the
+    caller's object) the result still ends with dsinks."""
+    q, k, v = _qkv(rng)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, sinks=sinks)
+    dq = DLPackOnly(np.empty_like(q))
+    grads = cupyflash.flash_attn_bwd(*(DLPackOnly(x) for x in (out, q, k, v, out, lse)),
+                                     sinks=DLPackOnly(sinks), dq=dq)
+    assert len(grads) == 4 and grads[0] is dq
+    want = cupyflash.flash_attn_bwd(out, q, k, v, out, lse, sinks=sinks)
+    np.testing.assert_array_equal(dq.array, want[0])
+    np.testing.assert_array_equal(grads[3], want[3])
 
 
 def test_jax_tracer_in_core_api_points_to_cupyflash_jax(jax, rng):
