@@ -508,9 +508,51 @@ def _bwd_tiles(d: int, causal: bool, deterministic: bool, vec: bool) -> tuple[tu
     return tuple(t for t in _BWD_TILES[d] if (d, t, causal, deterministic, vec) not in _BWD_TILE_SPILLS)
 
 
+# Variants on the mma.sync backward (kernels_cu/flash_bwd.cu): tiles of the tables
+# above that spill with a variant switched on (check-kernels, NVRTC 13, sm_80 or
+# sm_90), per variant bit: (head_dim, tile, deterministic). A plan whose variant set
+# holds such a bit takes the next tile of the table (the lean one). Measured with
+# each variant alone; combinations of variants may still spill.
+#   softcap, dropout: the D=64 128x128 dK/dV tile of deterministic mode (the default
+#     mode already skips it: _BWD_TILE_SPILLS) sits at 255 registers without
+#     variants; softcap's 1 − tanh² (dS needs the raw S after dP) spills 8 bytes
+#     there, dropout's Philox rounds ~400; the 64x128 tile takes 187-252 registers.
+#   dropout: the D=32 128x128 tile of the default mode (causal: 16 bytes on sm_90).
+# Deterministic dQ tiles per variant bit and head_dim, in place of _BWD_DQ_TILES[d]
+# (the first bit of a plan's set found here decides):
+#   dropout at D=32 and D=64: 128 keys per tile (S, dP 64 registers each) spill
+#     8-32 bytes on sm_80; 64 keys take 163-200 registers.
+#   window at D=96: 64 keys spill 4 bytes on sm_90 (causal, at 168 registers: a
+#     ptxas choice); 32 keys take ~153.
+_BWD_VARIANT_TILE_SPILLS: dict[int, set[tuple[int, tuple[int, ...], bool]]] = {
+    VAR_SOFTCAP: {(64, _BWD_TILES[64][0], True)},
+    VAR_DROPOUT: {(64, _BWD_TILES[64][0], True), (32, _BWD_TILES[32][0], False)},
+}
+_BWD_DQ_VARIANT_TILES: dict[int, dict[int, tuple[tuple[int, int, int], ...]]] = {
+    VAR_DROPOUT: {32: ((64, 64, 4),), 64: ((64, 64, 4),)},
+    VAR_WINDOW: {96: ((64, 32, 4),)},
+}
+
+
+def _bwd_variant_tiles(d: int, causal: bool, deterministic: bool, vec: bool,
+                       variant: int) -> tuple[tuple[int, ...], ...]:
+    """The dK/dV tiles (best first) of a plan with the VARIANT bits ``variant``."""
+    tiles = _bwd_tiles(d, causal, deterministic, vec)
+    spills = set().union(*(v for bit, v in _BWD_VARIANT_TILE_SPILLS.items() if variant & bit))
+    return tuple(t for t in tiles if (d, t, deterministic) not in spills) or tiles[-1:]
+
+
+def _bwd_dq_variant_tiles(d: int, variant: int) -> tuple[tuple[int, int, int], ...]:
+    """The deterministic dQ tiles (best first) of a plan with the VARIANT bits ``variant``."""
+    for bit, table in _BWD_DQ_VARIANT_TILES.items():
+        if variant & bit and d in table:
+            return table[d]
+    return _BWD_DQ_TILES[d]
+
+
 def _pick_bwd_tile(d: int, smem_limit: int, causal: bool = False, deterministic: bool = False,
-                   vec: bool = True) -> tuple[tuple[int, ...], int]:
-    for tile in _bwd_tiles(d, causal, deterministic, vec):
+                   vec: bool = True, variant: int = 0) -> tuple[tuple[int, ...], int]:
+    for tile in _bwd_variant_tiles(d, causal, deterministic, vec, variant):
         for stages in (2, 1):
             if bwd_smem_bytes(d, tile, stages) <= smem_limit:
                 return tile, stages
@@ -518,8 +560,8 @@ def _pick_bwd_tile(d: int, smem_limit: int, causal: bool = False, deterministic:
         f"cupyflash: no backward tile for head_dim {d} fits {smem_limit} bytes of shared memory")
 
 
-def _pick_bwd_dq_tile(d: int, smem_limit: int) -> tuple[int, int, int]:
-    for tile in _BWD_DQ_TILES[d]:
+def _pick_bwd_dq_tile(d: int, smem_limit: int, variant: int = 0) -> tuple[int, int, int]:
+    for tile in _bwd_dq_variant_tiles(d, variant):
         if bwd_dq_smem_bytes(d, tile) <= smem_limit:
             return tile
     raise NotImplementedError(
@@ -567,7 +609,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     if sm90:
         block_n, stages = BWD_SM90_BLOCK_N, 2
     else:
-        tile, stages = _pick_bwd_tile(d, smem_limit, causal, deterministic, vec)
+        tile, stages = _pick_bwd_tile(d, smem_limit, causal, deterministic, vec, variant)
         block_n = tile[1]
 
     launches = [bwd_preprocess_launch(dtype, d, vec, q_rows[0] * q_rows[1] * nheads_q)]
@@ -583,7 +625,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
         dq_grid = (math.ceil(seqlen_q / BWD_DQ_SM90_BLOCK_M) * batch * nheads_q, 1, 1)
         launches.append(bwd_dq_sm90_launch(dtype, d, causal, even_k, dq_grid, variant))
     elif deterministic:
-        dq_tile = _pick_bwd_dq_tile(d, smem_limit)
+        dq_tile = _pick_bwd_dq_tile(d, smem_limit, variant)
         dq_grid = (math.ceil(seqlen_q / dq_tile[0]) * batch * nheads_q, 1, 1)
         launches.append(bwd_dq_launch(dtype, d, dq_tile, causal, even_k, vec, dq_grid, variant))
     else:
@@ -624,10 +666,11 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
             out.append(bwd_dq_launch(dtype, d, tile, causal, even_k, vec))
     # Each variant switched on alone: the kernels a default plan takes on aligned data.
     for bit, d, causal, det in itertools.product(VARIANT_BITS.values(), HEAD_DIMS, (False, True), (False, True)):
-        for tile in _bwd_tiles(d, causal, det, True)[:1]:
+        for tile in _bwd_variant_tiles(d, causal, det, True, bit)[:1]:
             out.append(bwd_dkdv_launch(_VARIANT_CHECK_DTYPE, d, tile, causal, True, True, det, variant=bit))
         if det:
-            out.append(bwd_dq_launch(_VARIANT_CHECK_DTYPE, d, _BWD_DQ_TILES[d][0], causal, True, True, variant=bit))
+            out.append(bwd_dq_launch(_VARIANT_CHECK_DTYPE, d, _bwd_dq_variant_tiles(d, bit)[0], causal, True, True,
+                                     variant=bit))
         if cc is not None and uses_sm90_bwd(d, True, cc):
             out.append(bwd_dkdv_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, det, variant=bit))
             if det:

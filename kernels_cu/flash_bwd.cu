@@ -5,9 +5,16 @@
 // delta = rowsum(dO∘O) (= rowsum(P∘dP)):
 //   dV = Pᵀ·dO,  dP = dO·Vᵀ,  dS = P∘(dP − delta),
 //   dK = scale·dSᵀ·Q,  dQ = scale·dS·K.
+// The variants (VARIANT, variant.cuh; cupyflash/reference.py is the specification):
+// P = prob(x, lse·log2e) with x the modified, masked score in log2 units (softcap,
+// ALiBi; window, causal, key tail: x = -inf), dropout's keep mask Z and rp = 1/(1-p)
+// give dV = (P∘Z·rp)ᵀ·dO and dS = P∘(dP∘Z·rp − delta), softcap multiplies dS by
+// 1 − tanh², and a sink (in lse already) adds dsinks[h] = −Σ exp(sink_h − lse)·delta
+// (the preprocess kernel). variant.cuh's BwdScores holds the element-wise pieces.
 //
 // Kernels, in launch order (cupyflash/_gpu_bwd.py):
-//   flash_bwd_preprocess_kernel  delta; lse·log2(e) with the P = 0 guards; dq_accum = 0
+//   flash_bwd_preprocess_kernel  delta; lse·log2(e) with the P = 0 guards; dq_accum = 0;
+//                                dsinks (sinks on)
 //   flash_bwd_dkdv_kernel        one block per key block: dK and dV; in the default
 //                                mode also dQ, added to dq_accum with fp32 atomics
 //   flash_bwd_dq_kernel          deterministic mode: one block per query block
@@ -26,18 +33,19 @@
 // batch as one sequence of total rows, so they need no cu_seqlens.
 //
 // Query tails need no mask code: rows past seqlen_q load Q, dO, lse_log2 and
-// delta as 0, so S = 0, P = exp2(0 − 0) = 1, dP = dO·Vᵀ = 0 and
-// dS = P∘(dP − delta) = 0: they add nothing to dK, dV, and their dQ is never
-// stored. Rows that see no key (lse = -inf) get lse_log2 = +inf, so
-// P = exp2(s − inf) = 0 there, with no NaN. Key tails and the causal diagonal
-// are masked.
+// delta as 0, so S = 0, P = prob(x, 0) is finite and in [0, 1] with every variant
+// (x = 0, or ALiBi's finite -slope·distance; prob clamps at 1), dP = dO·Vᵀ = 0
+// and dS = P∘(dP∘Z·rp − delta) = 0 (times 1 − tanh² = 1 with softcap): they add
+// nothing to dK, nothing to dV (dO = 0 there), and their dQ is never stored.
+// Rows that see no key (lse = -inf) get lse_log2 = +inf, so P = 0 there, with
+// no NaN. Key tails, the causal diagonal and the window's edges are masked.
 #include "params.cuh"
 #include "ptx.cuh"
 #include "seqlens.cuh"
 #include "query_grid.cuh"
 #include "bwd_rows.cuh"
 #include "tile_io.cuh"
-#include "mask.cuh"
+#include "variant.cuh"
 #include "warp_mma.cuh"
 
 namespace cupyflash {
@@ -162,6 +170,7 @@ flash_bwd_preprocess_kernel(const BwdParams p) {
     }
 
     // ---- delta = rowsum(dO∘O) in fp32 over the ROW_LANES lanes of the row; lse in log2 units
+    float dots[ROWS_PER_THREAD];  // delta of each row (every lane of its group)
 #pragma unroll
     for (int i = 0; i < ROWS_PER_THREAD; ++i) {
         const uint32* ow = reinterpret_cast<const uint32*>(&o[i]);
@@ -177,11 +186,37 @@ flash_bwd_preprocess_kernel(const BwdParams p) {
         for (int offset = ROW_LANES / 2; offset > 0; offset /= 2) {  // within the aligned lane group
             dot += __shfl_xor_sync(0xffffffffu, dot, offset);
         }
+        dots[i] = dot;
         const int r = slot + i * SLOTS;
         if (lane == 0 && r < rows_valid) {
             p.delta[row0 + r] = dot;
             // +inf (P = 0) for rows that see no key
             p.lse_log2[row0 + r] = lse[i] == NEG_INF ? POS_INF : lse[i] * LOG2E;
+        }
+    }
+
+    // ---- sinks (p.var.dsinks set, zeroed by the host): dsinks[h] −= Σ over the rows of head h
+    //      of P_sink·delta, P_sink = exp(sink_h − lse) (cupyflash/reference.py; rows with
+    //      lse = -inf add 0). The block's rows may span several heads: each row adds into its
+    //      head's slot in shared memory (at most ROWS heads, since each has one row here),
+    //      then one atomic per head goes to global memory.
+    if (p.var.dsinks != nullptr) {
+        __shared__ float head_sums[ROWS];  // [head of the row − head of row 0]
+        for (int j = threadIdx.x; j < ROWS; j += PREPROCESS_THREADS) head_sums[j] = 0.f;
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < ROWS_PER_THREAD; ++i) {
+            const int r = slot + i * SLOTS;
+            if (lane == 0 && r < rows_valid && lse[i] != NEG_INF) {
+                const uint32 rel = (m0 + r) / rows_per_head;  // bh of row r − bh0
+                const uint32 h = (bh0 + rel) % uint32(p.nheads_q);
+                atomicAdd(&head_sums[rel], expf(__ldg(p.var.sinks + h) - lse[i]) * dots[i]);
+            }
+        }
+        __syncthreads();
+        const int heads = int((m0 + rows_valid - 1) / rows_per_head) + 1;  // rows_valid >= 1
+        for (int j = threadIdx.x; j < heads; j += PREPROCESS_THREADS) {
+            atomicAdd(p.var.dsinks + (bh0 + j) % uint32(p.nheads_q), -head_sums[j]);
         }
     }
 }
@@ -196,7 +231,7 @@ flash_bwd_preprocess_kernel(const BwdParams p) {
 // expanded); when that leaves too few blocks for the GPU, the group's heads
 // are split over p.kv_splits blocks that write fp32 partials, summed by
 // flash_bwd_convert_dkv_kernel in a fixed order.
-// Per query block:
+// Per query block (the variants' forms at the top of this file):
 //   S = Q·Kᵀ,  P = exp2(S·scale·log2e − lse·log2e),  dP = dO·Vᵀ,  dS = P∘(dP − delta)
 //   P, dS -> shared memory (the next GEMMs read them transposed)
 //   dV += Pᵀ·dO,  dK += dSᵀ·Q,  dQ_partial = dS·K -> atomicAdd into dq_accum
@@ -216,6 +251,7 @@ flash_bwd_preprocess_kernel(const BwdParams p) {
 //   EVEN_K       head_dim == HEAD_DIM (no column predicates)
 //   VEC          16-byte loads are legal (pointers, strides, head_dim multiples of 8 elements)
 //   DETERMINISTIC  skip dQ here (flash_bwd_dq_kernel computes it without atomics)
+//   VARIANT      the variants switched on (variant.cuh's VAR_* bits)
 // Runtime: p.num_stages = 2 double-buffers Q, dO, lse, delta (the next query
 // block loads during the whole step); 1 halves that memory and loads the next
 // block during the dQ GEMM only (for GPUs with less shared memory).
@@ -310,21 +346,16 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     // (seq is dead after the prologue): held in registers they would spill.
     if (threadIdx.x == 0) seq_slot.store(seq);
 
-    // ---- the query blocks that see these keys: [m_begin, m_end); the first ones
-    //      (up to m_masked_end) cross the causal diagonal, or every one does when
-    //      this is the key tail block.
-    const int num_m_blocks = ceil_div(seq.seqlen_q, BLOCK_M);
-    const int off = seq.seqlen_k - seq.seqlen_q;  // query i sees key j iff j <= i + off
-    int m_begin = 0, m_unmasked = 0;
-    if (IS_CAUSAL) {
-        m_begin = max(0, n0 - off) / BLOCK_M;                              // first row that sees key n0
-        m_unmasked = ceil_div(max(0, n0 + BLOCK_N - 1 - off), BLOCK_M);    // rows that see key n0+BLOCK_N-1
-    }
-    if (keys_valid < BLOCK_N) m_unmasked = num_m_blocks;
-    const int m_end = keys_valid > 0 ? num_m_blocks : 0;
-    m_begin = min(m_begin, m_end);
-    const int m_masked_end = min(max(m_unmasked, m_begin), m_end);
-    const int nm = m_end - m_begin;
+    // ---- the query blocks that see these keys (variant.cuh): [mb.begin, mb.end), of
+    //      which those outside [mb.unmasked_begin, mb.unmasked_end) need the mask (the
+    //      causal diagonal and the window's edges; every one for the key tail block).
+    //      Without a window the masked ones are a prefix, [mb.begin, m_masked_end).
+    using Scores = BwdScores<IS_CAUSAL, VARIANT>;
+    const BlockRange mb = Mask<IS_CAUSAL, VARIANT>(p.var, seq.seqlen_q, seq.seqlen_k)
+                              .query_blocks(n0, BLOCK_N, keys_valid, BLOCK_M, ceil_div(seq.seqlen_q, BLOCK_M));
+    const int m_begin = mb.begin;
+    const int m_masked_end = mb.unmasked_end < mb.end ? mb.end : mb.unmasked_begin;  // no window only
+    const int nm = mb.end - mb.begin;
     const int num_iters = heads * nm;  // (query head, query block) pairs
     const bool two_stage = p.num_stages == 2;
 
@@ -389,28 +420,24 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         clear(s);
         warp_gemm<T, SDP_MT, SDP_NT, HEAD_DIM / 16, QTile, false, KVTile, false, true>(s, sQ(stage), sdp_row0,
                                                                                       sK, sdp_col0);
-        if constexpr (decltype(masked)::value) {
-            const SeqLens seq = seq_slot.load();
-            apply_mask<SDP_MT, SDP_NT, IS_CAUSAL>(s, m0 + sdp_row0 + g, n0 + sdp_col0 + 2 * t, seq.seqlen_q,
-                                                  seq.seqlen_k);
-        }
 
-        // ---- P = exp2(S·scale·log2e − lse·log2e): 0 where masked (S = -inf) or lse_log2 = +inf
-#pragma unroll
-        for (int i = 0; i < SDP_MT; ++i) {
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const float lse2 = s_lse[sdp_row0 + i * 16 + hh * 8 + g];
-#pragma unroll
-                for (int j = 0; j < SDP_NT; ++j) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float& x = s[i][j][2 * hh + e];
-                        x = fast_exp2(fmaf(x, p.softmax_scale_log2, -lse2));
-                    }
-                }
-            }
-        }
+        // The variant's mask, scores and dropout for query head h (variant.cuh's BwdScores),
+        // built where used from the lengths in shared memory, read only where needed.
+        constexpr bool MASKED = decltype(masked)::value;
+        auto scores = [&](auto lengths) {
+            SeqLens sl{0, 0, 0, 0};
+            if constexpr (decltype(lengths)::value) sl = seq_slot.load();
+            return Scores(p.var, p.softmax_scale_log2, b, h, p.nheads_q, sl.seqlen_q, sl.seqlen_k);
+        };
+        constexpr bool LENGTHS = MASKED || Scores::UNMASKED_LENGTHS;
+        // this lane's S element (0, 0, 0) in the sequence; the rows' lse_log2 and delta
+        const int row0 = m0 + sdp_row0 + g, col0 = n0 + sdp_col0 + 2 * t;
+        auto lse2 = [&](int i, int hh) { return s_lse[sdp_row0 + i * 16 + hh * 8 + g]; };
+        auto delta = [&](int i, int hh) { return s_delta[sdp_row0 + i * 16 + hh * 8 + g]; };
+
+        // ---- P = prob(x, lse·log2e), x the variant's masked score: 0 where masked (x = -inf)
+        //      or lse_log2 = +inf (with softcap: in dscores below, from the raw S)
+        if constexpr (!Scores::DEFER) scores(Bool<LENGTHS>{}).template probs<MASKED>(s, row0, col0, lse2);
 
         // ---- dP = dO·Vᵀ
         float dp[SDP_MT][SDP_NT][4];
@@ -418,29 +445,16 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         warp_gemm<T, SDP_MT, SDP_NT, HEAD_DIM / 16, QTile, false, KVTile, false, true>(dp, sdO(stage), sdp_row0,
                                                                                       sV, sdp_col0);
 
-        // ---- dS = P∘(dP − delta), in place of dP
-#pragma unroll
-        for (int i = 0; i < SDP_MT; ++i) {
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const float delta = s_delta[sdp_row0 + i * 16 + hh * 8 + g];
-#pragma unroll
-                for (int j = 0; j < SDP_NT; ++j) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float& x = dp[i][j][2 * hh + e];
-                        x = s[i][j][2 * hh + e] * (x - delta);
-                    }
-                }
-            }
-        }
+        // ---- dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap) in place of dP, and
+        //      P∘Z·rp (dropout's keep mask Z, rp = 1/(1-p)) in place of P
+        scores(Bool<Scores::DEFER && LENGTHS>{}).template dscores<MASKED>(s, dp, row0, col0, lse2, delta);
 
-        // ---- P and dS to shared memory: dV and dK read them transposed, dQ as is
+        // ---- P∘Z·rp and dS to shared memory: dV and dK read them transposed, dQ as is
         store_frag<T, PTile>(sP, s, sdp_row0, sdp_col0);
         store_frag<T, PTile>(sdS, dp, sdp_row0, sdp_col0);
         __syncthreads();  // P, dS visible to every warp
 
-        // ---- dV += Pᵀ·dO
+        // ---- dV += (P∘Z·rp)ᵀ·dO
         warp_gemm<T, DKV_MT, DKV_NT, BLOCK_M / 16, PTile, true, QTile, true, false>(acc_dv, sP, dkv_row0,
                                                                                    sdO(stage), dkv_col0);
         // ---- dK += dSᵀ·Q (times softmax_scale at the end)
@@ -473,7 +487,8 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     };
 
     for (int it = 0; it < num_iters; ++it) {
-        if (m_begin + it % nm < m_masked_end) {
+        const int m = m_begin + it % nm;
+        if (Mask<IS_CAUSAL, VARIANT>::WINDOW ? mb.masked(m) : m < m_masked_end) {
             step(it, Bool<true>{});
         } else {
             step(it, Bool<false>{});
@@ -531,7 +546,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
 // Key blocks are summed in a fixed order, so dq is bitwise reproducible.
 //
 // Template parameters: T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, IS_CAUSAL,
-// EVEN_K, VEC as for flash_bwd_dkdv_kernel.
+// EVEN_K, VEC, VARIANT as for flash_bwd_dkdv_kernel.
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_>
 struct BwdDqTraits {
     using T = T_;
@@ -589,8 +604,12 @@ flash_bwd_dq_kernel(const BwdParams p) {
     const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
                  int64(seq.k_start) * p.v_row_stride;
 
-    const int n_end = n_block_end<IS_CAUSAL>(m0, BLOCK_M, BLOCK_N, seq.seqlen_q, seq.seqlen_k);
-    const int n_unmasked_end = n_block_unmasked_end<IS_CAUSAL>(m0, BLOCK_N, seq.seqlen_q, seq.seqlen_k);
+    // The variant's mask, scores and dropout for (b, h) (variant.cuh), and the key blocks
+    // these rows see: [blocks.begin, blocks.end), those outside [blocks.unmasked_begin,
+    // blocks.unmasked_end) masked.
+    using Scores = BwdScores<IS_CAUSAL, VARIANT>;
+    const Scores scores(p.var, p.softmax_scale_log2, b, h, p.nheads_q, seq.seqlen_q, seq.seqlen_k);
+    const BlockRange blocks = scores.mask.key_blocks(m0, BLOCK_M, BLOCK_N);
 
     // Per-thread fragment rows: row r0 + 16 i (+ 8) of this block; their lse_log2
     // and delta (0 past seqlen_q, like Q and dO: see the top of this file).
@@ -615,21 +634,22 @@ flash_bwd_dq_kernel(const BwdParams p) {
                                                          seq.seqlen_k - n * BLOCK_N, p.head_dim);
     };
 
-    if (n_end > 0) {
+    if (blocks.begin < blocks.end) {
         load_tile_lean<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ, q, p.q_row_stride, rows_valid, p.head_dim);
         load_tile_lean<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sdO, dout, p.do_row_stride, rows_valid, p.head_dim);
-        load_kv(sK(0), k, p.k_row_stride, n_end - 1);
+        load_kv(sK(0), k, p.k_row_stride, blocks.end - 1);
         cp_async_commit();
     }
 
-    // One key block, n descending from n_end - 1: K[n] is in sK((n_end - 1 - n) % 2).
+    // One key block, n descending from blocks.end - 1: K[n] is in sK((blocks.end - 1 - n) % 2).
     auto step = [&](int n, auto masked) {
-        const int buf = (n_end - 1 - n) & 1;
+        constexpr bool MASKED = decltype(masked)::value;
+        const int buf = (blocks.end - 1 - n) & 1;
         cp_async_wait<0>();
         __syncthreads();  // K[n] landed; every warp is done with V[n+1] and K[n+1]
         load_kv(sV, v, p.v_row_stride, n);
         cp_async_commit();
-        if (n > 0) load_kv(sK(buf ^ 1), k, p.k_row_stride, n - 1);
+        if (n > blocks.begin) load_kv(sK(buf ^ 1), k, p.k_row_stride, n - 1);
         cp_async_commit();  // possibly empty: wait<1> below then still means "V landed"
 
         // ---- S = Q·Kᵀ
@@ -637,19 +657,13 @@ flash_bwd_dq_kernel(const BwdParams p) {
         clear(s);
         warp_gemm<T, M_TILES, N_TILES, HEAD_DIM / 16, QTile, false, KVTile, false, true>(
             s, sQ, warp * Tr::ROWS_PER_WARP, sK(buf), 0);
-        if constexpr (decltype(masked)::value) {
-            apply_mask<M_TILES, N_TILES, IS_CAUSAL>(s, m0 + r0, n * BLOCK_N + 2 * t, seq.seqlen_q, seq.seqlen_k);
-        }
 
-        // ---- P = exp2(S·scale·log2e − lse·log2e)
-#pragma unroll
-        for (int i = 0; i < M_TILES; ++i)
-#pragma unroll
-            for (int j = 0; j < N_TILES; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[i][j][e] = fast_exp2(fmaf(s[i][j][e], p.softmax_scale_log2, -lse2[i][e / 2]));
-                }
+        // ---- P = prob(x, lse·log2e), x the variant's masked score: 0 where masked (x = -inf)
+        //      or lse_log2 = +inf (with softcap: in dscores below, from the raw S)
+        const int col0 = n * BLOCK_N + 2 * t;  // this lane's first key column
+        auto lse2_of = [&](int i, int hh) { return lse2[i][hh]; };
+        auto delta_of = [&](int i, int hh) { return delta[i][hh]; };
+        if constexpr (!Scores::DEFER) scores.template probs<MASKED>(s, m0 + r0, col0, lse2_of);
 
         cp_async_wait<1>();
         __syncthreads();  // V[n] landed
@@ -660,13 +674,9 @@ flash_bwd_dq_kernel(const BwdParams p) {
         warp_gemm<T, M_TILES, N_TILES, HEAD_DIM / 16, QTile, false, KVTile, false, true>(
             dp, sdO, warp * Tr::ROWS_PER_WARP, sV, 0);
 
-        // ---- dS = P∘(dP − delta), repacked as the A operand of dS·K
-#pragma unroll
-        for (int i = 0; i < M_TILES; ++i)
-#pragma unroll
-            for (int j = 0; j < N_TILES; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dp[i][j][e] = s[i][j][e] * (dp[i][j][e] - delta[i][e / 2]);
+        // ---- dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap), repacked as the A
+        //      operand of dS·K (s becomes P∘Z·rp, unused here)
+        scores.template dscores<MASKED>(s, dp, m0 + r0, col0, lse2_of, delta_of);
         uint32 ds[M_TILES][BLOCK_N / 16][4];
         pack_a<T>(ds, dp);
 
@@ -674,10 +684,15 @@ flash_bwd_dq_kernel(const BwdParams p) {
         warp_gemm_areg<T, M_TILES, D_TILES, BLOCK_N / 16, KVTile, true>(acc_dq, ds, sK(buf), 0);
     };
 
-    // Masked key blocks (key tail, causal diagonal) first, then the rest with no mask code.
-    int n = n_end - 1;
-    for (; n >= n_unmasked_end; --n) step(n, Bool<true>{});
-    for (; n >= 0; --n) step(n, Bool<false>{});
+    // Masked key blocks (key tail, causal diagonal, the window's right edge) first, then
+    // the bulk with no mask code, then the masked blocks of the window's left edge (a loop
+    // compiled only with a window).
+    int n = blocks.end - 1;
+    for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{});
+    for (; n >= blocks.unmasked_begin; --n) step(n, Bool<false>{});
+    if constexpr (Mask<IS_CAUSAL, VARIANT>::WINDOW) {
+        for (; n >= blocks.begin; --n) step(n, Bool<true>{});
+    }
 
     // ---- epilogue: dq = scale·dQ in T, staged through sQ for 16-byte stores
     cp_async_wait<0>();

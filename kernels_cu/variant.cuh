@@ -318,4 +318,121 @@ __device__ __forceinline__ void add_sink_term(float (&acc_l)[1][4], const float 
     }
 }
 
+// ---------------------------------------------------------------------------
+// The backward's element pipeline (the mma.sync kernels of flash_bwd.cu), on S and
+// dP accumulator tiles in score_tile's layout: s[i][j][e] at row row0 + 16 i (+ 8
+// for e >= 2), column col0 + 8 j + (e & 1), row0 and col0 this lane's in the
+// sequence, col0 even. With x the variant's masked score (log2 units), Z the
+// dropout keep mask and rp = 1/(1-p) (cupyflash/reference.py):
+//   P = prob(x, lse·log2e),  dV += (P∘Z·rp)ᵀ·dO,
+//   dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap),  dK, dQ from dS.
+// Without softcap, probs() turns S into P before dP = dO·Vᵀ (as without variants),
+// and with dropout it also draws Z there, while fewer registers are live: Z rides
+// in P's sign bit (P >= 0, so the bit is free) until dscores(), set where dropped.
+// With softcap (DEFER), S stays raw until dscores(), which needs it for 1 − tanh²
+// and draws Z itself.
+// ---------------------------------------------------------------------------
+template <bool IS_CAUSAL, int VARIANT>
+struct BwdScores {
+    static constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0;
+    static constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
+    static constexpr bool DEFER = SOFTCAP;  // P computed in dscores() from the raw S
+    // Whether the scores of unmasked blocks read the sequence's lengths (ALiBi's
+    // offset; masked blocks always do).
+    static constexpr bool UNMASKED_LENGTHS = (VARIANT & VAR_ALIBI) != 0;
+    using MaskT = Mask<IS_CAUSAL, VARIANT>;
+    MaskT mask;
+    ScoreMod<VARIANT> mod;
+    Dropout drop;  // (its fields are read only with dropout)
+
+    __device__ __forceinline__ BwdScores(const VariantParams& v, const float& softmax_scale_log2, int b, int h,
+                                         int nheads_q, int seqlen_q, int seqlen_k)
+        : mask(v, seqlen_q, seqlen_k), mod(v, softmax_scale_log2, b, h, seqlen_q, seqlen_k),
+          drop(v, b, h, nheads_q) {}
+
+    // s: raw q·k -> P, its sign bit set where dropout drops (not with DEFER).
+    // lse2(i, half): lse·log2(e) of row (i, half).
+    template <bool MASKED, int M_TILES, int N_TILES, typename Lse2>
+    __device__ __forceinline__ void probs(float (&s)[M_TILES][N_TILES][4], int row0, int col0,
+                                          const Lse2& lse2) const {
+        static_assert(!DEFER, "with softcap, dscores() computes P");
+        score_tile<MASKED>(s, mod, mask, row0, col0);
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = row0 + i * 16 + half * 8;
+                const float l = lse2(i, half);
+#pragma unroll
+                for (int j = 0; j < N_TILES; ++j) {
+                    const int col = col0 + j * 8;
+                    // keep bits of columns col, col + 1 (one Philox call: col is even)
+                    const uint32 bits = DROPOUT ? drop.keep4(row, col >> 2) >> (col & 3) : 3u;
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& x = s[i][j][half * 2 + e];
+                        x = prob(x, l);
+                        if (DROPOUT && !((bits >> e) & 1u)) x = __uint_as_float(__float_as_uint(x) | 0x80000000u);
+                    }
+                }
+            }
+        }
+    }
+
+    // s: P from probs() (DEFER: the raw q·k), dp: dO·Vᵀ  ->  s = P∘Z·rp (dV's operand), dp = dS
+    // (before softmax_scale). delta(i, half): rowsum(dO∘O) of row (i, half); lse2 as for probs.
+    template <bool MASKED, int M_TILES, int N_TILES, typename Lse2, typename Delta>
+    __device__ __forceinline__ void dscores(float (&s)[M_TILES][N_TILES][4], float (&dp)[M_TILES][N_TILES][4],
+                                            int row0, int col0, const Lse2& lse2, const Delta& delta) const {
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = row0 + i * 16 + half * 8;
+                const float dl = delta(i, half);
+                float l = 0.f;
+                int begin = 0, end = 0;
+                if constexpr (DEFER) {
+                    l = lse2(i, half);
+                    if constexpr (MASKED) { begin = mask.col_begin(row); end = mask.col_end(row); }
+                }
+#pragma unroll
+                for (int j = 0; j < N_TILES; ++j) {
+                    const int col = col0 + j * 8;
+                    // DEFER: keep bits of columns col, col + 1 (one Philox call: col is even)
+                    const uint32 bits = DROPOUT && DEFER ? drop.keep4(row, col >> 2) >> (col & 3) : 3u;
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& ps = s[i][j][half * 2 + e];
+                        float& d = dp[i][j][half * 2 + e];
+                        float P = ps;
+                        float dtanh = 1.f;
+                        bool kept = true;
+                        if constexpr (DEFER) {  // ps is the raw score: score_tile and prob, element-wise
+                            dtanh = mod.dscore(ps);
+                            float x = mod(ps, row, col + e);
+                            if (MASKED && (col + e >= end || (MaskT::WINDOW && col + e < begin))) x = NEG_INF;
+                            P = prob(x, l);
+                            kept = (bits >> e) & 1u;
+                        } else if constexpr (DROPOUT) {  // probs() set the sign bit of dropped entries
+                            const uint32 u = __float_as_uint(ps);
+                            P = __uint_as_float(u & 0x7fffffffu);
+                            kept = (u >> 31) == 0u;
+                        }
+                        if constexpr (DROPOUT) {
+                            const float z = kept ? drop.scale : 0.f;  // Z·rp
+                            d = P * (d * z - dl);
+                            ps = P * z;
+                        } else {
+                            d = P * (d - dl);
+                            ps = P;
+                        }
+                        if constexpr (SOFTCAP) d *= dtanh;
+                    }
+                }
+            }
+        }
+    }
+};
+
 }  // namespace cupyflash
