@@ -31,6 +31,7 @@
 #include "bwd_rows.cuh"
 #include "tile_io.cuh"
 #include "mask.cuh"
+#include "variant.cuh"
 #include "warp_mma.cuh"
 #include "wgmma.cuh"
 
@@ -54,6 +55,47 @@ struct BwdSm90Traits {
     static constexpr int SMEM_BYTES = SEQ_OFFSET + SeqLensSlot::BYTES + 1024;
 };
 
+// Dropout's keep bits (variant.cuh's Dropout, the forward's counters) of the dK/dV
+// kernel's Pᵀ tile, st[j][e]: key key0 + g + 8 (e / 2), query q0 + 8 j + (e & 1),
+// with key0 the warp's first key (a multiple of 8) and q0 = m0 + 2 t. One Philox call
+// decides 4 keys of one query: keys key0 + 4 c .. + 3, the rows of lanes g = 4 c' ..
+// 4 c' + 3 of one t. Those four lanes need the same 32 calls; each makes 8 of them
+// (queries of n8 tiles j = 2 r, 2 r + 1 for r = g & 3) and the four exchange the bits.
+struct KeepBitsT {
+    uint32 w[4];  // element (j, e) kept iff bit 16 (j & 1) + 4 e of w[j / 2]
+
+    __device__ __forceinline__ void draw(const Dropout& drop, int key0, int q0, int g, int t) {
+        const int r = g & 3;
+        uint32 mine = 0;  // nibble 4 jj + e: the 4 keys' bits of query (j = 2 r + jj, e & 1), keys + 8 (e / 2)
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int query = q0 + (2 * r + jj) * 8 + (e & 1), key = key0 + (e / 2) * 8 + (g & 4);
+                mine |= drop.keep4(query, key >> 2) << (4 * (4 * jj + e));
+            }
+        }
+        // lane (g, t) takes bit g & 3 of each nibble of lanes (4 (g / 4) + rr, t)
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) w[rr] = __shfl_sync(0xffffffffu, mine, 4 * ((g & 4) + rr) + t) >> r;
+    }
+    __device__ __forceinline__ bool operator()(int j, int e) const { return (w[j / 2] >> (16 * (j & 1) + 4 * e)) & 1u; }
+
+    // The A operand of Pᵀ (acc_to_a_operand's layout: a[kk][q] holds n8 tile 2 kk + q / 2,
+    // elements 2 (q & 1) (low half) and 2 (q & 1) + 1) with the dropped entries zeroed.
+    template <int K_STEPS>
+    __device__ __forceinline__ void zero_dropped(const uint32 (&a)[K_STEPS][4], uint32 (&out)[K_STEPS][4]) const {
+#pragma unroll
+        for (int kk = 0; kk < K_STEPS; ++kk) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int j = 2 * kk + q / 2, e = 2 * (q & 1);
+                out[kk][q] = a[kk][q] & (((*this)(j, e) ? 0x0000ffffu : 0u) | ((*this)(j, e + 1) ? 0xffff0000u : 0u));
+            }
+        }
+    }
+};
+
 template <typename T, int HEAD_DIM, bool IS_CAUSAL, bool EVEN_K, bool DETERMINISTIC, int VARIANT>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
@@ -66,6 +108,8 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
     using DSTile = typename Tr::DSTile;
+    constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0, ALIBI = (VARIANT & VAR_ALIBI) != 0;
+    constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const uint32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -104,17 +148,17 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     const SeqLensSlot seq_slot{base + Tr::SEQ_OFFSET};
     if (threadIdx.x == 0) seq_slot.store(seq);
 
+    // Query blocks [m_begin, m_end) see these keys; those blocks.masked() need the mask.
     const int num_m_blocks = ceil_div(seq.seqlen_q, BLOCK_M);
-    const int off = seq.seqlen_k - seq.seqlen_q;  // query i sees key j iff j <= i + off
-    int m_begin = 0, m_unmasked = 0;
-    if (IS_CAUSAL) {
-        m_begin = max(0, n0 - off) / BLOCK_M;
-        m_unmasked = ceil_div(max(0, n0 + BLOCK_N - 1 - off), BLOCK_M);
-    }
-    if (keys_valid < BLOCK_N) m_unmasked = num_m_blocks;
-    const int m_end = num_m_blocks;
-    m_begin = min(m_begin, m_end);
-    const int m_masked_end = min(max(m_unmasked, m_begin), m_end);
+    const BlockRange blocks =
+        Mask<IS_CAUSAL, VARIANT>(p.var, seq.seqlen_q, seq.seqlen_k).query_blocks(n0, BLOCK_N, keys_valid, BLOCK_M,
+                                                                                 num_m_blocks);
+    const int m_begin = blocks.begin, m_end = blocks.end;
+    // Without a window the masked blocks are [m_begin, m_masked_end): blocks.masked()'s
+    // second range [unmasked_end, end) is empty or (a key tail) the whole range. One
+    // bound held across the loop instead of two.
+    constexpr bool WINDOW = Mask<IS_CAUSAL, VARIANT>::WINDOW;
+    const int m_masked_end = blocks.unmasked_end == m_end ? blocks.unmasked_begin : m_end;
     const int nm = m_end - m_begin;
     const int num_iters = heads * nm;
 
@@ -192,60 +236,80 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         // (their address arithmetic would otherwise sit on this step's critical path).
         if (it + 1 < num_iters) load_query_block(h_next, m_next, stage ^ 1, seq_slot.load());
         cp_async_commit();
+        // Dropout's keep bits of this step, drawn while the tensor cores work
+        KeepBitsT keep;
+        if constexpr (DROPOUT) keep.draw(Dropout(p.var, b, h, p.nheads_q), n0 + key_row0 - g, m0 + 2 * t, g, t);
         wgmma_wait<1>();
         fence_operands(st);
 
-        // ---- Pᵀ = exp2(Sᵀ·scale·log2e − lse·log2e); 0 past the key tail and above
-        //      the causal diagonal
-        int seqlen_k = 0, diag = 0;  // key n0 + i is masked iff i >= seqlen_k - n0 or i > query + diag
-        if constexpr (decltype(masked)::value) {
-            const SeqLens seq = seq_slot.load();
-            seqlen_k = seq.seqlen_k - n0;
-            diag = seq.seqlen_k - seq.seqlen_q - n0;
-        }
+        // ---- Pᵀ = prob(score, lse): element (j, e) is key n0 + key_row0 + 8 (e / 2), query
+        //      m0 + 8 j + 2 t + (e & 1) (in the sequence); masked scores give P = 0. The
+        //      sequence's lengths are read back only where used (the mask, ALiBi's offset).
+        constexpr bool MASKED = decltype(masked)::value;
+        SeqLens sl{};
+        if constexpr (MASKED || ALIBI) sl = seq_slot.load();
+        const Mask<IS_CAUSAL, VARIANT> mask(p.var, sl.seqlen_q, sl.seqlen_k);
+        const ScoreMod<VARIANT> mod(p.var, p.softmax_scale_log2, b, h, sl.seqlen_q, sl.seqlen_k);
+        KeyRows<IS_CAUSAL, VARIANT> key_rows[2] = {{mask, n0 + key_row0}, {mask, n0 + key_row0 + 8}};
+        float pd[M_TILES][4];  // softcap: P·(1 − tanh²), dS's factor in place of P
 #pragma unroll
         for (int j = 0; j < M_TILES; ++j) {
             const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + j * 8 + 2 * t);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float x = fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? lse2.y : lse2.x)));
-                if constexpr (decltype(masked)::value) {
-                    const int key = key_row0 + (e / 2) * 8;  // within the block
-                    const int query = m0 + j * 8 + 2 * t + (e & 1);
-                    if (key >= seqlen_k || (IS_CAUSAL && key > query + diag)) x = 0.f;
+                const int key = n0 + key_row0 + (e / 2) * 8, query = m0 + j * 8 + 2 * t + (e & 1);
+                const float lse = (e & 1) ? lse2.y : lse2.x;
+                float x;
+                if constexpr (VARIANT == 0) {
+                    x = fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -lse));
+                } else {
+                    x = prob(mod(st[j][e], query, key), lse);
                 }
+                if (MASKED && !key_rows[e / 2].sees(query)) x = 0.f;  // Mask::visible(query, key)
+                if constexpr (SOFTCAP) pd[j][e] = x * mod.dscore(st[j][e]);
                 st[j][e] = x;
             }
         }
-        // Pᵀ as the A operand (keys x queries)
-        uint32 pa[BLOCK_M / 16][4];
+        // Pᵀ as the A operand (keys x queries); with dropout, dV's operand is Pᵀ∘Z
+        // (its 1/(1-p) comes in the epilogue) and dS's P is the undropped one; with
+        // softcap dS takes P·(1 − tanh²), rounded like P.
+        uint32 pa[BLOCK_M / 16][4], pv[BLOCK_M / 16][4], pds[BLOCK_M / 16][4];
         acc_to_a_operand<T>(st, pa);
-        // ---- dV += Pᵀ·dO
+        if constexpr (SOFTCAP) acc_to_a_operand<T>(pd, pds);
+        if constexpr (DROPOUT) keep.zero_dropped(pa, pv);
+        uint32 (&dv_a)[BLOCK_M / 16][4] = DROPOUT ? pv : pa;
+        // ---- dV += Pᵀ·dO (∘Z)
         fence_operands(acc_dv);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-            Wgmma<T, HEAD_DIM>::template rs<1>(acc_dv, pa[kk], desc_mn_major<BLOCK_M>(sdO(stage), kk));
+            Wgmma<T, HEAD_DIM>::template rs<1>(acc_dv, dv_a[kk], desc_mn_major<BLOCK_M>(sdO(stage), kk));
         }
         wgmma_commit();
-        // dPᵀ; at D=128 dV too: P·dO reads pa from registers while in flight, so pa
-        // must stay live until it completes, which costs D=128 registers it lacks;
+        // dPᵀ; at D=128 dV too: P·dO reads its operand from registers while in flight, so
+        // it must stay live until it completes, which costs D=128 registers it lacks;
         // D=64 has them, and computes dS while P·dO runs.
         constexpr bool DS_UNDER_DV = HEAD_DIM <= 64;
         wgmma_wait<DS_UNDER_DV ? 1 : 0>();
         fence_operands(dpt);
 
-        // ---- dSᵀ = Pᵀ∘(dPᵀ − delta), with Pᵀ as rounded for dV (its fp32 copy would
-        //      cost D=128 the last 32 registers)
+        // ---- dSᵀ = Pᵀ∘(dPᵀ∘Z·rp − delta) (∘(1 − tanh²)), with Pᵀ as rounded for dV (its
+        //      fp32 copy would cost D=128 the last 32 registers; softcap: P·(1 − tanh²) rounded)
+        const uint32 (&ds_p)[BLOCK_M / 16][4] = SOFTCAP ? pds : pa;
         uint32 dsa[BLOCK_M / 16][4];
 #pragma unroll
         for (int j = 0; j < M_TILES; ++j) {
             const float2 delta = *reinterpret_cast<const float2*>(s_delta + j * 8 + 2 * t);
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                const float2 pr = TypeTraits<T>::unpack(pa[j / 2][(j % 2) * 2 + hh]);
-                dpt[j][2 * hh] = pr.x * (dpt[j][2 * hh] - delta.x);
-                dpt[j][2 * hh + 1] = pr.y * (dpt[j][2 * hh + 1] - delta.y);
+                const float2 pr = TypeTraits<T>::unpack(ds_p[j / 2][(j % 2) * 2 + hh]);
+                float dp0 = dpt[j][2 * hh], dp1 = dpt[j][2 * hh + 1];
+                if constexpr (DROPOUT) {
+                    dp0 = keep(j, 2 * hh) ? dp0 * p.var.dropout_scale : 0.f;
+                    dp1 = keep(j, 2 * hh + 1) ? dp1 * p.var.dropout_scale : 0.f;
+                }
+                dpt[j][2 * hh] = pr.x * (dp0 - delta.x);
+                dpt[j][2 * hh + 1] = pr.y * (dp1 - delta.y);
             }
         }
         acc_to_a_operand<T>(dpt, dsa);
@@ -296,7 +360,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         } else {
             wgmma_wait<0>();
         }
-        if constexpr (DS_UNDER_DV) fence_operands(pa);  // live until P·dO completed
+        if constexpr (DS_UNDER_DV) fence_operands(dv_a);  // live until P·dO completed
         fence_operands(acc_dv);
         fence_operands(acc_dk);
     };
@@ -306,7 +370,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     for (int it = 0; it < num_iters; ++it) {
         int h_next = h, m_next = m_block + 1;
         if (m_next == m_end) { m_next = m_begin; ++h_next; }
-        if (m_block < m_masked_end) {
+        if (WINDOW ? blocks.masked(m_block) : m_block < m_masked_end) {
             step(it, h, m_block, h_next, m_next, Bool<true>{});
         } else {
             step(it, h, m_block, h_next, m_next, Bool<false>{});
@@ -317,6 +381,12 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     cp_async_wait<0>();
     __syncthreads();  // seq_slot stored (when the loop ran no step); every warpgroup is done with sK, sV
     const SeqLens seq_end = seq_slot.load();
+    if constexpr (DROPOUT) {  // dV = (P∘Z·rp)ᵀ·dO: rp = 1/(1-p) taken out of the sum
+#pragma unroll
+        for (int j = 0; j < D_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dv[j][e] *= p.var.dropout_scale;
+    }
 
     // ---- epilogue, split GQA group: fp32 partials straight from registers
     if (p.kv_splits > 1) {

@@ -266,4 +266,23 @@ struct Dropout {
     }
 };
 
+// ---------------------------------------------------------------------------
+// Mask::visible solved for the row, for tiles whose rows are keys (the wgmma dK/dV
+// kernel computes Sᵀ): key col (col >= 0) is seen by query rows first <= row <= last
+// iff it exists (col < seqlen_k); first and last are not clamped. Per element this
+// is one comparison per edge instead of col_end/col_begin of each row.
+// ---------------------------------------------------------------------------
+template <bool IS_CAUSAL, int VARIANT>
+struct KeyRows {
+    using MaskT = Mask<IS_CAUSAL, VARIANT>;
+    int first, last;  // col <= row + off + right  <=>  row >= first;  col >= row + off - left  <=>  row <= last
+    bool exists;
+
+    __device__ __forceinline__ KeyRows(const MaskT& m, int col)
+        : first(col - m.off - m.right), last(col - m.off + m.left), exists(col < m.seqlen_k) {}
+    __device__ __forceinline__ bool sees(int row) const {
+        return exists && (!MaskT::HAS_RIGHT || row >= first) && (!MaskT::WINDOW || row <= last);
+    }
+};
+
 }  // namespace cupyflash
