@@ -409,6 +409,11 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     }
 
     // ---- epilogue: dK·scale and dV to T, staged through sK / sV for 16-byte stores
+    //      (their addresses made opaque: the staging addresses the prologue's K, V loads
+    //      computed would otherwise be held across the loop, spilled where registers
+    //      are short)
+    uint32 sK_ = sK, sV_ = sV;
+    asm volatile("" : "+r"(sK_), "+r"(sV_));
 #pragma unroll
     for (int j = 0; j < D_TILES; ++j) {
 #pragma unroll
@@ -417,8 +422,8 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
             const uint32 dk2 = TypeTraits<T>::pack(acc_dk[j][2 * hh] * p.softmax_scale,
                                                    acc_dk[j][2 * hh + 1] * p.softmax_scale);
             const uint32 dv2 = TypeTraits<T>::pack(acc_dv[j][2 * hh], acc_dv[j][2 * hh + 1]);
-            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sK + KVTile::offset(r, j) + t * 4), "r"(dk2));
-            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sV + KVTile::offset(r, j) + t * 4), "r"(dv2));
+            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sK_ + KVTile::offset(r, j) + t * 4), "r"(dk2));
+            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sV_ + KVTile::offset(r, j) + t * 4), "r"(dv2));
         }
     }
     __syncthreads();
@@ -426,8 +431,8 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
             int64(seq_end.k_start + n0) * p.dk_row_stride;
     T* dv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride +
             int64(seq_end.k_start + n0) * p.dv_row_stride;
-    store_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(dk, p.dk_row_stride, sK, keys_valid, p.head_dim);
-    store_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(dv, p.dv_row_stride, sV, keys_valid, p.head_dim);
+    store_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(dk, p.dk_row_stride, sK_, keys_valid, p.head_dim);
+    store_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(dv, p.dv_row_stride, sV_, keys_valid, p.head_dim);
 }
 
 }  // namespace cupyflash
