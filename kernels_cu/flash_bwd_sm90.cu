@@ -236,9 +236,6 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         // (their address arithmetic would otherwise sit on this step's critical path).
         if (it + 1 < num_iters) load_query_block(h_next, m_next, stage ^ 1, seq_slot.load());
         cp_async_commit();
-        // Dropout's keep bits of this step, drawn while the tensor cores work
-        KeepBitsT keep;
-        if constexpr (DROPOUT) keep.draw(Dropout(p.var, b, h, p.nheads_q), n0 + key_row0 - g, m0 + 2 * t, g, t);
         wgmma_wait<1>();
         fence_operands(st);
 
@@ -276,7 +273,12 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         uint32 pa[BLOCK_M / 16][4], pv[BLOCK_M / 16][4], pds[BLOCK_M / 16][4];
         acc_to_a_operand<T>(st, pa);
         if constexpr (SOFTCAP) acc_to_a_operand<T>(pd, pds);
-        if constexpr (DROPOUT) keep.zero_dropped(pa, pv);
+        // Dropout's keep bits of this step, drawn while the tensor cores work on dPᵀ
+        KeepBitsT keep;
+        if constexpr (DROPOUT) {
+            keep.draw(Dropout(p.var, b, h, p.nheads_q), n0 + key_row0 - g, m0 + 2 * t, g, t);
+            keep.zero_dropped(pa, pv);
+        }
         uint32 (&dv_a)[BLOCK_M / 16][4] = DROPOUT ? pv : pa;
         // ---- dV += Pᵀ·dO (∘Z)
         fence_operands(acc_dv);
