@@ -2,9 +2,17 @@
 // backward (Dao 2023, Algorithm 2) on Hopper warpgroup MMA (wgmma, sm_90a).
 // Preprocess, the deterministic dQ kernel and the convert kernels are
 // flash_bwd.cu's; see its header for the row-buffer contract. Query tails load
-// Q, dO, lse_log2 and delta as 0 (so dS = 0 there, their dQ is not stored);
-// key-less rows have lse_log2 = +inf (P = 0); key tails and the causal diagonal
-// are masked. Dense and packed (varlen) batches alike (seqlens.cuh).
+// Q, dO, lse_log2 and delta as 0 (so dO = 0 and dS = P·(0 − 0) = 0 there, whatever
+// finite score the variant gives them, and their dQ is not stored); key-less rows
+// have lse_log2 = +inf (P = 0); key tails, the causal diagonal and the window's
+// edges are masked (variant.cuh's Mask). Dense and packed (varlen) batches alike
+// (seqlens.cuh).
+//
+// Variants (VARIANT, variant.cuh; cupyflash/reference.py is the specification):
+// the score x = ScoreMod(q·k) (softcap, ALiBi) in log2 units, P = prob(x, lse_log2)
+// (lse includes any sink: sinks change nothing here, dsinks is the preprocess
+// kernel's), Z the dropout keep mask of the forward's Philox counters, rp = 1/(1-p):
+//   dV += (P∘Z·rp)ᵀ·dO,  dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap).
 //
 // One block owns BLOCK_N = 128 keys of one (batch, KV head); each of its two
 // warpgroups owns 64 of them and loops over the query blocks (BLOCK_M = 64) of
@@ -14,7 +22,8 @@
 //   Sᵀ  = K·Qᵀ          A = K (smem), B = Q (smem)               -> registers
 //   dPᵀ = V·dOᵀ         A = V (smem), B = dO (smem)              -> registers
 //   Pᵀ  = exp2(Sᵀ·scale·log2e − lse·log2e),  dSᵀ = Pᵀ∘(dPᵀ − delta)
-//   dV += Pᵀ·dO         A = Pᵀ (registers), B = dO (smem, MN-major)
+//   dV += Pᵀ·dO         A = Pᵀ (registers; ∘Z with dropout, rp in the epilogue),
+//                       B = dO (smem, MN-major)
 //   dK += dSᵀ·Q         A = dSᵀ (registers), B = Q (smem, MN-major)
 //   dQ  = dS·K          A = dSᵀ staged in smem (read MN-major), B = K (smem, MN-major);
 //                       over all 128 keys, warpgroup w takes columns [w·D/2, (w+1)·D/2)
@@ -30,7 +39,6 @@
 #include "query_grid.cuh"
 #include "bwd_rows.cuh"
 #include "tile_io.cuh"
-#include "mask.cuh"
 #include "variant.cuh"
 #include "warp_mma.cuh"
 #include "wgmma.cuh"
@@ -447,10 +455,27 @@ namespace cupyflash {
 // with one more product. K and V stream through the forward's 3-stage ring
 // (one barrier per key block); P and dS never leave registers:
 //   S = Q·Kᵀ, dP = dO·Vᵀ (both operands from shared memory),
-//   dS = P∘(dP − delta), dQ += dS·K (dS from registers, K read MN-major).
+//   dS = P∘(dP − delta), dQ += dS·K (dS from registers, K read MN-major);
+// with variants as the dK/dV kernel (above), key blocks as the forward's (Mask::key_blocks).
 // Key blocks are summed in a fixed order, so dq is bitwise reproducible.
-// Template parameters: T, HEAD_DIM (64 or 128), BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K.
+// Template parameters: T, HEAD_DIM (64 or 128), BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K, VARIANT.
 // ---------------------------------------------------------------------------
+// Scores of an m64 accumulator (score_tile's layout, one m-tile) that Mask hides -> -inf.
+template <bool IS_CAUSAL, int VARIANT, int N_TILES>
+__device__ __forceinline__ void mask_tile(float (&s)[1][N_TILES][4], const Mask<IS_CAUSAL, VARIANT>& mask, int row0,
+                                          int col0) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+        for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                if (!mask.visible(row0 + hh * 8, col0 + j * 8 + e)) s[0][j][2 * hh + e] = NEG_INF;
+            }
+        }
+    }
+}
+
 template <typename T_, int HEAD_DIM_, int BLOCK_N_>
 struct BwdDqSm90Traits {
     using T = T_;
@@ -472,6 +497,7 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
     constexpr int N_TILES = BLOCK_N / 8, D_TILES = HEAD_DIM / 8;
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
+    constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0, DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
 
     extern __shared__ __align__(16) unsigned char smem[];
     const uint32 sQ = (smem_addr(smem) + 1023u) & ~1023u;
@@ -502,8 +528,9 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
                  int64(seq.k_start) * p.v_row_stride;
     const int seqlen_k = seq.seqlen_k;
 
-    const int n_end = n_block_end<IS_CAUSAL>(m0, BLOCK_M, BLOCK_N, seq.seqlen_q, seq.seqlen_k);
-    const int n_unmasked_end = n_block_unmasked_end<IS_CAUSAL>(m0, BLOCK_N, seq.seqlen_q, seq.seqlen_k);
+    const BlockRange blocks =
+        Mask<IS_CAUSAL, VARIANT>(p.var, seq.seqlen_q, seq.seqlen_k).key_blocks(m0, BLOCK_M, BLOCK_N);
+    const ScoreMod<VARIANT> mod(p.var, p.softmax_scale_log2, b, h, seq.seqlen_q, seq.seqlen_k);
 
     // This thread's fragment rows r0, r0 + 8 of the block; their lse_log2 and
     // delta (0 past seqlen_q, like Q and dO: see flash_bwd.cu).
@@ -532,13 +559,14 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
     };
 
     // Prologue: Q, dO with the first key block, then the second (groups 0, 1).
-    if (n_end > 0) {
+    const int n_first = blocks.end - 1;
+    if (n_first >= blocks.begin) {
         load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sQ, q, p.q_row_stride, rows_valid, p.head_dim);
         load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sdO, dout, p.do_row_stride, rows_valid, p.head_dim);
-        load_kv(n_end - 1, 0);
+        load_kv(n_first, 0);
     }
     cp_async_commit();
-    if (n_end > 1) load_kv(n_end - 2, 1);
+    if (n_first - 1 >= blocks.begin) load_kv(n_first - 1, 1);
     cp_async_commit();
 
     int stage = 0;  // stage of key block n; block n - 2 goes to stage + 2 (mod 3)
@@ -548,7 +576,7 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
         __syncthreads();           // everyone's have; everyone is done with block n + 1
         {
             const int free_stage = stage == 0 ? STAGES - 1 : stage - 1;
-            if (n >= 2) load_kv(n - 2, free_stage);
+            if (n - 2 >= blocks.begin) load_kv(n - 2, free_stage);
             cp_async_commit();
         }
         const uint32 sK = sK0 + stage * KVTile::BYTES, sV = sV0 + stage * KVTile::BYTES;
@@ -568,26 +596,65 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
                                                  desc_k_major<BLOCK_N>(sV, 0, kk), kk > 0);
         }
         wgmma_commit();
+        // Dropout's keep bits of this step, drawn while the tensor cores work
+        DropoutBits<1, N_TILES> keep;
+        if constexpr (DROPOUT) keep.draw(Dropout(p.var, b, h, p.nheads_q), m0 + r0, n * BLOCK_N + 2 * t);
         wgmma_wait<1>();
         fence_operands(s[0]);
 
-        // ---- P = exp2(S·scale·log2e − lse·log2e)
-        if constexpr (decltype(masked)::value) {
-            const SeqLens sl = seq_lens(p, b);
-            apply_mask<1, N_TILES, IS_CAUSAL>(s, m0 + r0, n * BLOCK_N + 2 * t, sl.seqlen_q, sl.seqlen_k);
+        // ---- P = prob(score, lse) (times 1 − tanh² with softcap: dS's factor), masked
+        //      scores 0; element (j, 2 hh + e) is row m0 + r0 + 8 hh, column n·BLOCK_N + 8 j + 2 t + e
+        constexpr bool MASKED = decltype(masked)::value;
+        if constexpr (VARIANT == 0) {
+            if constexpr (MASKED) {
+                const SeqLens sl = seq_lens(p, b);
+                mask_tile(s, Mask<IS_CAUSAL, VARIANT>(p.var, sl.seqlen_q, sl.seqlen_k), m0 + r0, n * BLOCK_N + 2 * t);
+            }
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[0][j][e] = fast_exp2(fmaf(s[0][j][e], p.softmax_scale_log2, -lse2[e / 2]));
+        } else {
+            SeqLens sl{};
+            if constexpr (MASKED) sl = seq_lens(p, b);
+            const Mask<IS_CAUSAL, VARIANT> mask(p.var, sl.seqlen_q, sl.seqlen_k);
+            if constexpr (!SOFTCAP) {  // as the forward: scores in log2 units, masked to -inf
+                score_tile<MASKED>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
+#pragma unroll
+                for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[0][j][e] = prob(s[0][j][e], lse2[e / 2]);
+            } else {  // the same element by element, with the raw score's 1 − tanh²
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int row = m0 + r0 + hh * 8;
+#pragma unroll
+                    for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int col = n * BLOCK_N + j * 8 + 2 * t + e;
+                            float& x = s[0][j][2 * hh + e];
+                            float pr = prob(mod(x, row, col), lse2[hh]);
+                            if (MASKED && !mask.visible(row, col)) pr = 0.f;
+                            x = pr * mod.dscore(x);
+                        }
+                    }
+                }
+            }
         }
-#pragma unroll
-        for (int j = 0; j < N_TILES; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[0][j][e] = fast_exp2(fmaf(s[0][j][e], p.softmax_scale_log2, -lse2[e / 2]));
 
-        // ---- dS = P∘(dP − delta), repacked as the register A operand of dS·K
+        // ---- dS = P∘(dP∘Z·rp − delta) (∘(1 − tanh²)), repacked as the register A operand of dS·K
         wgmma_wait<0>();
         fence_operands(dp[0]);
 #pragma unroll
-        for (int j = 0; j < N_TILES; ++j)
+        for (int j = 0; j < N_TILES; ++j) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dp[0][j][e] = s[0][j][e] * (dp[0][j][e] - delta[e / 2]);
+            for (int e = 0; e < 4; ++e) {
+                float d = dp[0][j][e];
+                if constexpr (DROPOUT) d = keep(0, e / 2, j, e & 1) ? d * p.var.dropout_scale : 0.f;
+                dp[0][j][e] = s[0][j][e] * (d - delta[e / 2]);
+            }
+        }
         uint32 ds[BLOCK_N / 16][4];
         acc_to_a_operand<T>(dp[0], ds);
 
@@ -604,10 +671,14 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     };
 
-    // Masked key blocks (key tail, causal diagonal) first, then the rest with no mask code.
-    int n = n_end - 1;
-    for (; n >= n_unmasked_end; --n) step(n, Bool<true>{});
-    for (; n >= 0; --n) step(n, Bool<false>{});
+    // Masked key blocks (key tail, causal diagonal) first, then the bulk with no mask
+    // code, then the masked blocks of the window's left edge.
+    int n = blocks.end - 1;
+    for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{});
+    for (; n >= blocks.unmasked_begin; --n) step(n, Bool<false>{});
+    if constexpr (Mask<IS_CAUSAL, VARIANT>::WINDOW) {
+        for (; n >= blocks.begin; --n) step(n, Bool<true>{});
+    }
 
     // ---- epilogue: dq = scale·dQ in T, staged through this warpgroup's own 64 rows
     //      of sQ (no other warpgroup reads them) for 16-byte stores
@@ -623,8 +694,9 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
         }
     }
     asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg));
+    const SeqLens se = seq_lens(p, b);  // read again: not held across the loop
     T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
-            int64(seq.q_start + m0 + wg * 64) * p.dq_row_stride;
+            int64(se.q_start + m0 + wg * 64) * p.dq_row_stride;
     store_tile<T, 64, HEAD_DIM, 128, true, EVEN_K, QTile, false>(dq, p.dq_row_stride, sQ + wg * 64 * 128,
                                                                rows_valid - wg * 64, p.head_dim);
 }
