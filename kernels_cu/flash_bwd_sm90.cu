@@ -2,9 +2,17 @@
 // backward (Dao 2023, Algorithm 2) on Hopper warpgroup MMA (wgmma, sm_90a).
 // Preprocess, the deterministic dQ kernel and the convert kernels are
 // flash_bwd.cu's; see its header for the row-buffer contract. Query tails load
-// Q, dO, lse_log2 and delta as 0 (so dS = 0 there, their dQ is not stored);
-// key-less rows have lse_log2 = +inf (P = 0); key tails and the causal diagonal
-// are masked. Dense and packed (varlen) batches alike (seqlens.cuh).
+// Q, dO, lse_log2 and delta as 0 (so dO = 0 and dS = P·(0 − 0) = 0 there, whatever
+// finite score the variant gives them, and their dQ is not stored); key-less rows
+// have lse_log2 = +inf (P = 0); key tails, the causal diagonal and the window's
+// edges are masked (variant.cuh's Mask). Dense and packed (varlen) batches alike
+// (seqlens.cuh).
+//
+// Variants (VARIANT, variant.cuh; cupyflash/reference.py is the specification):
+// the score x = ScoreMod(q·k) (softcap, ALiBi) in log2 units, P = prob(x, lse_log2)
+// (lse includes any sink: sinks change nothing here, dsinks is the preprocess
+// kernel's), Z the dropout keep mask of the forward's Philox counters, rp = 1/(1-p):
+//   dV += (P∘Z·rp)ᵀ·dO,  dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap).
 //
 // One block owns BLOCK_N = 128 keys of one (batch, KV head); each of its two
 // warpgroups owns 64 of them and loops over the query blocks (BLOCK_M = 64) of
@@ -14,7 +22,8 @@
 //   Sᵀ  = K·Qᵀ          A = K (smem), B = Q (smem)               -> registers
 //   dPᵀ = V·dOᵀ         A = V (smem), B = dO (smem)              -> registers
 //   Pᵀ  = exp2(Sᵀ·scale·log2e − lse·log2e),  dSᵀ = Pᵀ∘(dPᵀ − delta)
-//   dV += Pᵀ·dO         A = Pᵀ (registers), B = dO (smem, MN-major)
+//   dV += Pᵀ·dO         A = Pᵀ (registers; ∘Z with dropout, rp in the epilogue),
+//                       B = dO (smem, MN-major)
 //   dK += dSᵀ·Q         A = dSᵀ (registers), B = Q (smem, MN-major)
 //   dQ  = dS·K          A = dSᵀ staged in smem (read MN-major), B = K (smem, MN-major);
 //                       over all 128 keys, warpgroup w takes columns [w·D/2, (w+1)·D/2)
@@ -30,7 +39,7 @@
 #include "query_grid.cuh"
 #include "bwd_rows.cuh"
 #include "tile_io.cuh"
-#include "mask.cuh"
+#include "variant.cuh"
 #include "warp_mma.cuh"
 #include "wgmma.cuh"
 
@@ -54,6 +63,47 @@ struct BwdSm90Traits {
     static constexpr int SMEM_BYTES = SEQ_OFFSET + SeqLensSlot::BYTES + 1024;
 };
 
+// Dropout's keep bits (variant.cuh's Dropout, the forward's counters) of the dK/dV
+// kernel's Pᵀ tile, st[j][e]: key key0 + g + 8 (e / 2), query q0 + 8 j + (e & 1),
+// with key0 the warp's first key (a multiple of 8) and q0 = m0 + 2 t. One Philox call
+// decides 4 keys of one query: keys key0 + 4 c .. + 3, the rows of lanes g = 4 c' ..
+// 4 c' + 3 of one t. Those four lanes need the same 32 calls; each makes 8 of them
+// (queries of n8 tiles j = 2 r, 2 r + 1 for r = g & 3) and the four exchange the bits.
+struct KeepBitsT {
+    uint32 w[4];  // element (j, e) kept iff bit 16 (j & 1) + 4 e of w[j / 2]
+
+    __device__ __forceinline__ void draw(const Dropout& drop, int key0, int q0, int g, int t) {
+        const int r = g & 3;
+        uint32 mine = 0;  // nibble 4 jj + e: the 4 keys' bits of query (j = 2 r + jj, e & 1), keys + 8 (e / 2)
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int query = q0 + (2 * r + jj) * 8 + (e & 1), key = key0 + (e / 2) * 8 + (g & 4);
+                mine |= drop.keep4(query, key >> 2) << (4 * (4 * jj + e));
+            }
+        }
+        // lane (g, t) takes bit g & 3 of each nibble of lanes (4 (g / 4) + rr, t)
+#pragma unroll
+        for (int rr = 0; rr < 4; ++rr) w[rr] = __shfl_sync(0xffffffffu, mine, 4 * ((g & 4) + rr) + t) >> r;
+    }
+    __device__ __forceinline__ bool operator()(int j, int e) const { return (w[j / 2] >> (16 * (j & 1) + 4 * e)) & 1u; }
+
+    // The A operand of Pᵀ (acc_to_a_operand's layout: a[kk][q] holds n8 tile 2 kk + q / 2,
+    // elements 2 (q & 1) (low half) and 2 (q & 1) + 1) with the dropped entries zeroed.
+    template <int K_STEPS>
+    __device__ __forceinline__ void zero_dropped(const uint32 (&a)[K_STEPS][4], uint32 (&out)[K_STEPS][4]) const {
+#pragma unroll
+        for (int kk = 0; kk < K_STEPS; ++kk) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int j = 2 * kk + q / 2, e = 2 * (q & 1);
+                out[kk][q] = a[kk][q] & (((*this)(j, e) ? 0x0000ffffu : 0u) | ((*this)(j, e + 1) ? 0xffff0000u : 0u));
+            }
+        }
+    }
+};
+
 template <typename T, int HEAD_DIM, bool IS_CAUSAL, bool EVEN_K, bool DETERMINISTIC, int VARIANT>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
@@ -66,6 +116,8 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
     using DSTile = typename Tr::DSTile;
+    constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0, ALIBI = (VARIANT & VAR_ALIBI) != 0;
+    constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const uint32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -104,17 +156,17 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     const SeqLensSlot seq_slot{base + Tr::SEQ_OFFSET};
     if (threadIdx.x == 0) seq_slot.store(seq);
 
+    // Query blocks [m_begin, m_end) see these keys; those blocks.masked() need the mask.
     const int num_m_blocks = ceil_div(seq.seqlen_q, BLOCK_M);
-    const int off = seq.seqlen_k - seq.seqlen_q;  // query i sees key j iff j <= i + off
-    int m_begin = 0, m_unmasked = 0;
-    if (IS_CAUSAL) {
-        m_begin = max(0, n0 - off) / BLOCK_M;
-        m_unmasked = ceil_div(max(0, n0 + BLOCK_N - 1 - off), BLOCK_M);
-    }
-    if (keys_valid < BLOCK_N) m_unmasked = num_m_blocks;
-    const int m_end = num_m_blocks;
-    m_begin = min(m_begin, m_end);
-    const int m_masked_end = min(max(m_unmasked, m_begin), m_end);
+    const BlockRange blocks =
+        Mask<IS_CAUSAL, VARIANT>(p.var, seq.seqlen_q, seq.seqlen_k).query_blocks(n0, BLOCK_N, keys_valid, BLOCK_M,
+                                                                                 num_m_blocks);
+    const int m_begin = blocks.begin, m_end = blocks.end;
+    // Without a window the masked blocks are [m_begin, m_masked_end): blocks.masked()'s
+    // second range [unmasked_end, end) is empty or (a key tail) the whole range. One
+    // bound held across the loop instead of two.
+    constexpr bool WINDOW = Mask<IS_CAUSAL, VARIANT>::WINDOW;
+    const int m_masked_end = blocks.unmasked_end == m_end ? blocks.unmasked_begin : m_end;
     const int nm = m_end - m_begin;
     const int num_iters = heads * nm;
 
@@ -195,57 +247,79 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         wgmma_wait<1>();
         fence_operands(st);
 
-        // ---- Pᵀ = exp2(Sᵀ·scale·log2e − lse·log2e); 0 past the key tail and above
-        //      the causal diagonal
-        int seqlen_k = 0, diag = 0;  // key n0 + i is masked iff i >= seqlen_k - n0 or i > query + diag
-        if constexpr (decltype(masked)::value) {
-            const SeqLens seq = seq_slot.load();
-            seqlen_k = seq.seqlen_k - n0;
-            diag = seq.seqlen_k - seq.seqlen_q - n0;
-        }
+        // ---- Pᵀ = prob(score, lse): element (j, e) is key n0 + key_row0 + 8 (e / 2), query
+        //      m0 + 8 j + 2 t + (e & 1) (in the sequence); masked scores give P = 0. The
+        //      sequence's lengths are read back only where used (the mask, ALiBi's offset).
+        constexpr bool MASKED = decltype(masked)::value;
+        SeqLens sl{};
+        if constexpr (MASKED || ALIBI) sl = seq_slot.load();
+        const Mask<IS_CAUSAL, VARIANT> mask(p.var, sl.seqlen_q, sl.seqlen_k);
+        const ScoreMod<VARIANT> mod(p.var, p.softmax_scale_log2, b, h, sl.seqlen_q, sl.seqlen_k);
+        KeyRows<IS_CAUSAL, VARIANT> key_rows[2] = {{mask, n0 + key_row0}, {mask, n0 + key_row0 + 8}};
+        float pd[M_TILES][4];  // softcap: P·(1 − tanh²), dS's factor in place of P
 #pragma unroll
         for (int j = 0; j < M_TILES; ++j) {
             const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + j * 8 + 2 * t);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float x = fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? lse2.y : lse2.x)));
-                if constexpr (decltype(masked)::value) {
-                    const int key = key_row0 + (e / 2) * 8;  // within the block
-                    const int query = m0 + j * 8 + 2 * t + (e & 1);
-                    if (key >= seqlen_k || (IS_CAUSAL && key > query + diag)) x = 0.f;
+                const int key = n0 + key_row0 + (e / 2) * 8, query = m0 + j * 8 + 2 * t + (e & 1);
+                const float lse = (e & 1) ? lse2.y : lse2.x;
+                float x;
+                if constexpr (VARIANT == 0) {
+                    x = fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -lse));
+                } else {
+                    x = prob(mod(st[j][e], query, key), lse);
                 }
+                if (MASKED && !key_rows[e / 2].sees(query)) x = 0.f;  // Mask::visible(query, key)
+                if constexpr (SOFTCAP) pd[j][e] = x * mod.dscore(st[j][e]);
                 st[j][e] = x;
             }
         }
-        // Pᵀ as the A operand (keys x queries)
-        uint32 pa[BLOCK_M / 16][4];
+        // Pᵀ as the A operand (keys x queries); with dropout, dV's operand is Pᵀ∘Z
+        // (its 1/(1-p) comes in the epilogue) and dS's P is the undropped one; with
+        // softcap dS takes P·(1 − tanh²), rounded like P.
+        uint32 pa[BLOCK_M / 16][4], pv[BLOCK_M / 16][4], pds[BLOCK_M / 16][4];
         acc_to_a_operand<T>(st, pa);
-        // ---- dV += Pᵀ·dO
+        if constexpr (SOFTCAP) acc_to_a_operand<T>(pd, pds);
+        // Dropout's keep bits of this step, drawn while the tensor cores work on dPᵀ
+        KeepBitsT keep;
+        if constexpr (DROPOUT) {
+            keep.draw(Dropout(p.var, b, h, p.nheads_q), n0 + key_row0 - g, m0 + 2 * t, g, t);
+            keep.zero_dropped(pa, pv);
+        }
+        uint32 (&dv_a)[BLOCK_M / 16][4] = DROPOUT ? pv : pa;
+        // ---- dV += Pᵀ·dO (∘Z)
         fence_operands(acc_dv);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-            Wgmma<T, HEAD_DIM>::template rs<1>(acc_dv, pa[kk], desc_mn_major<BLOCK_M>(sdO(stage), kk));
+            Wgmma<T, HEAD_DIM>::template rs<1>(acc_dv, dv_a[kk], desc_mn_major<BLOCK_M>(sdO(stage), kk));
         }
         wgmma_commit();
-        // dPᵀ; at D=128 dV too: P·dO reads pa from registers while in flight, so pa
-        // must stay live until it completes, which costs D=128 registers it lacks;
+        // dPᵀ; at D=128 dV too: P·dO reads its operand from registers while in flight, so
+        // it must stay live until it completes, which costs D=128 registers it lacks;
         // D=64 has them, and computes dS while P·dO runs.
         constexpr bool DS_UNDER_DV = HEAD_DIM <= 64;
         wgmma_wait<DS_UNDER_DV ? 1 : 0>();
         fence_operands(dpt);
 
-        // ---- dSᵀ = Pᵀ∘(dPᵀ − delta), with Pᵀ as rounded for dV (its fp32 copy would
-        //      cost D=128 the last 32 registers)
+        // ---- dSᵀ = Pᵀ∘(dPᵀ∘Z·rp − delta) (∘(1 − tanh²)), with Pᵀ as rounded for dV (its
+        //      fp32 copy would cost D=128 the last 32 registers; softcap: P·(1 − tanh²) rounded)
+        const uint32 (&ds_p)[BLOCK_M / 16][4] = SOFTCAP ? pds : pa;
         uint32 dsa[BLOCK_M / 16][4];
 #pragma unroll
         for (int j = 0; j < M_TILES; ++j) {
             const float2 delta = *reinterpret_cast<const float2*>(s_delta + j * 8 + 2 * t);
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                const float2 pr = TypeTraits<T>::unpack(pa[j / 2][(j % 2) * 2 + hh]);
-                dpt[j][2 * hh] = pr.x * (dpt[j][2 * hh] - delta.x);
-                dpt[j][2 * hh + 1] = pr.y * (dpt[j][2 * hh + 1] - delta.y);
+                const float2 pr = TypeTraits<T>::unpack(ds_p[j / 2][(j % 2) * 2 + hh]);
+                float dp0 = dpt[j][2 * hh], dp1 = dpt[j][2 * hh + 1];
+                if constexpr (DROPOUT) {
+                    dp0 = keep(j, 2 * hh) ? dp0 * p.var.dropout_scale : 0.f;
+                    dp1 = keep(j, 2 * hh + 1) ? dp1 * p.var.dropout_scale : 0.f;
+                }
+                dpt[j][2 * hh] = pr.x * (dp0 - delta.x);
+                dpt[j][2 * hh + 1] = pr.y * (dp1 - delta.y);
             }
         }
         acc_to_a_operand<T>(dpt, dsa);
@@ -296,7 +370,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         } else {
             wgmma_wait<0>();
         }
-        if constexpr (DS_UNDER_DV) fence_operands(pa);  // live until P·dO completed
+        if constexpr (DS_UNDER_DV) fence_operands(dv_a);  // live until P·dO completed
         fence_operands(acc_dv);
         fence_operands(acc_dk);
     };
@@ -306,7 +380,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     for (int it = 0; it < num_iters; ++it) {
         int h_next = h, m_next = m_block + 1;
         if (m_next == m_end) { m_next = m_begin; ++h_next; }
-        if (m_block < m_masked_end) {
+        if (WINDOW ? blocks.masked(m_block) : m_block < m_masked_end) {
             step(it, h, m_block, h_next, m_next, Bool<true>{});
         } else {
             step(it, h, m_block, h_next, m_next, Bool<false>{});
@@ -317,6 +391,12 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     cp_async_wait<0>();
     __syncthreads();  // seq_slot stored (when the loop ran no step); every warpgroup is done with sK, sV
     const SeqLens seq_end = seq_slot.load();
+    if constexpr (DROPOUT) {  // dV = (P∘Z·rp)ᵀ·dO: rp = 1/(1-p) taken out of the sum
+#pragma unroll
+        for (int j = 0; j < D_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dv[j][e] *= p.var.dropout_scale;
+    }
 
     // ---- epilogue, split GQA group: fp32 partials straight from registers
     if (p.kv_splits > 1) {
@@ -339,6 +419,11 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     }
 
     // ---- epilogue: dK·scale and dV to T, staged through sK / sV for 16-byte stores
+    //      (their addresses made opaque: the staging addresses the prologue's K, V loads
+    //      computed would otherwise be held across the loop, spilled where registers
+    //      are short)
+    uint32 sK_ = sK, sV_ = sV;
+    asm volatile("" : "+r"(sK_), "+r"(sV_));
 #pragma unroll
     for (int j = 0; j < D_TILES; ++j) {
 #pragma unroll
@@ -347,8 +432,8 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
             const uint32 dk2 = TypeTraits<T>::pack(acc_dk[j][2 * hh] * p.softmax_scale,
                                                    acc_dk[j][2 * hh + 1] * p.softmax_scale);
             const uint32 dv2 = TypeTraits<T>::pack(acc_dv[j][2 * hh], acc_dv[j][2 * hh + 1]);
-            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sK + KVTile::offset(r, j) + t * 4), "r"(dk2));
-            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sV + KVTile::offset(r, j) + t * 4), "r"(dv2));
+            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sK_ + KVTile::offset(r, j) + t * 4), "r"(dk2));
+            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sV_ + KVTile::offset(r, j) + t * 4), "r"(dv2));
         }
     }
     __syncthreads();
@@ -356,8 +441,8 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
             int64(seq_end.k_start + n0) * p.dk_row_stride;
     T* dv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride +
             int64(seq_end.k_start + n0) * p.dv_row_stride;
-    store_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(dk, p.dk_row_stride, sK, keys_valid, p.head_dim);
-    store_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(dv, p.dv_row_stride, sV, keys_valid, p.head_dim);
+    store_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(dk, p.dk_row_stride, sK_, keys_valid, p.head_dim);
+    store_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(dv, p.dv_row_stride, sV_, keys_valid, p.head_dim);
 }
 
 }  // namespace cupyflash
@@ -370,10 +455,27 @@ namespace cupyflash {
 // with one more product. K and V stream through the forward's 3-stage ring
 // (one barrier per key block); P and dS never leave registers:
 //   S = Q·Kᵀ, dP = dO·Vᵀ (both operands from shared memory),
-//   dS = P∘(dP − delta), dQ += dS·K (dS from registers, K read MN-major).
+//   dS = P∘(dP − delta), dQ += dS·K (dS from registers, K read MN-major);
+// with variants as the dK/dV kernel (above), key blocks as the forward's (Mask::key_blocks).
 // Key blocks are summed in a fixed order, so dq is bitwise reproducible.
-// Template parameters: T, HEAD_DIM (64 or 128), BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K.
+// Template parameters: T, HEAD_DIM (64 or 128), BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K, VARIANT.
 // ---------------------------------------------------------------------------
+// Scores of an m64 accumulator (score_tile's layout, one m-tile) that Mask hides -> -inf.
+template <bool IS_CAUSAL, int VARIANT, int N_TILES>
+__device__ __forceinline__ void mask_tile(float (&s)[1][N_TILES][4], const Mask<IS_CAUSAL, VARIANT>& mask, int row0,
+                                          int col0) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+        for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                if (!mask.visible(row0 + hh * 8, col0 + j * 8 + e)) s[0][j][2 * hh + e] = NEG_INF;
+            }
+        }
+    }
+}
+
 template <typename T_, int HEAD_DIM_, int BLOCK_N_>
 struct BwdDqSm90Traits {
     using T = T_;
@@ -395,6 +497,7 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
     constexpr int N_TILES = BLOCK_N / 8, D_TILES = HEAD_DIM / 8;
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
+    constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0, DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
 
     extern __shared__ __align__(16) unsigned char smem[];
     const uint32 sQ = (smem_addr(smem) + 1023u) & ~1023u;
@@ -425,8 +528,9 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
                  int64(seq.k_start) * p.v_row_stride;
     const int seqlen_k = seq.seqlen_k;
 
-    const int n_end = n_block_end<IS_CAUSAL>(m0, BLOCK_M, BLOCK_N, seq.seqlen_q, seq.seqlen_k);
-    const int n_unmasked_end = n_block_unmasked_end<IS_CAUSAL>(m0, BLOCK_N, seq.seqlen_q, seq.seqlen_k);
+    const BlockRange blocks =
+        Mask<IS_CAUSAL, VARIANT>(p.var, seq.seqlen_q, seq.seqlen_k).key_blocks(m0, BLOCK_M, BLOCK_N);
+    const ScoreMod<VARIANT> mod(p.var, p.softmax_scale_log2, b, h, seq.seqlen_q, seq.seqlen_k);
 
     // This thread's fragment rows r0, r0 + 8 of the block; their lse_log2 and
     // delta (0 past seqlen_q, like Q and dO: see flash_bwd.cu).
@@ -455,13 +559,14 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
     };
 
     // Prologue: Q, dO with the first key block, then the second (groups 0, 1).
-    if (n_end > 0) {
+    const int n_first = blocks.end - 1;
+    if (n_first >= blocks.begin) {
         load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sQ, q, p.q_row_stride, rows_valid, p.head_dim);
         load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sdO, dout, p.do_row_stride, rows_valid, p.head_dim);
-        load_kv(n_end - 1, 0);
+        load_kv(n_first, 0);
     }
     cp_async_commit();
-    if (n_end > 1) load_kv(n_end - 2, 1);
+    if (n_first - 1 >= blocks.begin) load_kv(n_first - 1, 1);
     cp_async_commit();
 
     int stage = 0;  // stage of key block n; block n - 2 goes to stage + 2 (mod 3)
@@ -471,7 +576,7 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
         __syncthreads();           // everyone's have; everyone is done with block n + 1
         {
             const int free_stage = stage == 0 ? STAGES - 1 : stage - 1;
-            if (n >= 2) load_kv(n - 2, free_stage);
+            if (n - 2 >= blocks.begin) load_kv(n - 2, free_stage);
             cp_async_commit();
         }
         const uint32 sK = sK0 + stage * KVTile::BYTES, sV = sV0 + stage * KVTile::BYTES;
@@ -491,26 +596,65 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
                                                  desc_k_major<BLOCK_N>(sV, 0, kk), kk > 0);
         }
         wgmma_commit();
+        // Dropout's keep bits of this step, drawn while the tensor cores work
+        DropoutBits<1, N_TILES> keep;
+        if constexpr (DROPOUT) keep.draw(Dropout(p.var, b, h, p.nheads_q), m0 + r0, n * BLOCK_N + 2 * t);
         wgmma_wait<1>();
         fence_operands(s[0]);
 
-        // ---- P = exp2(S·scale·log2e − lse·log2e)
-        if constexpr (decltype(masked)::value) {
-            const SeqLens sl = seq_lens(p, b);
-            apply_mask<1, N_TILES, IS_CAUSAL>(s, m0 + r0, n * BLOCK_N + 2 * t, sl.seqlen_q, sl.seqlen_k);
+        // ---- P = prob(score, lse) (times 1 − tanh² with softcap: dS's factor), masked
+        //      scores 0; element (j, 2 hh + e) is row m0 + r0 + 8 hh, column n·BLOCK_N + 8 j + 2 t + e
+        constexpr bool MASKED = decltype(masked)::value;
+        if constexpr (VARIANT == 0) {
+            if constexpr (MASKED) {
+                const SeqLens sl = seq_lens(p, b);
+                mask_tile(s, Mask<IS_CAUSAL, VARIANT>(p.var, sl.seqlen_q, sl.seqlen_k), m0 + r0, n * BLOCK_N + 2 * t);
+            }
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[0][j][e] = fast_exp2(fmaf(s[0][j][e], p.softmax_scale_log2, -lse2[e / 2]));
+        } else {
+            SeqLens sl{};
+            if constexpr (MASKED) sl = seq_lens(p, b);
+            const Mask<IS_CAUSAL, VARIANT> mask(p.var, sl.seqlen_q, sl.seqlen_k);
+            if constexpr (!SOFTCAP) {  // as the forward: scores in log2 units, masked to -inf
+                score_tile<MASKED>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
+#pragma unroll
+                for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[0][j][e] = prob(s[0][j][e], lse2[e / 2]);
+            } else {  // the same element by element, with the raw score's 1 − tanh²
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int row = m0 + r0 + hh * 8;
+#pragma unroll
+                    for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int col = n * BLOCK_N + j * 8 + 2 * t + e;
+                            float& x = s[0][j][2 * hh + e];
+                            float pr = prob(mod(x, row, col), lse2[hh]);
+                            if (MASKED && !mask.visible(row, col)) pr = 0.f;
+                            x = pr * mod.dscore(x);
+                        }
+                    }
+                }
+            }
         }
-#pragma unroll
-        for (int j = 0; j < N_TILES; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[0][j][e] = fast_exp2(fmaf(s[0][j][e], p.softmax_scale_log2, -lse2[e / 2]));
 
-        // ---- dS = P∘(dP − delta), repacked as the register A operand of dS·K
+        // ---- dS = P∘(dP∘Z·rp − delta) (∘(1 − tanh²)), repacked as the register A operand of dS·K
         wgmma_wait<0>();
         fence_operands(dp[0]);
 #pragma unroll
-        for (int j = 0; j < N_TILES; ++j)
+        for (int j = 0; j < N_TILES; ++j) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dp[0][j][e] = s[0][j][e] * (dp[0][j][e] - delta[e / 2]);
+            for (int e = 0; e < 4; ++e) {
+                float d = dp[0][j][e];
+                if constexpr (DROPOUT) d = keep(0, e / 2, j, e & 1) ? d * p.var.dropout_scale : 0.f;
+                dp[0][j][e] = s[0][j][e] * (d - delta[e / 2]);
+            }
+        }
         uint32 ds[BLOCK_N / 16][4];
         acc_to_a_operand<T>(dp[0], ds);
 
@@ -527,10 +671,14 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
         stage = stage == STAGES - 1 ? 0 : stage + 1;
     };
 
-    // Masked key blocks (key tail, causal diagonal) first, then the rest with no mask code.
-    int n = n_end - 1;
-    for (; n >= n_unmasked_end; --n) step(n, Bool<true>{});
-    for (; n >= 0; --n) step(n, Bool<false>{});
+    // Masked key blocks (key tail, causal diagonal) first, then the bulk with no mask
+    // code, then the masked blocks of the window's left edge.
+    int n = blocks.end - 1;
+    for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{});
+    for (; n >= blocks.unmasked_begin; --n) step(n, Bool<false>{});
+    if constexpr (Mask<IS_CAUSAL, VARIANT>::WINDOW) {
+        for (; n >= blocks.begin; --n) step(n, Bool<true>{});
+    }
 
     // ---- epilogue: dq = scale·dQ in T, staged through this warpgroup's own 64 rows
     //      of sQ (no other warpgroup reads them) for 16-byte stores
@@ -546,8 +694,9 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
         }
     }
     asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg));
+    const SeqLens se = seq_lens(p, b);  // read again: not held across the loop
     T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
-            int64(seq.q_start + m0 + wg * 64) * p.dq_row_stride;
+            int64(se.q_start + m0 + wg * 64) * p.dq_row_stride;
     store_tile<T, 64, HEAD_DIM, 128, true, EVEN_K, QTile, false>(dq, p.dq_row_stride, sQ + wg * 64 * 128,
                                                                rows_valid - wg * 64, p.head_dim);
 }

@@ -435,4 +435,56 @@ struct BwdScores {
     }
 };
 
+// ---------------------------------------------------------------------------
+// Mask::visible solved for the row, for tiles whose rows are keys (the wgmma dK/dV
+// kernel computes Sᵀ): key col (col >= 0) is seen by query rows first <= row <= last
+// iff it exists (col < seqlen_k); first and last are not clamped. Per element this
+// is one comparison per edge instead of col_end/col_begin of each row.
+// ---------------------------------------------------------------------------
+template <bool IS_CAUSAL, int VARIANT>
+struct KeyRows {
+    using MaskT = Mask<IS_CAUSAL, VARIANT>;
+    int first, last;  // col <= row + off + right  <=>  row >= first;  col >= row + off - left  <=>  row <= last
+    bool exists;
+
+    __device__ __forceinline__ KeyRows(const MaskT& m, int col)
+        : first(col - m.off - m.right), last(col - m.off + m.left), exists(col < m.seqlen_k) {}
+    __device__ __forceinline__ bool sees(int row) const {
+        return exists && (!MaskT::HAS_RIGHT || row >= first) && (!MaskT::WINDOW || row <= last);
+    }
+};
+
+// Dropout's keep bits of an accumulator tile set in score_tile's layout (rows row0 +
+// 16 i (+ 8), columns col0 + 8 j + (e & 1), col0 = 2 (lane % 4) modulo 8), drawn with
+// half of Dropout::apply's Philox calls: one call decides 4 columns of one row, those
+// of lanes t and t ^ 1 (the same g); lane t draws the row of m-tile i that t & 1 picks
+// and the pair swaps its bits. Every lane of the warp must call draw().
+template <int M_TILES, int N_TILES>
+struct DropoutBits {
+    static constexpr int WORDS = (N_TILES + 7) / 8;  // a nibble per n8 tile
+    uint32 w[M_TILES][2][WORDS];  // element (i, j, 2 half + e) kept iff bit 4 (j % 8) + e of w[i][half][j / 8]
+
+    __device__ __forceinline__ void draw(const Dropout& drop, int row0, int col0) {
+        const bool odd = (col0 >> 1) & 1;  // t & 1: this lane draws row half `odd`
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i) {
+#pragma unroll
+            for (int wd = 0; wd < WORDS; ++wd) {
+                uint32 mine = 0;  // nibble jj: the 4 columns' bits of n8 tile 8 wd + jj, row half `odd`
+#pragma unroll
+                for (int jj = 0; jj < 8 && wd * 8 + jj < N_TILES; ++jj) {
+                    mine |= drop.keep4(row0 + i * 16 + (odd ? 8 : 0), (col0 + (wd * 8 + jj) * 8) >> 2) << (4 * jj);
+                }
+                const uint32 other = __shfl_xor_sync(0xffffffffu, mine, 1);  // row half !odd
+                // this lane's two columns are bits (col0 & 3) and (col0 & 3) + 1 of each nibble
+                w[i][0][wd] = (odd ? other : mine) >> (col0 & 3);
+                w[i][1][wd] = (odd ? mine : other) >> (col0 & 3);
+            }
+        }
+    }
+    __device__ __forceinline__ bool operator()(int i, int half, int j, int e) const {
+        return (w[i][half][j / 8] >> (4 * (j % 8) + e)) & 1u;
+    }
+};
+
 }  // namespace cupyflash
