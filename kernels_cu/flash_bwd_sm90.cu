@@ -694,9 +694,11 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
         }
     }
     asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg));
-    const SeqLens se = seq_lens(p, b);  // read again: not held across the loop
+    // With softcap the sequence's start is read again, not held across the loop (where
+    // it spills at D=64); without, reading it again costs the loop registers instead.
+    const int q_start = SOFTCAP ? seq_lens(p, b).q_start : seq.q_start;
     T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride +
-            int64(se.q_start + m0 + wg * 64) * p.dq_row_stride;
+            int64(q_start + m0 + wg * 64) * p.dq_row_stride;
     store_tile<T, 64, HEAD_DIM, 128, true, EVEN_K, QTile, false>(dq, p.dq_row_stride, sQ + wg * 64 * 128,
                                                                rows_valid - wg * 64, p.head_dim);
 }
