@@ -366,6 +366,11 @@ def flash_attn_func(q, k, v, dropout_p=_NO_DROPOUT, softmax_scale=None, causal=F
             or generator is not None or return_attn_probs is not False):
         return _variant_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
                              deterministic, return_attn_probs, softcap, sinks, rng_state, generator)
+    return _plain_func(q, k, v, softmax_scale, causal, deterministic)
+
+
+def _plain_func(q, k, v, softmax_scale, causal, deterministic):
+    """:func:`flash_attn_func` with every variant off."""
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0  # 0: rejected later
     q, k, v = (_unit_last_stride(x) for x in (q, k, v))
@@ -384,7 +389,9 @@ def _variant_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_
     window = _checks._check_option_forms(_FN, dropout_p, window_size, alibi_slopes, softcap)  # noqa: SLF001
     dropout_p, softcap = float(dropout_p), float(softcap)
     if dropout_p == 0.0 and window == (-1, -1) and softcap == 0.0 and alibi_slopes is None and sinks is None:
-        return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, deterministic=deterministic)
+        # (not flash_attn_func again: under torch.compile the defaults' identity checks
+        # do not hold, and it would come back here)
+        return _plain_func(q, k, v, softmax_scale, causal, deterministic)
     if dropout_p > 0.0:
         if rng_state is None:
             if _is_compiling():

@@ -337,8 +337,9 @@ def test_torch_compile_fullgraph_with_variants(torch, rng):
     eager = torch.autograd.grad(loss(q, k, v, sinks), (q, k, v, sinks))
     compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
     got = torch.autograd.grad(compiled(q, k, v, sinks), (q, k, v, sinks))
-    for g, e in zip(got, eager):
+    for g, e in zip(got[:3], eager[:3]):  # deterministic: bitwise
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+    torch.testing.assert_close(got[3], eager[3], rtol=1e-5, atol=1e-6)  # dsinks: float atomics
     no_state = torch.compile(lambda q: flash_attn_func(q, k, v, dropout_p=0.1), fullgraph=True,
                              backend="aot_eager")
     with pytest.raises(Exception, match=r"rng_state=\(seed, offset\) must be given with dropout_p > 0 under "

@@ -84,10 +84,10 @@ def _run_preprocess(monkeypatch, rows, head_dim, zero_dq, call):
 
         __slots__ = ()
 
-        def __init__(self, launches, template, writer):
+        def __init__(self, launches, template, writer, variant=None):
             pre = [l for l in launches if l.template.endswith("::flash_bwd_preprocess_kernel")]
             seen.extend(pre)
-            super().__init__(pre, template, writer)
+            super().__init__(pre, template, writer, variant)
 
         def __call__(self, stream, *pointers):
             p = list(pointers)
