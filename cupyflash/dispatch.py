@@ -84,7 +84,7 @@ SM90_STAGES = 3
 # Variants whose code does not fit the default tiles' registers (check-kernels,
 # NVRTC 13.0: a window's two edges, ALiBi's distances, dropout's Philox rounds) take
 # these instead: on the mma.sync kernel at D=128, 16-key tiles; on the wgmma kernel,
-# one block per SM (D=64: ALiBi, dropout) and 64-key tiles with dropout.
+# one block per SM (D=64: ALiBi, dropout).
 _FWD_LEAN_VARIANTS = VAR_WINDOW | VAR_ALIBI | VAR_DROPOUT
 _FWD_TILES_LEAN = {128: (128, 16, 4)}
 
@@ -172,9 +172,7 @@ def fwd_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool
 def fwd_sm90_tile(head_dim_padded: int, causal: bool, variant: int = 0) -> tuple[int, int]:
     """(BLOCK_N, CTAS_PER_SM) of the wgmma forward (see _FWD_LEAN_VARIANTS)."""
     block_n, ctas_per_sm = _FWD_SM90[head_dim_padded][int(causal)]
-    if variant & VAR_DROPOUT:
-        return min(block_n, 64), 1
-    if variant & VAR_ALIBI:
+    if variant & (VAR_ALIBI | VAR_DROPOUT):
         return block_n, 1
     return block_n, ctas_per_sm
 

@@ -244,26 +244,10 @@ struct Dropout {
     }
     __device__ __forceinline__ bool keep(int row, int col) const { return (keep4(row, col >> 2) >> (col & 3)) & 1u; }
 
-    // Zero the dropped probabilities of an accumulator tile set (the layout of
-    // score_tile; columns col0 + 8 j + (e & 1) with col0 even, so each lane's two
-    // columns of an n8 tile share one Philox call).
+    // Zero the dropped probabilities of an accumulator tile set (score_tile's layout),
+    // with DropoutBits' shared Philox calls (below); every lane of the warp calls it.
     template <int M_TILES, int N_TILES>
-    __device__ __forceinline__ void apply(float (&p)[M_TILES][N_TILES][4], int row0, int col0) const {
-#pragma unroll
-        for (int i = 0; i < M_TILES; ++i) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = row0 + i * 16 + half * 8;
-#pragma unroll
-                for (int j = 0; j < N_TILES; ++j) {
-                    const int col = col0 + j * 8;
-                    const uint32 bits = keep4(row, col >> 2) >> (col & 3);
-                    if (!(bits & 1u)) p[i][j][half * 2] = 0.f;
-                    if (!(bits & 2u)) p[i][j][half * 2 + 1] = 0.f;
-                }
-            }
-        }
-    }
+    __device__ __forceinline__ void apply(float (&p)[M_TILES][N_TILES][4], int row0, int col0) const;
 };
 
 // ---------------------------------------------------------------------------
@@ -486,5 +470,18 @@ struct DropoutBits {
         return (w[i][half][j / 8] >> (4 * (j % 8) + e)) & 1u;
     }
 };
+
+template <int M_TILES, int N_TILES>
+__device__ __forceinline__ void Dropout::apply(float (&p)[M_TILES][N_TILES][4], int row0, int col0) const {
+    DropoutBits<M_TILES, N_TILES> keep;
+    keep.draw(*this, row0, col0);
+#pragma unroll
+    for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+        for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (!keep(i, e / 2, j, e & 1)) p[i][j][e] = 0.f;
+}
 
 }  // namespace cupyflash

@@ -105,7 +105,7 @@ def test_lean_variants_take_the_lean_tiles():
         assert dispatch.select_fwd(**kw, cc=(8, 0), variant=bit).main.args[2:5] == plain.main.args[2:5]
     # wgmma: (BLOCK_N, CTAS_PER_SM)
     assert dispatch.fwd_sm90_tile(64, True, dispatch.VAR_ALIBI) == (64, 1)
-    assert dispatch.fwd_sm90_tile(128, True, dispatch.VAR_DROPOUT) == (64, 1)
+    assert dispatch.fwd_sm90_tile(128, True, dispatch.VAR_DROPOUT) == (128, 1)
     assert dispatch.fwd_sm90_tile(64, False, dispatch.VAR_WINDOW) == dispatch.fwd_sm90_tile(64, False)
 
 
