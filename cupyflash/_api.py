@@ -215,9 +215,11 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
         On the GPU, accumulate dq in a fixed order instead of with atomics, so
         repeated runs give identical bits (on the H200 at 0.94-1.14x the
         default's speed).  ``False`` promises no particular order: on compute
-        capability 9.0, at head_dim 33-64 with 16-byte aligned inputs, the
-        default takes the fixed-order path too, which measured faster there.  The CPU path is always deterministic
-        and ignores it.
+        capability 9.0 with 16-byte aligned inputs, at head_dim 33-64 (which
+        measured faster so) and with dropout at head_dim 65-128, the default
+        takes the fixed-order path too.  ``dsinks`` is summed with float
+        atomics either way (not bitwise reproducible).  The CPU path is always
+        deterministic and ignores it.
     dtype : str, optional
         As in :func:`flash_attn_fwd`: ``"bfloat16"`` for cupy arrays of raw
         bfloat16 bits in uint16/int16 storage (dout, q, k, v and out alike).
@@ -236,9 +238,10 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
     dv : array, shape (batch, seqlen_k, nheads_kv, head_dim), dtype of ``v``
         With GQA, ``dk`` and ``dv`` are summed over the query heads that share
         each KV head.  Rows of ``q`` that see no key get ``dq`` 0.
-    dsinks : numpy.ndarray, shape (nheads_q,), float32
+    dsinks : array, shape (nheads_q,), float32
         Only when ``sinks`` is given: the gradient of the sinks, summed over
-        the batch and the rows.
+        the batch and the rows, in the array type of ``q`` (on the GPU summed
+        with float atomics: not bitwise reproducible).
 
     Raises
     ------

@@ -83,10 +83,12 @@ SM90_STAGES = 3
 
 # Variants whose code does not fit the default tiles' registers (check-kernels,
 # NVRTC 13.0: a window's two edges, ALiBi's distances, dropout's Philox rounds) take
-# these instead: on the mma.sync kernel at D=128, 16-key tiles; on the wgmma kernel,
-# one block per SM (D=64: ALiBi, dropout).
+# these instead: on the mma.sync kernel at D=128, 16-key tiles (D=256: 32-key tiles
+# with dropout); on the wgmma kernel, one block per SM (D=64: ALiBi, dropout).
 _FWD_LEAN_VARIANTS = VAR_WINDOW | VAR_ALIBI | VAR_DROPOUT
-_FWD_TILES_LEAN = {128: (128, 16, 4)}
+#: padded head_dim -> (the variant bits that need it, the tile); D=256: dropout only
+#: (64 bytes of spill on sm_80 under NVRTC 13.0, run 49).
+_FWD_TILES_LEAN = {128: (_FWD_LEAN_VARIANTS, (128, 16, 4)), 256: (VAR_DROPOUT, (64, 32, 4))}
 
 
 def fwd_tiles(head_dim_padded: int, vec: bool, causal: bool,
@@ -94,8 +96,9 @@ def fwd_tiles(head_dim_padded: int, vec: bool, causal: bool,
     """(BLOCK_M, BLOCK_N, NUM_WARPS) of the forward kernel."""
     if not vec:
         return _FWD_TILES_UNALIGNED[head_dim_padded]
-    if variant & _FWD_LEAN_VARIANTS and head_dim_padded in _FWD_TILES_LEAN:
-        return _FWD_TILES_LEAN[head_dim_padded]
+    bits, lean = _FWD_TILES_LEAN.get(head_dim_padded, (0, None))
+    if variant & bits:
+        return lean
     # The split-KV epilogue's fp32 stores cost registers too: splits take the
     # causal column, whose tiles leave that room (NVRTC 13.0 spills otherwise).
     return _FWD_TILES[head_dim_padded][int(causal or split)]
@@ -452,6 +455,13 @@ BWD_DQ_SM90_BLOCK_M = 128
 _BWD_SM90_SEPARATE_DQ = (64,)
 
 
+def _bwd_sm90_separate_dq(head_dim_padded: int, variant: int) -> bool:
+    """Whether the default mode on Hopper takes dQ from the wgmma dQ kernel (no atomic
+    dQ in the dK/dV kernel): where measured faster, and with dropout at D=128, whose
+    dK/dV kernel with atomic dQ spills 16 bytes under the H200's NVRTC 13.0 (run 49)."""
+    return head_dim_padded in _BWD_SM90_SEPARATE_DQ or bool(variant & VAR_DROPOUT)
+
+
 def bwd_dq_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
                        grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0) -> Launch:
     """The wgmma deterministic dQ kernel (cc 9.0)."""
@@ -603,7 +613,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     smem_limit = max_smem_per_block(cc)
     sm90 = uses_sm90_bwd(d, vec, cc)
     # dQ by its own kernel (no atomics): always when deterministic, and where measured faster
-    separate_dq = deterministic or (sm90 and BWD_DQ_SM90 and d in _BWD_SM90_SEPARATE_DQ)
+    separate_dq = deterministic or (sm90 and BWD_DQ_SM90 and _bwd_sm90_separate_dq(d, variant))
     if sm90:
         block_n, stages = BWD_SM90_BLOCK_N, 2
     else:
@@ -670,8 +680,9 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
             out.append(bwd_dq_launch(_VARIANT_CHECK_DTYPE, d, _bwd_dq_variant_tiles(d, bit)[0], causal, True, True,
                                      variant=bit))
         if cc is not None and uses_sm90_bwd(d, True, cc):
-            out.append(bwd_dkdv_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, det, variant=bit))
-            if det:
+            no_dq = det or _bwd_sm90_separate_dq(d, bit)
+            out.append(bwd_dkdv_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, no_dq, variant=bit))
+            if no_dq:
                 out.append(bwd_dq_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bit))
     return out
 

@@ -100,7 +100,7 @@ def test_lean_variants_take_the_lean_tiles():
     plain = dispatch.select_fwd(**kw, cc=(8, 0))
     for bit in (dispatch.VAR_WINDOW, dispatch.VAR_ALIBI, dispatch.VAR_DROPOUT):
         lean = dispatch.select_fwd(**kw, cc=(8, 0), variant=bit)
-        assert lean.main.args[2:5] == tuple(str(x) for x in dispatch._FWD_TILES_LEAN[128])
+        assert lean.main.args[2:5] == tuple(str(x) for x in dispatch._FWD_TILES_LEAN[128][1])
     for bit in (dispatch.VAR_SOFTCAP, dispatch.VAR_SINKS):
         assert dispatch.select_fwd(**kw, cc=(8, 0), variant=bit).main.args[2:5] == plain.main.args[2:5]
     # wgmma: (BLOCK_N, CTAS_PER_SM)
