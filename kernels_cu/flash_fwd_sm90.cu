@@ -160,6 +160,11 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         float s[1][N_TILES][4];
         issue_s(s, stage);
         if constexpr (LOADS_UNDER_S) load_next();
+        // Dropout's keep bits depend on no score: drawn while the tensor cores do S.
+        DropoutBits<1, N_TILES> keep;
+        if constexpr ((VARIANT & VAR_DROPOUT) != 0) {
+            keep.draw(Dropout(p.var, b, h, p.nheads_q), m0 + r0, n * BLOCK_N + 2 * t);
+        }
         wgmma_wait<0>();
         fence_operands(s[0]);
         // ---- scores in log2 units (the variant's), masked where the block needs it
@@ -168,9 +173,7 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         // ---- online softmax: s becomes P, acc_o is rescaled
         fence_operands(acc_o[0]);
         softmax.update(s, acc_o, row_sum);
-        if constexpr ((VARIANT & VAR_DROPOUT) != 0) {  // the row sums keep the undropped P
-            Dropout(p.var, b, h, p.nheads_q).apply(s, m0 + r0, n * BLOCK_N + 2 * t);
-        }
+        if constexpr ((VARIANT & VAR_DROPOUT) != 0) keep.zero_dropped(s);  // the row sums keep the undropped P
 
         // ---- O += P·V, P repacked from the S accumulators as the register A operand
         uint32 pa[BLOCK_N / 16][4];
@@ -182,12 +185,16 @@ flash_fwd_sm90_kernel(const FwdParams p) {
     };
 
     // Masked blocks (key tail, causal diagonal) first, then the bulk with no mask
-    // code, then the masked blocks of the window's left edge.
-    int n = blocks.end - 1;
-    for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{});
-    for (; n >= blocks.unmasked_begin; --n) step(n, Bool<false>{});
+    // code; with a window, one loop that asks each block (the window's left edge is
+    // masked too), so the step is compiled twice, not three times.
     if constexpr (Mask<IS_CAUSAL, VARIANT>::WINDOW) {
-        for (; n >= blocks.begin; --n) step(n, Bool<true>{});
+        for (int n = blocks.end - 1; n >= blocks.begin; --n) {
+            if (blocks.masked(n)) step(n, Bool<true>{}); else step(n, Bool<false>{});
+        }
+    } else {
+        int n = blocks.end - 1;
+        for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{});
+        for (; n >= 0; --n) step(n, Bool<false>{});
     }
 
     // ---- epilogue

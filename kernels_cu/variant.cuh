@@ -469,19 +469,23 @@ struct DropoutBits {
     __device__ __forceinline__ bool operator()(int i, int half, int j, int e) const {
         return (w[i][half][j / 8] >> (4 * (j % 8) + e)) & 1u;
     }
+    // Zero the dropped entries of p (the layout draw() was given).
+    __device__ __forceinline__ void zero_dropped(float (&p)[M_TILES][N_TILES][4]) const {
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!(*this)(i, e / 2, j, e & 1)) p[i][j][e] = 0.f;
+    }
 };
 
 template <int M_TILES, int N_TILES>
 __device__ __forceinline__ void Dropout::apply(float (&p)[M_TILES][N_TILES][4], int row0, int col0) const {
     DropoutBits<M_TILES, N_TILES> keep;
     keep.draw(*this, row0, col0);
-#pragma unroll
-    for (int i = 0; i < M_TILES; ++i)
-#pragma unroll
-        for (int j = 0; j < N_TILES; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                if (!keep(i, e / 2, j, e & 1)) p[i][j][e] = 0.f;
+    keep.zero_dropped(p);
 }
 
 }  // namespace cupyflash

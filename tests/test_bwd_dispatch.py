@@ -353,7 +353,11 @@ def test_every_wgmma_dkdv_variant_is_listed_for_check_kernels():
     plain = {L.args for L in sm90 if L.args[-1] == "0"}
     assert len(plain) == 2 * 2 * 2 * 2 * 2  # dtype, head_dim, causal, even_k, det
     variants = {L.args for L in sm90 if L.args[-1] != "0"}
-    assert len(variants) == len(dispatch.VARIANT_BITS) * 2 * 2 * 2  # each alone: head_dim, causal, det
+    # each alone: head_dim, causal, and whether dQ comes from its own kernel
+    want = {("__nv_bfloat16", str(d), causal, "true", str(det or dispatch._bwd_sm90_separate_dq(d, bit)).lower(),
+             str(bit)) for d in (64, 128) for causal in ("false", "true") for det in (False, True)
+            for bit in dispatch.VARIANT_BITS.values()}
+    assert variants == want
     assert not [L for L in dispatch.all_bwd_launches((8, 0)) if L.source == "flash_bwd_sm90.cu"]
 
 
@@ -407,3 +411,16 @@ def test_hopper_default_mode_takes_the_dq_kernel_where_measured_faster(monkeypat
 @pytest.mark.parametrize("head_dim,causal,even_k", [(64, True, True), (128, False, False)])
 def test_wgmma_dq_variant_compiles_for_sm90a_without_spills(head_dim, causal, even_k):
     _compile_clean(dispatch.bwd_dq_sm90_launch("bfloat16", head_dim, causal, even_k), (9, 0))
+
+
+@pytest.mark.parametrize("head_dim", [64, 100, 128])
+def test_hopper_dropout_takes_dq_from_its_own_kernel(head_dim):
+    """With dropout the default mode on Hopper has no atomic dQ in the dK/dV kernel (at
+    D=128 it spills there); other variants keep the plain rule."""
+    kw = dict(batch=2, seqlen_q=1024, seqlen_k=1024, nheads_q=16, nheads_kv=16, head_dim=head_dim,
+              dtype="bfloat16", causal=True, deterministic=False, vec=True, cc=(9, 0))
+    plan = dispatch.select_bwd(**kw, variant=dispatch.VAR_DROPOUT)
+    assert not plan.dq_accum and plan.launches[2].template == "cupyflash::flash_bwd_dq_sm90_kernel"
+    assert plan.launches[1].args[-2:] == ("true", str(dispatch.VAR_DROPOUT))
+    softcap = dispatch.select_bwd(**kw, variant=dispatch.VAR_SOFTCAP)
+    assert softcap.dq_accum == (dispatch.padded_head_dim(head_dim) == 128)
