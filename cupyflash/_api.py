@@ -215,9 +215,8 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
         On the GPU, accumulate dq in a fixed order instead of with atomics, so
         repeated runs give identical bits (on the H200 at 0.94-1.14x the
         default's speed).  ``False`` promises no particular order: on compute
-        capability 9.0 with 16-byte aligned inputs, at head_dim 33-64 (which
-        measured faster so) and with dropout at head_dim 65-128, the default
-        takes the fixed-order path too.  ``dsinks`` is summed with float
+        capability 9.0, at head_dim 33-64 with 16-byte aligned inputs, the
+        default takes the fixed-order path too, which measured faster there.  ``dsinks`` is summed with float
         atomics either way (not bitwise reproducible).  The CPU path is always
         deterministic and ignores it.
     dtype : str, optional

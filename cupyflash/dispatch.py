@@ -457,9 +457,12 @@ _BWD_SM90_SEPARATE_DQ = (64,)
 
 def _bwd_sm90_separate_dq(head_dim_padded: int, variant: int) -> bool:
     """Whether the default mode on Hopper takes dQ from the wgmma dQ kernel (no atomic
-    dQ in the dK/dV kernel): where measured faster, and with dropout at D=128, whose
-    dK/dV kernel with atomic dQ spills 16 bytes under the H200's NVRTC 13.0 (run 49)."""
-    return head_dim_padded in _BWD_SM90_SEPARATE_DQ or bool(variant & VAR_DROPOUT)
+    dQ in the dK/dV kernel): where measured faster. (With dropout at D=128 the dK/dV
+    kernel with atomic dQ spills 16 bytes under the H200's NVRTC 13.0, run 49, and stays
+    selected: its backward took 9.59 ms against 11.34 ms through the dQ kernel at 16k
+    tokens, runs 49 and 50; kernels_cu/PERF.md v17.)"""
+    del variant
+    return head_dim_padded in _BWD_SM90_SEPARATE_DQ
 
 
 def bwd_dq_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,

@@ -411,16 +411,3 @@ def test_hopper_default_mode_takes_the_dq_kernel_where_measured_faster(monkeypat
 @pytest.mark.parametrize("head_dim,causal,even_k", [(64, True, True), (128, False, False)])
 def test_wgmma_dq_variant_compiles_for_sm90a_without_spills(head_dim, causal, even_k):
     _compile_clean(dispatch.bwd_dq_sm90_launch("bfloat16", head_dim, causal, even_k), (9, 0))
-
-
-@pytest.mark.parametrize("head_dim", [64, 100, 128])
-def test_hopper_dropout_takes_dq_from_its_own_kernel(head_dim):
-    """With dropout the default mode on Hopper has no atomic dQ in the dK/dV kernel (at
-    D=128 it spills there); other variants keep the plain rule."""
-    kw = dict(batch=2, seqlen_q=1024, seqlen_k=1024, nheads_q=16, nheads_kv=16, head_dim=head_dim,
-              dtype="bfloat16", causal=True, deterministic=False, vec=True, cc=(9, 0))
-    plan = dispatch.select_bwd(**kw, variant=dispatch.VAR_DROPOUT)
-    assert not plan.dq_accum and plan.launches[2].template == "cupyflash::flash_bwd_dq_sm90_kernel"
-    assert plan.launches[1].args[-2:] == ("true", str(dispatch.VAR_DROPOUT))
-    softcap = dispatch.select_bwd(**kw, variant=dispatch.VAR_SOFTCAP)
-    assert softcap.dq_accum == (dispatch.padded_head_dim(head_dim) == 128)
