@@ -455,13 +455,12 @@ BWD_DQ_SM90_BLOCK_M = 128
 _BWD_SM90_SEPARATE_DQ = (64,)
 
 
-def _bwd_sm90_separate_dq(head_dim_padded: int, variant: int) -> bool:
+def _bwd_sm90_separate_dq(head_dim_padded: int) -> bool:
     """Whether the default mode on Hopper takes dQ from the wgmma dQ kernel (no atomic
     dQ in the dK/dV kernel): where measured faster. (With dropout at D=128 the dK/dV
     kernel with atomic dQ spills 16 bytes under the H200's NVRTC 13.0, run 49, and stays
     selected: its backward took 9.59 ms against 11.34 ms through the dQ kernel at 16k
     tokens, runs 49 and 50; kernels_cu/PERF.md v17.)"""
-    del variant
     return head_dim_padded in _BWD_SM90_SEPARATE_DQ
 
 
@@ -616,7 +615,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     smem_limit = max_smem_per_block(cc)
     sm90 = uses_sm90_bwd(d, vec, cc)
     # dQ by its own kernel (no atomics): always when deterministic, and where measured faster
-    separate_dq = deterministic or (sm90 and BWD_DQ_SM90 and _bwd_sm90_separate_dq(d, variant))
+    separate_dq = deterministic or (sm90 and BWD_DQ_SM90 and _bwd_sm90_separate_dq(d))
     if sm90:
         block_n, stages = BWD_SM90_BLOCK_N, 2
     else:
@@ -683,7 +682,7 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
             out.append(bwd_dq_launch(_VARIANT_CHECK_DTYPE, d, _bwd_dq_variant_tiles(d, bit)[0], causal, True, True,
                                      variant=bit))
         if cc is not None and uses_sm90_bwd(d, True, cc):
-            no_dq = det or _bwd_sm90_separate_dq(d, bit)
+            no_dq = det or _bwd_sm90_separate_dq(d)
             out.append(bwd_dkdv_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, no_dq, variant=bit))
             if no_dq:
                 out.append(bwd_dq_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bit))

@@ -354,7 +354,7 @@ def test_every_wgmma_dkdv_variant_is_listed_for_check_kernels():
     assert len(plain) == 2 * 2 * 2 * 2 * 2  # dtype, head_dim, causal, even_k, det
     variants = {L.args for L in sm90 if L.args[-1] != "0"}
     # each alone: head_dim, causal, and whether dQ comes from its own kernel
-    want = {("__nv_bfloat16", str(d), causal, "true", str(det or dispatch._bwd_sm90_separate_dq(d, bit)).lower(),
+    want = {("__nv_bfloat16", str(d), causal, "true", str(det or dispatch._bwd_sm90_separate_dq(d)).lower(),
              str(bit)) for d in (64, 128) for causal in ("false", "true") for det in (False, True)
             for bit in dispatch.VARIANT_BITS.values()}
     assert variants == want
