@@ -256,13 +256,13 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         const Mask<IS_CAUSAL, VARIANT> mask(p.var, sl.seqlen_q, sl.seqlen_k);
         const ScoreMod<VARIANT> mod(p.var, p.softmax_scale_log2, b, h, sl.seqlen_q, sl.seqlen_k);
         KeyRows<IS_CAUSAL, VARIANT> key_rows[2] = {{mask, n0 + key_row0}, {mask, n0 + key_row0 + 8}};
-        float pd[M_TILES][4];  // softcap: P·(1 − tanh²), dS's factor in place of P
+        [[maybe_unused]] float pd[M_TILES][4];  // softcap: P·(1 − tanh²), dS's factor in place of P
 #pragma unroll
         for (int j = 0; j < M_TILES; ++j) {
             const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + j * 8 + 2 * t);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int key = n0 + key_row0 + (e / 2) * 8, query = m0 + j * 8 + 2 * t + (e & 1);
+                [[maybe_unused]] const int key = n0 + key_row0 + (e / 2) * 8, query = m0 + j * 8 + 2 * t + (e & 1);
                 const float lse = (e & 1) ? lse2.y : lse2.x;
                 float x;
                 if constexpr (VARIANT == 0) {
@@ -282,7 +282,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         acc_to_a_operand<T>(st, pa);
         if constexpr (SOFTCAP) acc_to_a_operand<T>(pd, pds);
         // Dropout's keep bits of this step, drawn while the tensor cores work on dPᵀ
-        KeepBitsT keep;
+        [[maybe_unused]] KeepBitsT keep;
         if constexpr (DROPOUT) {
             keep.draw(Dropout(p.var, b, h, p.nheads_q), n0 + key_row0 - g, m0 + 2 * t, g, t);
             keep.zero_dropped(pa, pv);
@@ -597,7 +597,7 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
         }
         wgmma_commit();
         // Dropout's keep bits of this step, drawn while the tensor cores work
-        DropoutBits<1, N_TILES> keep;
+        [[maybe_unused]] DropoutBits<1, N_TILES> keep;
         if constexpr (DROPOUT) keep.draw(Dropout(p.var, b, h, p.nheads_q), m0 + r0, n * BLOCK_N + 2 * t);
         wgmma_wait<1>();
         fence_operands(s[0]);

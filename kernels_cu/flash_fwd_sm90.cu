@@ -161,7 +161,7 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         issue_s(s, stage);
         if constexpr (LOADS_UNDER_S) load_next();
         // Dropout's keep bits depend on no score: drawn while the tensor cores do S.
-        DropoutBits<1, N_TILES> keep;
+        [[maybe_unused]] DropoutBits<1, N_TILES> keep;
         if constexpr ((VARIANT & VAR_DROPOUT) != 0) {
             keep.draw(Dropout(p.var, b, h, p.nheads_q), m0 + r0, n * BLOCK_N + 2 * t);
         }

@@ -300,6 +300,7 @@ def _compile_clean(launch, arch):
     compiled = _compile.compile_variant(launch.source, launch.name_expression, arch, use_cache=False)
     res = _compile.parse_ptxas_log(compiled.log)
     assert res.spill_bytes == 0 and res.stack_bytes == 0, (launch.name_expression, arch, res)
+    assert "warning" not in compiled.log.lower(), compiled.log
 
 
 def _quick_launches():
@@ -327,6 +328,14 @@ def test_quick_variants_compile_without_spills(launch, arch):
                           (64, True, False, False), (64, False, True, True)])
 def test_wgmma_dkdv_variant_compiles_for_sm90a_without_spills(head_dim, causal, even_k, deterministic):
     _compile_clean(dispatch.bwd_dkdv_sm90_launch("bfloat16", head_dim, causal, even_k, deterministic), (9, 0))
+
+
+@pytest.mark.parametrize("variant", [dispatch.VAR_WINDOW, dispatch.VAR_SOFTCAP, dispatch.VAR_DROPOUT])
+def test_wgmma_backward_variants_compile_without_warnings(variant):
+    """(An unused variable of a variant that is off is a warning: kept out.)"""
+    for launch in (dispatch.bwd_dkdv_sm90_launch("bfloat16", 64, True, True, True, variant=variant),
+                   dispatch.bwd_dq_sm90_launch("bfloat16", 64, True, True, variant=0)):
+        _compile_clean(launch, (9, 0))
 
 
 def test_wgmma_dkdv_takes_64_query_rows_per_step():
