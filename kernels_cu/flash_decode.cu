@@ -44,7 +44,6 @@
 #include "ptx.cuh"
 #include "tile_io.cuh"
 #include "warp_mma.cuh"
-#include "mask.cuh"
 #include "variant.cuh"
 #include "online_softmax.cuh"
 

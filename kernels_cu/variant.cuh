@@ -202,6 +202,27 @@ __device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], cons
     }
 }
 
+// Set to -inf the scores at or past a per-row column limit: col_limit[i][half]
+// is the first invisible key of fragment row (i, half). For kernels whose rows
+// are not one query row each (the decode kernel's packed query heads).
+template <int M_TILES, int N_TILES>
+__device__ __forceinline__ void apply_col_limits(float (&s)[M_TILES][N_TILES][4], int col0,
+                                                 const int (&col_limit)[M_TILES][2]) {
+#pragma unroll
+    for (int i = 0; i < M_TILES; ++i) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if (col0 + j * 8 + e >= col_limit[i][half]) s[i][j][half * 2 + e] = NEG_INF;
+                }
+            }
+        }
+    }
+}
+
 // The sink of head h in log2 units, or -inf (no sink: the running max starts there).
 template <int VARIANT>
 __device__ __forceinline__ float sink_log2(const VariantParams& v, int h) {
