@@ -175,6 +175,26 @@ struct ScoreMod {
 // differs from the forward's row maximum by its rounding).
 __device__ __forceinline__ float prob(float x, float lse_log2) { return fast_exp2(fminf(x - lse_log2, 0.f)); }
 
+// One fragment row of an mma accumulator tile (s[j][2 half + e]: n-tile j, columns
+// col0 + 8 j + e) in log2 units, masked (MASKED: the block needs it); row is its query
+// row in the sequence.
+template <bool MASKED, bool IS_CAUSAL, int VARIANT, int N_TILES>
+__device__ __forceinline__ void score_row(float (&s)[N_TILES][4], int half, const ScoreMod<VARIANT>& mod,
+                                          const Mask<IS_CAUSAL, VARIANT>& mask, int row, int col0) {
+    int begin = 0, end = 0;
+    if (MASKED) { begin = mask.col_begin(row); end = mask.col_end(row); }
+#pragma unroll
+    for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int col = col0 + j * 8 + e;
+            float& x = s[j][half * 2 + e];
+            x = mod(x, row, col);
+            if (MASKED && (col >= end || (Mask<IS_CAUSAL, VARIANT>::WINDOW && col < begin))) x = NEG_INF;
+        }
+    }
+}
+
 // Scores of an mma accumulator tile set -> log2 units, masked (MASKED: the block
 // needs it). s[i][j][e]: m-tile i, n-tile j, element e (rows row0 + 16 i (+ 8 for
 // e >= 2), columns col0 + 8 j + (e & 1)); row0, col0 are this lane's in the sequence.
@@ -182,24 +202,10 @@ template <bool MASKED, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES>
 __device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], const ScoreMod<VARIANT>& mod,
                                            const Mask<IS_CAUSAL, VARIANT>& mask, int row0, int col0) {
 #pragma unroll
-    for (int i = 0; i < M_TILES; ++i) {
+    for (int i = 0; i < M_TILES; ++i)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = row0 + i * 16 + half * 8;
-            int begin = 0, end = 0;
-            if (MASKED) { begin = mask.col_begin(row); end = mask.col_end(row); }
-#pragma unroll
-            for (int j = 0; j < N_TILES; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int col = col0 + j * 8 + e;
-                    float& x = s[i][j][half * 2 + e];
-                    x = mod(x, row, col);
-                    if (MASKED && (col >= end || (Mask<IS_CAUSAL, VARIANT>::WINDOW && col < begin))) x = NEG_INF;
-                }
-            }
-        }
-    }
+        for (int half = 0; half < 2; ++half)
+            score_row<MASKED>(s[i], half, mod, mask, row0 + i * 16 + half * 8, col0);
 }
 
 // Set to -inf the scores at or past a per-row column limit: col_limit[i][half]
@@ -285,23 +291,8 @@ __device__ __forceinline__ void score_tile_rows(float (&s)[1][N_TILES][4], const
                                                 const ScoreMod<VARIANT>& mod_hi,
                                                 const Mask<IS_CAUSAL, VARIANT>& mask, const int (&row_q)[2],
                                                 int col0) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const ScoreMod<VARIANT>& mod = half ? mod_hi : mod_lo;
-        const int row = row_q[half];
-        int begin = 0, end = 0;
-        if (MASKED) { begin = mask.col_begin(row); end = mask.col_end(row); }
-#pragma unroll
-        for (int j = 0; j < N_TILES; ++j) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int col = col0 + j * 8 + e;
-                float& x = s[0][j][half * 2 + e];
-                x = mod(x, row, col);
-                if (MASKED && (col >= end || (Mask<IS_CAUSAL, VARIANT>::WINDOW && col < begin))) x = NEG_INF;
-            }
-        }
-    }
+    score_row<MASKED>(s[0], 0, mod_lo, mask, row_q[0], col0);
+    score_row<MASKED>(s[0], 1, mod_hi, mask, row_q[1], col0);
 }
 
 // The sinks of fragment rows g and g + 8 (heads head_lo, head_hi) joined to their
