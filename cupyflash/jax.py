@@ -437,6 +437,21 @@ class _VariantCallback:
         views = {name: _cupy_view(cupy, b, fixed.get(name, data), device_id) for name, b in zip(names, buffers)}
         return views, device_id, cupy, ("bfloat16" if bf16 else None)
 
+    @contextlib.contextmanager
+    def _entered(self, ctx, buffers, names):
+        """Views of ``buffers`` by name on their device (and on XLA's stream, ``ctx.stream``,
+        which only a GPU callback has),
+        with the core's variant keywords: yields ``(views, cupy, dtype, variants)``;
+        the key's bits (``rng``) are read and left out of the views."""
+        kind, device_id = buffers[0].__dlpack_device__()
+        with contextlib.nullcontext() if kind == _interop.DL_CPU else _cuda_device(device_id):
+            views, device_id, cupy, dtype = self._views(buffers, names)
+            with contextlib.nullcontext() if cupy is None else _interop.use_stream(cupy, ctx.stream):
+                rng = views.pop("rng", None)
+                variants = self.static.variants(None if rng is None else (
+                    np.asarray(rng) if cupy is None else rng.get()))
+                yield views, cupy, dtype, variants
+
 
 class _VariantFwd(_VariantCallback):
     """``callback(ctx, (out, lse), q, k, v, *optional)``."""
@@ -446,26 +461,18 @@ class _VariantFwd(_VariantCallback):
     def __call__(self, ctx, outputs, *inputs):
         scale, causal = self.static[:2]
         names = ("out", "lse", "q", "k", "v") + self.static[7]
-        kind, device_id = inputs[0].__dlpack_device__()
-        context = contextlib.nullcontext() if kind == _interop.DL_CPU else _cuda_device(device_id)
-        with context:
-            views, device_id, cupy, dtype = self._views((*outputs, *inputs), names)
-            stream = contextlib.nullcontext() if cupy is None else _interop.use_stream(cupy, ctx.stream)
-            with stream:
-                rng = views.pop("rng", None)
-                variants = self.static.variants(None if rng is None else (
-                    np.asarray(rng) if cupy is None else rng.get()))
-                extra = {} if dtype is None else {"dtype": dtype}
-                if cupy is None:
-                    o, l = _api.flash_attn_fwd(views["q"], views["k"], views["v"], softmax_scale=scale,
-                                               causal=causal, alibi_slopes=views.get("alibi_slopes"),
-                                               sinks=views.get("sinks"), **variants)
-                    views["out"][...] = o
-                    views["lse"][...] = l
-                else:  # straight into XLA's out and lse
-                    _api.flash_attn_fwd(views["q"], views["k"], views["v"], softmax_scale=scale, causal=causal,
-                                        alibi_slopes=views.get("alibi_slopes"), sinks=views.get("sinks"),
-                                        out=views["out"], lse=views["lse"], **variants, **extra)
+        with self._entered(ctx, (*outputs, *inputs), names) as (views, cupy, dtype, variants):
+            extra = {} if dtype is None else {"dtype": dtype}
+            if cupy is None:
+                o, l = _api.flash_attn_fwd(views["q"], views["k"], views["v"], softmax_scale=scale,
+                                           causal=causal, alibi_slopes=views.get("alibi_slopes"),
+                                           sinks=views.get("sinks"), **variants)
+                views["out"][...] = o
+                views["lse"][...] = l
+            else:  # straight into XLA's out and lse
+                _api.flash_attn_fwd(views["q"], views["k"], views["v"], softmax_scale=scale, causal=causal,
+                                    alibi_slopes=views.get("alibi_slopes"), sinks=views.get("sinks"),
+                                    out=views["out"], lse=views["lse"], **variants, **extra)
 
 
 class _VariantBwd(_VariantCallback):
@@ -478,27 +485,19 @@ class _VariantBwd(_VariantCallback):
         optional = self.static[7]
         grads = ("dq", "dk", "dv") + (("dsinks",) if "sinks" in optional else ())
         names = grads + ("dout", "q", "k", "v", "out", "lse") + optional
-        kind, device_id = inputs[0].__dlpack_device__()
-        context = contextlib.nullcontext() if kind == _interop.DL_CPU else _cuda_device(device_id)
-        with context:
-            views, device_id, cupy, dtype = self._views((*outputs, *inputs), names)
-            stream = contextlib.nullcontext() if cupy is None else _interop.use_stream(cupy, ctx.stream)
-            with stream:
-                rng = views.pop("rng", None)
-                variants = self.static.variants(None if rng is None else (
-                    np.asarray(rng) if cupy is None else rng.get()))
-                args = [views[name] for name in ("dout", "q", "k", "v", "out", "lse")]
-                kwargs = dict(softmax_scale=scale, causal=causal, deterministic=deterministic,
-                              alibi_slopes=views.get("alibi_slopes"), sinks=views.get("sinks"), **variants)
-                if cupy is None:
-                    result = _api.flash_attn_bwd(*args, **kwargs)
-                    for name, r in zip(grads, result):
-                        views[name][...] = r
-                else:  # dq, dk, dv straight into XLA's buffers; dsinks copied there
-                    result = _api.flash_attn_bwd(*args, dq=views["dq"], dk=views["dk"], dv=views["dv"],
-                                                 **kwargs, **({} if dtype is None else {"dtype": dtype}))
-                    if "dsinks" in views:
-                        views["dsinks"][...] = result[3]
+        with self._entered(ctx, (*outputs, *inputs), names) as (views, cupy, dtype, variants):
+            args = [views[name] for name in ("dout", "q", "k", "v", "out", "lse")]
+            kwargs = dict(softmax_scale=scale, causal=causal, deterministic=deterministic,
+                          alibi_slopes=views.get("alibi_slopes"), sinks=views.get("sinks"), **variants)
+            if cupy is None:
+                result = _api.flash_attn_bwd(*args, **kwargs)
+                for name, r in zip(grads, result):
+                    views[name][...] = r
+            else:  # dq, dk, dv straight into XLA's buffers; dsinks copied there
+                result = _api.flash_attn_bwd(*args, dq=views["dq"], dk=views["dk"], dv=views["dv"],
+                                             **kwargs, **({} if dtype is None else {"dtype": dtype}))
+                if "dsinks" in views:
+                    views["dsinks"][...] = result[3]
 
 
 _variant_fwd_callback = functools.lru_cache(maxsize=1024)(_VariantFwd)
