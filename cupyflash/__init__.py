@@ -2,8 +2,9 @@
 
 CuPy arrays run CUDA kernels compiled at run time with NVRTC; NumPy arrays run a
 tiled CPU path with the same semantics.  See :func:`flash_attn_fwd` for the
-conventions (layout, causal alignment, lse, GQA).  :func:`flash_attn_with_kvcache`
-(decoding against a dense or paged KV cache) runs on the CPU path only for now.
+conventions (layout, causal alignment, lse, GQA) and the attention variants
+(window, softcap, ALiBi, sinks, dropout).  :func:`flash_attn_with_kvcache`
+decodes against a dense or paged KV cache.
 
 Importing this package does not import CuPy.
 """

@@ -320,7 +320,7 @@ def _variant_fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse, variants):
     gpu = _checks.check_qkv(fn, q, k, v, dtype)
     scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal)
     _checks.check_outputs(fn, q, {"out": (out, q), "lse": (lse, None)})
-    options = _checks.check_variants(fn, q, gpu, *variants)
+    options = _checks.check_variants(fn, q, gpu, *variants, softmax_scale=scale)
     if not options:
         return _fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse)
     if gpu:
@@ -359,7 +359,7 @@ def _variant_bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal, determinist
     _checks.check_bwd_extras(fn, dout, out, lse, q)
     scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal, deterministic)
     _checks.check_outputs(fn, q, {"dq": (dq, q), "dk": (dk, k), "dv": (dv, v)})
-    options = _checks.check_variants(fn, q, gpu, *variants)
+    options = _checks.check_variants(fn, q, gpu, *variants, softmax_scale=scale)
     if not options:
         return _bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, dq, dk, dv)
     if gpu:

@@ -384,6 +384,11 @@ def _is_real(x) -> bool:
 SOFTCAP_RANGE = (1e-30, 1e30)
 #: window_size entries are key offsets: at most int32.
 WINDOW_MAX = 2**31 - 1
+#: The largest dropout_p: the keep decision is a 32-bit comparison (cupyflash._philox).
+DROPOUT_MAX = 1.0 - 2.0**-32
+F32_MAX = float(np.finfo(np.float32).max)
+#: alibi_slopes and sinks in magnitude: value * log2(e) stays finite in float32.
+VARIANT_VALUE_MAX = 1e30
 
 
 def _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap):
@@ -392,6 +397,9 @@ def _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap):
         fail(TypeError, fn, f"dropout_p must be a float in [0, 1); got {_type_name(dropout_p)}.")
     if not 0.0 <= float(dropout_p) < 1.0:
         fail(ValueError, fn, f"dropout_p must be in [0, 1); got {float(dropout_p)!r}.")
+    if float(dropout_p) > DROPOUT_MAX:
+        fail(ValueError, fn, f"dropout_p must be at most 1 - 2**-32 (the keep decision compares 32-bit "
+                             f"words: a smaller keep fraction cannot be drawn); got {float(dropout_p)!r}.")
     if not _is_real(softcap):
         fail(TypeError, fn, f"softcap must be a float >= 0 (0: off); got {_type_name(softcap)}.")
     if not (math.isfinite(float(softcap)) and float(softcap) >= 0.0):
@@ -429,7 +437,7 @@ def _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap):
 
 
 def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state, *,
-                   batch=None):
+                   batch=None, softmax_scale=None):
     """The variant options of a validated call (issue 13): their forms, and the arrays
     against ``q``.  Returns the keyword arguments of the options that are on
     (those of ``cupyflash.cpu.fwd``/``bwd``; the GPU path takes the same), empty
@@ -437,8 +445,12 @@ def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, si
 
     ``q`` is dense ``(batch, seqlen, nheads, head_dim)``; or, with ``batch`` (the
     number of sequences, ``len(cu_seqlens) - 1``), packed ``(total, nheads,
-    head_dim)`` as in the varlen functions."""
+    head_dim)`` as in the varlen functions.  ``softmax_scale`` (the call's, checked):
+    ``softmax_scale / softcap`` must be finite in float32."""
     window = _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap)
+    if softmax_scale is not None and float(softcap) > 0 and not float(softmax_scale) / float(softcap) < F32_MAX:
+        fail(ValueError, fn, f"softmax_scale / softcap must be finite in float32 (below {F32_MAX:.3g}); got "
+                             f"{float(softmax_scale)!r} / {float(softcap)!r}.")
     batch, nheads = (q.shape[0], q.shape[2]) if batch is None else (batch, q.shape[1])
     kind = _kind(q)
     for name, x, shapes in (("alibi_slopes", alibi_slopes, ((nheads,), (batch, nheads))),
@@ -457,6 +469,9 @@ def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, si
         elif (np.isnan(x).any() or np.isposinf(x).any()) or (name == "alibi_slopes" and not np.isfinite(x).all()):
             rule = "finite" if name == "alibi_slopes" else "finite or -inf (no sink)"
             fail(ValueError, fn, f"{name} must be {rule}; got a NaN or infinite value.")
+        elif x.size and np.abs(x[np.isfinite(x)], dtype=np.float64).max(initial=0.0) > VARIANT_VALUE_MAX:
+            fail(ValueError, fn, f"{name} must be at most {VARIANT_VALUE_MAX:g} in magnitude (its value * log2(e) "
+                                 f"is a float32 in the kernels); got {float(np.abs(x[np.isfinite(x)]).max())!r}.")
     if rng_state is not None:
         try:
             seed, offset = rng_state

@@ -626,7 +626,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                       softmax_scale, causal, num_splits, return_lse, dtype)
         if variants:
             options = _checks.check_variants(_FN, q, plan.gpu, 0.0, window_size, alibi_slopes, softcap, sinks,
-                                             None)
+                                             None, softmax_scale=plan.scale)
         if plan.gpu:
             entry = _ENTRIES.put(key, _gpu_entry(plan, q, k_cache, v_cache, k, v, cache_batch_idx, block_table,
                                                  bool(causal), int(num_splits), dtype, options))

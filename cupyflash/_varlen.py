@@ -215,12 +215,12 @@ def _given(dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state):
     return dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state
 
 
-def _variants(fn, q, gpu, cu_q, variants):
+def _variants(fn, q, gpu, cu_q, variants, scale):
     """The variant options that are on (``cupyflash.cpu``'s keywords), checked against
-    q's heads and the number of sequences."""
+    q's heads, the number of sequences and the scale."""
     if variants is None:
         return {}
-    return _checks.check_variants(fn, q, gpu, *variants, batch=cu_q.shape[0] - 1)
+    return _checks.check_variants(fn, q, gpu, *variants, batch=cu_q.shape[0] - 1, softmax_scale=scale)
 
 
 def _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
@@ -230,7 +230,7 @@ def _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, so
                                     max_seqlen_q, max_seqlen_k, dtype)
     scale = _checks.check_flags(fn, softmax_scale, q.shape[2], causal)
     causal = bool(causal)
-    options = _variants(fn, q, gpu, cu_q, variants)
+    options = _variants(fn, q, gpu, cu_q, variants, scale)
     sinks = options.get("sinks")
     if not gpu:
         if _nothing_to_compute(q, k):
@@ -266,7 +266,7 @@ def _bwd(fn, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     _checks.check_bwd_extras(fn, dout, out, lse, q, packed=True)
     scale = _checks.check_flags(fn, softmax_scale, q.shape[2], causal, deterministic)
     causal, deterministic = bool(causal), bool(deterministic)
-    options = _variants(fn, q, gpu, cu_q, variants)
+    options = _variants(fn, q, gpu, cu_q, variants, scale)
     sinks = options.get("sinks")
     if not gpu:
         if _nothing_to_compute(q, k):

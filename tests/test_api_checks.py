@@ -8,6 +8,7 @@ records its calls.  The real ``_gpu`` is never imported here.
 from __future__ import annotations
 
 import math
+import re
 import sys
 import types
 
@@ -326,3 +327,20 @@ def test_gpu_dtypes_table():
     assert _checks.GPU_DTYPES == ("float16", "bfloat16")  # bfloat16 as uint16/int16 + dtype=
     assert _checks.GPU_STORAGE_DTYPES == ("uint16", "int16")
     assert set(_checks.CPU_DTYPES) == {"float16", "bfloat16", "float32", "float64"}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"sinks": np.full(2, 3e38, np.float32)}, "sinks must be at most 1e+30 in magnitude"),
+    ({"alibi_slopes": np.full(2, -3e38, np.float32)}, "alibi_slopes must be at most 1e+30 in magnitude"),
+    ({"softcap": 1e-30, "softmax_scale": 1e10}, "softmax_scale / softcap must be finite in float32"),
+    ({"dropout_p": 1 - 2**-40, "rng_state": (1, 2)}, "dropout_p must be at most 1 - 2**-32"),
+])
+def test_variant_values_outside_float32_reach_are_refused(kwargs, message):
+    """Values each within their own rule whose products in the kernels' float32 would
+    overflow (sink * log2(e), slope * log2(e), scale / softcap), or a keep fraction a
+    32-bit comparison cannot draw: ValueError, not NaN or a wrong lse."""
+    q = np.random.default_rng(0).standard_normal((1, 4, 2, 8)).astype(np.float32)
+    for fn in ("flash_attn_fwd", "flash_attn"):
+        with pytest.raises(ValueError, match=re.escape(f"cupyflash.{fn}: {message}")):
+            getattr(cupyflash, fn)(q, q, q, **kwargs)
+    cupyflash.flash_attn_fwd(q, q, q, sinks=np.full(2, -np.inf, np.float32))  # -inf: no sink, still taken
