@@ -65,11 +65,8 @@ class FwdCall:
         if self.scratch_bytes:
             owner, base = alloc(self.scratch_bytes)
             out_accum, lse_accum = (base + o for o in self._accum_offsets)
-        if var is None:
-            self._launcher(stream, q, k, v, out, lse, out_accum, lse_accum, cu_seqlens_q, cu_seqlens_k, seqused_k)
-        else:
-            self._launcher.call_variant(stream, var, q, k, v, out, lse, out_accum, lse_accum, cu_seqlens_q,
-                                        cu_seqlens_k, seqused_k)
+        self._launcher(stream, q, k, v, out, lse, out_accum, lse_accum, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                       var=var)
         return owner
 
 
@@ -147,24 +144,30 @@ def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqle
                         (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
 
 
-def _run_fwd(q, k, v, softmax_scale, causal, dtype, out, lse, packed):
-    """``packed``: None for a dense batch, else (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+def _run_fwd(q, k, v, softmax_scale, causal, dtype, out, lse, packed, options=None):
+    """``packed``: None for a dense batch, else (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+    ``options``: the variants on (``_checks.check_variants``'s), or None."""
     import cupy  # noqa: PLC0415
 
     device_id = q.data.device_id
     dims = None if packed is None else (packed[0].shape[0] - 1, int(packed[2]), int(packed[3]))
     dtype_name = _storage_dtype_name(q, dtype)
     key = (_launch.geometry(q, k, v, out, lse), device_id, softmax_scale, causal, dtype_name, dims)
+    var = None
+    if options:
+        options = _variant.contiguous(options)
+        key += (_variant.plan_key(options),)
+        var = _variant.call_values(options)
     call = PLANS.get_or_make(key, lambda: plan_fwd(
         q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, dtype_name=dtype_name,
-        device_id=device_id, packed=dims))
+        device_id=device_id, packed=dims, options=options))
     if out is None:
         out = cupy.empty(call.out_shape, dtype=q.dtype)
     if lse is None:
         lse = cupy.empty(call.lse_shape, dtype=np.float32)
     cu = (0, 0) if packed is None else (packed[0].data.ptr, packed[1].data.ptr)
     call.run(cupy.cuda.get_current_stream().ptr, _launch.cupy_alloc, q.data.ptr, k.data.ptr, v.data.ptr,
-             out.data.ptr, lse.data.ptr, *cu)
+             out.data.ptr, lse.data.ptr, *cu, var=var)
     return out, lse
 
 
@@ -172,23 +175,8 @@ def variant_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_
                 packed=None):
     """A forward with variants on the GPU (``options``: ``_checks.check_variants``'s,
     not empty); ``packed`` as in :func:`_run_fwd`. Returns ``(out, lse)``."""
-    import cupy  # noqa: PLC0415
-
     with q.device:
-        options = _variant.contiguous(options)
-        device_id = q.data.device_id
-        dims = None if packed is None else (packed[0].shape[0] - 1, int(packed[2]), int(packed[3]))
-        key = (_launch.geometry(q, k, v, out, lse), device_id, softmax_scale, causal, dtype_name, dims,
-               _variant.plan_key(options))
-        call = PLANS.get_or_make(key, lambda: plan_fwd(
-            q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, dtype_name=dtype_name,
-            device_id=device_id, packed=dims, options=options))
-        out = cupy.empty(call.out_shape, dtype=q.dtype) if out is None else out
-        lse = cupy.empty(call.lse_shape, dtype=np.float32) if lse is None else lse
-        cu = (0, 0) if packed is None else (packed[0].data.ptr, packed[1].data.ptr)
-        call.run(cupy.cuda.get_current_stream().ptr, _launch.cupy_alloc, q.data.ptr, k.data.ptr, v.data.ptr,
-                 out.data.ptr, lse.data.ptr, *cu, var=_variant.call_values(options))
-        return out, lse
+        return _run_fwd(q, k, v, softmax_scale, causal, dtype_name, out, lse, packed, options)
 
 
 PLANS = _launch.PlanCache()

@@ -72,10 +72,7 @@ class BwdCall:
         pointers = (q, k, v, out, dout, dq, dk, dv, lse, base + o_log2, base + o_delta,
                     base + o_dq if self._has_dq_accum else 0, base + o_dkv if self._has_dkv_accum else 0,
                     cu_seqlens_q, cu_seqlens_k)
-        if var is None:
-            self._launcher(stream, *pointers)
-        else:
-            self._launcher.call_variant(stream, var, *pointers)
+        self._launcher(stream, *pointers, var=var)
         return owner
 
 
@@ -133,27 +130,9 @@ def variant_bwd(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, 
     """A backward with variants on the GPU (``options`` not empty); ``packed`` as in
     :func:`_run_bwd`. Returns ``(dq, dk, dv)``, and ``dsinks`` (float32
     ``(nheads_q,)``, summed over the batch and rows) when sinks are on."""
-    import cupy  # noqa: PLC0415
-
     with q.device:
-        options = _variant.contiguous(options)
-        device_id = q.data.device_id
-        dims = None if packed is None else (packed[0].shape[0] - 1, int(packed[2]), int(packed[3]))
-        key = (_launch.geometry(dout, q, k, v, out, lse, dq, dk, dv), device_id, softmax_scale, causal,
-               deterministic, dtype_name, dims, _variant.plan_key(options))
-        call = PLANS.get_or_make(key, lambda: plan_bwd(
-            dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
-            deterministic=deterministic, dtype_name=dtype_name, device_id=device_id, packed=dims,
-            options=options))
-        dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
-        dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
-        dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
-        dsinks = cupy.zeros(q.shape[-2], dtype=cupy.float32) if "sinks" in options else None
-        cu = (0, 0) if packed is None else (packed[0].data.ptr, packed[1].data.ptr)
-        call.run(cupy.cuda.get_current_stream().ptr, _launch.cupy_alloc, dout.data.ptr, q.data.ptr, k.data.ptr,
-                 v.data.ptr, out.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, *cu,
-                 var=_variant.call_values(options, 0 if dsinks is None else dsinks.data.ptr))
-        return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
+        return _run_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype_name, packed,
+                        dq, dk, dv, options)
 
 
 PLANS = _launch.PlanCache()
@@ -191,27 +170,36 @@ def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                         (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), None, None, None)
 
 
-def _run_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, packed, dq, dk, dv):
-    """``packed``: None for a dense batch, else (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+def _run_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, packed, dq, dk, dv,
+             options=None):
+    """``packed``: None for a dense batch, else (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+    ``options``: the variants on, or None (with sinks the result ends with ``dsinks``)."""
     import cupy  # noqa: PLC0415
 
     if q.size == 0 or k.size == 0:  # nothing sees anything: every gradient is 0
         grads = tuple(cupy.zeros(x.shape, dtype=x.dtype) if g is None else g for g, x in ((dq, q), (dk, k), (dv, v)))
         for g in grads:
             g.fill(0)
-        return grads
+        return grads + ((cupy.zeros(q.shape[-2], dtype=cupy.float32),) if options and "sinks" in options else ())
     device_id = q.data.device_id
     dims = None if packed is None else (packed[0].shape[0] - 1, int(packed[2]), int(packed[3]))
     dtype_name = dtype if dtype is not None else q.dtype.name
     key = (_launch.geometry(dout, q, k, v, out, lse, dq, dk, dv), device_id, softmax_scale, causal,
            deterministic, dtype_name, dims)
+    dsinks = var = None
+    if options:
+        options = _variant.contiguous(options)
+        key += (_variant.plan_key(options),)
+        if "sinks" in options:
+            dsinks = cupy.zeros(q.shape[-2], dtype=cupy.float32)
+        var = _variant.call_values(options, 0 if dsinks is None else dsinks.data.ptr)
     call = PLANS.get_or_make(key, lambda: plan_bwd(
         dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
-        deterministic=deterministic, dtype_name=dtype_name, device_id=device_id, packed=dims))
+        deterministic=deterministic, dtype_name=dtype_name, device_id=device_id, packed=dims, options=options))
     dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
     dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
     dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
     cu = (0, 0) if packed is None else (packed[0].data.ptr, packed[1].data.ptr)
     call.run(cupy.cuda.get_current_stream().ptr, _launch.cupy_alloc, dout.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr,
-             out.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, *cu)
-    return dq, dk, dv
+             out.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, *cu, var=var)
+    return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)

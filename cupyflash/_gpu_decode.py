@@ -56,13 +56,8 @@ class DecodeCall:
         if self.scratch_bytes:
             owner, base = alloc(self.scratch_bytes)
             out_accum, lse_accum = (base + o for o in self._accum_offsets)
-        if var is None:
-            self._launcher(stream, q, k_cache, v_cache, k_new, v_new, out, lse, out_accum, lse_accum, cache_seqlens,
-                           cache_batch_idx, block_table, seqused_k_out, cache_seqlen)
-        else:
-            self._launcher.call_variant(stream, var, q, k_cache, v_cache, k_new, v_new, out, lse, out_accum,
-                                        lse_accum, cache_seqlens, cache_batch_idx, block_table, seqused_k_out,
-                                        cache_seqlen)
+        self._launcher(stream, q, k_cache, v_cache, k_new, v_new, out, lse, out_accum, lse_accum, cache_seqlens,
+                       cache_batch_idx, block_table, seqused_k_out, cache_seqlen, var=var)
         return owner
 
 

@@ -169,7 +169,7 @@ class Launcher:
 
     def __init__(self, launches, template: bytes, writer, variant=None):
         """``variant``: ``(offset, writer)`` of the struct's ``var`` member and the
-        writer of its per-call fields (:mod:`._variant`), for :meth:`call_variant`."""
+        writer of its per-call fields (:mod:`._variant`), for calls with ``var``."""
         import cupy  # noqa: PLC0415
 
         self._launch_kernel = cupy.cuda.driver.launchKernel
@@ -185,19 +185,14 @@ class Launcher:
                                                                                   variant[1].struct.pack_into)
         self._lock = threading.Lock()
 
-    def __call__(self, stream: int, *pointers: int) -> None:
-        """Launch every kernel on ``stream`` with the pointer fields set to ``pointers``."""
+    def __call__(self, stream: int, *pointers: int, var=None) -> None:
+        """Launch every kernel on ``stream`` with the pointer fields set to ``pointers``
+        and, when ``var`` is given (a plan with variants), the ``var`` member's per-call
+        fields to ``var`` (``_variant.call_values``)."""
         launch, argv = self._launch_kernel, self._argv_address
         with self._lock:
             self._pack_into(self._buffer, 0, *pointers)
-            for func, gx, gy, gz, bx, by, bz, smem in self._kernels:
-                launch(func, gx, gy, gz, bx, by, bz, smem, stream, argv, 0)
-
-    def call_variant(self, stream: int, var_values, *pointers: int) -> None:
-        """:meth:`__call__` with the ``var`` member's per-call fields set to ``var_values`` too."""
-        launch, argv = self._launch_kernel, self._argv_address
-        with self._lock:
-            self._pack_into(self._buffer, 0, *pointers)
-            self._var_pack_into(self._buffer, self._var_offset, *var_values)
+            if var is not None:
+                self._var_pack_into(self._buffer, self._var_offset, *var)
             for func, gx, gy, gz, bx, by, bz, smem in self._kernels:
                 launch(func, gx, gy, gz, bx, by, bz, smem, stream, argv, 0)

@@ -101,9 +101,9 @@ def launches(monkeypatch):
     names = []
     real_call = _launch.Launcher.__call__
 
-    def call(self, stream, *pointers):
+    def call(self, stream, *pointers, var=None):
         names.extend(spec.template.rsplit("::", 1)[1] for spec in self.launches)
-        real_call(self, stream, *pointers)
+        real_call(self, stream, *pointers, var=var)
 
     monkeypatch.setattr(_launch.Launcher, "__call__", call)
     return names

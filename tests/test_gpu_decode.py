@@ -433,18 +433,14 @@ def variant_launches(monkeypatch):
     from cupyflash import _launch
 
     names = []
-    real_call, real_variant = _launch.Launcher.__call__, _launch.Launcher.call_variant
+    real_call = _launch.Launcher.__call__
 
-    def call(self, stream, *pointers):
-        names.extend(spec.template.rsplit("::", 1)[1] for spec in self.launches)
-        real_call(self, stream, *pointers)
-
-    def call_variant(self, stream, var, *pointers):
-        names.extend("variant:" + spec.template.rsplit("::", 1)[1] for spec in self.launches)
-        real_variant(self, stream, var, *pointers)
+    def call(self, stream, *pointers, var=None):
+        prefix = "" if var is None else "variant:"
+        names.extend(prefix + spec.template.rsplit("::", 1)[1] for spec in self.launches)
+        real_call(self, stream, *pointers, var=var)
 
     monkeypatch.setattr(_launch.Launcher, "__call__", call)
-    monkeypatch.setattr(_launch.Launcher, "call_variant", call_variant)
     return names
 
 

@@ -89,14 +89,14 @@ def _run_preprocess(monkeypatch, rows, head_dim, zero_dq, call):
             seen.extend(pre)
             super().__init__(pre, template, writer, variant)
 
-        def __call__(self, stream, *pointers):
+        def __call__(self, stream, *pointers, var=None):
             p = list(pointers)
             p[names.index("delta")], p[names.index("lse_log2")] = delta.ptr, lse_log2.ptr
             planned = bool(p[names.index("dq_accum")])  # deterministic mode, and Hopper at D=64, have none
             assert planned or not zero_dq or head_dim <= 64
             used.append(planned and dq_accum is not None)
             p[names.index("dq_accum")] = dq_accum.ptr if used[-1] else 0
-            super().__call__(stream, *p)
+            super().__call__(stream, *p, var=var)
 
     monkeypatch.setattr(_launch, "Launcher", PreprocessOnly)
     monkeypatch.setattr(_gpu_bwd, "PLANS", _launch.PlanCache())  # plans made here stay here

@@ -110,3 +110,33 @@ def test_the_pointer_fields_lead_both_structs():
     assert _gpu.FWD_POINTERS == tuple(n for n in _params.FWD_PARAMS.names if _params.FWD_PARAMS[n] == np.uint64)
     assert _gpu_bwd.BWD_POINTERS == tuple(n for n in _params.BWD_PARAMS.names
                                           if _params.BWD_PARAMS[n] == np.uint64)
+
+
+def test_launcher_writes_the_variant_fields_of_a_call_with_var():
+    """A call with ``var`` sets VariantParams' per-call fields in the struct it launches with
+    (at the ``var`` member's offset) and nothing else of it; a plain call leaves them."""
+    import ctypes
+    import threading
+
+    from cupyflash import _gpu, _launch, _variant
+
+    mirror = _params.FWD_PARAMS
+    fields = dict(_params.VARIANT_OFF, window_left=7, softcap_log2=2.5)
+    template = _params.pack(mirror, **{n: 3 for n in mirror.names if n != "var"}, var=fields)
+    launcher = object.__new__(_launch.Launcher)  # no kernels: a driver that records the struct
+    seen = []
+    launcher._launch_kernel = lambda *args: seen.append(bytes(launcher._buffer))
+    launcher._kernels = ((None, 1, 1, 1, 1, 1, 1, 0),)
+    launcher._buffer = ctypes.create_string_buffer(template, len(template))
+    launcher._argv_address = 0
+    launcher._pack_into = _gpu._FWD_WRITER.struct.pack_into
+    launcher._var_offset, launcher._var_pack_into = _gpu._VAR_WRITER[0], _variant.WRITER.struct.pack_into
+    launcher._lock = threading.Lock()
+    pointers = tuple(range(101, 101 + len(_gpu.FWD_POINTERS)))
+    launcher(0, *pointers, var=(11, 12, 13, 2**40 + 5, 9))
+    launcher(0, *pointers)
+    with_var, plain = (np.frombuffer(b[:mirror.itemsize], dtype=mirror)[0] for b in seen)
+    assert [with_var["var"][n] for n in _params.VARIANT_PER_CALL] == [11, 12, 13, 2**40 + 5, 9]
+    assert with_var["var"]["window_left"] == 7 and with_var["var"]["softcap_log2"] == 2.5
+    assert [with_var[n] for n in _gpu.FWD_POINTERS] == list(pointers) and with_var["batch"] == 3
+    assert bytes(plain) == bytes(with_var)  # the last call's values stay until a call sets others
