@@ -528,6 +528,8 @@ def _bwd_tiles(d: int, causal: bool, deterministic: bool, vec: bool) -> tuple[tu
 #     variants; softcap's 1 − tanh² (dS needs the raw S after dP) spills 8 bytes
 #     there, dropout's Philox rounds ~400; the 64x128 tile takes 187-252 registers.
 #   dropout: the D=32 128x128 tile of the default mode (causal: 16 bytes on sm_90).
+#   softcap: the D=128 64x128 tile of the default mode (causal, sm_80 under NVRTC 13.0:
+#     8 bytes at 255 registers; run 52), for the GPUs whose D=128 backward is mma.sync.
 # Deterministic dQ tiles per variant bit and head_dim, in place of _BWD_DQ_TILES[d]
 # (the first bit of a plan's set found here decides):
 #   dropout at D=32 and D=64: 128 keys per tile (S, dP 64 registers each) spill
@@ -535,7 +537,7 @@ def _bwd_tiles(d: int, causal: bool, deterministic: bool, vec: bool) -> tuple[tu
 #   window at D=96: 64 keys spill 4 bytes on sm_90 (causal, at 168 registers: a
 #     ptxas choice); 32 keys take ~153.
 _BWD_VARIANT_TILE_SPILLS: dict[int, set[tuple[int, tuple[int, ...], bool]]] = {
-    VAR_SOFTCAP: {(64, _BWD_TILES[64][0], True)},
+    VAR_SOFTCAP: {(64, _BWD_TILES[64][0], True), (128, _BWD_TILES[128][0], False)},
     VAR_DROPOUT: {(64, _BWD_TILES[64][0], True), (32, _BWD_TILES[32][0], False)},
 }
 _BWD_DQ_VARIANT_TILES: dict[int, dict[int, tuple[tuple[int, int, int], ...]]] = {
