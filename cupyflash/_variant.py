@@ -11,25 +11,51 @@ the arrays' pointers and the dropout state change per call
 from __future__ import annotations
 
 from . import _params, dispatch
-from ._launch import LOG2E
+from ._launch import LOG2E, Contiguous
 from ._philox import dropout_threshold
 
 #: Writes VariantParams' per-call fields (``_params.VARIANT_PER_CALL``).
 WRITER = _params.FieldWriter(_params.VARIANT_PARAMS, _params.VARIANT_PER_CALL)
 
 
+def _bias_storage(options):
+    bias = options.get("attn_bias")
+    if bias is None:
+        return None
+    return "float32" if bias.dtype.itemsize == 4 else "element"
+
+
 def bits(options) -> int:
     """The kernels' VARIANT template argument for ``options``."""
     return dispatch.variant_bits(window="window_size" in options, softcap="softcap" in options,
                                  alibi="alibi_slopes" in options, sinks="sinks" in options,
-                                 dropout="dropout_p" in options)
+                                 dropout="dropout_p" in options, bias=_bias_storage(options),
+                                 mask="attn_mask" in options)
+
+
+def broadcast_strides(x) -> tuple[int, int, int, int]:
+    """(batch, head, row, col) strides in elements of a 4-D bias, mask or dbias
+    (``_checks.check_variants``' left-padded form) read as broadcast to the full
+    (batch, nheads_q, seqlen_q, seqlen_k): 0 along its size-1 dimensions."""
+    return tuple(0 if n == 1 else s // x.itemsize for n, s in zip(x.shape, x.strides))
+
+
+def dbias_shape(options):
+    """The 4-D shape of the backward's fp32 dbias (the bias's), or None without one."""
+    return options["attn_bias"].shape if options.get("return_dbias") else None
 
 
 def plan_key(options) -> tuple:
-    """What a plan depends on: the variants on and their scalars (no arrays)."""
+    """What a plan depends on: the variants on and their scalars (no arrays but the
+    bias's and mask's broadcast strides)."""
     alibi = options.get("alibi_slopes")
-    return (bits(options), options.get("window_size"), options.get("softcap"), options.get("dropout_p"),
-            None if alibi is None else alibi.ndim)
+    key = (bits(options), options.get("window_size"), options.get("softcap"), options.get("dropout_p"),
+           None if alibi is None else alibi.ndim)
+    if "attn_bias" in options or "attn_mask" in options:
+        key += tuple(None if x is None else broadcast_strides(x)
+                     for x in (options.get("attn_bias"), options.get("attn_mask")))
+        key += (dbias_shape(options),)
+    return key
 
 
 def plan_fields(options, softmax_scale: float, nheads_q: int) -> dict:
@@ -46,27 +72,23 @@ def plan_fields(options, softmax_scale: float, nheads_q: int) -> dict:
     if "dropout_p" in options:
         fields["dropout_threshold"] = dropout_threshold(options["dropout_p"])
         fields["dropout_scale"] = 1.0 / (1.0 - options["dropout_p"])
+    arrays = {"bias": options.get("attn_bias"), "mask": options.get("attn_mask")}
+    shape = dbias_shape(options)
+    if shape is not None:  # fp32, C-contiguous in the bias's 4-D shape (the backward allocates it)
+        arrays["dbias"] = Contiguous(shape, 4)
+    for name, x in arrays.items():
+        if x is not None:
+            for axis, stride in zip(("batch", "head", "row", "col"), broadcast_strides(x)):
+                fields[f"{name}_{axis}_stride"] = stride
     return fields
 
 
-def contiguous(options):
-    """``options`` with the slopes and sinks as C-contiguous device arrays (the kernels
-    read them with unit head stride, and ``(batch, nheads_q)`` slopes with batch stride
-    ``nheads_q``): a view is copied, a contiguous array kept as it is."""
-    import cupy  # noqa: PLC0415
 
-    out = options
-    for name in ("alibi_slopes", "sinks"):
-        x = options.get(name)
-        if x is not None and not x.flags.c_contiguous:
-            out = {**out, name: cupy.ascontiguousarray(x)}
-    return out
-
-
-def call_values(options, dsinks: int = 0) -> tuple[int, int, int, int, int]:
-    """VariantParams' per-call fields: the slopes' and sinks' pointers, ``dsinks``
-    (the backward's output pointer, or 0), and the dropout seed and offset."""
-    alibi, sinks = options.get("alibi_slopes"), options.get("sinks")
+def call_values(options, dsinks: int = 0, dbias: int = 0) -> tuple[int, ...]:
+    """VariantParams' per-call fields (``_params.VARIANT_PER_CALL``): the slopes',
+    sinks', bias's and mask's pointers, ``dsinks`` and ``dbias`` (the backward's
+    output pointers, or 0), and the dropout seed and offset."""
+    ptr = [0 if x is None else x.data.ptr for x in (options.get(name) for name in
+                                                   ("alibi_slopes", "sinks", "attn_bias", "attn_mask"))]
     seed, offset = options.get("rng_state", (0, 0))
-    return (0 if alibi is None else alibi.data.ptr, 0 if sinks is None else sinks.data.ptr, dsinks,
-            seed, offset)
+    return (ptr[0], ptr[1], dsinks, ptr[2], ptr[3], dbias, seed, offset)

@@ -26,15 +26,21 @@ ARCHS = ((8, 0), (9, 0))
 #: The variant bits of the kernels' VARIANT template argument (kernels_cu/variant.cuh,
 #: compared with it in tests/test_dispatch.py).
 VAR_WINDOW, VAR_SOFTCAP, VAR_ALIBI, VAR_SINKS, VAR_DROPOUT = 1, 2, 4, 8, 16
+#: Issue 14: an additive bias in q's dtype or in float32 (one of the two), a bool mask.
+VAR_BIAS, VAR_BIAS_FP32, VAR_MASK = 32, 64, 128
 VARIANT_BITS = {"window": VAR_WINDOW, "softcap": VAR_SOFTCAP, "alibi": VAR_ALIBI, "sinks": VAR_SINKS,
-                "dropout": VAR_DROPOUT}
+                "dropout": VAR_DROPOUT, "bias": VAR_BIAS, "bias_fp32": VAR_BIAS_FP32, "mask": VAR_MASK}
 
 
 def variant_bits(*, window: bool = False, softcap: bool = False, alibi: bool = False, sinks: bool = False,
-                 dropout: bool = False) -> int:
-    """The VARIANT template argument for the variants switched on."""
+                 dropout: bool = False, bias: str | None = None, mask: bool = False) -> int:
+    """The VARIANT template argument for the variants switched on; ``bias``: None, or
+    the bias's storage ``"element"`` (q's dtype) or ``"float32"``."""
+    if bias not in (None, "element", "float32"):
+        raise ValueError(f"bias must be None, 'element' or 'float32'; got {bias!r}")
     return ((VAR_WINDOW if window else 0) | (VAR_SOFTCAP if softcap else 0) | (VAR_ALIBI if alibi else 0)
-            | (VAR_SINKS if sinks else 0) | (VAR_DROPOUT if dropout else 0))
+            | (VAR_SINKS if sinks else 0) | (VAR_DROPOUT if dropout else 0)
+            | {None: 0, "element": VAR_BIAS, "float32": VAR_BIAS_FP32}[bias] | (VAR_MASK if mask else 0))
 
 # Forward tiles per padded head_dim, (BLOCK_M, BLOCK_N, NUM_WARPS), for
 # (non-causal, causal). Each warp owns BLOCK_M / NUM_WARPS query rows; two m16

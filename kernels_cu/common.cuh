@@ -10,6 +10,7 @@ using int32 = int;
 using int64 = long long;
 using uint32 = unsigned int;
 using uint64 = unsigned long long;
+using uint8 = unsigned char;
 
 // NVRTC has no <cmath>/<type_traits>: the few pieces we need, spelled out.
 #define NEG_INF (-__int_as_float(0x7f800000))

@@ -350,7 +350,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     //      which those outside [mb.unmasked_begin, mb.unmasked_end) need the mask (the
     //      causal diagonal and the window's edges; every one for the key tail block).
     //      Without a window the masked ones are a prefix, [mb.begin, m_masked_end).
-    using Scores = BwdScores<IS_CAUSAL, VARIANT>;
+    using Scores = BwdScores<IS_CAUSAL, VARIANT, T>;
     const BlockRange mb = Mask<IS_CAUSAL, VARIANT>(p.var, seq.seqlen_q, seq.seqlen_k)
                               .query_blocks(n0, BLOCK_N, keys_valid, BLOCK_M, ceil_div(seq.seqlen_q, BLOCK_M));
     const int m_begin = mb.begin;
@@ -607,7 +607,7 @@ flash_bwd_dq_kernel(const BwdParams p) {
     // The variant's mask, scores and dropout for (b, h) (variant.cuh), and the key blocks
     // these rows see: [blocks.begin, blocks.end), those outside [blocks.unmasked_begin,
     // blocks.unmasked_end) masked.
-    using Scores = BwdScores<IS_CAUSAL, VARIANT>;
+    using Scores = BwdScores<IS_CAUSAL, VARIANT, T>;
     const Scores scores(p.var, p.softmax_scale_log2, b, h, p.nheads_q, seq.seqlen_q, seq.seqlen_k);
     const BlockRange blocks = scores.mask.key_blocks(m0, BLOCK_M, BLOCK_N);
 

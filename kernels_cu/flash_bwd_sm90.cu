@@ -254,7 +254,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         SeqLens sl{};
         if constexpr (MASKED || ALIBI) sl = seq_slot.load();
         const Mask<IS_CAUSAL, VARIANT> mask(p.var, sl.seqlen_q, sl.seqlen_k);
-        const ScoreMod<VARIANT> mod(p.var, p.softmax_scale_log2, b, h, sl.seqlen_q, sl.seqlen_k);
+        const ScoreMod<VARIANT, T> mod(p.var, p.softmax_scale_log2, b, h, sl.seqlen_q, sl.seqlen_k);
         KeyRows<IS_CAUSAL, VARIANT> key_rows[2] = {{mask, n0 + key_row0}, {mask, n0 + key_row0 + 8}};
         [[maybe_unused]] float pd[M_TILES][4];  // softcap: P·(1 − tanh²), dS's factor in place of P
 #pragma unroll
@@ -530,7 +530,7 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
 
     const BlockRange blocks =
         Mask<IS_CAUSAL, VARIANT>(p.var, seq.seqlen_q, seq.seqlen_k).key_blocks(m0, BLOCK_M, BLOCK_N);
-    const ScoreMod<VARIANT> mod(p.var, p.softmax_scale_log2, b, h, seq.seqlen_q, seq.seqlen_k);
+    const ScoreMod<VARIANT, T> mod(p.var, p.softmax_scale_log2, b, h, seq.seqlen_q, seq.seqlen_k);
 
     // This thread's fragment rows r0, r0 + 8 of the block; their lse_log2 and
     // delta (0 past seqlen_q, like Q and dO: see flash_bwd.cu).

@@ -330,7 +330,7 @@ flash_decode_kernel(const DecodeParams p) {
     // Row r_lane + 8 h is of head head_of(h), with its own score modifier (ALiBi slope).
     auto head_of = [&](int h) { return h_kv * p.group + (r_lane + 8 * h) % p.group; };
     auto make_mod = [&](int h) {
-        return ScoreMod<VARIANT>(p.var, p.softmax_scale_log2, b, head_of(h), p.seqlen_q, seqlen_k);
+        return ScoreMod<VARIANT, T>(p.var, p.softmax_scale_log2, b, head_of(h), p.seqlen_q, seqlen_k);
     };
     // The sink joins the rows' softmax in one partial: warp column 0 of split 0.
     constexpr bool SINKS = (VARIANT & VAR_SINKS) != 0;

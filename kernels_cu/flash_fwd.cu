@@ -83,7 +83,7 @@ flash_fwd_kernel(const FwdParams p) {
         blocks.end = min(blocks.end, int(blockIdx.y + 1) * p.n_blocks_per_split);
         blocks.clamp();
     }
-    const ScoreMod<VARIANT> mod(p.var, p.softmax_scale_log2, tc.b, tc.h, seq.seqlen_q, seq.seqlen_k);
+    const ScoreMod<VARIANT, T> mod(p.var, p.softmax_scale_log2, tc.b, tc.h, seq.seqlen_q, seq.seqlen_k);
     // The sink joins the rows of one split only.
     const float sink = blockIdx.y == 0 ? sink_log2<VARIANT>(p.var, tc.h) : NEG_INF;
 

@@ -75,7 +75,7 @@ flash_fwd_sm90_kernel(const FwdParams p) {
     if (m0 >= seq.seqlen_q) return;  // past the end of a shorter sequence of a packed batch
     const Mask<IS_CAUSAL, VARIANT> mask(p.var, seq.seqlen_q, seq.seqlen_k);
     const BlockRange blocks = mask.key_blocks(m0, BLOCK_M, BLOCK_N);
-    const ScoreMod<VARIANT> mod(p.var, p.softmax_scale_log2, b, h, seq.seqlen_q, seq.seqlen_k);
+    const ScoreMod<VARIANT, T> mod(p.var, p.softmax_scale_log2, b, h, seq.seqlen_q, seq.seqlen_k);
     const float sink = sink_log2<VARIANT>(p.var, h);
     // This thread's fragment rows within the block: r0 and r0 + 8.
     const int r0 = wg * 64 + (warp % 4) * 16 + g;

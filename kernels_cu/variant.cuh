@@ -18,6 +18,8 @@
 //            causal is right = 0; every row sees only j < seqlen_k
 //   sinks    a logit sinks[h] that joins each row's denominator with no value
 //   dropout  each probability kept iff its Philox word >= threshold, scaled by 1/(1-p)
+//   bias     u += attn_bias[b, h, i, j] (after softcap and ALiBi; -inf masks)
+//   mask     row i sees key j only where attn_mask[b, h, i, j] (and the rules above)
 // Scores are kept in log2 units, x = u · log2(e), computed once per element; the
 // online softmax subtracts the row maximum of those same rounded values, so the
 // largest term of a row is exactly exp2(0) = 1 at any logit magnitude.
@@ -32,6 +34,9 @@ constexpr int VAR_SOFTCAP = 2;  // tanh logit softcap
 constexpr int VAR_ALIBI = 4;    // ALiBi slopes
 constexpr int VAR_SINKS = 8;    // attention sinks
 constexpr int VAR_DROPOUT = 16; // Philox dropout
+constexpr int VAR_BIAS = 32;     // additive bias in the kernel's element type (issue 14)
+constexpr int VAR_BIAS_FP32 = 64; // additive bias in float32 (not with VAR_BIAS)
+constexpr int VAR_MASK = 128;    // boolean keep-mask
 
 // The variants' runtime arguments, one member `var` of every params struct
 // (mirrored as VARIANT_PARAMS in cupyflash/_params.py). Fields of a variant that
@@ -41,11 +46,20 @@ struct VariantParams {
     const float* alibi_slopes;  // (batch, nheads_q) fp32, batch stride alibi_batch_stride (0: (nheads_q,))
     const float* sinks;         // (nheads_q,) fp32, natural-log units
     float* dsinks;              // backward: (nheads_q,) fp32, zeroed, summed into; null otherwise
+    const void* attn_bias;      // (batch, nheads_q, seqlen_q, seqlen_k) at the bias strides (0: broadcast),
+                                // the kernel's element type (VAR_BIAS) or fp32 (VAR_BIAS_FP32)
+    const uint8* attn_mask;     // bool, the same form at the mask strides; 0 = masked
+    float* dbias;               // backward: fp32 at the dbias strides, zeroed, dS summed into; null otherwise
     uint64 dropout_seed;        // Philox key: (seed & 0xffffffff, seed >> 32)
     uint32 dropout_offset;      // Philox counter word 3
     // per plan
     uint32 dropout_threshold;   // keep iff word >= threshold (floor(p * 2^32))
     int64 alibi_batch_stride;   // in elements
+    // (batch, head, row, col) strides in elements of attn_bias, attn_mask and dbias;
+    // a broadcast dimension has stride 0
+    int64 bias_batch_stride, bias_head_stride, bias_row_stride, bias_col_stride;
+    int64 mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
+    int64 dbias_batch_stride, dbias_head_stride, dbias_row_stride, dbias_col_stride;
     int32 window_left;          // keys before the diagonal a row sees; -1: unbounded
     int32 window_right;         // keys after it; -1: unbounded (causal forces 0)
     float softcap_log2;         // softcap·log2(e), softcap > 0
@@ -139,27 +153,59 @@ __device__ __forceinline__ float fast_tanh(float x) {
     return y;
 }
 
+template <bool C, typename A, typename B> struct Select { using type = A; };
+template <typename A, typename B> struct Select<false, A, B> { using type = B; };
+
+__device__ __forceinline__ float load_float(const float* p) { return __ldg(p); }
+__device__ __forceinline__ float load_float(const __half* p) { return __half2float(__ldg(p)); }
+__device__ __forceinline__ float load_float(const __nv_bfloat16* p) {
+    return __uint_as_float(uint32(__ldg(reinterpret_cast<const unsigned short*>(p))) << 16);
+}
+
 // Raw q·k -> the score in log2 units, for the rows of one (batch, head). The
-// scales stay references to the kernel's params (constant-bank operands, no
-// registers); only ALiBi's per-head slope is held.
-template <int VARIANT>
+// scales and strides stay references to the kernel's params (constant-bank
+// operands, no registers); only ALiBi's per-head slope and the bias/mask/dbias
+// pointers of this (batch, head) are held. T: the kernel's element type (a
+// VAR_BIAS bias has it).
+//
+// Bias and mask are read at (row, col) clamped into the sequence: rows past
+// seqlen_q (a tail block's, never stored) and keys past seqlen_k (masked by Mask)
+// read a valid element instead of branching.
+template <int VARIANT, typename T>
 struct ScoreMod {
     static constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0;
     static constexpr bool ALIBI = (VARIANT & VAR_ALIBI) != 0;
+    static constexpr bool BIAS = (VARIANT & (VAR_BIAS | VAR_BIAS_FP32)) != 0;
+    static constexpr bool MASK = (VARIANT & VAR_MASK) != 0;
+    static constexpr bool BIAS_OR_MASK = BIAS || MASK;
+    using BiasT = typename Select<(VARIANT & VAR_BIAS_FP32) != 0, float, T>::type;
     const VariantParams& v;
     const float& softmax_scale_log2;
-    float slope_log2;  // alibi slope·log2(e) (alibi only)
-    int off;           // seqlen_k - seqlen_q (alibi only)
+    float slope_log2;      // alibi slope·log2(e) (alibi only)
+    int off;               // seqlen_k - seqlen_q (alibi only)
+    int last_row, last_col;  // seqlen_q - 1, seqlen_k - 1 (bias, mask only)
+    const BiasT* bias;     // this (batch, head)'s bias (bias only)
+    const uint8* keep;     // this (batch, head)'s mask (mask only)
+    float* dbias;          // this (batch, head)'s dbias (backward with dbias only)
 
     __device__ __forceinline__ ScoreMod(const VariantParams& v_, const float& softmax_scale_log2_, int b, int h,
                                         int seqlen_q, int seqlen_k)
         : v(v_), softmax_scale_log2(softmax_scale_log2_),
           slope_log2(ALIBI ? __ldg(v_.alibi_slopes + b * v_.alibi_batch_stride + h) * LOG2E : 0.f),
-          off(seqlen_k - seqlen_q) {}
+          off(seqlen_k - seqlen_q), last_row(seqlen_q - 1), last_col(seqlen_k - 1),
+          bias(BIAS ? static_cast<const BiasT*>(v_.attn_bias) + b * v_.bias_batch_stride + h * v_.bias_head_stride
+                    : nullptr),
+          keep(MASK ? v_.attn_mask + b * v_.mask_batch_stride + h * v_.mask_head_stride : nullptr),
+          dbias(BIAS && v_.dbias ? v_.dbias + b * v_.dbias_batch_stride + h * v_.dbias_head_stride : nullptr) {}
 
     __device__ __forceinline__ float operator()(float s, int row, int col) const {
         float x = SOFTCAP ? v.softcap_log2 * fast_tanh(s * v.softcap_scale) : s * softmax_scale_log2;
         if (ALIBI) x = fmaf(-slope_log2, float(abs(row + off - col)), x);
+        if constexpr (BIAS_OR_MASK) {
+            const int64 r = min(row, last_row), c = min(col, last_col);
+            if (BIAS) x = fmaf(load_float(bias + r * v.bias_row_stride + c * v.bias_col_stride), LOG2E, x);
+            if (MASK && !__ldg(keep + r * v.mask_row_stride + c * v.mask_col_stride)) x = NEG_INF;
+        }
         return x;
     }
     // d(score)/d(softmax_scale·s) relative to the plain one: 1 - tanh² with softcap
@@ -168,6 +214,15 @@ struct ScoreMod {
         if (!SOFTCAP) return 1.f;
         const float th = fast_tanh(s * v.softcap_scale);
         return fmaf(-th, th, 1.f);
+    }
+    // Whether the backward sums dS into dbias (a bias, and dbias asked for).
+    __device__ __forceinline__ bool has_dbias() const { return BIAS && dbias != nullptr; }
+    // dbias[row, col] += ds: ds the gradient of the score u (natural units, before
+    // softcap's derivative and softmax_scale: dS = P∘(dP − delta), with dropout's Z·rp
+    // in dP). Elements outside the sequence are not written.
+    __device__ __forceinline__ void add_dbias(float ds, int row, int col) const {
+        if (BIAS && row <= last_row && col <= last_col)
+            atomicAdd(dbias + int64(row) * v.dbias_row_stride + int64(col) * v.dbias_col_stride, ds);
     }
 };
 
@@ -178,8 +233,8 @@ __device__ __forceinline__ float prob(float x, float lse_log2) { return fast_exp
 // One fragment row of an mma accumulator tile (s[j][2 half + e]: n-tile j, columns
 // col0 + 8 j + e) in log2 units, masked (MASKED: the block needs it); row is its query
 // row in the sequence.
-template <bool MASKED, bool IS_CAUSAL, int VARIANT, int N_TILES>
-__device__ __forceinline__ void score_row(float (&s)[N_TILES][4], int half, const ScoreMod<VARIANT>& mod,
+template <bool MASKED, bool IS_CAUSAL, int VARIANT, int N_TILES, typename T>
+__device__ __forceinline__ void score_row(float (&s)[N_TILES][4], int half, const ScoreMod<VARIANT, T>& mod,
                                           const Mask<IS_CAUSAL, VARIANT>& mask, int row, int col0) {
     int begin = 0, end = 0;
     if (MASKED) { begin = mask.col_begin(row); end = mask.col_end(row); }
@@ -198,8 +253,8 @@ __device__ __forceinline__ void score_row(float (&s)[N_TILES][4], int half, cons
 // Scores of an mma accumulator tile set -> log2 units, masked (MASKED: the block
 // needs it). s[i][j][e]: m-tile i, n-tile j, element e (rows row0 + 16 i (+ 8 for
 // e >= 2), columns col0 + 8 j + (e & 1)); row0, col0 are this lane's in the sequence.
-template <bool MASKED, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES>
-__device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], const ScoreMod<VARIANT>& mod,
+template <bool MASKED, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES, typename T>
+__device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], const ScoreMod<VARIANT, T>& mod,
                                            const Mask<IS_CAUSAL, VARIANT>& mask, int row0, int col0) {
 #pragma unroll
     for (int i = 0; i < M_TILES; ++i)
@@ -286,9 +341,9 @@ struct Dropout {
 // score_tile for one m16 tile whose fragment rows g and g + 8 are query rows
 // row_q[0] and row_q[1], each with its own head's score modifier (mod_lo, mod_hi:
 // ALiBi slopes) and its own key range. Columns col0 + 8 j + (e & 1).
-template <bool MASKED, bool IS_CAUSAL, int VARIANT, int N_TILES>
-__device__ __forceinline__ void score_tile_rows(float (&s)[1][N_TILES][4], const ScoreMod<VARIANT>& mod_lo,
-                                                const ScoreMod<VARIANT>& mod_hi,
+template <bool MASKED, bool IS_CAUSAL, int VARIANT, int N_TILES, typename T>
+__device__ __forceinline__ void score_tile_rows(float (&s)[1][N_TILES][4], const ScoreMod<VARIANT, T>& mod_lo,
+                                                const ScoreMod<VARIANT, T>& mod_hi,
                                                 const Mask<IS_CAUSAL, VARIANT>& mask, const int (&row_q)[2],
                                                 int col0) {
     score_row<MASKED>(s[0], 0, mod_lo, mask, row_q[0], col0);
@@ -328,7 +383,7 @@ __device__ __forceinline__ void add_sink_term(float (&acc_l)[1][4], const float 
 // With softcap (DEFER), S stays raw until dscores(), which needs it for 1 − tanh²
 // and draws Z itself.
 // ---------------------------------------------------------------------------
-template <bool IS_CAUSAL, int VARIANT>
+template <bool IS_CAUSAL, int VARIANT, typename T>
 struct BwdScores {
     static constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0;
     static constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
@@ -338,7 +393,7 @@ struct BwdScores {
     static constexpr bool UNMASKED_LENGTHS = (VARIANT & VAR_ALIBI) != 0;
     using MaskT = Mask<IS_CAUSAL, VARIANT>;
     MaskT mask;
-    ScoreMod<VARIANT> mod;
+    ScoreMod<VARIANT, T> mod;
     Dropout drop;  // (its fields are read only with dropout)
 
     __device__ __forceinline__ BwdScores(const VariantParams& v, const float& softmax_scale_log2, int b, int h,

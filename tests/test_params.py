@@ -11,7 +11,7 @@ from cupyflash import _params
 from cupyflash._sources import kernels_dir
 
 _C_TYPES = {"const void*": np.uint64, "void*": np.uint64, "float*": np.uint64, "const float*": np.uint64,
-            "const int*": np.uint64, "int*": np.uint64, "int64": np.int64, "int32": np.int32, "float": np.float32,
+            "const int*": np.uint64, "int*": np.uint64, "const uint8*": np.uint64, "int64": np.int64, "int32": np.int32, "float": np.float32,
             "uint64": np.uint64, "uint32": np.uint32}
 _NESTED = {"VariantParams": ("variant.cuh", _params.VARIANT_PARAMS)}
 
@@ -133,10 +133,11 @@ def test_launcher_writes_the_variant_fields_of_a_call_with_var():
     launcher._var_offset, launcher._var_pack_into = _gpu._VAR_WRITER[0], _variant.WRITER.struct.pack_into
     launcher._lock = threading.Lock()
     pointers = tuple(range(101, 101 + len(_gpu.FWD_POINTERS)))
-    launcher(0, *pointers, var=(11, 12, 13, 2**40 + 5, 9))
+    var = (11, 12, 13, 14, 15, 16, 2**40 + 5, 9)
+    launcher(0, *pointers, var=var)
     launcher(0, *pointers)
     with_var, plain = (np.frombuffer(b[:mirror.itemsize], dtype=mirror)[0] for b in seen)
-    assert [with_var["var"][n] for n in _params.VARIANT_PER_CALL] == [11, 12, 13, 2**40 + 5, 9]
+    assert [with_var["var"][n] for n in _params.VARIANT_PER_CALL] == list(var)
     assert with_var["var"]["window_left"] == 7 and with_var["var"]["softcap_log2"] == 2.5
     assert [with_var[n] for n in _gpu.FWD_POINTERS] == list(pointers) and with_var["batch"] == 3
     assert bytes(plain) == bytes(with_var)  # the last call's values stay until a call sets others
