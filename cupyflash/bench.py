@@ -1,6 +1,6 @@
 """``python -m cupyflash bench``: cupyflash against torch SDPA (FA2, cuDNN) and JAX.
 
-Six suites (``--suite``):
+Seven suites (``--suite``):
 
 grid (default)
     The standard grid: head_dim 64 and 128, nheads = 2048 / head_dim,
@@ -33,6 +33,13 @@ variants
     for the window beside ``jax.nn.dot_product_attention``'s cuDNN sliding
     window; FLOPs on the visible pairs, and the issue's bars.  A variant the
     GPU kernels do not implement yet is marked "n/impl".
+bias
+    Additive bias ((1, H, N, N) and (B, 1, N, N)) with its gradient, and a
+    90%-empty block-sparse bool mask, at head_dim 64 and 128, seqlen
+    1024..8192 (:mod:`._bench_bias`), beside torch SDPA's cuDNN and
+    memory-efficient backends with the same ``attn_mask`` and the compiled
+    ``flex_attention`` reading the bias in a ``score_mod``; the bias stream's
+    bandwidth, and issue 14's bars.
 
 FLOPs are 4 * B * H * Sq * Sk * D, halved when causal, x2.5 for backward.
 Times are CUDA-event medians after a time-based warm-up (cupy events for
@@ -69,22 +76,22 @@ WGMMA_CEILING_TFLOPS = 741.0
 #: The H200's L2 cache.  An input set smaller than this is rotated with others.
 L2_BYTES = 50 * 2**20
 
-SUITES = ("grid", "seed", "overhead", "frameworks", "decode", "variants")
+SUITES = ("grid", "seed", "overhead", "frameworks", "decode", "variants", "bias")
 
 #: Timed repetitions per measurement when --reps is not given.
 DEFAULT_REPS = {"grid": 20, "seed": 20, "overhead": 10, "frameworks": 20, "decode": 10,
-                "variants": 10}
+                "variants": 10, "bias": 10}
 
 #: Options that belong to some suites only: dest -> (flag, suites).  Given with
 #: another suite they are an error rather than silently ignored.
 SUITE_OPTIONS = {
-    "head_dim": ("--head-dim", ("grid", "decode")),
-    "dtype": ("--dtype", ("grid", "decode", "variants")),
+    "head_dim": ("--head-dim", ("grid", "decode", "bias")),
+    "dtype": ("--dtype", ("grid", "decode", "variants", "bias")),
     "causal": ("--causal", ("grid",)),
     "tokens": ("--tokens", ("grid",)),
     "no_bwd": ("--no-bwd", ("grid",)),
     "deterministic": ("--deterministic", ("grid",)),
-    "seqlen": ("--seqlen", ("grid", "seed", "decode", "variants")),
+    "seqlen": ("--seqlen", ("grid", "seed", "decode", "variants", "bias")),
     "calls": ("--calls", ("overhead",)),
     "no_jax": ("--no-jax", ("frameworks", "variants")),
     "batch": ("--batch", ("decode",)),
@@ -128,15 +135,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "latency, memory and errors; overhead: host us per call; frameworks: "
                              "torch and JAX training steps; decode: flash_attn_with_kvcache against "
                              "SDPA, paged, chunked prefill; variants: window, softcap, ALiBi, sinks and "
-                             "dropout against plain causal and FlexAttention")
+                             "dropout against plain causal and FlexAttention; bias: attn_bias with dbias "
+                             "and a block-sparse mask against SDPA (cuDNN, mem-efficient) and FlexAttention")
     parser.add_argument("--head-dim", type=_positive_int, action="append", default=None,
-                        help="grid, decode: default 64 and 128")
+                        help="grid, decode, bias: default 64 and 128")
     parser.add_argument("--seqlen", type=_positive_int, action="append", default=None,
                         help="grid: default 512..16384; seed: default 512..32768; decode: seqlen_k of "
                              "the decode grid, default 1024, 8192, 32768, 131072; variants: default 4096 "
-                             "and 16384")
+                             "and 16384; bias: default 1024, 4096, 8192")
     parser.add_argument("--dtype", action="append", choices=("float16", "bfloat16"), default=None,
-                        help="grid, decode: default both; variants: default bfloat16")
+                        help="grid, decode: default both; variants, bias: default bfloat16")
     parser.add_argument("--batch", type=_positive_int, action="append", default=None,
                         help="decode: batch of the decode grid, default 1, 8, 64")
     parser.add_argument("--heads", type=_heads, action="append", default=None, metavar="Q:KV",
@@ -526,6 +534,10 @@ def _suite(name):
         from . import _bench_variants  # noqa: PLC0415
 
         return _bench_variants.SUITE
+    if name == "bias":
+        from . import _bench_bias  # noqa: PLC0415
+
+        return _bench_bias.SUITE
     from . import _bench_suites  # noqa: PLC0415
 
     return _bench_suites.SUITES[name]

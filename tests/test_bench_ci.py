@@ -218,7 +218,7 @@ def test_a_bad_mode_or_suite_is_refused(stubs):
     result, _, _ = _run(stubs, "quick", TESTS="none", SUITES="grd")
     assert result.returncode == 1
     assert _summary(result.stdout)[1][2] == ["grd", "-", "-",
-                                             "unknown suite (grid, seed, overhead, frameworks, decode or variants)"]
+                                             "unknown suite (grid, seed, overhead, frameworks, decode, variants or bias)"]
 
 
 def test_the_summary_reads_a_partial_json(stubs, tmp_path):

@@ -37,7 +37,7 @@ def test_suite_defaults_to_grid_and_takes_each_suite():
     assert parser.parse_args(["bench"]).suite == "grid"
     for suite in bench.SUITES:
         assert parser.parse_args(["bench", "--suite", suite]).suite == suite
-    assert set(bench.SUITES) == {"grid", "seed", "overhead", "frameworks", "decode", "variants"}
+    assert set(bench.SUITES) == {"grid", "seed", "overhead", "frameworks", "decode", "variants", "bias"}
     assert set(bench.DEFAULT_REPS) == set(bench.SUITES)
 
 
@@ -51,8 +51,8 @@ def test_an_unknown_suite_is_one_line_and_status_2(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--suite", "seed", "--head-dim", "64"], "--head-dim applies to --suite grid and decode only; got --suite seed"),
-    (["--suite", "overhead", "--dtype", "bfloat16"], "--dtype applies to --suite grid, decode and variants only; got --suite overhead"),
+    (["--suite", "seed", "--head-dim", "64"], "--head-dim applies to --suite grid, decode and bias only; got --suite seed"),
+    (["--suite", "overhead", "--dtype", "bfloat16"], "--dtype applies to --suite grid, decode, variants and bias only; got --suite overhead"),
     (["--suite", "frameworks", "--causal", "yes"],
      "--causal applies to --suite grid only; got --suite frameworks"),
     (["--suite", "seed", "--tokens", "1024"], "--tokens applies to --suite grid only; got --suite seed"),
@@ -60,14 +60,14 @@ def test_an_unknown_suite_is_one_line_and_status_2(capsys, monkeypatch):
     (["--suite", "overhead", "--deterministic"],
      "--deterministic applies to --suite grid only; got --suite overhead"),
     (["--suite", "overhead", "--seqlen", "512"],
-     "--seqlen applies to --suite grid, seed, decode and variants only; got --suite overhead"),
+     "--seqlen applies to --suite grid, seed, decode, variants and bias only; got --suite overhead"),
     (["--suite", "frameworks", "--seqlen", "512"],
-     "--seqlen applies to --suite grid, seed, decode and variants only; got --suite frameworks"),
+     "--seqlen applies to --suite grid, seed, decode, variants and bias only; got --suite frameworks"),
     (["--calls", "10"], "--calls applies to --suite overhead only; got --suite grid"),
     (["--suite", "seed", "--no-jax"], "--no-jax applies to --suite frameworks and variants only; got --suite seed"),
     (["--variant", "window"], "--variant applies to --suite variants only; got --suite grid"),
     (["--suite", "variants", "--head-dim", "64"],
-     "--head-dim applies to --suite grid and decode only; got --suite variants"),
+     "--head-dim applies to --suite grid, decode and bias only; got --suite variants"),
     (["--batch", "8"], "--batch applies to --suite decode only; got --suite grid"),
     (["--suite", "seed", "--heads", "32:8"], "--heads applies to --suite decode only; got --suite seed"),
     (["--suite", "overhead", "--part", "paged"], "--part applies to --suite decode only; got --suite overhead"),
