@@ -11,6 +11,14 @@ float16, the rest in float32), NumPy otherwise; ``--device gpu`` without a
 usable GPU exits 2 with the reason ``python -m cupyflash info`` gives.  A run
 below the accuracy target exits 1.
 
+``--rel-bias`` adds a learned relative-position bias per head to every
+attention layer (Swin-style: one entry per (dy, dx) offset between patches on
+the grid, plus three for the class token's pairs), gathered into a
+``(1, heads, tokens, tokens)`` ``attn_bias`` that the batch shares; its
+gradient comes from ``flash_attn_bwd(..., return_dbias=True)`` (summed over the
+batch by cupyflash) and is scattered back into the table.  The run then also
+trains the plain model on the same split and reports both accuracies.
+
 ``gradient_check()`` compares the whole model's backward with central finite
 differences in float64.  cupyflash accumulates in float32 whatever the input
 dtype, so the float64 check runs the attention through the dense float64
@@ -23,6 +31,7 @@ Setup and run::
     python examples/train_vit_digits.py                 # train, report held-out accuracy
     python examples/train_vit_digits.py --grad-check    # the finite-difference check
     python examples/train_vit_digits.py --device cpu --steps 300 --batch 64
+    python examples/train_vit_digits.py --rel-bias      # with a learned relative-position bias
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ class Config:
     lr: float = 2e-3
     warmup: int = 30
     seed: int = 0
+    rel_bias: bool = False  # a learned relative-position bias per head in every attention layer
 
     @property
     def tokens(self):
@@ -71,6 +81,39 @@ class Config:
     @property
     def head_dim(self):
         return self.dim // self.heads
+
+    @property
+    def grid(self):
+        return 8 // self.patch  # patches per side
+
+    @property
+    def rel_entries(self):
+        """Entries of the relative-position table: (2 grid - 1)^2 patch offsets, then the
+        class token's pairs (class -> patch, patch -> class, class -> class)."""
+        return (2 * self.grid - 1) ** 2 + 3
+
+
+def relative_index(cfg):
+    """``(tokens, tokens)`` int: the table entry of each (query, key) token pair (token 0
+    is the class token, token 1 + r * grid + c the patch at row r, column c)."""
+    n = cfg.grid
+    rows, cols = np.divmod(np.arange(n * n), n)
+    offsets = ((rows[:, None] - rows[None, :] + n - 1) * (2 * n - 1) + cols[:, None] - cols[None, :] + n - 1)
+    index = np.empty((cfg.tokens, cfg.tokens), dtype=np.int64)
+    index[1:, 1:] = offsets
+    base = (2 * n - 1) ** 2
+    index[0, 1:], index[1:, 0], index[0, 0] = base, base + 1, base + 2
+    return index
+
+
+def relative_gather(cfg, xp, dtype):
+    """``(tokens * tokens, rel_entries)`` one-hot matrix ``G``: the bias of head h is
+    ``table[h] @ G.T`` and the table's gradient ``dbias[h] @ G`` (a gather and its
+    scatter-add as two matrix products, the same on NumPy and CuPy)."""
+    index = relative_index(cfg).reshape(-1)
+    onehot = np.zeros((index.size, cfg.rel_entries), dtype=dtype)
+    onehot[np.arange(index.size), index] = 1
+    return xp.asarray(onehot)
 
 
 #: Default steps on each path (batch 128): both reach >= 95% held-out accuracy.
@@ -169,46 +212,58 @@ class FlashAttention:
     def __init__(self, xp):
         self.low = xp.float16 if xp is not np else None
 
-    def fwd(self, q, k, v):
+    def fwd(self, q, k, v, bias=None):
+        """``bias``: None, or a ``(1, heads, tokens, tokens)`` float32 additive bias."""
         dtype = q.dtype
         if self.low is not None:
             q, k, v = (t.astype(self.low) for t in (q, k, v))
-        out, lse = cupyflash.flash_attn_fwd(q, k, v)
-        return out.astype(dtype, copy=False), (q, k, v, out, lse, dtype)
+        extra = {} if bias is None else {"attn_bias": bias}
+        out, lse = cupyflash.flash_attn_fwd(q, k, v, **extra)
+        return out.astype(dtype, copy=False), (q, k, v, out, lse, dtype, bias)
 
     def bwd(self, dout, saved):
-        q, k, v, out, lse, dtype = saved
-        grads = cupyflash.flash_attn_bwd(dout.astype(q.dtype), q, k, v, out, lse)
+        """``(dq, dk, dv)``, and the bias's gradient when the forward had one."""
+        q, k, v, out, lse, dtype, bias = saved
+        extra = {} if bias is None else {"attn_bias": bias, "return_dbias": True}
+        grads = cupyflash.flash_attn_bwd(dout.astype(q.dtype), q, k, v, out, lse, **extra)
         return tuple(g.astype(dtype, copy=False) for g in grads)
 
 
 class ReferenceAttention:
     """The dense float64 reference attention (``cupyflash.reference``): NumPy only."""
 
-    def fwd(self, q, k, v):
-        out, _ = reference.attention_fwd(q, k, v)
-        return out.astype(q.dtype), (q, k, v)
+    def fwd(self, q, k, v, bias=None):
+        out, _ = reference.attention_fwd(q, k, v, attn_bias=bias)
+        return out.astype(q.dtype), (q, k, v, bias)
 
     def bwd(self, dout, saved):
-        return tuple(g.astype(dout.dtype) for g in reference.attention_bwd(dout, *saved))
+        q, k, v, bias = saved
+        extra = {} if bias is None else {"attn_bias": bias, "return_dbias": True}
+        return tuple(g.astype(dout.dtype) for g in reference.attention_bwd(dout, q, k, v, **extra))
 
 
-def attention_block_fwd(x, p, i, cfg, attn):
-    """``x + proj(attention(LN(x)))`` for block ``i``."""
+def attention_block_fwd(x, p, i, cfg, attn, gather=None):
+    """``x + proj(attention(LN(x)))`` for block ``i``; with ``gather`` (the relative-position
+    one-hot matrix, :func:`relative_gather`) the attention adds block ``i``'s bias."""
     b, t, d = x.shape
     h, ln = layernorm_fwd(x, p[f"b{i}.ln1.g"], p[f"b{i}.ln1.b"])
     qkv, qkv_in = linear_fwd(h, p[f"b{i}.qkv.w"], p[f"b{i}.qkv.b"])
     qkv = qkv.reshape(b, t, 3, cfg.heads, cfg.head_dim)
-    o, saved = attn.fwd(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])  # strided views, read in place
+    bias = None
+    if gather is not None:  # (1, heads, t, t): one bias per head, shared by the batch
+        bias = (p[f"b{i}.rel"] @ gather.T).reshape(1, cfg.heads, t, t).astype(x.dtype, copy=False)
+    o, saved = attn.fwd(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], bias)  # strided views, read in place
     y, proj_in = linear_fwd(o.reshape(b, t, d), p[f"b{i}.proj.w"], p[f"b{i}.proj.b"])
     return x + y, (ln, qkv_in, saved, proj_in)
 
 
-def attention_block_bwd(dx, cache, p, i, cfg, attn, grads, xp):
+def attention_block_bwd(dx, cache, p, i, cfg, attn, grads, xp, gather=None):
     ln, qkv_in, saved, proj_in = cache
     b, t, d = dx.shape
     do, grads[f"b{i}.proj.w"], grads[f"b{i}.proj.b"] = linear_bwd(dx, proj_in, p[f"b{i}.proj.w"])
-    dq, dk, dv = attn.bwd(do.reshape(b, t, cfg.heads, cfg.head_dim), saved)
+    dq, dk, dv, *dbias = attn.bwd(do.reshape(b, t, cfg.heads, cfg.head_dim), saved)
+    if gather is not None:  # dbias (1, heads, t, t), summed over the batch -> the table's rows
+        grads[f"b{i}.rel"] = dbias[0].reshape(cfg.heads, t * t).astype(gather.dtype, copy=False) @ gather
     dqkv = xp.stack([dq, dk, dv], axis=2).reshape(b, t, 3 * d)
     dh, grads[f"b{i}.qkv.w"], grads[f"b{i}.qkv.b"] = linear_bwd(dqkv, qkv_in, p[f"b{i}.qkv.w"])
     dln, grads[f"b{i}.ln1.g"], grads[f"b{i}.ln1.b"] = layernorm_bwd(dh, ln, p[f"b{i}.ln1.g"])
@@ -258,17 +313,24 @@ def init_params(cfg, xp=np, dtype=np.float32):
             f"b{i}.fc1.w": normal(d, cfg.mlp), f"b{i}.fc1.b": np.zeros(cfg.mlp),
             f"b{i}.fc2.w": normal(cfg.mlp, d), f"b{i}.fc2.b": np.zeros(d),
         })
+        if cfg.rel_bias:
+            p[f"b{i}.rel"] = np.zeros((cfg.heads, cfg.rel_entries))
     return {name: xp.asarray(x.astype(dtype)) for name, x in p.items()}
+
+
+def _gather(cfg, xp, p):
+    return relative_gather(cfg, xp, p["embed.w"].dtype) if cfg.rel_bias else None
 
 
 def forward(p, patches, cfg, attn, xp):
     """Logits (B, 10) and the cache for :func:`backward`."""
     b = patches.shape[0]
+    gather = _gather(cfg, xp, p)
     tok, embed_in = linear_fwd(patches, p["embed.w"], p["embed.b"])
     x = xp.concatenate([xp.broadcast_to(p["cls"], (b, 1, cfg.dim)), tok], axis=1) + p["pos"]
     blocks = []
     for i in range(cfg.depth):
-        x, c_attn = attention_block_fwd(x, p, i, cfg, attn)
+        x, c_attn = attention_block_fwd(x, p, i, cfg, attn, gather)
         x, c_mlp = mlp_block_fwd(x, p, i, xp)
         blocks.append((c_attn, c_mlp))
     h, ln = layernorm_fwd(x[:, 0], p["ln.g"], p["ln.b"])
@@ -279,6 +341,7 @@ def forward(p, patches, cfg, attn, xp):
 def backward(dlogits, cache, p, cfg, attn, xp):
     """Gradients of every parameter, from the gradient of the logits."""
     embed_in, blocks, ln, head_in, x_shape = cache
+    gather = _gather(cfg, xp, p)
     grads = {}
     dh, grads["head.w"], grads["head.b"] = linear_bwd(dlogits, head_in, p["head.w"])
     dcls, grads["ln.g"], grads["ln.b"] = layernorm_bwd(dh, ln, p["ln.g"])
@@ -287,7 +350,7 @@ def backward(dlogits, cache, p, cfg, attn, xp):
     for i in reversed(range(cfg.depth)):
         c_attn, c_mlp = blocks[i]
         dx = mlp_block_bwd(dx, c_mlp, p, i, grads)
-        dx = attention_block_bwd(dx, c_attn, p, i, cfg, attn, grads, xp)
+        dx = attention_block_bwd(dx, c_attn, p, i, cfg, attn, grads, xp, gather)
     grads["pos"] = dx.sum(axis=0, keepdims=True)
     grads["cls"] = dx[:, :1].sum(axis=0, keepdims=True)
     _, grads["embed.w"], grads["embed.b"] = linear_bwd(dx[:, 1:], embed_in, p["embed.w"])
@@ -365,8 +428,9 @@ def train(cfg, xp=np, log=None):
 # Gradient check (CPU, float64)
 # ----------------------------------------------------------------------------
 
-#: A tiny model for the check: 2x2 patches (17 tokens), 2 heads of 16, 2 blocks.
-CHECK_CONFIG = Config(patch=2, dim=32, heads=2, depth=2, mlp=24, batch=3, seed=1)
+#: A tiny model for the check: 2x2 patches (17 tokens), 2 heads of 16, 2 blocks, with the
+#: relative-position bias (its table's gradient through dbias).
+CHECK_CONFIG = Config(patch=2, dim=32, heads=2, depth=2, mlp=24, batch=3, seed=1, rel_bias=True)
 
 
 def _relative_error(a, b):
@@ -505,6 +569,9 @@ def main(argv=None):
     parser.add_argument("--head-dim", type=int, choices=(16, 32), default=16,
                         help="attention head size (width 64: 4 heads of 16 or 2 of 32)")
     parser.add_argument("--seed", type=int, default=Config.seed)
+    parser.add_argument("--rel-bias", action="store_true",
+                        help="add a learned relative-position bias per head (attn_bias, trained through "
+                             "dbias); also trains the plain model and reports both")
     parser.add_argument("--grad-check", action="store_true",
                         help="run the float64 finite-difference gradient check and exit")
     args = parser.parse_args(argv)
@@ -524,7 +591,7 @@ def main(argv=None):
     xp, kind, where = choose_xp(args.device)
     cfg = Config(steps=STEPS[kind] if args.steps is None else args.steps, batch=args.batch, lr=args.lr,
                  depth=args.depth, heads=64 // args.head_dim, patch=args.patch,
-                 seed=args.seed)
+                 seed=args.seed, rel_bias=args.rel_bias)
     print(f"device: {where}")
     print(f"ViT: {cfg.tokens} tokens ({cfg.patch}x{cfg.patch} patches + class), width {cfg.dim}, "
           f"{cfg.depth} blocks, {cfg.heads} heads of {cfg.head_dim}; batch {cfg.batch}, "
@@ -533,9 +600,14 @@ def main(argv=None):
         train(dataclasses.replace(cfg, steps=2), xp)  # compiles the kernels before timing
     result = train(cfg, xp, log=print)
     ok = result["accuracy"] >= TARGET_ACCURACY
-    print(f"held-out accuracy {result['accuracy']:.4f} on {result['n_test']} images "
+    label = "with the relative-position bias: " if cfg.rel_bias else ""
+    print(f"{label}held-out accuracy {result['accuracy']:.4f} on {result['n_test']} images "
           f"(train {result['train_accuracy']:.4f}) after {result['seconds']:.1f} s "
           f"[{'ok' if ok else 'below'} target {TARGET_ACCURACY}]")
+    if cfg.rel_bias:
+        plain = train(dataclasses.replace(cfg, rel_bias=False), xp)
+        print(f"the plain model (no bias), same split and steps: held-out accuracy {plain['accuracy']:.4f} "
+              f"(train {plain['train_accuracy']:.4f}) after {plain['seconds']:.1f} s")
     return 0 if ok else 1
 
 

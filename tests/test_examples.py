@@ -176,6 +176,29 @@ def test_vit_reduced_training_run(vit):
     assert result["n_test"] == 360
 
 
+def test_vit_relative_index_names_each_offset_once_per_pair(vit):
+    cfg = vit.Config(patch=2)
+    index = vit.relative_index(cfg)
+    n = cfg.grid
+    assert index.shape == (cfg.tokens, cfg.tokens) and index.min() == 0 and index.max() == cfg.rel_entries - 1
+    assert (np.diag(index)[1:] == (n - 1) * (2 * n - 1) + n - 1).all()  # offset (0, 0) on the diagonal
+    # patch (0, 0) -> patch (1, 2) and patch (1, 1) -> patch (2, 3) share the offset (-1, -2)
+    assert index[1 + 0, 1 + 1 * n + 2] == index[1 + 1 * n + 1, 1 + 2 * n + 3]
+    assert index[0, 1:].tolist() == [(2 * n - 1) ** 2] * n * n and index[0, 0] == cfg.rel_entries - 1
+    gather = vit.relative_gather(cfg, np, np.float64)
+    table = np.random.default_rng(0).standard_normal((cfg.heads, cfg.rel_entries))
+    bias = (table @ gather.T).reshape(cfg.heads, cfg.tokens, cfg.tokens)
+    assert (bias == table[:, index]).all()
+
+
+def test_vit_with_the_relative_position_bias_trains(vit):
+    """The bias's table is trained through flash_attn_bwd's dbias (the gradient check above
+    covers its gradient: CHECK_CONFIG has it)."""
+    assert vit.CHECK_CONFIG.rel_bias
+    result = vit.train(vit.Config(**REDUCED, rel_bias=True))
+    assert result["accuracy"] >= REDUCED_ACCURACY, result
+
+
 @pytest.mark.gpu
 def test_vit_trains_on_the_gpu(vit):
     cupy = pytest.importorskip("cupy")
@@ -183,6 +206,13 @@ def test_vit_trains_on_the_gpu(vit):
     result = vit.train(vit.Config(steps=vit.STEPS["gpu"]), cupy)
     assert result["accuracy"] >= vit.TARGET_ACCURACY, result
     assert result["seconds"] < 60, result
+
+
+@pytest.mark.gpu
+def test_vit_with_the_relative_position_bias_trains_on_the_gpu(vit):
+    cupy = pytest.importorskip("cupy")
+    result = vit.train(vit.Config(steps=vit.STEPS["gpu"], rel_bias=True), cupy)
+    assert result["accuracy"] >= vit.TARGET_ACCURACY, result
 
 
 @pytest.mark.parametrize("argv,text", [(["--steps", "0"], "--steps: must be an integer >= 1; got 0"),
