@@ -214,8 +214,9 @@ def fwd_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool
 
 
 # With a bias or mask the wgmma kernel holds a key block of it in registers while S
-# is computed (variant.cuh ScoreTerms): at D=128, 64-key tiles (128-key tiles spill
-# 8-64 bytes); at D=64 the default two blocks per SM fit (126-128 registers).
+# is computed (variant.cuh ScoreTerms), one block per SM: at D=128 on 64-key tiles
+# (128-key tiles spill 8-64 bytes; 64 keys: 204-255 registers); at D=64 two blocks'
+# 128 registers are a coin flip (0-192 bytes of spill as the load moves by one line).
 _FWD_SM90_BIAS_BLOCK_N = {128: 64}
 
 
@@ -223,7 +224,7 @@ def fwd_sm90_tile(head_dim_padded: int, causal: bool, variant: int = 0) -> tuple
     """(BLOCK_N, CTAS_PER_SM) of the wgmma forward (see _FWD_LEAN_VARIANTS, _FWD_SM90_BIAS_BLOCK_N)."""
     block_n, ctas_per_sm = _FWD_SM90[head_dim_padded][int(causal)]
     if variant & _SCORE_ARRAY_BITS:
-        block_n = _FWD_SM90_BIAS_BLOCK_N.get(head_dim_padded, block_n)
+        return _FWD_SM90_BIAS_BLOCK_N.get(head_dim_padded, block_n), 1
     if variant & (VAR_ALIBI | VAR_DROPOUT):
         return block_n, 1
     return block_n, ctas_per_sm
