@@ -25,12 +25,21 @@ def _bias_storage(options):
     return "float32" if bias.dtype.itemsize == 4 else "element"
 
 
+def _strided(options) -> bool:
+    """Whether the bias or the mask cannot be read in aligned pairs of columns
+    (``dispatch.score_pairs_ok``: a column stride other than 1, odd strides, an odd
+    address), so that the kernels read them element by element."""
+    return any(x is not None and not dispatch.score_pairs_ok(broadcast_strides(x), x.itemsize, x.data.ptr)
+               for x in (options.get("attn_bias"), options.get("attn_mask")))
+
+
 def bits(options) -> int:
-    """The kernels' VARIANT template argument for ``options``."""
+    """The kernels' VARIANT template argument for ``options`` (with a bias or mask, it
+    depends on their strides and on the parity of their addresses)."""
     return dispatch.variant_bits(window="window_size" in options, softcap="softcap" in options,
                                  alibi="alibi_slopes" in options, sinks="sinks" in options,
                                  dropout="dropout_p" in options, bias=_bias_storage(options),
-                                 mask="attn_mask" in options)
+                                 mask="attn_mask" in options, strided=_strided(options))
 
 
 def broadcast_strides(x) -> tuple[int, int, int, int]:
@@ -47,7 +56,8 @@ def dbias_shape(options):
 
 def plan_key(options) -> tuple:
     """What a plan depends on: the variants on and their scalars (no arrays but the
-    bias's and mask's broadcast strides)."""
+    bias's and mask's broadcast strides, and through :func:`bits` whether they are
+    read in pairs)."""
     alibi = options.get("alibi_slopes")
     key = (bits(options), options.get("window_size"), options.get("softcap"), options.get("dropout_p"),
            None if alibi is None else alibi.ndim)
@@ -82,6 +92,20 @@ def plan_fields(options, softmax_scale: float, nheads_q: int) -> dict:
                 fields[f"{name}_{axis}_stride"] = stride
     return fields
 
+
+def contiguous(options):
+    """``options`` with the slopes and sinks as C-contiguous device arrays (the kernels
+    read them with unit head stride, and ``(batch, nheads_q)`` slopes with batch stride
+    ``nheads_q``): a view is copied, a contiguous array kept as it is. The bias and
+    mask are never copied: the kernels read them at their strides."""
+    import cupy  # noqa: PLC0415
+
+    out = options
+    for name in ("alibi_slopes", "sinks"):
+        x = options.get(name)
+        if x is not None and not x.flags.c_contiguous:
+            out = {**out, name: cupy.ascontiguousarray(x)}
+    return out
 
 
 def call_values(options, dsinks: int = 0, dbias: int = 0) -> tuple[int, ...]:

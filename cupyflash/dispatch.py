@@ -26,21 +26,40 @@ ARCHS = ((8, 0), (9, 0))
 #: The variant bits of the kernels' VARIANT template argument (kernels_cu/variant.cuh,
 #: compared with it in tests/test_dispatch.py).
 VAR_WINDOW, VAR_SOFTCAP, VAR_ALIBI, VAR_SINKS, VAR_DROPOUT = 1, 2, 4, 8, 16
-#: Issue 14: an additive bias in q's dtype or in float32 (one of the two), a bool mask.
-VAR_BIAS, VAR_BIAS_FP32, VAR_MASK = 32, 64, 128
+#: Issue 14: an additive bias in q's dtype or in float32 (one of the two), a bool mask;
+#: VAR_BIAS_STRIDED (with either): they are read element by element, at any strides,
+#: instead of in pairs of adjacent columns (which needs column stride 1 and every row's
+#: pairs aligned: :func:`score_pairs_ok`).
+VAR_BIAS, VAR_BIAS_FP32, VAR_MASK, VAR_BIAS_STRIDED = 32, 64, 128, 256
 VARIANT_BITS = {"window": VAR_WINDOW, "softcap": VAR_SOFTCAP, "alibi": VAR_ALIBI, "sinks": VAR_SINKS,
-                "dropout": VAR_DROPOUT, "bias": VAR_BIAS, "bias_fp32": VAR_BIAS_FP32, "mask": VAR_MASK}
+                "dropout": VAR_DROPOUT, "bias": VAR_BIAS, "bias_fp32": VAR_BIAS_FP32, "mask": VAR_MASK,
+                "bias_strided": VAR_BIAS_STRIDED}
+#: The bits of a bias or mask (the forward reads them a key block ahead, see _FWD_TILES_BIAS).
+_SCORE_ARRAY_BITS = VAR_BIAS | VAR_BIAS_FP32 | VAR_MASK
 
 
 def variant_bits(*, window: bool = False, softcap: bool = False, alibi: bool = False, sinks: bool = False,
-                 dropout: bool = False, bias: str | None = None, mask: bool = False) -> int:
+                 dropout: bool = False, bias: str | None = None, mask: bool = False, strided: bool = False) -> int:
     """The VARIANT template argument for the variants switched on; ``bias``: None, or
-    the bias's storage ``"element"`` (q's dtype) or ``"float32"``."""
+    the bias's storage ``"element"`` (q's dtype) or ``"float32"``; ``strided``: the bias
+    or mask cannot be read in pairs (:func:`score_pairs_ok`)."""
     if bias not in (None, "element", "float32"):
         raise ValueError(f"bias must be None, 'element' or 'float32'; got {bias!r}")
+    if strided and bias is None and not mask:
+        raise ValueError("strided needs a bias or a mask")
     return ((VAR_WINDOW if window else 0) | (VAR_SOFTCAP if softcap else 0) | (VAR_ALIBI if alibi else 0)
             | (VAR_SINKS if sinks else 0) | (VAR_DROPOUT if dropout else 0)
-            | {None: 0, "element": VAR_BIAS, "float32": VAR_BIAS_FP32}[bias] | (VAR_MASK if mask else 0))
+            | {None: 0, "element": VAR_BIAS, "float32": VAR_BIAS_FP32}[bias] | (VAR_MASK if mask else 0)
+            | (VAR_BIAS_STRIDED if strided else 0))
+
+
+def score_pairs_ok(strides: tuple[int, int, int, int], itemsize: int, ptr: int) -> bool:
+    """Whether the kernels may read a bias or mask (4-D, ``strides`` in elements, 0 along
+    broadcast dimensions) two adjacent columns at a time, as one aligned load: unit
+    column stride, even batch, head and row strides, and the pointer aligned to two
+    elements. Anything else takes VAR_BIAS_STRIDED."""
+    batch, head, row, col = strides
+    return col == 1 and not (batch % 2 or head % 2 or row % 2) and ptr % (2 * itemsize) == 0
 
 # Forward tiles per padded head_dim, (BLOCK_M, BLOCK_N, NUM_WARPS), for
 # (non-causal, causal). Each warp owns BLOCK_M / NUM_WARPS query rows; two m16
@@ -97,6 +116,20 @@ _FWD_LEAN_VARIANTS = VAR_WINDOW | VAR_ALIBI | VAR_DROPOUT
 _FWD_TILES_LEAN = {128: (_FWD_LEAN_VARIANTS, (128, 16, 4)), 256: (VAR_DROPOUT, (64, 32, 4))}
 
 
+# A bias or mask (issue 14) is read a key block ahead into registers (variant.cuh
+# ScoreTerms: two columns a word, 16-64 registers a thread at 64-key tiles), while the
+# scores' GEMM runs. Where that does not fit the default tile with a margin
+# (check-kernels, NVRTC 13.0), these tiles: BLOCK_N halved, which halves those
+# registers and keeps the two m16 tiles per warp.
+_FWD_TILES_BIAS = {
+    32: (128, 32, 4),
+    64: (128, 32, 4),
+    128: (128, 16, 4),
+    192: (64, 32, 4),
+    256: (64, 32, 4),
+}
+
+
 def fwd_tiles(head_dim_padded: int, vec: bool, causal: bool,
               cc: tuple[int, int] = (9, 0), split: bool = False, variant: int = 0) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, NUM_WARPS) of the forward kernel."""
@@ -105,6 +138,8 @@ def fwd_tiles(head_dim_padded: int, vec: bool, causal: bool,
     bits, lean = _FWD_TILES_LEAN.get(head_dim_padded, (0, None))
     if variant & bits:
         return lean
+    if variant & _SCORE_ARRAY_BITS and head_dim_padded in _FWD_TILES_BIAS:
+        return _FWD_TILES_BIAS[head_dim_padded]
     # The split-KV epilogue's fp32 stores cost registers too: splits take the
     # causal column, whose tiles leave that room (NVRTC 13.0 spills otherwise).
     return _FWD_TILES[head_dim_padded][int(causal or split)]
@@ -178,9 +213,18 @@ def fwd_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool
     return Launch("flash_fwd_sm90.cu", "cupyflash::flash_fwd_sm90_kernel", args, grid, (SM90_THREADS, 1, 1), smem)
 
 
+# With a bias or mask the wgmma kernel holds a key block of it in registers while S
+# is computed (variant.cuh ScoreTerms), one block per SM: at D=128 on 64-key tiles
+# (128-key tiles spill 8-64 bytes; 64 keys: 204-255 registers); at D=64 two blocks'
+# 128 registers are a coin flip (0-192 bytes of spill as the load moves by one line).
+_FWD_SM90_BIAS_BLOCK_N = {128: 64}
+
+
 def fwd_sm90_tile(head_dim_padded: int, causal: bool, variant: int = 0) -> tuple[int, int]:
-    """(BLOCK_N, CTAS_PER_SM) of the wgmma forward (see _FWD_LEAN_VARIANTS)."""
+    """(BLOCK_N, CTAS_PER_SM) of the wgmma forward (see _FWD_LEAN_VARIANTS, _FWD_SM90_BIAS_BLOCK_N)."""
     block_n, ctas_per_sm = _FWD_SM90[head_dim_padded][int(causal)]
+    if variant & _SCORE_ARRAY_BITS:
+        return _FWD_SM90_BIAS_BLOCK_N.get(head_dim_padded, block_n), 1
     if variant & (VAR_ALIBI | VAR_DROPOUT):
         return block_n, 1
     return block_n, ctas_per_sm
@@ -262,13 +306,23 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
     for dtype, d, causal, even_k in itertools.product(CTYPES, HEAD_DIMS, (False, True), (True, False)):
         if uses_sm90_fwd(d, True, cc):
             out.append(fwd_sm90_launch(dtype, d, causal, even_k))
-    # Each variant switched on alone, on the aligned kernels (one dtype: the other's
-    # registers are the same).
-    for bit, d, causal, split in itertools.product(VARIANT_BITS.values(), HEAD_DIMS, (False, True), (False, True)):
+    # Each variant switched on alone (a bias or mask also read element by element), and
+    # the combinations of a bias that users run, on the aligned kernels (one dtype: the
+    # other's registers are the same).
+    for bit, d, causal, split in itertools.product(FWD_CHECK_VARIANTS, HEAD_DIMS, (False, True), (False, True)):
         out.append(fwd_launch(_VARIANT_CHECK_DTYPE, d, causal, True, True, split, cc=cc, variant=bit))
         if uses_sm90_fwd(d, True, cc) and not split:
             out.append(fwd_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bit))
     return out
+
+
+#: The VARIANT values check-kernels compiles each forward with: each bit alone (the
+#: strided bit with each array it reads), and a bias with a mask, softcap or a window.
+FWD_CHECK_VARIANTS = (
+    *(bit for bit in VARIANT_BITS.values() if bit != VAR_BIAS_STRIDED),
+    VAR_BIAS | VAR_BIAS_STRIDED, VAR_BIAS_FP32 | VAR_BIAS_STRIDED, VAR_MASK | VAR_BIAS_STRIDED,
+    VAR_BIAS | VAR_MASK, VAR_BIAS | VAR_SOFTCAP, VAR_BIAS | VAR_WINDOW,
+)
 
 
 #: check-kernels compiles each variant alone in this dtype.
@@ -832,6 +886,8 @@ def select_decode(*, batch: int, seqlen_q: int, nheads_q: int, nheads_kv: int, h
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
     if cc < ARCHS[0]:
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
+    if variant & (_SCORE_ARRAY_BITS | VAR_BIAS_STRIDED):
+        raise ValueError(f"cupyflash: the decode kernel takes no attn_bias or attn_mask; got variant {variant}")
     d = padded_head_dim(head_dim)
     rows = seqlen_q * (nheads_q // nheads_kv)
     block_n, stages, warps = decode_tile(d, decode_warps(rows), cc)
@@ -849,6 +905,11 @@ def select_decode(*, batch: int, seqlen_q: int, nheads_q: int, nheads_kv: int, h
                          variant)
     combine = decode_combine_launch(dtype, d, batch * nheads_q * seqlen_q) if splits > 1 else None
     return DecodePlan(main, combine, d, block_m, num_m_blocks, splits)
+
+
+#: The variant bits the decode kernel takes (select_decode): no dropout, bias or mask.
+DECODE_VARIANT_BITS = tuple(b for b in VARIANT_BITS.values()
+                            if not b & (VAR_DROPOUT | _SCORE_ARRAY_BITS | VAR_BIAS_STRIDED))
 
 
 def decode_visible_tiles(max_seqlen_k: int, seqlen_q: int, block_n: int, window_left: int = -1) -> int:
@@ -889,9 +950,10 @@ def all_decode_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
                                                            (False, True), (True, False)):
             out.append(decode_launch(dtype, d, warps, causal, paged, vec, cc=cc))
         out.append(decode_combine_launch(dtype, d))
-    # Each variant but dropout switched on alone (aligned, contiguous and paged).
+    # Each variant but dropout, the bias and the mask switched on alone (aligned,
+    # contiguous and paged).
     for bit, d, warps, causal, paged in itertools.product(
-            [b for b in VARIANT_BITS.values() if b != VAR_DROPOUT], HEAD_DIMS, ((1, 4), (2, 2), (4, 1)),
+            DECODE_VARIANT_BITS, HEAD_DIMS, ((1, 4), (2, 2), (4, 1)),
             (False, True), (False, True)):
         out.append(decode_launch(_VARIANT_CHECK_DTYPE, d, warps, causal, paged, True, cc=cc, variant=bit))
     return out

@@ -89,6 +89,7 @@ flash_fwd_kernel(const FwdParams p) {
 
     // Per-thread fragment rows: row r0 + 16 i (+ 8) of this block, i < M_TILES.
     const int r0 = warp * Tr::ROWS_PER_WARP + g;
+    ScoreTerms<VARIANT, T, M_TILES, N_TILES> terms(mod, m0 + r0);  // the bias and mask of a key block
 
     float acc_o[M_TILES][D_TILES][4];
 #pragma unroll
@@ -133,11 +134,6 @@ flash_fwd_kernel(const FwdParams p) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[i][j][e] = 0.f;
 
-        cp_async_wait<0>();
-        __syncthreads();  // K[n] landed; every warp is done reading V[n+1]
-        load_v(n);
-        cp_async_commit();
-
         // A warp whose rows see none of this block's keys (the causal diagonal, the
         // window's edges) skips its mma work (it still takes part in the loads and
         // barriers); the SM's other block gets its issue slots. Unmasked blocks
@@ -146,6 +142,14 @@ flash_fwd_kernel(const FwdParams p) {
         const bool warp_idle = decltype(masked)::value &&
                                mask.none_visible(warp_row0, warp_row0 + Tr::ROWS_PER_WARP - 1, n * BLOCK_N,
                                                  (n + 1) * BLOCK_N - 1);
+        // The block's bias and mask, in flight during the wait and Q·Kᵀ.
+        if (!warp_idle) terms.template load<decltype(masked)::value>(n * BLOCK_N + 2 * t);
+
+        cp_async_wait<0>();
+        __syncthreads();  // K[n] landed; every warp is done reading V[n+1]
+        load_v(n);
+        cp_async_commit();
+
         if (!warp_idle) {
             // ---- S = Q·Kᵀ (rolled over k16 steps: unrolling lets the compiler hoist
             //      fragment loads and spill at HEAD_DIM 128)
@@ -170,7 +174,7 @@ flash_fwd_kernel(const FwdParams p) {
                 }
             }
             // ---- scores in log2 units (the variant's), masked where the block needs it
-            score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
+            score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t, terms);
         }
 
         cp_async_wait<0>();

@@ -79,6 +79,7 @@ flash_fwd_sm90_kernel(const FwdParams p) {
     const float sink = sink_log2<VARIANT>(p.var, h);
     // This thread's fragment rows within the block: r0 and r0 + 8.
     const int r0 = wg * 64 + (warp % 4) * 16 + g;
+    ScoreTerms<VARIANT, T, 1, N_TILES> terms(mod, m0 + r0);  // the bias and mask of a key block
 
     const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + int64(seq.q_start + m0) * p.q_row_stride +
                  h * p.q_head_stride;
@@ -157,6 +158,8 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         };
         if constexpr (!LOADS_UNDER_S) load_next();
 
+        // The block's bias and mask: read while the tensor cores do S.
+        terms.template load<decltype(masked)::value>(n * BLOCK_N + 2 * t);
         float s[1][N_TILES][4];
         issue_s(s, stage);
         if constexpr (LOADS_UNDER_S) load_next();
@@ -168,7 +171,7 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         wgmma_wait<0>();
         fence_operands(s[0]);
         // ---- scores in log2 units (the variant's), masked where the block needs it
-        score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
+        score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t, terms);
 
         // ---- online softmax: s becomes P, acc_o is rescaled
         fence_operands(acc_o[0]);

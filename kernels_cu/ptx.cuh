@@ -63,6 +63,28 @@ __device__ __forceinline__ void cp_async_4(uint32 dst, const void* src, bool pre
                  :: "r"(dst), "l"(src), "r"(pred ? 4 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Read-only global loads, issued where they are written (volatile: the compiler keeps
+// them in order with the wgmma and barrier asm around them, rather than hoisting
+// them and holding their results longer); when !pred nothing is read and the result is 0.
+#define CUPYFLASH_LD_NC(NAME, TYPE, PTX, CONSTRAINT)                                          \
+    __device__ __forceinline__ TYPE NAME(const void* p, bool pred = true) {                 \
+        TYPE x = 0;                                                                         \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p ld.global.nc." PTX " %0, [%1];\n}\n" \
+                     : "+" CONSTRAINT(x) : "l"(p), "r"(int(pred)));                         \
+        return x;                                                                           \
+    }
+CUPYFLASH_LD_NC(ld_nc_u8, uint32, "u8", "r")
+CUPYFLASH_LD_NC(ld_nc_u16, uint32, "u16", "r")
+CUPYFLASH_LD_NC(ld_nc_u32, uint32, "b32", "r")
+CUPYFLASH_LD_NC(ld_nc_f32, float, "f32", "f")
+#undef CUPYFLASH_LD_NC
+__device__ __forceinline__ float2 ld_nc_f32x2(const void* p, bool pred = true) {
+    float2 x = make_float2(0.f, 0.f);
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %3, 0;\n@p ld.global.nc.v2.f32 {%0, %1}, [%2];\n}\n"
+                 : "+f"(x.x), "+f"(x.y) : "l"(p), "r"(int(pred)));
+    return x;
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 

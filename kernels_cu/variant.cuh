@@ -37,6 +37,7 @@ constexpr int VAR_DROPOUT = 16; // Philox dropout
 constexpr int VAR_BIAS = 32;     // additive bias in the kernel's element type (issue 14)
 constexpr int VAR_BIAS_FP32 = 64; // additive bias in float32 (not with VAR_BIAS)
 constexpr int VAR_MASK = 128;    // boolean keep-mask
+constexpr int VAR_BIAS_STRIDED = 256;  // bias/mask read element by element (else: pairs, see ScoreTerms)
 
 // The variants' runtime arguments, one member `var` of every params struct
 // (mirrored as VARIANT_PARAMS in cupyflash/_params.py). Fields of a variant that
@@ -161,6 +162,14 @@ __device__ __forceinline__ float load_float(const __half* p) { return __half2flo
 __device__ __forceinline__ float load_float(const __nv_bfloat16* p) {
     return __uint_as_float(uint32(__ldg(reinterpret_cast<const unsigned short*>(p))) << 16);
 }
+// Element e of a pair of T in one word (element 0 in the low half).
+template <typename T> __device__ __forceinline__ float pair_float(uint32 u, int e);
+template <> __device__ __forceinline__ float pair_float<__half>(uint32 u, int e) {
+    return __half2float(__ushort_as_half((unsigned short)(e ? u >> 16 : u)));
+}
+template <> __device__ __forceinline__ float pair_float<__nv_bfloat16>(uint32 u, int e) {
+    return __uint_as_float(e ? u & 0xffff0000u : u << 16);
+}
 
 // Raw q·k -> the score in log2 units, for the rows of one (batch, head). The
 // scales and strides stay references to the kernel's params (constant-bank
@@ -198,9 +207,15 @@ struct ScoreMod {
           keep(MASK ? v_.attn_mask + b * v_.mask_batch_stride + h * v_.mask_head_stride : nullptr),
           dbias(BIAS && v_.dbias ? v_.dbias + b * v_.dbias_batch_stride + h * v_.dbias_head_stride : nullptr) {}
 
+    // The score before the bias and mask (softcap, ALiBi), log2 units.
+    __device__ __forceinline__ float scaled(float s, int row, int col) const {
+        const float x = SOFTCAP ? v.softcap_log2 * fast_tanh(s * v.softcap_scale) : s * softmax_scale_log2;
+        return ALIBI ? fmaf(-slope_log2, float(abs(row + off - col)), x) : x;
+    }
+    // The whole score, the bias and mask read here element by element (the forward
+    // reads them a key block ahead instead: ScoreTerms).
     __device__ __forceinline__ float operator()(float s, int row, int col) const {
-        float x = SOFTCAP ? v.softcap_log2 * fast_tanh(s * v.softcap_scale) : s * softmax_scale_log2;
-        if (ALIBI) x = fmaf(-slope_log2, float(abs(row + off - col)), x);
+        float x = scaled(s, row, col);
         if constexpr (BIAS_OR_MASK) {
             const int64 r = min(row, last_row), c = min(col, last_col);
             if (BIAS) x = fmaf(load_float(bias + r * v.bias_row_stride + c * v.bias_col_stride), LOG2E, x);
@@ -232,10 +247,10 @@ __device__ __forceinline__ float prob(float x, float lse_log2) { return fast_exp
 
 // One fragment row of an mma accumulator tile (s[j][2 half + e]: n-tile j, columns
 // col0 + 8 j + e) in log2 units, masked (MASKED: the block needs it); row is its query
-// row in the sequence.
-template <bool MASKED, bool IS_CAUSAL, int VARIANT, int N_TILES, typename T>
-__device__ __forceinline__ void score_row(float (&s)[N_TILES][4], int half, const ScoreMod<VARIANT, T>& mod,
-                                          const Mask<IS_CAUSAL, VARIANT>& mask, int row, int col0) {
+// row in the sequence; score(x, j, e): the raw score of (j, e) in log2 units.
+template <bool MASKED, bool IS_CAUSAL, int VARIANT, int N_TILES, typename Score>
+__device__ __forceinline__ void score_row_by(float (&s)[N_TILES][4], int half, const Mask<IS_CAUSAL, VARIANT>& mask,
+                                             int row, int col0, const Score& score) {
     int begin = 0, end = 0;
     if (MASKED) { begin = mask.col_begin(row); end = mask.col_end(row); }
 #pragma unroll
@@ -244,10 +259,17 @@ __device__ __forceinline__ void score_row(float (&s)[N_TILES][4], int half, cons
         for (int e = 0; e < 2; ++e) {
             const int col = col0 + j * 8 + e;
             float& x = s[j][half * 2 + e];
-            x = mod(x, row, col);
+            x = score(x, j, e);
             if (MASKED && (col >= end || (Mask<IS_CAUSAL, VARIANT>::WINDOW && col < begin))) x = NEG_INF;
         }
     }
+}
+
+template <bool MASKED, bool IS_CAUSAL, int VARIANT, int N_TILES, typename T>
+__device__ __forceinline__ void score_row(float (&s)[N_TILES][4], int half, const ScoreMod<VARIANT, T>& mod,
+                                          const Mask<IS_CAUSAL, VARIANT>& mask, int row, int col0) {
+    score_row_by<MASKED>(s, half, mask, row, col0,
+                         [&](float x, int j, int e) { return mod(x, row, col0 + j * 8 + e); });
 }
 
 // Scores of an mma accumulator tile set -> log2 units, masked (MASKED: the block
@@ -261,6 +283,125 @@ __device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], cons
 #pragma unroll
         for (int half = 0; half < 2; ++half)
             score_row<MASKED>(s[i], half, mod, mask, row0 + i * 16 + half * 8, col0);
+}
+
+// The bias and mask of one key block at a thread's fragment rows (score_tile's layout:
+// rows row0 + 16 i + 8 half, columns col0 + 8 j + e), read into registers by load()
+// before the block's scores exist, so that the loads' latency hides under the S GEMM
+// (the bias stream is as long as the GEMM's at D=64). Each fragment row's pointer is
+// set once (its row clamped as ScoreMod's), and a block's columns are 32-bit offsets
+// from it. Unless VAR_BIAS_STRIDED, the plan has found the column stride 1 and every
+// row's element pairs aligned: a fragment's two adjacent columns are one 4-byte load
+// (8 with an fp32 bias; 2 for the mask). Keys past seqlen_k (MASKED blocks only; Mask
+// hides them) are not read.
+template <int VARIANT, typename T, int M_TILES, int N_TILES>
+struct ScoreTerms {
+    using Mod = ScoreMod<VARIANT, T>;
+    using BiasT = typename Mod::BiasT;
+    static constexpr bool BIAS = Mod::BIAS, MASK = Mod::MASK, ANY = Mod::BIAS_OR_MASK;
+    static constexpr bool PAIRED = (VARIANT & VAR_BIAS_STRIDED) == 0;
+    static constexpr bool FP32 = sizeof(BiasT) == 4;
+    // a bias pair: two T in one word, or two floats
+    using BiasPair = typename Select<FP32, float2, uint32>::type;
+
+    const Mod& mod;
+    const BiasT* bias_row[M_TILES][2];
+    const uint8* keep_row[M_TILES][2];
+    // one key block's values: pairs (PAIRED) or elements
+    BiasPair bias_pair[M_TILES][2][N_TILES];
+    uint32 keep_pair[M_TILES][2][N_TILES];
+    float bias_elem[M_TILES][2][N_TILES][2];
+    uint32 keep_elem[M_TILES][2][N_TILES][2];
+
+    __device__ __forceinline__ ScoreTerms(const Mod& mod_, int row0) : mod(mod_) {
+        if constexpr (ANY) {
+#pragma unroll
+            for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int64 r = min(row0 + i * 16 + half * 8, mod.last_row);
+                    if (BIAS) bias_row[i][half] = mod.bias + r * mod.v.bias_row_stride;
+                    if (MASK) keep_row[i][half] = mod.keep + r * mod.v.mask_row_stride;
+                }
+        }
+    }
+
+    // Read the key block whose fragment columns start at col0 (even).
+    template <bool MASKED>
+    __device__ __forceinline__ void load(int col0) {
+        if constexpr (ANY) {
+#pragma unroll
+            for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+#pragma unroll
+                    for (int j = 0; j < N_TILES; ++j) {
+                        const int c = col0 + j * 8;
+                        if constexpr (PAIRED) load_pair<MASKED>(i, half, j, c);
+                        else {
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) load_elem(i, half, j, e, min(c + e, mod.last_col));
+                        }
+                    }
+        }
+    }
+
+    // x (the score before the bias and mask, log2 units) with the loaded block's terms.
+    __device__ __forceinline__ float apply(float x, int i, int half, int j, int e) const {
+        if constexpr (BIAS) x = fmaf(bias(i, half, j, e), LOG2E, x);
+        if constexpr (MASK) {
+            const bool keep = PAIRED ? (keep_pair[i][half][j] >> (8 * e)) & 0xffu : keep_elem[i][half][j][e];
+            if (!keep) x = NEG_INF;
+        }
+        return x;
+    }
+
+  private:
+    template <bool MASKED>
+    __device__ __forceinline__ void load_pair(int i, int half, int j, int c) {
+        // The key tail (MASKED blocks): column c alone if it exists; c + 1 is hidden.
+        const bool pair = !MASKED || c < mod.last_col;
+        if constexpr (BIAS) {
+            const BiasT* p = bias_row[i][half] + c;
+            if constexpr (FP32) {
+                bias_pair[i][half][j] = ld_nc_f32x2(p, pair);
+                if (MASKED) bias_pair[i][half][j].x += ld_nc_f32(p, c == mod.last_col);
+            } else {
+                bias_pair[i][half][j] = ld_nc_u32(p, pair);
+                if (MASKED) bias_pair[i][half][j] |= ld_nc_u16(p, c == mod.last_col);
+            }
+        }
+        if constexpr (MASK) {
+            const uint8* p = keep_row[i][half] + c;
+            keep_pair[i][half][j] = ld_nc_u16(p, pair);
+            if (MASKED) keep_pair[i][half][j] |= ld_nc_u8(p, c == mod.last_col);
+        }
+    }
+    __device__ __forceinline__ void load_elem(int i, int half, int j, int e, int c) {
+        if (BIAS) bias_elem[i][half][j][e] = load_float(bias_row[i][half] + int64(c) * mod.v.bias_col_stride);
+        if (MASK) keep_elem[i][half][j][e] = __ldg(keep_row[i][half] + int64(c) * mod.v.mask_col_stride);
+    }
+    __device__ __forceinline__ float bias(int i, int half, int j, int e) const {
+        if constexpr (!PAIRED) return bias_elem[i][half][j][e];
+        else if constexpr (FP32) return e ? bias_pair[i][half][j].y : bias_pair[i][half][j].x;
+        else return pair_float<T>(bias_pair[i][half][j], e);
+    }
+};
+
+// score_tile with the bias and mask of terms (loaded for this key block).
+template <bool MASKED, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES, typename T>
+__device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], const ScoreMod<VARIANT, T>& mod,
+                                           const Mask<IS_CAUSAL, VARIANT>& mask, int row0, int col0,
+                                           const ScoreTerms<VARIANT, T, M_TILES, N_TILES>& terms) {
+#pragma unroll
+    for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + i * 16 + half * 8;
+            score_row_by<MASKED>(s[i], half, mask, row, col0, [&](float x, int j, int e) {
+                return terms.apply(mod.scaled(x, row, col0 + j * 8 + e), i, half, j, e);
+            });
+        }
 }
 
 // Set to -inf the scores at or past a per-row column limit: col_limit[i][half]

@@ -68,7 +68,7 @@ def test_wgmma_variants_fit_hopper_shared_memory_and_are_checked_on_sm90_only():
     sm90 = [L for L in dispatch.all_fwd_launches((9, 0)) if L.source == "flash_fwd_sm90.cu"]
     plain = [L for L in sm90 if L.args[-1] == "0"]
     assert len(plain) == 2 * 2 * 2 * 2  # dtype x head_dim (64, 128) x causal x even_k
-    assert len(sm90) - len(plain) == len(dispatch.VARIANT_BITS) * 2 * 2  # each variant alone, bf16
+    assert len(sm90) - len(plain) == len(dispatch.FWD_CHECK_VARIANTS) * 2 * 2  # bf16, head_dim x causal
     assert all(L.smem_bytes <= 227 * 1024 for L in sm90)
     assert not [L for L in dispatch.all_fwd_launches((8, 0)) if L.source == "flash_fwd_sm90.cu"]
 
@@ -465,3 +465,78 @@ def test_decode_window_splits_share_the_visible_tiles():
         for rows in (1, 20, 100):
             plan = dispatch.select_decode(**dict(kw, seqlen_q=rows, nheads_q=8), variant=bit)
             assert plan.main.name_expression in every
+
+
+def test_bias_and_mask_forwards_are_listed_for_check_kernels():
+    """Each of the bias (element, fp32), the mask, their strided reads and the combinations
+    users run, on both forward kernels (sm90: wgmma; every cc: mma.sync, split or not)."""
+    want = {dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK,
+            dispatch.VAR_BIAS | dispatch.VAR_BIAS_STRIDED, dispatch.VAR_BIAS_FP32 | dispatch.VAR_BIAS_STRIDED,
+            dispatch.VAR_MASK | dispatch.VAR_BIAS_STRIDED, dispatch.VAR_BIAS | dispatch.VAR_MASK,
+            dispatch.VAR_BIAS | dispatch.VAR_SOFTCAP, dispatch.VAR_BIAS | dispatch.VAR_WINDOW}
+    assert want <= set(dispatch.FWD_CHECK_VARIANTS)
+    assert dispatch.VAR_BIAS_STRIDED not in dispatch.FWD_CHECK_VARIANTS  # meaningless alone
+    for cc in ((8, 0), (9, 0)):
+        launches = dispatch.all_fwd_launches(cc)
+        for bit in want:
+            mma = {(L.args[1], L.args[5], L.args[8]) for L in launches
+                   if L.source == "flash_fwd.cu" and L.args[-1] == str(bit) and "combine" not in L.template}
+            assert mma == {(str(d), c, s) for d in dispatch.HEAD_DIMS for c in ("false", "true")
+                           for s in ("false", "true")}
+            sm90 = {(L.args[1], L.args[4]) for L in launches
+                    if L.source == "flash_fwd_sm90.cu" and L.args[-1] == str(bit)}
+            assert sm90 == ({(d, c) for d in ("64", "128") for c in ("false", "true")} if cc == (9, 0) else set())
+            # what select_fwd returns is what is listed
+            for d, causal, seqlen_q in itertools.product((64, 96, 128, 256), (False, True), (1, 4096)):
+                plan = dispatch.select_fwd(batch=2, seqlen_q=seqlen_q, seqlen_k=4096, nheads_q=8, head_dim=d,
+                                           dtype="bfloat16", causal=causal, vec=True, cc=cc, variant=bit)
+                assert plan.main.name_expression in {L.name_expression for L in launches}
+
+
+@pytest.mark.parametrize("bit", [dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK,
+                                 dispatch.VAR_MASK | dispatch.VAR_BIAS_STRIDED])
+def test_bias_and_mask_take_their_tiles(bit):
+    """A bias or mask is held a key block ahead in registers: halved key tiles where the
+    default ones spill (_FWD_TILES_BIAS); on the wgmma kernel one block per SM, 64-key
+    tiles at D=128."""
+    kw = dict(batch=4, seqlen_q=4096, seqlen_k=4096, nheads_q=16, dtype="bfloat16", causal=True, vec=True)
+    for d, tile in dispatch._FWD_TILES_BIAS.items():
+        plan = dispatch.select_fwd(**kw, head_dim=d, cc=(8, 0), variant=bit)
+        assert plan.main.args[2:5] == tuple(map(str, tile))
+    assert dispatch.select_fwd(**kw, head_dim=96, cc=(8, 0), variant=bit).main.args[2:5] == \
+        dispatch.select_fwd(**kw, head_dim=96, cc=(8, 0)).main.args[2:5]
+    assert dispatch.fwd_sm90_tile(128, True, bit) == (64, 1)
+    assert dispatch.fwd_sm90_tile(64, True, bit) == (64, 1)
+    assert dispatch.fwd_sm90_tile(64, False, bit) == (64, 1)
+    assert dispatch.fwd_sm90_tile(64, True, bit | dispatch.VAR_ALIBI) == (64, 1)
+    # window, ALiBi, dropout keep their lean tiles with a bias too
+    lean = dispatch.select_fwd(**kw, head_dim=128, cc=(8, 0), variant=bit | dispatch.VAR_WINDOW)
+    assert lean.main.args[2:5] == tuple(map(str, dispatch._FWD_TILES_LEAN[128][1]))
+
+
+def test_score_pairs_need_unit_column_stride_even_strides_and_an_aligned_pointer():
+    ok = dispatch.score_pairs_ok
+    assert ok((0, 0, 1024, 1), 2, 256)
+    assert ok((0, 0, 0, 1), 4, 8)                     # one row for every query row
+    assert not ok((0, 0, 1, 1024), 2, 256)            # transposed
+    assert not ok((0, 0, 1023, 1), 2, 256)            # odd row stride: odd rows start misaligned
+    assert not ok((1023 * 1024 + 1, 0, 1024, 1), 1, 256)  # odd batch stride
+    assert not ok((0, 1025, 1024, 1), 2, 256)          # odd head stride
+    assert not ok((0, 0, 1024, 1), 2, 258)             # the pointer one element off
+    assert not ok((0, 0, 1024, 0), 2, 256)             # broadcast columns
+    assert ok((0, 0, 1024, 1), 1, 2) and not ok((0, 0, 1024, 1), 1, 1)  # a mask: 2-byte pairs
+
+
+def test_strided_bit_needs_a_bias_or_mask_and_decode_refuses_both():
+    assert dispatch.variant_bits(bias="element", strided=True) == dispatch.VAR_BIAS | dispatch.VAR_BIAS_STRIDED
+    assert dispatch.variant_bits(mask=True, strided=True) == dispatch.VAR_MASK | dispatch.VAR_BIAS_STRIDED
+    with pytest.raises(ValueError, match="strided"):
+        dispatch.variant_bits(strided=True)
+    kw = dict(batch=1, seqlen_q=1, nheads_q=8, nheads_kv=8, head_dim=128, max_seqlen_k=4096, dtype="bfloat16",
+              causal=True, paged=False, vec=True)
+    for bit in (dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK):
+        with pytest.raises(ValueError, match="decode kernel takes no attn_bias"):
+            dispatch.select_decode(**kw, variant=bit)
+    listed = {int(L.args[-1]) for L in dispatch.all_decode_launches() if L.template.endswith("decode_kernel")}
+    assert not any(v & (dispatch.VAR_BIAS | dispatch.VAR_BIAS_FP32 | dispatch.VAR_MASK | dispatch.VAR_BIAS_STRIDED)
+                   for v in listed)

@@ -922,8 +922,8 @@ def _compute_decode_with_variants(plan_kwargs, q, k_cache, v_cache, k_new, v_new
     options = dict(plan_kwargs.get("options") or {})
     assert (var is None) == (not options)
     if options:
-        alibi, sinks, dsinks, seed, offset = var
-        assert (dsinks, seed, offset) == (0, 0, 0)
+        alibi, sinks, dsinks, bias, mask, dbias, seed, offset = var  # _params.VARIANT_PER_CALL
+        assert (dsinks, bias, mask, dbias, seed, offset) == (0, 0, 0, 0, 0, 0)
         assert (alibi != 0) == ("alibi_slopes" in options) and (sinks != 0) == ("sinks" in options)
         for name, ptr in (("alibi_slopes", alibi), ("sinks", sinks)):
             if ptr:
@@ -994,7 +994,7 @@ def test_variants_on_the_long_chunk_path_plan_the_dense_forward_with_them(monkey
     assert decode["append_only"] and not decode.get("options")
     assert sorted(fwd["options"]) == sorted(host_opts) and fwd["causal"]
     assert seen == [("decode", None),
-                    ("fwd", (gpu_opts["alibi_slopes"].data.ptr, gpu_opts["sinks"].data.ptr, 0, 0, 0))]
+                    ("fwd", (gpu_opts["alibi_slopes"].data.ptr, gpu_opts["sinks"].data.ptr, 0, 0, 0, 0, 0, 0))]
 
 
 def test_variants_bad_input_on_the_gpu(monkeypatch, rng):
