@@ -314,7 +314,12 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         //      adjacent keys (one 32-byte sector when dbias has unit column stride) of 4
         //      query rows; exact zeros (masked, P = 0) are skipped.
         const uint32 (&ds_p)[BLOCK_M / 16][4] = SOFTCAP ? pds : pa;
-        [[maybe_unused]] const bool dbias = BIAS && mod.has_dbias();
+        // (the score modifier built again, from the lengths in shared memory: P's one
+        // held across dV's product costs the registers D=64 lacks)
+        SeqLens dl{};
+        if constexpr (BIAS) dl = seq_slot.load();
+        const ScoreMod<VARIANT, T> dmod(p.var, p.softmax_scale_log2, b, h, dl.seqlen_q, dl.seqlen_k);
+        [[maybe_unused]] const bool dbias = BIAS && dmod.has_dbias();
         uint32 dsa[BLOCK_M / 16][4];
 #pragma unroll
         for (int j = 0; j < M_TILES; ++j) {
@@ -332,8 +337,8 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
                 if (BIAS && dbias) {
                     const float2 pb = SOFTCAP ? TypeTraits<T>::unpack(pa[j / 2][(j % 2) * 2 + hh]) : pr;
                     const int key = n0 + key_row0 + hh * 8, query = m0 + j * 8 + 2 * t;
-                    if (pb.x != 0.f) mod.add_dbias(pb.x * dp0, query, key);
-                    if (pb.y != 0.f) mod.add_dbias(pb.y * dp1, query + 1, key);
+                    if (pb.x != 0.f) dmod.add_dbias(pb.x * dp0, query, key);
+                    if (pb.y != 0.f) dmod.add_dbias(pb.y * dp1, query + 1, key);
                 }
                 dpt[j][2 * hh] = pr.x * dp0;
                 dpt[j][2 * hh + 1] = pr.y * dp1;
