@@ -128,8 +128,17 @@ _VAR_WRITER = (_params.offset_of(_params.BWD_PARAMS, "var"), _variant.WRITER)
 def variant_bwd(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, deterministic: bool,
                 dtype_name: str, options, dq=None, dk=None, dv=None, packed=None):
     """A backward with variants on the GPU (``options`` not empty); ``packed`` as in
-    :func:`_run_bwd`. Returns ``(dq, dk, dv)``, and ``dsinks`` (float32
-    ``(nheads_q,)``, summed over the batch and rows) when sinks are on."""
+    :func:`_run_bwd`. Returns ``(dq, dk, dv)``, then ``dsinks`` (float32
+    ``(nheads_q,)``, summed over the batch and rows) when sinks are on, then ``dbias``
+    with ``options["return_dbias"]``: float32 in the bias's 4-D shape
+    (``_variant.dbias_shape``), dS summed over the bias's broadcast (size-1)
+    dimensions; a packed batch's sequence ``b`` adds into ``dbias[b, :, :len_q,
+    :len_k]`` (its block of the bias), and the rest stays 0.
+
+    dbias is summed by fp32 atomics from the dK/dV kernel, in any mode: where the bias
+    is full-size each element is added once to 0, so it is exact and reproducible, but
+    a broadcast dimension is summed in the order the blocks run, so ``deterministic``
+    does not make such a dbias bitwise reproducible."""
     with q.device:
         return _run_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype_name, packed,
                         dq, dk, dv, options)
@@ -173,26 +182,33 @@ def varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
 def _run_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, packed, dq, dk, dv,
              options=None):
     """``packed``: None for a dense batch, else (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-    ``options``: the variants on, or None (with sinks the result ends with ``dsinks``)."""
+    ``options``: the variants on, or None (the result ends with ``dsinks`` with sinks, then
+    ``dbias`` with ``return_dbias``)."""
     import cupy  # noqa: PLC0415
 
     if q.size == 0 or k.size == 0:  # nothing sees anything: every gradient is 0
         grads = tuple(cupy.zeros(x.shape, dtype=x.dtype) if g is None else g for g, x in ((dq, q), (dk, k), (dv, v)))
         for g in grads:
             g.fill(0)
-        return grads + ((cupy.zeros(q.shape[-2], dtype=cupy.float32),) if options and "sinks" in options else ())
+        if options and "sinks" in options:
+            grads += (cupy.zeros(q.shape[-2], dtype=cupy.float32),)
+        if options and _variant.dbias_shape(options) is not None:
+            grads += (cupy.zeros(_variant.dbias_shape(options), dtype=cupy.float32),)
+        return grads
     device_id = q.data.device_id
     dims = None if packed is None else (packed[0].shape[0] - 1, int(packed[2]), int(packed[3]))
     dtype_name = dtype if dtype is not None else q.dtype.name
     key = (_launch.geometry(dout, q, k, v, out, lse, dq, dk, dv), device_id, softmax_scale, causal,
            deterministic, dtype_name, dims)
-    dsinks = var = None
+    dsinks = dbias = var = None
     if options:
         options = _variant.contiguous(options)
         key += (_variant.plan_key(options),)
         if "sinks" in options:
             dsinks = cupy.zeros(q.shape[-2], dtype=cupy.float32)
-        var = _variant.call_values(options, 0 if dsinks is None else dsinks.data.ptr)
+        if _variant.dbias_shape(options) is not None:  # summed into by the dK/dV kernel's atomics
+            dbias = cupy.zeros(_variant.dbias_shape(options), dtype=cupy.float32)
+        var = _variant.call_values(options, *(0 if x is None else x.data.ptr for x in (dsinks, dbias)))
     call = PLANS.get_or_make(key, lambda: plan_bwd(
         dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
         deterministic=deterministic, dtype_name=dtype_name, device_id=device_id, packed=dims, options=options))
@@ -202,4 +218,4 @@ def _run_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtyp
     cu = (0, 0) if packed is None else (packed[0].data.ptr, packed[1].data.ptr)
     call.run(cupy.cuda.get_current_stream().ptr, _launch.cupy_alloc, dout.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr,
              out.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, *cu, var=var)
-    return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
+    return (dq, dk, dv) + tuple(x for x in (dsinks, dbias) if x is not None)

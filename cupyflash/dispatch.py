@@ -535,9 +535,18 @@ def bwd_dq_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: b
     return Launch("flash_bwd_sm90.cu", "cupyflash::flash_bwd_dq_sm90_kernel", args, grid, (256, 1, 1), smem)
 
 
-def uses_sm90_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int]) -> bool:
-    """Whether the wgmma dK/dV kernel serves this padded head_dim."""
-    return cc == (9, 0) and vec and head_dim_padded in _BWD_SM90_HEAD_DIMS
+# Variant bits whose wgmma backward spills, per padded head_dim (check-kernels, NVRTC
+# 13, sm_90): those plans run the mma.sync kernels of flash_bwd.cu instead.
+#   bias, mask at D=128: the dK/dV kernel sits at 252-255 registers without variants;
+#     the per-element bias/mask reads of the transposed Pᵀ tile spill 36-196 bytes
+#     (mask alone 36-72), with or without dbias.
+_BWD_SM90_VARIANT_SPILLS = {128: VAR_BIAS | VAR_BIAS_FP32 | VAR_MASK}
+
+
+def uses_sm90_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int = 0) -> bool:
+    """Whether the wgmma kernels serve this padded head_dim (and VARIANT bits)."""
+    return (cc == (9, 0) and vec and head_dim_padded in _BWD_SM90_HEAD_DIMS
+            and not variant & _BWD_SM90_VARIANT_SPILLS.get(head_dim_padded, 0))
 
 
 def bwd_dkdv_sm90_smem_bytes(head_dim_padded: int, block_m: int = BWD_SM90_BLOCK_M) -> int:
@@ -596,13 +605,24 @@ def _bwd_tiles(d: int, causal: bool, deterministic: bool, vec: bool) -> tuple[tu
 #     8-32 bytes on sm_80; 64 keys take 163-200 registers.
 #   window at D=96: 64 keys spill 4 bytes on sm_90 (causal, at 168 registers: a
 #     ptxas choice); 32 keys take ~153.
+#   bias, mask (issue 14; the per-element bias/mask reads and dbias's reductions sit
+#     beside S and dP): the 128x128 tiles at D=32 and D=64 (116-136 bytes at D=32), and
+#     the D=128 64x128 tile (28 bytes at 255 registers, causal fp32 bias on sm_80); D=128
+#     matters on Hopper too, whose wgmma kernel these plans skip (_BWD_SM90_VARIANT_SPILLS).
+#   bias, mask: the dQ kernel's 128 keys at D=32 (16-44 bytes, as dropout) and 64 keys at
+#     D=64 (16-40 bytes at 168 registers, a ptxas choice, as the window's at D=96); D=96's
+#     64 keys sit at that same 168 with the fp32 bias: 32 keys there too, for the margin.
+_BIAS_MASK_BITS = (VAR_BIAS, VAR_BIAS_FP32, VAR_MASK)
 _BWD_VARIANT_TILE_SPILLS: dict[int, set[tuple[int, tuple[int, ...], bool]]] = {
     VAR_SOFTCAP: {(64, _BWD_TILES[64][0], True), (128, _BWD_TILES[128][0], False)},
     VAR_DROPOUT: {(64, _BWD_TILES[64][0], True), (32, _BWD_TILES[32][0], False)},
+    **{bit: {(d, _BWD_TILES[d][0], det) for d in (32, 64, 128) for det in (False, True)}
+       for bit in _BIAS_MASK_BITS},
 }
 _BWD_DQ_VARIANT_TILES: dict[int, dict[int, tuple[tuple[int, int, int], ...]]] = {
     VAR_DROPOUT: {32: ((64, 64, 4),), 64: ((64, 64, 4),)},
     VAR_WINDOW: {96: ((64, 32, 4),)},
+    **{bit: {32: ((64, 64, 4),), 64: ((64, 32, 4),), 96: ((64, 32, 4),)} for bit in _BIAS_MASK_BITS},
 }
 
 
@@ -675,7 +695,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     d = padded_head_dim(head_dim)
     even_k = head_dim == d
     smem_limit = max_smem_per_block(cc)
-    sm90 = uses_sm90_bwd(d, vec, cc)
+    sm90 = uses_sm90_bwd(d, vec, cc, variant)
     # dQ by its own kernel (no atomics): always when deterministic, and where measured faster
     separate_dq = deterministic or (sm90 and BWD_DQ_SM90 and _bwd_sm90_separate_dq(d))
     if sm90:
@@ -737,13 +757,16 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
                 _BWD_DQ_TILES[d], (False, True), (True, False), (True, False)):
             out.append(bwd_dq_launch(dtype, d, tile, causal, even_k, vec))
     # Each variant switched on alone: the kernels a default plan takes on aligned data.
+    # (The bias with the mask, causal, is not listed: on sm_80 the mma.sync dK/dV tiles
+    # D=64 64x128, D=96 64x128 and D=256 64x64 and the D=256 dQ tile spill 8-64 bytes
+    # with both reads, and D=64 has no leaner tile in the table.)
     for bit, d, causal, det in itertools.product(VARIANT_BITS.values(), HEAD_DIMS, (False, True), (False, True)):
         for tile in _bwd_variant_tiles(d, causal, det, True, bit)[:1]:
             out.append(bwd_dkdv_launch(_VARIANT_CHECK_DTYPE, d, tile, causal, True, True, det, variant=bit))
         if det:
             out.append(bwd_dq_launch(_VARIANT_CHECK_DTYPE, d, _bwd_dq_variant_tiles(d, bit)[0], causal, True, True,
                                      variant=bit))
-        if cc is not None and uses_sm90_bwd(d, True, cc):
+        if cc is not None and uses_sm90_bwd(d, True, cc, bit):
             no_dq = det or _bwd_sm90_separate_dq(d)
             out.append(bwd_dkdv_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, no_dq, variant=bit))
             if no_dq:

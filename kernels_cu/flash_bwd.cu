@@ -7,10 +7,13 @@
 //   dK = scale·dSᵀ·Q,  dQ = scale·dS·K.
 // The variants (VARIANT, variant.cuh; cupyflash/reference.py is the specification):
 // P = prob(x, lse·log2e) with x the modified, masked score in log2 units (softcap,
-// ALiBi; window, causal, key tail: x = -inf), dropout's keep mask Z and rp = 1/(1-p)
-// give dV = (P∘Z·rp)ᵀ·dO and dS = P∘(dP∘Z·rp − delta), softcap multiplies dS by
-// 1 − tanh², and a sink (in lse already) adds dsinks[h] = −Σ exp(sink_h − lse)·delta
-// (the preprocess kernel). variant.cuh's BwdScores holds the element-wise pieces.
+// ALiBi, bias; window, causal, key tail, bool mask: x = -inf), dropout's keep mask Z
+// and rp = 1/(1-p) give dV = (P∘Z·rp)ᵀ·dO and dS = P∘(dP∘Z·rp − delta), softcap
+// multiplies dS by 1 − tanh², and a sink (in lse already) adds dsinks[h] =
+// −Σ exp(sink_h − lse)·delta (the preprocess kernel). With a bias, dbias = dS before
+// the softcap factor, summed over broadcast dimensions by fp32 reductions from the
+// dK/dV kernel only (variant.cuh's add_dbias_pair). variant.cuh's BwdScores holds the
+// element-wise pieces.
 //
 // Kernels, in launch order (cupyflash/_gpu_bwd.py):
 //   flash_bwd_preprocess_kernel  delta; lse·log2(e) with the P = 0 guards; dq_accum = 0;
@@ -446,8 +449,11 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
                                                                                       sV, sdp_col0);
 
         // ---- dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap) in place of dP, and
-        //      P∘Z·rp (dropout's keep mask Z, rp = 1/(1-p)) in place of P
-        scores(Bool<Scores::DEFER && LENGTHS>{}).template dscores<MASKED>(s, dp, row0, col0, lse2, delta);
+        //      P∘Z·rp (dropout's keep mask Z, rp = 1/(1-p)) in place of P; dbias += dS
+        //      (before the softcap factor) where asked: this kernel sees each (query, key)
+        //      of a head once, the dQ kernel's dS would add it twice
+        scores(Bool<(Scores::DEFER || Scores::BIAS) && LENGTHS>{})
+            .template dscores<MASKED, true>(s, dp, row0, col0, lse2, delta);
 
         // ---- P∘Z·rp and dS to shared memory: dV and dK read them transposed, dQ as is
         store_frag<T, PTile>(sP, s, sdp_row0, sdp_col0);
@@ -676,7 +682,7 @@ flash_bwd_dq_kernel(const BwdParams p) {
 
         // ---- dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap), repacked as the A
         //      operand of dS·K (s becomes P∘Z·rp, unused here)
-        scores.template dscores<MASKED>(s, dp, m0 + r0, col0, lse2_of, delta_of);
+        scores.template dscores<MASKED, false>(s, dp, m0 + r0, col0, lse2_of, delta_of);
         uint32 ds[M_TILES][BLOCK_N / 16][4];
         pack_a<T>(ds, dp);
 

@@ -88,6 +88,17 @@ __device__ __forceinline__ float2 ld_nc_f32x2(const void* p, bool pred = true) {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
+// p[0] += a, p[1] += b in global memory, p 8-byte aligned, nothing returned (RED, not
+// ATOM): one two-wide reduction on sm_90 (PTX ISA 8.1), two scalar ones before.
+__device__ __forceinline__ void red_add_f32x2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" :: "l"(p), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
+
 }  // namespace cupyflash
 
 namespace cupyflash {

@@ -510,6 +510,25 @@ __device__ __forceinline__ void add_sink_term(float (&acc_l)[1][4], const float 
     }
 }
 
+// dbias[row, col] += d0 and dbias[row, col + 1] += d1 (col even: one lane's pair in
+// score_tile's layout, where the 32 lanes of a warp cover 8 rows x 8 columns): one
+// two-wide reduction where the pair is adjacent and 8-byte aligned in memory (unit
+// column stride, no broadcast) and both are in the sequence, else add_dbias each.
+// A pair of exact zeros (masked or dropped: P = 0) adds nothing and is skipped.
+template <int VARIANT, typename T>
+__device__ __forceinline__ void add_dbias_pair(const ScoreMod<VARIANT, T>& mod, float d0, float d1, int row,
+                                               int col) {
+    if (d0 == 0.f && d1 == 0.f) return;
+    float* p = mod.dbias + int64(row) * mod.v.dbias_row_stride + int64(col) * mod.v.dbias_col_stride;
+    if (mod.v.dbias_col_stride == 1 && row <= mod.last_row && col < mod.last_col &&
+        (reinterpret_cast<uint64>(p) & 7u) == 0) {
+        red_add_f32x2(p, d0, d1);
+    } else {
+        mod.add_dbias(d0, row, col);
+        mod.add_dbias(d1, row, col + 1);
+    }
+}
+
 // ---------------------------------------------------------------------------
 // The backward's element pipeline (the mma.sync kernels of flash_bwd.cu), on S and
 // dP accumulator tiles in score_tile's layout: s[i][j][e] at row row0 + 16 i (+ 8
@@ -517,7 +536,9 @@ __device__ __forceinline__ void add_sink_term(float (&acc_l)[1][4], const float 
 // sequence, col0 even. With x the variant's masked score (log2 units), Z the
 // dropout keep mask and rp = 1/(1-p) (cupyflash/reference.py):
 //   P = prob(x, lse·log2e),  dV += (P∘Z·rp)ᵀ·dO,
-//   dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap),  dK, dQ from dS.
+//   dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap),  dK, dQ from dS;
+//   dbias += P∘(dP∘Z·rp − delta) (before the softcap factor; the dK/dV kernel's
+//   dscores<MASKED, true> only, so each (query, key) is added once per head).
 // Without softcap, probs() turns S into P before dP = dO·Vᵀ (as without variants),
 // and with dropout it also draws Z there, while fewer registers are live: Z rides
 // in P's sign bit (P >= 0, so the bit is free) until dscores(), set where dropped.
@@ -529,9 +550,11 @@ struct BwdScores {
     static constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0;
     static constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
     static constexpr bool DEFER = SOFTCAP;  // P computed in dscores() from the raw S
+    static constexpr bool BIAS = ScoreMod<VARIANT, T>::BIAS;  // dscores<MASKED, true>() may sum dbias
     // Whether the scores of unmasked blocks read the sequence's lengths (ALiBi's
-    // offset; masked blocks always do).
-    static constexpr bool UNMASKED_LENGTHS = (VARIANT & VAR_ALIBI) != 0;
+    // offset; the bias's and mask's clamped reads and dbias's tail test; masked
+    // blocks always do).
+    static constexpr bool UNMASKED_LENGTHS = (VARIANT & VAR_ALIBI) != 0 || ScoreMod<VARIANT, T>::BIAS_OR_MASK;
     using MaskT = Mask<IS_CAUSAL, VARIANT>;
     MaskT mask;
     ScoreMod<VARIANT, T> mod;
@@ -573,9 +596,11 @@ struct BwdScores {
 
     // s: P from probs() (DEFER: the raw q·k), dp: dO·Vᵀ  ->  s = P∘Z·rp (dV's operand), dp = dS
     // (before softmax_scale). delta(i, half): rowsum(dO∘O) of row (i, half); lse2 as for probs.
-    template <bool MASKED, int M_TILES, int N_TILES, typename Lse2, typename Delta>
+    // DBIAS: also sum dS (before softcap's factor) into dbias, where the plan asks for it.
+    template <bool MASKED, bool DBIAS, int M_TILES, int N_TILES, typename Lse2, typename Delta>
     __device__ __forceinline__ void dscores(float (&s)[M_TILES][N_TILES][4], float (&dp)[M_TILES][N_TILES][4],
                                             int row0, int col0, const Lse2& lse2, const Delta& delta) const {
+        const bool dbias = DBIAS && mod.has_dbias();
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
@@ -593,6 +618,7 @@ struct BwdScores {
                     const int col = col0 + j * 8;
                     // DEFER: keep bits of columns col, col + 1 (one Philox call: col is even)
                     const uint32 bits = DROPOUT && DEFER ? drop.keep4(row, col >> 2) >> (col & 3) : 3u;
+                    float ds[2];  // dS of columns col, col + 1 before softcap's factor
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         float& ps = s[i][j][half * 2 + e];
@@ -619,8 +645,10 @@ struct BwdScores {
                             d = P * (d - dl);
                             ps = P;
                         }
+                        ds[e] = d;
                         if constexpr (SOFTCAP) d *= dtanh;
                     }
+                    if (dbias) add_dbias_pair(mod, ds[0], ds[1], row, col);
                 }
             }
         }

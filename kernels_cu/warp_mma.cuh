@@ -160,9 +160,8 @@ __device__ __forceinline__ void store_frag(uint32 base, const float (&acc)[MT][N
 
 // dst[row, col] += acc for a warp tile of a row-major fp32 global array
 // (row_stride floats), rows row0.. below rows_valid, columns col0..: lane
-// (g, t) adds the pairs (2t, 2t+1). sm_90 has a two-wide vector reduction;
-// older GPUs add one float at a time. Nothing is returned, so these compile to
-// RED, not ATOM.
+// (g, t) adds the pairs (2t, 2t+1) (red_add_f32x2: one two-wide reduction on
+// sm_90).
 template <int MT, int NT>
 __device__ __forceinline__ void atomic_add_frag(float* dst, int row_stride, const float (&acc)[MT][NT][4],
                                                 int row0, int col0, int rows_valid) {
@@ -176,15 +175,7 @@ __device__ __forceinline__ void atomic_add_frag(float* dst, int row_stride, cons
             if (r >= rows_valid) continue;
             float* row = dst + r * row_stride + col0 + 2 * t;
 #pragma unroll
-            for (int j = 0; j < NT; ++j) {
-#if __CUDA_ARCH__ >= 900
-                asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n"
-                             :: "l"(row + j * 8), "f"(acc[i][j][2 * h]), "f"(acc[i][j][2 * h + 1]) : "memory");
-#else
-                atomicAdd(row + j * 8, acc[i][j][2 * h]);
-                atomicAdd(row + j * 8 + 1, acc[i][j][2 * h + 1]);
-#endif
-            }
+            for (int j = 0; j < NT; ++j) red_add_f32x2(row + j * 8, acc[i][j][2 * h], acc[i][j][2 * h + 1]);
         }
     }
 }

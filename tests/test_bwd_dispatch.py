@@ -6,6 +6,7 @@ NVRTC (when cupy imports) for sm_80 and sm_90.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -362,10 +363,11 @@ def test_every_wgmma_dkdv_variant_is_listed_for_check_kernels():
     plain = {L.args for L in sm90 if L.args[-1] == "0"}
     assert len(plain) == 2 * 2 * 2 * 2 * 2  # dtype, head_dim, causal, even_k, det
     variants = {L.args for L in sm90 if L.args[-1] != "0"}
-    # each alone: head_dim, causal, and whether dQ comes from its own kernel
+    # each alone: head_dim, causal, and whether dQ comes from its own kernel; not where
+    # the wgmma kernel spills (those plans take mma.sync)
     want = {("__nv_bfloat16", str(d), causal, "true", str(det or dispatch._bwd_sm90_separate_dq(d)).lower(),
              str(bit)) for d in (64, 128) for causal in ("false", "true") for det in (False, True)
-            for bit in dispatch.VARIANT_BITS.values()}
+            for bit in dispatch.VARIANT_BITS.values() if dispatch.uses_sm90_bwd(d, True, (9, 0), bit)}
     assert variants == want
     assert not [L for L in dispatch.all_bwd_launches((8, 0)) if L.source == "flash_bwd_sm90.cu"]
 
@@ -420,3 +422,59 @@ def test_hopper_default_mode_takes_the_dq_kernel_where_measured_faster(monkeypat
 @pytest.mark.parametrize("head_dim,causal,even_k", [(64, True, True), (128, False, False)])
 def test_wgmma_dq_variant_compiles_for_sm90a_without_spills(head_dim, causal, even_k):
     _compile_clean(dispatch.bwd_dq_sm90_launch("bfloat16", head_dim, causal, even_k), (9, 0))
+
+
+# ----------------------------------------------------------------------------
+# attn_bias / attn_mask (issue 14)
+# ----------------------------------------------------------------------------
+
+_BIAS_MASK = (dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("variant", _BIAS_MASK)
+def test_bias_mask_backward_at_d128_on_hopper_takes_the_spill_free_mma_sync_kernels(variant, deterministic):
+    """The D=128 wgmma dK/dV kernel spills with the bias/mask reads: those plans run the
+    mma.sync kernels (64x64 dK/dV tile) there; D=64 stays on wgmma."""
+    plan = _plan(head_dim=128, cc=(9, 0), variant=variant, deterministic=deterministic)
+    assert all(L.source == "flash_bwd.cu" for L in plan.launches)
+    dkdv = plan.launches[1]
+    assert dkdv.template == "cupyflash::flash_bwd_dkdv_kernel" and dkdv.args[2:8] == ("64", "64", "8", "4", "2", "2")
+    assert dkdv.args[-1] == str(variant)
+    wgmma = _plan(head_dim=64, cc=(9, 0), variant=variant, deterministic=deterministic)
+    assert wgmma.launches[1].template == "cupyflash::flash_bwd_dkdv_sm90_kernel"
+    assert wgmma.launches[2].template == "cupyflash::flash_bwd_dq_sm90_kernel"
+    # the other variants keep the wgmma kernels at D=128
+    other = _plan(head_dim=128, cc=(9, 0), variant=dispatch.VAR_SOFTCAP, deterministic=deterministic)
+    assert other.launches[1].template == "cupyflash::flash_bwd_dkdv_sm90_kernel"
+
+
+@pytest.mark.parametrize("variant", _BIAS_MASK)
+def test_bias_mask_backward_tiles_on_mma_sync(variant):
+    for det in (False, True):
+        for d, want in ((32, (64, 128)), (64, (64, 128)), (128, (64, 64))):
+            dkdv = _plan(head_dim=d, cc=(8, 0), variant=variant, deterministic=det).launches[1]
+            assert tuple(int(x) for x in dkdv.args[2:4]) == want, (d, det)
+    for d, keys in ((32, 64), (64, 32), (96, 32), (128, 64), (256, 32)):
+        dq = _plan(head_dim=d, cc=(8, 0), variant=variant, deterministic=True).launches[2]
+        assert dq.template == "cupyflash::flash_bwd_dq_kernel" and int(dq.args[3]) == keys, d
+    # without the bias/mask bits the tables are unchanged
+    assert _plan(head_dim=32, cc=(8, 0), deterministic=True).launches[1].args[2:4] == ("128", "128")
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
+def test_check_kernels_lists_bias_and_mask_in_every_backward_family(cc):
+    launches = dispatch.all_bwd_launches(cc)
+    families = {"cupyflash::flash_bwd_dkdv_kernel", "cupyflash::flash_bwd_dq_kernel"}
+    if cc == (9, 0):
+        families |= {"cupyflash::flash_bwd_dkdv_sm90_kernel", "cupyflash::flash_bwd_dq_sm90_kernel"}
+    for bit in _BIAS_MASK:
+        listed = {L.template for L in launches if L.args[-1] == str(bit)}
+        assert listed == families, bit
+        # every plan's kernels are among them (aligned bf16, any head_dim)
+        names = {L.name_expression for L in launches}
+        for d, causal, det in itertools.product((32, 64, 96, 128, 192, 256), (False, True), (False, True)):
+            plan = _plan(head_dim=d, cc=cc, variant=bit, deterministic=det, causal=causal, dtype="bfloat16")
+            for L in plan.launches[1:]:
+                if L.args[-1] == str(bit):
+                    assert L.name_expression in names, L.name_expression
