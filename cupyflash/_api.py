@@ -30,7 +30,7 @@ _NO_DROPOUT, _NO_WINDOW, _NO_SOFTCAP = _OFF["dropout_p"], _OFF["window_size"], _
 @_interop.accepts_foreign("q", "k", "v")
 def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out=None, lse=None,
                    dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None, softcap=_NO_SOFTCAP,
-                   sinks=None, rng_state=None):
+                   sinks=None, rng_state=None, attn_bias=None, attn_mask=None):
     """Exact attention forward pass, ``softmax(q @ k.T * softmax_scale) @ v``.
 
     Computed tile by tile with an online softmax (FlashAttention-2), so the
@@ -109,6 +109,29 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
         :mod:`cupyflash._philox` from ``(seed, offset, batch, head, row,
         column)`` alone; ``lse`` is that of the undropped softmax.  The
         semantics are :func:`cupyflash.reference.attention_fwd`'s.
+    attn_bias : array, optional
+        An additive bias on the scores (issue 14), broadcastable by NumPy's
+        rules to ``(batch, nheads_q, seqlen_q, seqlen_k)``: rank at most 4,
+        left-padded with size-1 dimensions, each dimension 1 or full; e.g.
+        ``(1, nheads_q, seqlen_q, seqlen_k)`` per head, ``(batch, 1, seqlen_q,
+        seqlen_k)`` per batch element, ``(batch, 1, 1, seqlen_k)`` per key,
+        ``(seqlen_q, seqlen_k)`` for all.  Same array type and device as ``q``;
+        dtype ``q``'s (on the GPU, bfloat16 data's uint16/int16 storage) or
+        float32.  Any strides: a stride-0 broadcast view or a slice of a larger
+        array is read in place, never copied or expanded.  It is added to the
+        scaled scores after the softcap and ALiBi::
+
+            s = softcap * tanh(softmax_scale * q.k / softcap) - alibi + attn_bias
+
+        A ``-inf`` entry hides the key from that row, as the causal mask does.
+        The values are not checked (that would read every one on every call):
+        a NaN or ``+inf`` entry makes its row's output, lse and gradients NaN.
+    attn_mask : array of bool, optional
+        A keep-mask broadcastable like ``attn_bias``: True attends, False
+        hides the key from the row (together with ``causal``, ``window_size``
+        and ``-inf`` biases).  dtype bool: a float mask belongs in ``attn_bias``.
+        A row that sees no key, whatever hides them, gets output 0, lse ``-inf``
+        (``sinks[h]`` with sinks) and zero gradients; nothing is NaN.
 
     Returns
     -------
@@ -139,7 +162,10 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
         A variant option is malformed: ``dropout_p`` outside [0, 1),
         ``softcap`` negative or not finite, ``window_size`` not two ints >= -1,
         ``alibi_slopes``/``sinks`` of the wrong shape or dtype, ``rng_state``
-        missing with ``dropout_p > 0`` or out of range.
+        missing with ``dropout_p > 0`` or out of range.  ``attn_bias`` or
+        ``attn_mask`` has more than 4 dimensions or one that is neither 1 nor
+        full, or is on another device (their wrong array type or dtype, a
+        non-bool mask included, is a TypeError).
 
     See Also
     --------
@@ -178,9 +204,11 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
     ((1, 4, 2, 8), (1, 2, 4))
     """
     if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
-            or softcap is not _NO_SOFTCAP or sinks is not None or rng_state is not None):
+            or softcap is not _NO_SOFTCAP or sinks is not None or rng_state is not None
+            or attn_bias is not None or attn_mask is not None):
         return _variant_fwd("flash_attn_fwd", q, k, v, softmax_scale, causal, dtype, out, lse,
-                            (dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state))
+                            (dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state),
+                            (attn_bias, attn_mask))
     return _fwd("flash_attn_fwd", q, k, v, softmax_scale, causal, dtype, out, lse)
 
 
@@ -188,7 +216,7 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
 def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
                    deterministic=False, dtype=None, dq=None, dk=None, dv=None,
                    dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None, softcap=_NO_SOFTCAP,
-                   sinks=None, rng_state=None):
+                   sinks=None, rng_state=None, attn_bias=None, attn_mask=None, return_dbias=False):
     """Exact attention backward pass: the gradients of ``flash_attn_fwd``.
 
     Recomputes the attention probabilities block by block from ``lse``
@@ -229,6 +257,11 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
     dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state
         As in :func:`flash_attn_fwd`, and the same as the forward was given
         (the dropout mask is drawn again from ``rng_state``).
+    attn_bias, attn_mask : array, optional
+        As in :func:`flash_attn_fwd`, and the same as the forward was given.
+    return_dbias : bool, optional
+        Also return ``dbias``, the gradient of ``attn_bias`` (which must then be
+        given).  ``False`` (default) computes no bias gradient.
 
     Returns
     -------
@@ -241,6 +274,16 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
         Only when ``sinks`` is given: the gradient of the sinks, summed over
         the batch and the rows, in the array type of ``q`` (on the GPU summed
         with float atomics: not bitwise reproducible).
+    dbias : array, shape and dtype of ``attn_bias``
+        Only with ``return_dbias``, last (after ``dsinks``): ``dS``, the
+        gradient of the loss with respect to the final score ``s`` (after the
+        softcap and ALiBi, through dropout), summed over every dimension the
+        bias broadcasts (size 1 in its shape, or missing from it): a
+        ``(seqlen_q, seqlen_k)`` bias gets the sum over batch and heads.  A
+        stride-0 view is a full-size bias: its gradient is full-size.
+        Accumulated in float32 (float64 for float64 inputs on the CPU path),
+        in the array type of ``q``; 0 where a key is hidden and in rows that
+        see no key.
 
     Raises
     ------
@@ -251,7 +294,9 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
     ValueError
         As for :func:`flash_attn_fwd`; also when ``dout`` or ``out`` differ
         from ``q`` in shape, or ``lse`` is not (batch, nheads_q, seqlen_q);
-        ``dq``/``dk``/``dv`` as ``out`` in :func:`flash_attn_fwd`.
+        ``dq``/``dk``/``dv`` as ``out`` in :func:`flash_attn_fwd`;
+        ``return_dbias`` is True without ``attn_bias`` (a TypeError when it
+        is not a bool).
 
     References
     ----------
@@ -259,9 +304,11 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
        and Work Partitioning", 2023, arXiv:2307.08691.  Algorithm 2.
     """
     if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
-            or softcap is not _NO_SOFTCAP or sinks is not None or rng_state is not None):
+            or softcap is not _NO_SOFTCAP or sinks is not None or rng_state is not None
+            or attn_bias is not None or attn_mask is not None or return_dbias is not False):
         return _variant_bwd("flash_attn_bwd", dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
-                            dtype, dq, dk, dv, (dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state))
+                            dtype, dq, dk, dv, (dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state),
+                            (attn_bias, attn_mask, return_dbias))
     return _bwd("flash_attn_bwd", dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype,
                 dq, dk, dv)
 
@@ -269,7 +316,7 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
 @_interop.accepts_foreign("q", "k", "v")
 def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
                dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None, softcap=_NO_SOFTCAP,
-               sinks=None, rng_state=None):
+               sinks=None, rng_state=None, attn_bias=None, attn_mask=None):
     """Exact attention, ``softmax(q @ k.T * softmax_scale) @ v``: the output alone.
 
     The same as ``flash_attn_fwd(q, k, v, ...)[0]``; see :func:`flash_attn_fwd`
@@ -287,6 +334,9 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
         ``"bfloat16"`` for cupy arrays of raw bfloat16 bits (uint16/int16).
     dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state
         Attention variants, as in :func:`flash_attn_fwd`.
+    attn_bias, attn_mask : array, optional
+        An additive bias and a boolean keep-mask broadcastable to
+        ``(batch, nheads_q, seqlen_q, seqlen_k)``, as in :func:`flash_attn_fwd`.
 
     Returns
     -------
@@ -303,9 +353,11 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
        and Work Partitioning", 2023, arXiv:2307.08691.  Algorithm 1.
     """
     if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
-            or softcap is not _NO_SOFTCAP or sinks is not None or rng_state is not None):
+            or softcap is not _NO_SOFTCAP or sinks is not None or rng_state is not None
+            or attn_bias is not None or attn_mask is not None):
         return _variant_fwd("flash_attn", q, k, v, softmax_scale, causal, dtype, None, None,
-                            (dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state))[0]
+                            (dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state),
+                            (attn_bias, attn_mask))[0]
     return _fwd("flash_attn", q, k, v, softmax_scale, causal, dtype, None, None)[0]
 
 
@@ -314,13 +366,18 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
 # ----------------------------------------------------------------------------
 
 
-def _variant_fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse, variants):
+def _variant_fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse, variants, scores=(None, None)):
     """A forward with variant options given: the plain validation, the options',
-    then the GPU kernels or the CPU path; all options off: the hot path."""
+    then the GPU kernels or the CPU path; all options off: the hot path.
+
+    ``variants`` are issue 13's options in :func:`._checks.check_variants`' order,
+    ``scores`` is ``(attn_bias, attn_mask)`` (issue 14)."""
     gpu = _checks.check_qkv(fn, q, k, v, dtype)
     scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal)
     _checks.check_outputs(fn, q, {"out": (out, q), "lse": (lse, None)})
-    options = _checks.check_variants(fn, q, gpu, *variants, softmax_scale=scale)
+    attn_bias, attn_mask = scores
+    options = _checks.check_variants(fn, q, gpu, *variants, softmax_scale=scale, attn_bias=attn_bias,
+                                     attn_mask=attn_mask, seqlens=(q.shape[1], k.shape[1]))
     if not options:
         return _fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse)
     if gpu:
@@ -352,46 +409,85 @@ def _variant_fwd_gpu(fn, q, k, v, scale, causal, dtype, out, lse, options):
 
 
 def _variant_bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, dq, dk, dv,
-                 variants):
-    """The backward's counterpart of :func:`_variant_fwd`: ``(dq, dk, dv)``, and
-    ``dsinks`` when sinks are given."""
+                 variants, scores=(None, None, False)):
+    """The backward's counterpart of :func:`_variant_fwd`: ``(dq, dk, dv)``, then
+    ``dsinks`` when sinks are given, then ``dbias`` with ``return_dbias``
+    (``scores`` is ``(attn_bias, attn_mask, return_dbias)``)."""
     gpu = _checks.check_qkv(fn, q, k, v, dtype)
     _checks.check_bwd_extras(fn, dout, out, lse, q)
     scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal, deterministic)
     _checks.check_outputs(fn, q, {"dq": (dq, q), "dk": (dk, k), "dv": (dv, v)})
-    options = _checks.check_variants(fn, q, gpu, *variants, softmax_scale=scale)
+    attn_bias, attn_mask, return_dbias = scores
+    options = _checks.check_variants(fn, q, gpu, *variants, softmax_scale=scale, attn_bias=attn_bias,
+                                     attn_mask=attn_mask, return_dbias=return_dbias,
+                                     seqlens=(q.shape[1], k.shape[1]))
     if not options:
         return _bwd(fn, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype, dq, dk, dv)
     if gpu:
         return _variant_bwd_gpu(fn, dout, q, k, v, out, lse, scale, causal, deterministic, dtype, dq, dk, dv,
-                                options)
+                                options, attn_bias)
     if dq is not None or dk is not None or dv is not None:
         _checks.check_numpy_outputs(fn, (("dq", dq), ("dk", dk), ("dv", dv)))
     if q.size == 0 or k.shape[1] == 0:
         grads = tuple(np.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
         if "sinks" in options:
             grads += (np.zeros(options["sinks"].shape, dtype=np.float32),)
-    else:
-        grads = cpu.bwd(dout, q, k, v, out, lse, scale, bool(causal), **options)
+        if "return_dbias" in options:
+            grads += (np.zeros(attn_bias.shape, dtype=attn_bias.dtype),)
+        return tuple(_into(g, r) for g, r in zip((dq, dk, dv), grads[:3])) + grads[3:]
+    grads = cpu.bwd(dout, q, k, v, out, lse, scale, bool(causal), **options)
+    if "return_dbias" in options:
+        grads = grads[:-1] + (_finish_dbias(grads[-1], attn_bias, q.dtype.name),)
     result = tuple(_into(g, r) for g, r in zip((dq, dk, dv), grads[:3]))
     return result + tuple(grads[3:])
 
 
-def _variant_bwd_gpu(fn, dout, q, k, v, out, lse, scale, causal, deterministic, dtype, dq, dk, dv, options):
-    """The GPU backward with variants (``options`` validated, not empty)."""
+def _variant_bwd_gpu(fn, dout, q, k, v, out, lse, scale, causal, deterministic, dtype, dq, dk, dv, options,
+                     attn_bias=None):
+    """The GPU backward with variants (``options`` validated, not empty; ``attn_bias``
+    the user's, for the shape and dtype of ``dbias``)."""
     import cupy  # noqa: PLC0415
 
     if q.size == 0 or k.shape[1] == 0:
         grads = tuple(_into(g, r) for g, r in zip((dq, dk, dv), _checks.empty_bwd(q, k, v, True)))
-        if "sinks" in options:
-            grads += (cupy.zeros(q.shape[2], dtype=cupy.float32),)
+        with q.device:
+            if "sinks" in options:
+                grads += (cupy.zeros(q.shape[2], dtype=cupy.float32),)
+            if "return_dbias" in options:  # zero bits are 0 in every element type
+                grads += (cupy.zeros(attn_bias.shape, dtype=attn_bias.dtype),)
         return grads
     from . import _gpu_bwd
 
     dtype_name = _checks.dtype_name(fn, dtype) if dtype is not None else q.dtype.name
-    return _gpu_bwd.variant_bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=bool(causal),
-                                deterministic=bool(deterministic), dtype_name=dtype_name, options=options,
-                                dq=dq, dk=dk, dv=dv)
+    grads = _gpu_bwd.variant_bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=bool(causal),
+                                 deterministic=bool(deterministic), dtype_name=dtype_name, options=options,
+                                 dq=dq, dk=dk, dv=dv)
+    if "return_dbias" in options:
+        with q.device:
+            grads = tuple(grads[:-1]) + (_finish_dbias(grads[-1], attn_bias, dtype_name),)
+    return grads
+
+
+def _finish_dbias(dbias4, attn_bias, dtype_name):
+    """The bias gradient as returned: the CPU path's or the kernels' 4-D accumulator
+    (float32, or float64 from float64 CPU inputs; the bias's shape left-padded to 4
+    dimensions) reshaped to the user's ``attn_bias`` shape, in its dtype.
+
+    ``dtype_name`` is the element type of q's data (``dtype=``'s on the GPU): a bias
+    held in q's uint16/int16 storage gets the bits of that element type."""
+    dbias = dbias4.reshape(attn_bias.shape)
+    target = attn_bias.dtype
+    if target.name not in _checks.GPU_STORAGE_DTYPES:
+        return dbias.astype(target, copy=False)
+    if dtype_name == "float16":
+        return dbias.astype(np.float16).view(target)
+    # bfloat16 bits, rounded to nearest even from float32 (NaN stays a quiet NaN)
+    xp = sys.modules["cupy"] if _checks._is_gpu_array(dbias) else np
+    x32 = xp.ascontiguousarray(dbias.astype(np.float32, copy=False))
+    u = x32.view(np.uint32)
+    bits = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+    bits = xp.where(x32 != x32, np.uint32(0x7FC0), bits)
+    return bits.astype(np.uint16).view(target)
 
 
 def _gpu_dtype(fn, dtype):

@@ -437,16 +437,24 @@ def _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap):
 
 
 def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state, *,
-                   batch=None, softmax_scale=None):
-    """The variant options of a validated call (issue 13): their forms, and the arrays
-    against ``q``.  Returns the keyword arguments of the options that are on
+                   batch=None, softmax_scale=None, attn_bias=None, attn_mask=None, return_dbias=False,
+                   seqlens=None):
+    """The variant options of a validated call (issues 13 and 14): their forms, and the
+    arrays against ``q``.  Returns the keyword arguments of the options that are on
     (those of ``cupyflash.cpu.fwd``/``bwd``; the GPU path takes the same), empty
     when every option is off.
 
     ``q`` is dense ``(batch, seqlen, nheads, head_dim)``; or, with ``batch`` (the
     number of sequences, ``len(cu_seqlens) - 1``), packed ``(total, nheads,
     head_dim)`` as in the varlen functions.  ``softmax_scale`` (the call's, checked):
-    ``softmax_scale / softcap`` must be finite in float32."""
+    ``softmax_scale / softcap`` must be finite in float32.
+
+    ``attn_bias`` / ``attn_mask`` (issue 14) are checked by :func:`check_score_arrays`
+    against ``seqlens = (seqlen_q, seqlen_k)`` (dense: q's and k's; varlen:
+    ``max_seqlen_q``, ``max_seqlen_k``), which must then be given; the options hold
+    them as 4-D views (``options["attn_bias"]``, ``options["attn_mask"]``).
+    ``return_dbias`` (the backward's) must be a bool, and True only with
+    ``attn_bias``: ``options["return_dbias"] = True`` then."""
     window = _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap)
     if softmax_scale is not None and float(softcap) > 0 and not float(softmax_scale) / float(softcap) < F32_MAX:
         fail(ValueError, fn, f"softmax_scale / softcap must be finite in float32 (below {F32_MAX:.3g}); got "
@@ -497,6 +505,74 @@ def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, si
         options["alibi_slopes"] = alibi_slopes
     if sinks is not None:
         options["sinks"] = sinks
+    if attn_bias is not None or attn_mask is not None or return_dbias is not False:
+        options.update(check_score_arrays(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, return_dbias))
+    return options
+
+
+#: The shape a bias or mask broadcasts to, as its messages name it.
+SCORE_LAYOUT = "(batch, nheads_q, seqlen_q, seqlen_k)"
+
+
+def pad4(x):
+    """``x`` (rank <= 4) as a 4-D view, left-padded with size-1 dimensions
+    (``x[None, ...]``: never a copy, never broadcast); ``x`` itself when 4-D."""
+    return x if x.ndim == 4 else x[(None,) * (4 - x.ndim) + (Ellipsis,)]
+
+
+def check_score_arrays(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, return_dbias=False):
+    """The options of ``attn_bias``, ``attn_mask`` and ``return_dbias`` (issue 14).
+
+    Each array is a NumPy or CuPy array like ``q`` (and on its device) of rank at
+    most 4, broadcastable to ``(batch, nheads_q, seqlen_q, seqlen_k)`` with every
+    dimension (after left-padding with 1s) either 1 or full; any strides (on the GPU,
+    in whole elements).  The bias has q's dtype (on the GPU the storage dtype of
+    bfloat16 data too) or float32; the mask is bool.  The values are not read:
+    NaN and ``+inf`` in a bias propagate.  Returns ``{"attn_bias": 4-D view,
+    "attn_mask": 4-D view, "return_dbias": True}``, each only when given (on)."""
+    kind = _kind(q)
+    if not isinstance(return_dbias, (bool, np.bool_)):
+        fail(TypeError, fn, f"return_dbias must be a bool; got {_type_name(return_dbias)}.")
+    if return_dbias and attn_bias is None:
+        fail(ValueError, fn, "return_dbias must be False without attn_bias (dbias is the gradient of "
+                             "attn_bias); got True with attn_bias=None.")
+    options = {}
+    if attn_bias is None and attn_mask is None:
+        return options
+    if seqlens is None:
+        raise TypeError(f"check_score_arrays ({fn}): seqlens=(seqlen_q, seqlen_k) must be given with "
+                        f"attn_bias or attn_mask")  # a caller's mistake, not the user's
+    full = (batch, nheads, int(seqlens[0]), int(seqlens[1]))
+    for name, x in (("attn_bias", attn_bias), ("attn_mask", attn_mask)):
+        if x is None:
+            continue
+        _check_array(fn, name, x, kind, "q", rank=None)
+        if name == "attn_mask" and x.dtype != np.bool_:
+            fail(TypeError, fn, f"attn_mask must have dtype bool (True = attend; a float mask belongs in "
+                                f"attn_bias); got {dtype_desc(x.dtype)}.")
+        if name == "attn_bias" and x.dtype != q.dtype and x.dtype != np.float32:
+            fail(TypeError, fn, f"attn_bias must have q's dtype ({dtype_desc(q.dtype)}) or float32; got "
+                                f"{dtype_desc(x.dtype)}.")
+        if x.ndim > 4:
+            fail(ValueError, fn, f"{name} must have at most 4 dimensions, broadcastable to {SCORE_LAYOUT}; "
+                                 f"got {x.ndim} with shape {tuple(x.shape)}.")
+        shape = (1,) * (4 - x.ndim) + tuple(x.shape)
+        for axis, (n, want) in enumerate(zip(shape, full)):
+            if n != 1 and n != want:
+                what = SCORE_LAYOUT[1:-1].split(", ")[axis]
+                fail(ValueError, fn,
+                     f"{name} must be broadcastable to {SCORE_LAYOUT} = {full}, each dimension 1 or full "
+                     f"(left-padded with 1s to 4 dimensions); got shape {tuple(x.shape)}, whose {what} "
+                     f"is {n}.")
+        if kind == "cupy":
+            if x.size > 1 and any(s % x.itemsize for n, s in zip(x.shape, x.strides) if n > 1):
+                fail(ValueError, fn,
+                     f"{name} must have strides in whole elements on the GPU (multiples of {x.itemsize} "
+                     f"bytes); got strides of {tuple(x.strides)} bytes.")
+            _check_device(fn, name, x, q)
+        options[name] = pad4(x)
+    if return_dbias:
+        options["return_dbias"] = True
     return options
 
 

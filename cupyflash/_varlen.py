@@ -9,7 +9,10 @@ layout).  Validation follows :mod:`cupyflash._checks`; then
   views, writing into the packed outputs, so extra memory stays O(tokens).
   The attention variants (issue 13) run there too, sequence ``b`` as the dense
   batch element ``b`` would: its own row of (batch, nheads_q) ALiBi slopes, its
-  dropout mask drawn at batch index ``b`` (``batch_start``);
+  dropout mask drawn at batch index ``b`` (``batch_start``), and its block
+  ``[b, :, :len_q, :len_k]`` of a ``(batch, nheads_q, max_seqlen_q,
+  max_seqlen_k)``-broadcastable ``attn_bias`` / ``attn_mask`` (issue 14; a
+  view, and the block of ``dbias`` its gradient is added into);
 * CuPy arrays go to ``_gpu.varlen_fwd`` / ``_gpu.varlen_bwd`` (bfloat16 as
   uint16/int16 storage with ``dtype="bfloat16"``, as in ``_api``): one launch
   of each kernel covers the whole batch, the kernels read ``cu_seqlens`` on the
@@ -34,7 +37,7 @@ import sys
 import numpy as np
 
 from . import _checks, _interop, cpu
-from ._api import _NO_DROPOUT, _NO_SOFTCAP, _NO_WINDOW, _gpu_dtype
+from ._api import _NO_DROPOUT, _NO_SOFTCAP, _NO_WINDOW, _finish_dbias, _gpu_dtype
 from ._checks import fail
 
 __all__ = ["flash_attn_varlen_fwd", "flash_attn_varlen_bwd", "flash_attn_varlen"]
@@ -128,10 +131,21 @@ def _pairs(cu_q, cu_k):
             yield b, int(q0), int(q1), int(k0), int(k1)
 
 
-def _sequence_options(options, b):
-    """The variant options of sequence ``b`` run as a batch of one: ALiBi slopes of
-    shape (batch, nheads_q) sliced to its row, and the dropout mask drawn at batch
-    index ``b`` (``batch_start``), as the dense path draws it for that sequence."""
+def _sequence_block(x, b, len_q, len_k):
+    """The index of sequence ``b``'s block in a 4-D bias, mask or dbias of shape
+    (1 or batch, H', 1 or max_seqlen_q, 1 or max_seqlen_k): its batch row and its
+    first ``len_q`` rows and ``len_k`` keys (a size-1 dimension is broadcast: whole)."""
+    return (slice(None) if x.shape[0] == 1 else slice(b, b + 1), slice(None),
+            slice(None) if x.shape[2] == 1 else slice(0, len_q),
+            slice(None) if x.shape[3] == 1 else slice(0, len_k))
+
+
+def _sequence_options(options, b, len_q, len_k):
+    """The variant options of sequence ``b`` (``len_q`` queries, ``len_k`` keys) run
+    as a batch of one: ALiBi slopes of shape (batch, nheads_q) sliced to its row,
+    the dropout mask drawn at batch index ``b`` (``batch_start``), as the dense path
+    draws it for that sequence, and its block of the bias and mask (positions
+    local to the sequence)."""
     if not options:
         return options
     slopes = options.get("alibi_slopes")
@@ -139,6 +153,10 @@ def _sequence_options(options, b):
         options = {**options, "alibi_slopes": slopes[b:b + 1]}
     if "dropout_p" in options:
         options = {**options, "batch_start": b}
+    for name in ("attn_bias", "attn_mask"):
+        x = options.get(name)
+        if x is not None:
+            options = {**options, name: x[_sequence_block(x, b, len_q, len_k)]}
     return options
 
 
@@ -159,12 +177,14 @@ def _fwd_loop(fwd_one, xp, q, k, v, cu_q, cu_k, sinks=None):
     return out, lse
 
 
-def _bwd_loop(bwd_one, xp, dout, q, k, v, out, lse, cu_q, cu_k, sinks=None):
+def _bwd_loop(bwd_one, xp, dout, q, k, v, out, lse, cu_q, cu_k, sinks=None, dbias=None):
     """Packed ``(dq, dk, dv)`` from ``bwd_one(b, dout, q, k, v, out, lse)`` applied to
-    each sequence's views; with ``sinks``, also ``dsinks`` summed over the sequences.
+    each sequence's views; with ``sinks``, also ``dsinks`` summed over the sequences;
+    with ``dbias`` (a zeroed 4-D accumulator of the bias's padded shape), the last
+    result of each sequence added into its block of it, which ends the results.
 
     Rows of a sequence with no key (dq) or no query (dk, dv) keep 0; such a
-    sequence adds nothing to ``dsinks`` (its rows have out 0, so delta 0).
+    sequence adds nothing to ``dsinks`` (its rows have out 0, so delta 0) or ``dbias``.
     """
     dq = xp.zeros(q.shape, dtype=q.dtype)
     dk = xp.zeros(k.shape, dtype=k.dtype)
@@ -179,9 +199,12 @@ def _bwd_loop(bwd_one, xp, dout, q, k, v, out, lse, cu_q, cu_k, sinks=None):
         dv[keys] = seq_grads[2][0]
         if dsinks is not None:
             dsinks += seq_grads[3]
-    if dsinks is None:
-        return dq, dk, dv
-    return dq, dk, dv, dsinks.astype(np.float32)
+        if dbias is not None:
+            dbias[_sequence_block(dbias, b, q1 - q0, k1 - k0)] += seq_grads[-1]
+    grads = (dq, dk, dv)
+    if dsinks is not None:
+        grads += (dsinks.astype(np.float32),)
+    return grads if dbias is None else grads + (dbias,)
 
 
 def _empty_fwd(xp, q, sinks=None):
@@ -191,9 +214,14 @@ def _empty_fwd(xp, q, sinks=None):
     return xp.zeros(q.shape, dtype=q.dtype), lse
 
 
-def _empty_bwd(xp, q, k, v, sinks=None):
+def _empty_bwd(xp, q, k, v, sinks=None, attn_bias=None):
+    """Zero gradients (and dsinks, and a zero dbias in ``attn_bias``'s shape and dtype)."""
     grads = tuple(xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v))
-    return grads if sinks is None else grads + (xp.zeros(sinks.shape, dtype=np.float32),)
+    if sinks is not None:
+        grads += (xp.zeros(sinks.shape, dtype=np.float32),)
+    if attn_bias is not None:  # zero bits are 0 in every element type
+        grads += (xp.zeros(attn_bias.shape, dtype=attn_bias.dtype),)
+    return grads
 
 
 def _nothing_to_compute(q, k):
@@ -215,28 +243,46 @@ def _given(dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state):
     return dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state
 
 
-def _variants(fn, q, gpu, cu_q, variants, scale):
+#: The variants of issue 13 off, for a call that gives only issue 14's options.
+_OFF = (_NO_DROPOUT, _NO_WINDOW, None, _NO_SOFTCAP, None, None)
+
+
+def _scores(attn_bias=None, attn_mask=None, return_dbias=False):
+    """Issue 14's options for :func:`_variants`, or None when none was given (told by
+    identity, like :func:`_given`)."""
+    if attn_bias is None and attn_mask is None and return_dbias is False:
+        return None
+    return attn_bias, attn_mask, return_dbias
+
+
+def _variants(fn, q, gpu, cu_q, variants, scale, scores=None, max_seqlens=None):
     """The variant options that are on (``cupyflash.cpu``'s keywords), checked against
-    q's heads, the number of sequences and the scale."""
-    if variants is None:
+    q's heads, the number of sequences and the scale; the bias and mask (``scores``,
+    from :func:`_scores`) against ``(batch, nheads_q, max_seqlen_q, max_seqlen_k)``."""
+    if variants is None and scores is None:
         return {}
-    return _checks.check_variants(fn, q, gpu, *variants, batch=cu_q.shape[0] - 1, softmax_scale=scale)
+    attn_bias, attn_mask, return_dbias = (None, None, False) if scores is None else scores
+    return _checks.check_variants(fn, q, gpu, *(_OFF if variants is None else variants),
+                                  batch=cu_q.shape[0] - 1, softmax_scale=scale, attn_bias=attn_bias,
+                                  attn_mask=attn_mask, return_dbias=return_dbias,
+                                  seqlens=None if max_seqlens is None else tuple(int(n) for n in max_seqlens))
 
 
 def _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-         causal, dtype, variants=None):
+         causal, dtype, variants=None, scores=None):
     """Validate, then run the forward on the CPU, the GPU varlen kernels, or the GPU loop."""
     gpu, cu_q, cu_k = _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, dtype)
     scale = _checks.check_flags(fn, softmax_scale, q.shape[2], causal)
     causal = bool(causal)
-    options = _variants(fn, q, gpu, cu_q, variants, scale)
+    options = _variants(fn, q, gpu, cu_q, variants, scale, scores, (max_seqlen_q, max_seqlen_k))
     sinks = options.get("sinks")
     if not gpu:
         if _nothing_to_compute(q, k):
             return _empty_fwd(np, q, sinks)
         return _fwd_loop(
-            lambda b, qs, ks, vs: cpu.fwd(qs, ks, vs, scale, causal, **_sequence_options(options, b)),
+            lambda b, qs, ks, vs: cpu.fwd(qs, ks, vs, scale, causal,
+                                          **_sequence_options(options, b, qs.shape[1], ks.shape[1])),
             np, q, k, v, cu_q, cu_k, sinks)
     from . import _gpu
 
@@ -253,40 +299,51 @@ def _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, so
                                    int(max_seqlen_k), softmax_scale=scale, causal=causal,
                                    **kw_dtype)
         return _fwd_loop(
-            lambda b, qs, ks, vs: _gpu.fwd(qs, ks, vs, softmax_scale=scale, causal=causal,
-                                           **kw_dtype, **_sequence_options(options, b)),
+            lambda b, qs, ks, vs: _gpu.fwd(qs, ks, vs, softmax_scale=scale, causal=causal, **kw_dtype,
+                                           **_sequence_options(options, b, qs.shape[1], ks.shape[1])),
             _xp(gpu), q, k, v, cu_q, cu_k, sinks)
 
 
 def _bwd(fn, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-         softmax_scale, causal, deterministic, dtype, variants=None):
+         softmax_scale, causal, deterministic, dtype, variants=None, scores=None):
     """Validate, then run the backward on the CPU, the GPU varlen kernels, or the GPU loop."""
     gpu, cu_q, cu_k = _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, dtype)
     _checks.check_bwd_extras(fn, dout, out, lse, q, packed=True)
     scale = _checks.check_flags(fn, softmax_scale, q.shape[2], causal, deterministic)
     causal, deterministic = bool(causal), bool(deterministic)
-    options = _variants(fn, q, gpu, cu_q, variants, scale)
+    options = _variants(fn, q, gpu, cu_q, variants, scale, scores, (max_seqlen_q, max_seqlen_k))
     sinks = options.get("sinks")
+    attn_bias = scores[0] if "return_dbias" in options else None  # the user's: dbias's shape and dtype
     if not gpu:
         if _nothing_to_compute(q, k):
-            return _empty_bwd(np, q, k, v, sinks)
-        return _bwd_loop(
-            lambda b, *a: cpu.bwd(*a, scale, causal, **_sequence_options(options, b)),
-            np, dout, q, k, v, out, lse, cu_q, cu_k, sinks)
+            return _empty_bwd(np, q, k, v, sinks, attn_bias)
+        dbias = None
+        if attn_bias is not None:
+            dbias = np.zeros(options["attn_bias"].shape, np.float64 if q.dtype == np.float64 else np.float32)
+        grads = _bwd_loop(
+            lambda b, *a: cpu.bwd(*a, scale, causal, **_sequence_options(options, b, a[1].shape[1],
+                                                                          a[2].shape[1])),
+            np, dout, q, k, v, out, lse, cu_q, cu_k, sinks, dbias)
+        if dbias is None:
+            return grads
+        return grads[:-1] + (_finish_dbias(grads[-1], attn_bias, q.dtype.name),)
     from . import _gpu
 
     kw_dtype = _gpu_dtype(fn, dtype)
     with q.device:
         if _nothing_to_compute(q, k):
-            return _empty_bwd(_xp(gpu), q, k, v, sinks)
+            return _empty_bwd(_xp(gpu), q, k, v, sinks, attn_bias)
         if options:
             from . import _gpu_bwd
 
-            return _gpu_bwd.variant_bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal,
-                                        deterministic=deterministic,
-                                        dtype_name=kw_dtype.get("dtype", q.dtype.name), options=options,
-                                        packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+            dtype_name = kw_dtype.get("dtype", q.dtype.name)
+            grads = _gpu_bwd.variant_bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=causal,
+                                         deterministic=deterministic, dtype_name=dtype_name, options=options,
+                                         packed=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+            if attn_bias is None:
+                return grads
+            return tuple(grads[:-1]) + (_finish_dbias(grads[-1], attn_bias, dtype_name),)
         if hasattr(_gpu, "varlen_bwd"):
             return _gpu.varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                    int(max_seqlen_q), int(max_seqlen_k), softmax_scale=scale,
@@ -294,7 +351,7 @@ def _bwd(fn, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         return _bwd_loop(
             lambda b, *a: _gpu.bwd(*a, softmax_scale=scale, causal=causal,
                                    deterministic=deterministic, **kw_dtype,
-                                   **_sequence_options(options, b)),
+                                   **_sequence_options(options, b, a[1].shape[1], a[2].shape[1])),
             _xp(gpu), dout, q, k, v, out, lse, cu_q, cu_k, sinks)
 
 
@@ -307,7 +364,7 @@ def _bwd(fn, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                           softmax_scale=None, causal=False, dtype=None,
                           dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None,
-                          softcap=_NO_SOFTCAP, sinks=None, rng_state=None):
+                          softcap=_NO_SOFTCAP, sinks=None, rng_state=None, attn_bias=None, attn_mask=None):
     """Exact attention forward pass over a packed batch of variable-length sequences.
 
     Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key
@@ -380,6 +437,14 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         batch index ``b`` with rows and columns counted within the sequence,
         so it is the mask :func:`cupyflash.flash_attn_fwd` draws for batch
         element ``b`` of a dense batch holding the same sequence.
+    attn_bias, attn_mask : array, optional
+        The additive bias and the boolean keep-mask of
+        :func:`cupyflash.flash_attn_fwd` (issue 14: same dtypes, strides, order
+        of application and masking), broadcastable to ``(batch, nheads_q,
+        max_seqlen_q, max_seqlen_k)`` with ``batch = len(cu_seqlens_q) - 1``
+        (each dimension, left-padded to 4, 1 or full), indexed by positions
+        local to each sequence: query ``i`` and key ``j`` of sequence ``b`` get
+        ``attn_bias[b, h, i, j]``.  Entries past a sequence's lengths are not read.
 
     Returns
     -------
@@ -403,7 +468,8 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         the two ``cu_seqlens`` differ in length; or when a ``max_seqlen`` is
         smaller than the longest sequence.  A variant option is malformed as
         for :func:`cupyflash.flash_attn_fwd` (``alibi_slopes`` of shape
-        (batch, nheads_q) counts ``batch = len(cu_seqlens_q) - 1``).
+        (batch, nheads_q), ``attn_bias`` and ``attn_mask`` count ``batch =
+        len(cu_seqlens_q) - 1``).
 
     Notes
     -----
@@ -434,14 +500,16 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     fn = "flash_attn_varlen_fwd"
     return _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, dtype,
-                _given(dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state))
+                _given(dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state),
+                _scores(attn_bias, attn_mask))
 
 
 @_interop.accepts_foreign(*_BWD_NAMES)
 def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, *, softmax_scale=None, causal=False, deterministic=False,
                           dtype=None, dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW,
-                          alibi_slopes=None, softcap=_NO_SOFTCAP, sinks=None, rng_state=None):
+                          alibi_slopes=None, softcap=_NO_SOFTCAP, sinks=None, rng_state=None,
+                          attn_bias=None, attn_mask=None, return_dbias=False):
     """Exact attention backward pass over a packed batch: the gradients of
     :func:`flash_attn_varlen_fwd`.
 
@@ -473,6 +541,10 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
     dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state
         As in :func:`flash_attn_varlen_fwd`, and the same as the forward was
         given (the dropout mask is drawn again from ``rng_state``).
+    attn_bias, attn_mask : array, optional
+        As in :func:`flash_attn_varlen_fwd`, and the same as the forward was given.
+    return_dbias : bool, optional
+        Also return ``dbias``, the gradient of ``attn_bias`` (which must then be given).
 
     Returns
     -------
@@ -483,6 +555,10 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
     dsinks : numpy.ndarray, shape (nheads_q,), float32
         Only when ``sinks`` is given: the gradient of the sinks, summed over
         the sequences and their rows.
+    dbias : array, shape and dtype of ``attn_bias``
+        Only with ``return_dbias``, last: as in :func:`cupyflash.flash_attn_bwd`
+        (summed over the broadcast dimensions, the sequences too when the
+        bias's batch dimension is 1); 0 at positions past a sequence's lengths.
 
     Raises
     ------
@@ -494,14 +570,15 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
     fn = "flash_attn_varlen_bwd"
     return _bwd(fn, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal, deterministic, dtype,
-                _given(dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state))
+                _given(dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state),
+                _scores(attn_bias, attn_mask, return_dbias))
 
 
 @_interop.accepts_foreign(*_FWD_NAMES)
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                       softmax_scale=None, causal=False, dtype=None,
                       dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None,
-                      softcap=_NO_SOFTCAP, sinks=None, rng_state=None):
+                      softcap=_NO_SOFTCAP, sinks=None, rng_state=None, attn_bias=None, attn_mask=None):
     """Exact attention over a packed batch of variable-length sequences: the output alone.
 
     The same as ``flash_attn_varlen_fwd(...)[0]``; see
@@ -520,6 +597,8 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         ``"bfloat16"`` for cupy arrays of raw bfloat16 bits (uint16/int16).
     dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state : optional
         As in :func:`flash_attn_varlen_fwd`.
+    attn_bias, attn_mask : array, optional
+        As in :func:`flash_attn_varlen_fwd`.
 
     Returns
     -------
@@ -528,4 +607,5 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     fn = "flash_attn_varlen"
     return _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, dtype,
-                _given(dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state))[0]
+                _given(dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state),
+                _scores(attn_bias, attn_mask))[0]

@@ -33,16 +33,30 @@ Variants (keyword-only, all off by default; the semantics of
     t = softmax_scale * log2(e) * q . k                 # scores in log2 units, or with
     t = softcap * log2(e) * tanh(softmax_scale / softcap * q . k)   # softcap > 0
     t = t - slope[b, h] * log2(e) * |i + seqlen_k - seqlen_q - j|   # alibi_slopes
+    t = t + log2(e) * attn_bias[b, h, i, j]              # attn_bias (broadcast)
     t = -inf outside causal / window_size                # masked tiles only
+    t = -inf where not attn_mask[b, h, i, j]             # attn_mask (broadcast)
     online softmax over t (max, exp2) ... lse, with the sink folded in at the end
     p = p * keep / (1 - dropout_p)                       # lse stays the undropped one
 
-Without softcap and ALiBi the scores stay raw and ``softmax_scale * log2(e)``
+Without softcap, ALiBi and a bias the scores stay raw and ``softmax_scale * log2(e)``
 is folded into the exponent as above (bitwise the plain path); with either,
 the modified scores are computed once in log2 units, and the max is taken over
 exactly the values that are exponentiated, so the largest term is
 ``exp2(0) = 1``.  The backward recomputes the same ``t``, and ``softcap``
 multiplies ``dS`` by ``1 - tanh^2``.
+
+* **Bias and mask** (issue 14): ``attn_bias`` (float) and ``attn_mask`` (bool,
+  True = attend) are 4-D arrays whose every dimension is 1 or that of
+  ``(batch, nheads_q, seqlen_q, seqlen_k)``, in any strides.  Each score tile
+  reads its ``(rows, keys)`` block of them in place (a size-1 dimension is
+  broadcast by NumPy, never expanded), so nothing of size ``B*H*N*N`` is made.
+  A ``-inf`` bias entry or a False mask entry hides the key from that row, as
+  the causal mask does; a row that sees no key ends as above.  The backward's
+  ``dbias = dS`` (the gradient of the final score, dropout included, before
+  softcap's ``1 - tanh^2``) is summed per tile over the bias's size-1
+  dimensions into an accumulator of the bias's 4-D shape (float32; float64
+  for float64 inputs).
 
 * **Window** ``(left, right)`` (-1 = unbounded), bottom-right aligned like the
   causal mask, which is the window's ``right = 0``.  Key tiles outside every
@@ -233,7 +247,7 @@ class _Variants:
 
     def __init__(self, q_shape, nheads_kv, seqlen_k, softmax_scale, causal, window_size=(-1, -1),
                  softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None,
-                 batch_start=0):
+                 batch_start=0, attn_bias=None, attn_mask=None):
         _, seqlen_q, nheads, _ = q_shape
         self.nheads, self.group = nheads, nheads // nheads_kv
         self.dims = (seqlen_q, seqlen_k, self.group)
@@ -253,15 +267,72 @@ class _Variants:
                 raise ValueError("dropout_p > 0 needs rng_state=(seed, offset)")
             self.seed, self.offset = (int(x) for x in rng_state)
         self.batch_start = int(batch_start)  # the dropout counter's index of sequence 0
-        # softcap and ALiBi: scores computed once in log2 units (exponent factor 1);
-        # otherwise raw scores with softmax_scale * log2(e) folded into the exponent
-        self.modified = self.softcap > 0 or self.alibi is not None
+        # the bias and mask as 4-D views (size-1 dimensions broadcast, never expanded)
+        self.bias = None if attn_bias is None else _score_array(attn_bias, "attn_bias")
+        self.mask = None if attn_mask is None else _score_array(attn_mask, "attn_mask")
+        # softcap, ALiBi and a bias: scores computed once in log2 units (exponent
+        # factor 1); otherwise raw scores with softmax_scale * log2(e) folded into the exponent
+        self.modified = self.softcap > 0 or self.alibi is not None or self.bias is not None
         self.score_unit = _F32(1) if self.modified else self.scale_log2
 
     def sink_rows(self, rows):
         """The sink logit of each tile row, shape (1, Hkv, G*rows)."""
         sinks = self.sinks.reshape(-1, self.group, 1)
         return np.broadcast_to(sinks, sinks.shape[:2] + (rows,)).reshape(1, sinks.shape[0], -1)
+
+
+def _score_array(x, name):
+    """A bias or mask as a 4-D NumPy array, left-padded with size-1 dimensions (a view)."""
+    x = np.asarray(x)
+    if x.ndim > 4:
+        raise ValueError(f"{name} must have at most 4 dimensions; got shape {x.shape}")
+    return x if x.ndim == 4 else x[(None,) * (4 - x.ndim) + (Ellipsis,)]
+
+
+def _block(x, m0, m1, n0, n1):
+    """Rows [m0, m1) and keys [n0, n1) of a 4-D bias, mask or dbias (a view): a
+    size-1 row or key dimension is broadcast, so it is taken whole."""
+    rows = slice(None) if x.shape[2] == 1 else slice(m0, m1)
+    keys = slice(None) if x.shape[3] == 1 else slice(n0, n1)
+    return x[:, :, rows, keys]
+
+
+def _split_heads(x, nheads_kv, group):
+    """A (B', H', R, C) block (``H'`` 1 or nheads_q) as (B', Hkv, G, R, C) or (B', 1, 1, R, C),
+    to broadcast against a 5-D view of a (B, Hkv, G*R, C) tile (a view: it only splits an axis)."""
+    heads = (1, 1) if x.shape[1] == 1 else (nheads_kv, group)
+    return x.reshape(x.shape[:1] + heads + x.shape[2:])
+
+
+def _tile5(s, group):
+    """A (B, Hkv, G*R, C) tile as (B, Hkv, G, R, C) (a view)."""
+    batch, nheads_kv, rows, cols = s.shape
+    return s.reshape(batch, nheads_kv, group, rows // group, cols)
+
+
+def _add_bias(s, var, m0, m1, n0, n1):
+    """``s += log2(e) * bias`` over a log2-unit (B, Hkv, G*BM, BN) score tile, in place."""
+    nheads_kv = s.shape[1]
+    block = _split_heads(_block(var.bias, m0, m1, n0, n1), nheads_kv, var.group)
+    with np.errstate(over="ignore"):  # a bias past float32 / log2(e) is -inf (masks) or +inf
+        s5 = _tile5(s, var.group)
+        s5 += block.astype(_F32) * _F32(LOG2E)
+
+
+def _apply_attn_mask(s, var, m0, m1, n0, n1):
+    """Set the scores that ``attn_mask`` hides (False) to -inf, in place."""
+    block = _split_heads(_block(var.mask, m0, m1, n0, n1), s.shape[1], var.group)
+    np.copyto(_tile5(s, var.group), -np.inf, where=~block)
+
+
+def _add_dbias(dbias, ds, var, m0, m1, n0, n1):
+    """Add a (B, Hkv, G*BM, BN) ``dS`` tile into the (B', H', Sq', Sk') dbias accumulator,
+    summed over the accumulator's size-1 (broadcast) dimensions."""
+    batch, nheads_kv, rows, cols = ds.shape
+    ds4 = ds.reshape(batch, nheads_kv * var.group, rows // var.group, cols)  # (B, Hq, BM, BN)
+    axes = tuple(a for a in range(4) if dbias.shape[a] == 1 and ds4.shape[a] > 1)
+    block = _block(dbias, m0, m1, n0, n1)
+    block += ds4.sum(axis=axes, keepdims=True, dtype=dbias.dtype) if axes else ds4
 
 
 def _alibi_bias(var, m0, m1, n0, n1):
@@ -287,8 +358,12 @@ def _scores(q_tile, k_tile, m0, m1, n0, n1, masked, var):
             s *= var.scale_log2
         if var.alibi is not None:
             s -= _alibi_bias(var, m0, m1, n0, n1)
+        if var.bias is not None:
+            _add_bias(s, var, m0, m1, n0, n1)
     if masked:
         _apply_causal_mask(s, m0, m1, n0, n1, *var.dims, var.window)
+    if var.mask is not None:
+        _apply_attn_mask(s, var, m0, m1, n0, n1)
     return s, tanh
 
 
@@ -381,7 +456,8 @@ def _finalize_with_sink(acc, row_max, row_sum, score_unit, lse_scale, sink):
 
 
 def fwd(q, k, v, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,
-        alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None, batch_start=0):
+        alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None, batch_start=0,
+        attn_bias=None, attn_mask=None):
     """Tiled forward pass: ``(out, lse)`` for validated, non-empty inputs.
 
     Parameters
@@ -410,6 +486,13 @@ def fwd(q, k, v, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,
         ``b`` of ``q`` draws the mask of batch index ``batch_start + b``.  The
         varlen CPU path runs sequence ``b`` of a packed batch as a batch of one
         with ``batch_start=b``, so that it draws the mask the dense batch would.
+    attn_bias : numpy.ndarray, optional
+        Float (any dtype; used in float32), rank <= 4, broadcastable to
+        ``(batch, nheads_q, seqlen_q, seqlen_k)`` with each dimension (left-padded
+        with 1s) 1 or full; any strides, read in place.  Added to the scores
+        after the softcap and ALiBi; ``-inf`` hides a key.
+    attn_mask : numpy.ndarray of bool, optional
+        Broadcastable like ``attn_bias``; False hides the key from the row.
 
     Returns
     -------
@@ -421,7 +504,7 @@ def fwd(q, k, v, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     var = _Variants(q.shape, nheads_kv, seqlen_k, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, sinks, dropout_p, rng_state, batch_start)
+                    alibi_slopes, sinks, dropout_p, rng_state, batch_start, attn_bias, attn_mask)
     out = np.empty(q.shape, dtype=q.dtype)
     lse = np.empty((batch, nheads, seqlen_q), dtype=_F32)
 
@@ -473,8 +556,9 @@ def _row_dot(dout, out):
 
 
 def _bwd_tile(k_tile, v_tile, dk_acc, dv_acc, dq_acc, q, dout, lse_log2, delta,
-              m0, m1, n0, n1, masked, var):
-    """One (query tile, key tile) step of the backward pass, accumulating in place."""
+              m0, m1, n0, n1, masked, var, dbias=None):
+    """One (query tile, key tile) step of the backward pass, accumulating in place
+    (into the 4-D ``dbias`` accumulator too, when given)."""
     batch, nheads_kv = k_tile.shape[:2]
     q_tile = _load_q_rows(q, m0, m1, nheads_kv)
     do_tile = _load_q_rows(dout, m0, m1, nheads_kv)
@@ -499,6 +583,8 @@ def _bwd_tile(k_tile, v_tile, dk_acc, dv_acc, dq_acc, q, dout, lse_log2, delta,
         ds *= _F32(1.0 / (1.0 - var.dropout_p))
     ds -= _stats_rows(delta, m0, m1, nheads_kv)
     ds *= p
+    if dbias is not None:  # the bias is added after the softcap: its gradient is this dS
+        _add_dbias(dbias, ds, var, m0, m1, n0, n1)
     if tanh is not None:  # d/dx [c tanh(x / c)] = 1 - tanh^2
         ds *= 1 - tanh * tanh
     # --- dQ += dS K and dK += dS^T Q (softmax_scale applied once at the end)
@@ -507,8 +593,9 @@ def _bwd_tile(k_tile, v_tile, dk_acc, dv_acc, dq_acc, q, dout, lse_log2, delta,
 
 
 def bwd(dout, q, k, v, out, lse, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,
-        alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None, batch_start=0):
-    """Tiled backward pass: ``(dq, dk, dv)`` (and ``dsinks``) for validated, non-empty inputs.
+        alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None, batch_start=0,
+        attn_bias=None, attn_mask=None, return_dbias=False):
+    """Tiled backward pass: ``(dq, dk, dv)`` (and ``dsinks``, ``dbias``) for validated, non-empty inputs.
 
     Parameters
     ----------
@@ -519,8 +606,10 @@ def bwd(dout, q, k, v, out, lse, softmax_scale, causal, *, window_size=(-1, -1),
         As returned by :func:`fwd` (with the same variants).
     softmax_scale : float
     causal : bool
-    window_size, softcap, alibi_slopes, sinks, dropout_p, rng_state, batch_start
+    window_size, softcap, alibi_slopes, sinks, dropout_p, rng_state, batch_start, attn_bias, attn_mask
         As for :func:`fwd`; the same values as the forward that gave ``out``.
+    return_dbias : bool, optional
+        Also return the gradient of ``attn_bias`` (which must be given).
 
     Returns
     -------
@@ -529,11 +618,20 @@ def bwd(dout, q, k, v, out, lse, softmax_scale, causal, *, window_size=(-1, -1),
         Summed over the query heads that share each KV head.
     dsinks : numpy.ndarray, shape (nheads_q,), float32
         Only when ``sinks`` is given: summed over batch and rows.
+    dbias : numpy.ndarray, float32 (float64 for float64 inputs)
+        Only with ``return_dbias``, last: ``dS``, the gradient of the final scores,
+        summed over the bias's broadcast dimensions, in the shape of ``attn_bias``
+        left-padded to 4 dimensions.  0 where the key is hidden.
     """
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     var = _Variants(q.shape, nheads_kv, seqlen_k, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, sinks, dropout_p, rng_state, batch_start)
+                    alibi_slopes, sinks, dropout_p, rng_state, batch_start, attn_bias, attn_mask)
+    dbias = None
+    if return_dbias:
+        if var.bias is None:
+            raise ValueError("return_dbias needs attn_bias")
+        dbias = np.zeros(var.bias.shape, dtype=np.float64 if q.dtype == np.float64 else _F32)
 
     delta = _row_dot(dout, out)
     # A row that saw no key has lse = -inf; +inf makes every p = exp2(-inf) = 0.
@@ -553,7 +651,7 @@ def bwd(dout, q, k, v, out, lse, softmax_scale, causal, *, window_size=(-1, -1),
         # take no mask
         query_range = _query_tiles(n0, n1, seqlen_q, seqlen_k, var.window)
         for m0, m1, masked in _tiles(*query_range, BLOCK_M):
-            _bwd_tile(*tile_args, m0, m1, n0, n1, masked, var)
+            _bwd_tile(*tile_args, m0, m1, n0, n1, masked, var, dbias)
         dk_acc *= _F32(softmax_scale)
         if var.dropout_p:
             dv_acc *= _F32(1.0 / (1.0 - var.dropout_p))
@@ -562,9 +660,9 @@ def bwd(dout, q, k, v, out, lse, softmax_scale, causal, *, window_size=(-1, -1),
 
     dq_acc *= _F32(softmax_scale)
     grads = (dq_acc.astype(q.dtype, copy=False), dk, dv)
-    if var.sinks is None:
-        return grads
-    # dP_j / d sink = -P_j * P_sink, so dsink = -sum_i P_sink,i * delta_i
-    p_sink = np.exp2(var.sinks[None, :, None] * _F32(LOG2E) - lse_log2)
-    dsinks = -(p_sink * delta).sum(axis=(0, 2), dtype=np.float64)
-    return grads + (dsinks.astype(_F32),)
+    if var.sinks is not None:
+        # dP_j / d sink = -P_j * P_sink, so dsink = -sum_i P_sink,i * delta_i
+        p_sink = np.exp2(var.sinks[None, :, None] * _F32(LOG2E) - lse_log2)
+        dsinks = -(p_sink * delta).sum(axis=(0, 2), dtype=np.float64)
+        grads += (dsinks.astype(_F32),)
+    return grads if dbias is None else grads + (dbias,)

@@ -16,15 +16,20 @@ the one of :func:`cupyflash.flash_attn_fwd`:
     s = softmax_scale * q . k                       # (batch, nheads_q, seqlen_q, seqlen_k)
     s = softcap * tanh(s / softcap)                 # softcap > 0
     s = s - slope[b, h] * |i + seqlen_k - seqlen_q - j|   # alibi_slopes
-    s = -inf where key j is outside causal / window_size
+    s = s + attn_bias[b, h, i, j]                   # attn_bias, broadcast
+    s = -inf where key j is outside causal / window_size, or attn_mask[b, h, i, j] is False
     p = exp(s - lse),  lse = log(sum_j exp(s_ij) + exp(sinks[h]))   # sinks: no value
     p = p * dropout_mask / (1 - dropout_p)          # lse stays the undropped one
     out = p @ v
 
 A window is ``window_size=(left, right)`` (-1 = unbounded): query ``i`` sees key
 ``j`` iff ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``;
-``causal`` sets ``right = 0``.  A row with no visible key has output 0 and lse
-``-inf`` (``sinks[h]`` with sinks) and zero gradients.
+``causal`` sets ``right = 0``.  ``attn_bias`` (float) and ``attn_mask`` (bool,
+True = attend) broadcast to ``(batch, nheads_q, seqlen_q, seqlen_k)`` by NumPy's
+rules; a ``-inf`` bias hides a key like the mask.  A row with no visible key
+(whichever hides it) has output 0 and lse ``-inf`` (``sinks[h]`` with sinks) and
+zero gradients; ``dbias`` is the gradient of the final score ``s`` summed over
+the bias's broadcast dimensions.
 
 :func:`attention_fwd` / :func:`attention_bwd` compute in float64.  Their
 backward is the textbook softmax Jacobian, independent of the FlashAttention
@@ -146,6 +151,47 @@ def _alibi_slopes4(alibi_slopes):
     return slopes[:, :, None, None]
 
 
+def _score_shape(q, k):
+    """``(batch, nheads_q, seqlen_q, seqlen_k)``."""
+    return (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+
+
+def _bias64(attn_bias, shape, dtype=np.float64):
+    """The bias as ``dtype`` (its values rounded to ``dtype`` only through float64),
+    broadcast to ``shape`` (B, Hq, Sq, Sk); None without a bias."""
+    if attn_bias is None:
+        return None
+    return np.broadcast_to(_host(attn_bias, np.float64).astype(dtype), shape)
+
+
+def _visible4(visible, attn_mask, shape):
+    """The (Sq, Sk) causal/window mask and ``attn_mask`` (True = attend), broadcast
+    to ``shape`` (B, Hq, Sq, Sk); ``visible`` itself without a mask."""
+    if attn_mask is None:
+        return visible
+    mask = _host(attn_mask)
+    if mask.dtype != np.bool_:
+        raise TypeError(f"attn_mask must be bool (True = attend); got {mask.dtype}")
+    return visible & np.broadcast_to(mask, shape)
+
+
+def _sum_to_shape(grad, shape):
+    """A (B, Hq, Sq, Sk) gradient summed over the dimensions that ``shape`` broadcasts:
+    the leading ones it lacks and those where it has 1."""
+    grad = grad.sum(axis=tuple(range(grad.ndim - len(shape))))
+    axes = tuple(a for a, n in enumerate(shape) if n == 1 and grad.shape[a] != 1)
+    return grad.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+def _with_sink_column(scores, visible, sinks, shape):
+    """The scores and visibility with the sink appended as one more, always visible
+    key (B, Hq, Sq, Sk + 1)."""
+    sink = np.broadcast_to(sinks[None, :, None, None], shape[:-1] + (1,))
+    visible = np.broadcast_to(visible, shape)
+    return (np.concatenate([scores, sink], axis=-1),
+            np.concatenate([visible, np.ones(shape[:-1] + (1,), bool)], axis=-1))
+
+
 def _keep_scale(dropout_p, dropout_mask):
     """The dropout factor ``mask / (1 - p)`` (B, Hq, Sq, Sk), or None without dropout."""
     if dropout_mask is None:
@@ -156,13 +202,15 @@ def _keep_scale(dropout_p, dropout_mask):
 
 
 def _probs64(q, k, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
-             alibi_slopes=None, sinks=None):
+             alibi_slopes=None, sinks=None, attn_bias=None, attn_mask=None):
     """float64 probabilities (B, Hq, Sq, Sk), lse (B, Hq, Sq), the scale used, and
     what the backward needs: ``tanh(s / softcap)`` (or None), the sink's
     probability (B, Hq, Sq) (or None) and the alibi distance (or None)."""
     scale = _default_scale(softmax_scale, q.shape[-1])
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    visible = visible_keys(seqlen_q, seqlen_k, causal, window_size=window_size)
+    shape = _score_shape(q, k)
+    visible = _visible4(visible_keys(seqlen_q, seqlen_k, causal, window_size=window_size),
+                        attn_mask, shape)
     scores = (q.transpose(0, 2, 1, 3) @ _heads_first(k, q.shape[2]).swapaxes(-1, -2)) * scale
     tanh = distance = p_sink = None
     if softcap:
@@ -171,21 +219,20 @@ def _probs64(q, k, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
     if alibi_slopes is not None:
         distance = _alibi_distance(seqlen_q, seqlen_k)
         scores = scores - _alibi_slopes4(alibi_slopes) * distance
+    if attn_bias is not None:
+        scores = scores + _bias64(attn_bias, shape)
     scores = np.where(visible, scores, -np.inf)
     if sinks is None:
         p, lse = _softmax_rows(scores, visible)
         return p, lse, scale, tanh, p_sink, distance
     # the sink is one more key, always visible, whose value is 0: append it as a column
-    sink = np.broadcast_to(_host(sinks, np.float64)[None, :, None, None],
-                           scores.shape[:-1] + (1,))
-    p, lse = _softmax_rows(np.concatenate([scores, sink], axis=-1),
-                           np.concatenate([visible, np.ones((seqlen_q, 1), bool)], axis=-1))
+    p, lse = _softmax_rows(*_with_sink_column(scores, visible, _host(sinks, np.float64), shape))
     return p[..., :-1], lse, scale, tanh, p[..., -1], distance
 
 
 def attention_fwd(q, k, v, softmax_scale=None, causal=False, *, window_size=(-1, -1),
                   softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0,
-                  dropout_mask=None):
+                  dropout_mask=None, attn_bias=None, attn_mask=None):
     """Dense float64 attention.
 
     Parameters
@@ -221,6 +268,14 @@ def attention_fwd(q, k, v, softmax_scale=None, causal=False, *, window_size=(-1,
     dropout_mask : bool array, shape (batch, nheads_q, seqlen_q, seqlen_k), optional
         True = keep.  Applied to the probabilities after the softmax (so also
         with ``dropout_p = 0``); the reference does not draw it.
+    attn_bias : array, optional
+        Any float dtype, NumPy or CuPy, any strides; broadcastable (NumPy's
+        rules) to ``(batch, nheads_q, seqlen_q, seqlen_k)``.  Added to the
+        scores after the softcap and ALiBi (in float64); a ``-inf`` entry hides
+        the key; NaN and ``+inf`` propagate.
+    attn_mask : bool array, optional
+        Broadcastable like ``attn_bias``; True = attend, False hides the key
+        (as the causal mask does).
 
     Returns
     -------
@@ -232,7 +287,7 @@ def attention_fwd(q, k, v, softmax_scale=None, causal=False, *, window_size=(-1,
     """
     q, k, v = (_host(x, np.float64) for x in (q, k, v))
     p, lse, *_ = _probs64(q, k, softmax_scale, causal, window_size, softcap,
-                          alibi_slopes, sinks)
+                          alibi_slopes, sinks, attn_bias, attn_mask)
     keep = _keep_scale(dropout_p, dropout_mask)
     if keep is not None:
         p = p * keep
@@ -242,7 +297,8 @@ def attention_fwd(q, k, v, softmax_scale=None, causal=False, *, window_size=(-1,
 
 def attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, *, window_size=(-1, -1),
                   softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0,
-                  dropout_mask=None, return_dalibi=False):
+                  dropout_mask=None, return_dalibi=False, attn_bias=None, attn_mask=None,
+                  return_dbias=False):
     """Gradients of ``sum(dout * attention_fwd(q, k, v, ...)[0])`` in float64.
 
     Parameters
@@ -256,7 +312,12 @@ def attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, *, window_siz
     return_dalibi : bool, optional
         Also return the gradient with respect to ``alibi_slopes`` (which must
         then be given).  Off by default: the kernels' contract is
-        ``(dq, dk, dv[, dsinks])``.
+        ``(dq, dk, dv[, dsinks][, dbias])``.
+    attn_bias, attn_mask
+        As for :func:`attention_fwd`.
+    return_dbias : bool, optional
+        Also return the gradient with respect to ``attn_bias`` (which must then
+        be given).
 
     Returns
     -------
@@ -265,14 +326,20 @@ def attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, *, window_siz
         Summed over the query heads that share each KV head.
     dsinks : numpy.ndarray, shape (nheads_q,), float64
         Only when ``sinks`` is given (a 4-tuple then): summed over batch and rows.
+    dbias : numpy.ndarray, shape of ``attn_bias``, float64
+        Only with ``return_dbias``, after ``dsinks``: ``dS``, the gradient of
+        the final score (after softcap, ALiBi and the bias; dropout included),
+        summed over the dimensions the bias broadcasts.  0 where a key is hidden.
     d_alibi_slopes : numpy.ndarray, shape of ``alibi_slopes``, float64
         Only with ``return_dalibi``, last: summed over rows and keys (and over
         batch for slopes of shape (nheads_q,)).
     """
+    if return_dbias and attn_bias is None:
+        raise ValueError("return_dbias needs attn_bias")
     dout, q, k, v = (_host(x, np.float64) for x in (dout, q, k, v))
     nheads, nheads_kv = q.shape[2], k.shape[2]
     p, _, scale, tanh, p_sink, distance = _probs64(
-        q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks)
+        q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks, attn_bias, attn_mask)
     keep = _keep_scale(dropout_p, dropout_mask)
     do = dout.transpose(0, 2, 1, 3)  # (B, Hq, Sq, D)
     dp = do @ _heads_first(v, nheads).swapaxes(-1, -2)
@@ -285,6 +352,7 @@ def attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, *, window_siz
     # enlarges the denominator, so the form is the same
     row = (p * dp).sum(axis=-1, keepdims=True)
     ds = p * (dp - row)
+    dbias = _sum_to_shape(ds, np.shape(attn_bias)) if return_dbias else None
     d_alibi = None
     if return_dalibi:
         if alibi_slopes is None:
@@ -299,6 +367,8 @@ def attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, *, window_siz
     grads = [dq.transpose(0, 2, 1, 3), _sum_groups(dk, nheads_kv), _sum_groups(dv, nheads_kv)]
     if sinks is not None:  # dP_j / d sink = -P_j * P_sink
         grads.append(-(p_sink * row[..., 0]).sum(axis=(0, 2)))
+    if dbias is not None:
+        grads.append(dbias)
     if d_alibi is not None:
         grads.append(d_alibi)
     return tuple(grads)
@@ -428,14 +498,16 @@ class _Rounding:
 
 
 def _naive_probs(r, q, k, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
-                 alibi_slopes=None, sinks=None):
+                 alibi_slopes=None, sinks=None, attn_bias=None, attn_mask=None):
     """Naive scores -> probabilities, each step rounded; q, k in (B, S, H, D).
 
     Returns ``(p, lse, scale, tanh, p_sink)``: ``tanh`` (rounded) with softcap and
     the sink's probability (B, Hq, Sq) with sinks, else None."""
     scale = _default_scale(softmax_scale, q.shape[-1])
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    visible = visible_keys(seqlen_q, seqlen_k, causal, window_size=window_size)
+    shape = _score_shape(q, k)
+    visible = _visible4(visible_keys(seqlen_q, seqlen_k, causal, window_size=window_size),
+                        attn_mask, shape)
     scores = r.matmul(q.transpose(0, 2, 1, 3), _heads_first(k, q.shape[2]).swapaxes(-1, -2))
     scores = r.round(scores * r.acc(scale))
     tanh = None
@@ -445,29 +517,31 @@ def _naive_probs(r, q, k, softmax_scale, causal, window_size=(-1, -1), softcap=0
     if alibi_slopes is not None:  # the bias in float32 (the slopes' dtype), added into the scores
         bias = _alibi_slopes4(alibi_slopes).astype(r.acc) * _alibi_distance(seqlen_q, seqlen_k).astype(r.acc)
         scores = r.round(scores - bias)
+    if attn_bias is not None:  # the bias in its own dtype, added in the accumulator's precision
+        with np.errstate(over="ignore"):
+            scores = r.round(scores + _bias64(attn_bias, shape, r.acc))
     scores = np.where(visible, scores, -np.inf)
     if sinks is None:
         p, lse = _softmax_rows(scores, visible)
         return r.round(p), r.round(lse), scale, tanh, None
-    sink = np.broadcast_to(r.round(_host(sinks, np.float64))[None, :, None, None],
-                           scores.shape[:-1] + (1,))
-    p, lse = _softmax_rows(np.concatenate([scores, sink], axis=-1),
-                           np.concatenate([visible, np.ones((seqlen_q, 1), bool)], axis=-1))
+    p, lse = _softmax_rows(*_with_sink_column(scores, visible, r.round(_host(sinks, np.float64)), shape))
     p = r.round(p)
     return p[..., :-1], r.round(lse), scale, tanh, p[..., -1]
 
 
 def naive_attention(q, k, v, softmax_scale=None, causal=False, dtype=None, *, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_mask=None):
+                    softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_mask=None,
+                    attn_bias=None, attn_mask=None):
     """Dense attention as a naive implementation computes it in ``dtype``.
 
     Each matmul accumulates in float32 (float64 when ``dtype`` is float64) and
     rounds its result to ``dtype``; the scaled scores, the softmax and the
     logsumexp are rounded to ``dtype``, and so is every step of the variants
     (the softcap's divide, tanh and multiply; the scores after the ALiBi bias,
-    which is computed in float32 like its slopes; the sink logit; the dropped
-    probabilities).  Rows with no visible key give 0 and lse ``-inf``, as in
-    :func:`attention_fwd`.
+    which is computed in float32 like its slopes; the scores after ``attn_bias``,
+    whose values, in their own dtype, are added in the accumulator's precision;
+    the sink logit; the dropped probabilities).  Rows with no visible key give 0
+    and lse ``-inf``, as in :func:`attention_fwd`.
 
     Parameters
     ----------
@@ -475,7 +549,7 @@ def naive_attention(q, k, v, softmax_scale=None, causal=False, dtype=None, *, wi
         As for :func:`attention_fwd`; inputs are first rounded to ``dtype``.
     dtype : dtype or str, optional
         float16, "bfloat16", float32 or float64; defaults to ``q.dtype``.
-    window_size, softcap, alibi_slopes, sinks, dropout_p, dropout_mask
+    window_size, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, attn_bias, attn_mask
         The variants, as for :func:`attention_fwd` (all off by default).
 
     Returns
@@ -486,7 +560,7 @@ def naive_attention(q, k, v, softmax_scale=None, causal=False, dtype=None, *, wi
     r = _Rounding(_host(q).dtype if dtype is None else dtype)
     q, k, v = (r.load(x) for x in (q, k, v))
     p, lse, *_ = _naive_probs(r, q, k, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                              sinks)
+                              sinks, attn_bias, attn_mask)
     keep = _keep_scale(dropout_p, dropout_mask)
     if keep is not None:
         p = r.round(p * keep)
@@ -496,15 +570,19 @@ def naive_attention(q, k, v, softmax_scale=None, causal=False, dtype=None, *, wi
 
 def naive_attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, dtype=None, *,
                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
-                        dropout_p=0.0, dropout_mask=None):
+                        dropout_p=0.0, dropout_mask=None, attn_bias=None, attn_mask=None,
+                        return_dbias=False):
     """Backward of :func:`naive_attention`, as autograd would run it in ``dtype``.
 
     Parameters
     ----------
     dout, q, k, v, softmax_scale, causal, dtype
         As for :func:`naive_attention`.
-    window_size, softcap, alibi_slopes, sinks, dropout_p, dropout_mask
+    window_size, softcap, alibi_slopes, sinks, dropout_p, dropout_mask, attn_bias, attn_mask
         As for :func:`attention_bwd`.
+    return_dbias : bool, optional
+        Also return the bias's gradient: the rounded ``dS`` summed (in the
+        accumulator's precision) over the bias's broadcast dimensions, rounded.
 
     Returns
     -------
@@ -512,12 +590,16 @@ def naive_attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, dtype=N
     dk, dv : numpy.ndarray, shape of ``k``, ``dtype``
     dsinks : numpy.ndarray, shape (nheads_q,), ``dtype``
         Only when ``sinks`` is given.
+    dbias : numpy.ndarray, shape of ``attn_bias``, ``dtype``
+        Only with ``return_dbias``, last.
     """
+    if return_dbias and attn_bias is None:
+        raise ValueError("return_dbias needs attn_bias")
     r = _Rounding(_host(q).dtype if dtype is None else dtype)
     dout, q, k, v = (r.load(x) for x in (dout, q, k, v))
     nheads, nheads_kv = q.shape[2], k.shape[2]
     p, _, scale, tanh, p_sink = _naive_probs(r, q, k, softmax_scale, causal, window_size, softcap,
-                                             alibi_slopes, sinks)
+                                             alibi_slopes, sinks, attn_bias, attn_mask)
     keep = _keep_scale(dropout_p, dropout_mask)
     do = dout.transpose(0, 2, 1, 3)
     dv = r.matmul((p if keep is None else r.round(p * keep)).swapaxes(-1, -2), do)
@@ -526,6 +608,7 @@ def naive_attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, dtype=N
         dp = r.round(dp * keep)
     row = (p * dp).sum(axis=-1, keepdims=True)
     ds = r.round(p * (dp - row))
+    dbias = r.round(_sum_to_shape(ds, np.shape(attn_bias))) if return_dbias else None
     if tanh is not None:
         ds = r.round(ds * r.round(1 - tanh * tanh))
     ds = r.round(ds * r.acc(scale))
@@ -538,4 +621,6 @@ def naive_attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, dtype=N
     )
     if p_sink is not None:
         grads += (r.round(-(p_sink * row[..., 0]).sum(axis=(0, 2))),)
+    if dbias is not None:
+        grads += (dbias,)
     return tuple(g.astype(r.dtype) for g in grads)

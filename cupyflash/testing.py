@@ -155,9 +155,9 @@ def assert_fwd_matches_reference(q, k, v, out, lse, *, softmax_scale=None, causa
     floor : float, optional
         The bound's floor; defaults to ``REL_FLOOR * max(1, max|ref64|)``.
     **variants
-        ``window_size``, ``softcap``, ``alibi_slopes``, ``sinks``, ``dropout_p``
-        and ``dropout_mask``, given alike to the reference and to the naive
-        implementation.
+        ``window_size``, ``softcap``, ``alibi_slopes``, ``sinks``, ``dropout_p``,
+        ``dropout_mask``, ``attn_bias`` and ``attn_mask``, given alike to the
+        reference and to the naive implementation.
 
     Returns
     -------
@@ -176,7 +176,7 @@ def assert_fwd_matches_reference(q, k, v, out, lse, *, softmax_scale=None, causa
 
 
 def assert_bwd_matches_reference(dout, q, k, v, dq, dk, dv, *, softmax_scale=None,
-                                 causal=False, dsinks=None, floor=None, **variants):
+                                 causal=False, dsinks=None, dbias=None, floor=None, **variants):
     """Check gradients against the float64 reference with the naive rule.
 
     Parameters
@@ -189,20 +189,31 @@ def assert_bwd_matches_reference(dout, q, k, v, dq, dk, dv, *, softmax_scale=Non
         As for :func:`assert_fwd_matches_reference`.
     dsinks : array, optional
         The sinks' gradient to check; required when ``sinks`` is given.
+    dbias : array, optional
+        The bias's gradient to check (in ``attn_bias``'s shape), with ``attn_bias``
+        among the variants; the naive one is summed from its rounded ``dS``.
 
     Returns
     -------
     dict
-        Max absolute errors, ``{"dq": ..., "dk": ..., "dv": ...}`` (and ``"dsinks"``).
+        Max absolute errors, ``{"dq": ..., "dk": ..., "dv": ...}`` (and ``"dsinks"``,
+        ``"dbias"``).
     """
-    refs = reference.attention_bwd(dout, q, k, v, softmax_scale, causal, **variants)
+    with_dbias = dbias is not None
+    if with_dbias and variants.get("attn_bias") is None:
+        raise ValueError("assert_bwd_matches_reference: dbias needs attn_bias")
+    refs = reference.attention_bwd(dout, q, k, v, softmax_scale, causal, return_dbias=with_dbias,
+                                   **variants)
     dtype = naive_dtype(_host_dtype(q))
-    naives = reference.naive_attention_bwd(dout, q, k, v, softmax_scale, causal, dtype, **variants)
+    naives = reference.naive_attention_bwd(dout, q, k, v, softmax_scale, causal, dtype,
+                                           return_dbias=with_dbias, **variants)
     names, got = ("dq", "dk", "dv"), (dq, dk, dv)
     if variants.get("sinks") is not None:
         if dsinks is None:
             raise ValueError("assert_bwd_matches_reference: dsinks must be given with sinks")
         names, got = names + ("dsinks",), got + (dsinks,)
+    if with_dbias:
+        names, got = names + ("dbias",), got + (dbias,)
     return {
         name: assert_close_to_reference(name, g, ref, naive, GRAD_FACTOR,
                                         _floor(ref) if floor is None else floor)

@@ -344,3 +344,264 @@ def test_variant_values_outside_float32_reach_are_refused(kwargs, message):
         with pytest.raises(ValueError, match=re.escape(f"cupyflash.{fn}: {message}")):
             getattr(cupyflash, fn)(q, q, q, **kwargs)
     cupyflash.flash_attn_fwd(q, q, q, sinks=np.full(2, -np.inf, np.float32))  # -inf: no sink, still taken
+
+
+# ----------------------------------------------------------------------------
+# attn_bias / attn_mask / return_dbias (issue 14): bad input, the options the GPU
+# side is given, and the plain call left untouched
+# ----------------------------------------------------------------------------
+
+# The valid arguments' scores are (batch, nheads_q, seqlen_q, seqlen_k) = (2, 4, 5, 7).
+_FULL = "(batch, nheads_q, seqlen_q, seqlen_k) = (2, 4, 5, 7)"
+
+# (id, exception, argument named, text in the message, kwargs given the valid args)
+SCORE_CASES = [
+    ("bias-rank5", ValueError, "attn_bias", "must have at most 4 dimensions, broadcastable to (batch, nheads_q, "
+     "seqlen_q, seqlen_k); got 5 with shape (1, 2, 4, 5, 7).", lambda a: {"attn_bias": np.zeros((1, 2, 4, 5, 7),
+                                                                                                  np.float32)}),
+    ("bias-heads-3", ValueError, "attn_bias", f"must be broadcastable to {_FULL}, each dimension 1 or full "
+     f"(left-padded with 1s to 4 dimensions); got shape (2, 3, 5, 7), whose nheads_q is 3.",
+     lambda a: {"attn_bias": np.zeros((2, 3, 5, 7), np.float32)}),
+    ("bias-seqlen_k", ValueError, "attn_bias", "got shape (5, 6), whose seqlen_k is 6.",
+     lambda a: {"attn_bias": np.zeros((5, 6), np.float32)}),
+    ("bias-seqlen_q-padded", ValueError, "attn_bias", "got shape (2, 7), whose seqlen_q is 2.",
+     lambda a: {"attn_bias": np.zeros((2, 7), np.float32)}),
+    ("bias-batch", ValueError, "attn_bias", "got shape (3, 1, 1, 7), whose batch is 3.",
+     lambda a: {"attn_bias": np.zeros((3, 1, 1, 7), np.float32)}),
+    ("bias-float64", TypeError, "attn_bias", "must have q's dtype (float32) or float32; got float64.",
+     lambda a: {"attn_bias": np.zeros((5, 7))}),
+    ("bias-float16", TypeError, "attn_bias", "must have q's dtype (float32) or float32; got float16.",
+     lambda a: {"attn_bias": np.zeros((5, 7), np.float16)}),
+    ("bias-int", TypeError, "attn_bias", "got int64.", lambda a: {"attn_bias": np.zeros((5, 7), np.int64)}),
+    ("bias-big-endian", TypeError, "attn_bias", "got big-endian float32.",
+     lambda a: {"attn_bias": np.zeros((5, 7), ">f4")}),
+    ("bias-bool", TypeError, "attn_bias", "got bool.", lambda a: {"attn_bias": np.ones((5, 7), bool)}),
+    ("bias-list", TypeError, "attn_bias", "must be a numpy.ndarray or cupy.ndarray; got list.",
+     lambda a: {"attn_bias": [[0.0] * 7] * 5}),
+    ("bias-float", TypeError, "attn_bias", "must be a numpy.ndarray or cupy.ndarray; got float.",
+     lambda a: {"attn_bias": 0.5}),
+    ("bias-masked-array", TypeError, "attn_bias", "must not be a numpy.ma.MaskedArray",
+     lambda a: {"attn_bias": np.ma.masked_array(np.zeros((5, 7), np.float32))}),
+    ("mask-int", TypeError, "attn_mask", "must have dtype bool (True = attend; a float mask belongs in attn_bias); "
+     "got int32.", lambda a: {"attn_mask": np.ones((5, 7), np.int32)}),
+    ("mask-float", TypeError, "attn_mask", "a float mask belongs in attn_bias); got float32.",
+     lambda a: {"attn_mask": np.zeros((5, 7), np.float32)}),
+    ("mask-uint8", TypeError, "attn_mask", "got uint8.", lambda a: {"attn_mask": np.ones((5, 7), np.uint8)}),
+    ("mask-rank5", ValueError, "attn_mask", "must have at most 4 dimensions",
+     lambda a: {"attn_mask": np.ones((1, 1, 1, 1, 7), bool)}),
+    ("mask-keys", ValueError, "attn_mask", "got shape (2, 1, 5, 8), whose seqlen_k is 8.",
+     lambda a: {"attn_mask": np.ones((2, 1, 5, 8), bool)}),
+    ("mask-tuple", TypeError, "attn_mask", "must be a numpy.ndarray or cupy.ndarray; got tuple.",
+     lambda a: {"attn_mask": (True, False)}),
+]
+
+SCORE_BWD_CASES = [
+    ("return_dbias-without-bias", ValueError, "return_dbias", "must be False without attn_bias (dbias is the "
+     "gradient of attn_bias); got True with attn_bias=None.", lambda a: {"return_dbias": True}),
+    ("return_dbias-with-mask-only", ValueError, "return_dbias", "must be False without attn_bias",
+     lambda a: {"return_dbias": True, "attn_mask": np.ones((5, 7), bool)}),
+    ("return_dbias-int", TypeError, "return_dbias", "must be a bool; got int.",
+     lambda a: {"return_dbias": 1, "attn_bias": np.zeros((5, 7), np.float32)}),
+    ("return_dbias-none", TypeError, "return_dbias", "must be a bool; got NoneType.",
+     lambda a: {"return_dbias": None}),
+]
+
+
+def _score_cases():
+    for fn_name in FUNCTIONS:
+        for case in SCORE_CASES:
+            yield pytest.param(fn_name, *case[1:], id=f"{fn_name}-{case[0]}")
+    for case in SCORE_BWD_CASES:
+        yield pytest.param("flash_attn_bwd", *case[1:], id=f"flash_attn_bwd-{case[0]}")
+
+
+@pytest.mark.parametrize("fn_name,exc_type,arg,text,make", list(_score_cases()))
+def test_bad_bias_and_mask(monkeypatch, fn_name, exc_type, arg, text, make):
+    monkeypatch.setattr(cpu, "fwd", _must_not_run)
+    monkeypatch.setattr(cpu, "bwd", _must_not_run)
+    args = _valid_args()
+    with pytest.raises(exc_type) as info:
+        _call(fn_name, args, **make(args))
+    message = str(info.value)
+    assert message.startswith(f"cupyflash.{fn_name}: {arg} must "), message
+    assert text in message, message
+    assert message.endswith("."), message
+
+
+@pytest.mark.parametrize("fn_name", FUNCTIONS)
+def test_a_float64_bias_with_float16_inputs_is_refused(fn_name):
+    with pytest.raises(TypeError, match=re.escape(f"cupyflash.{fn_name}: attn_bias must have q's dtype (float16) "
+                                                  f"or float32; got float64.")):
+        _call(fn_name, _valid_args(np.float16), attn_bias=np.zeros((1, 4, 5, 7)))
+
+
+@pytest.mark.parametrize("q_dtype,bias_dtype", [("float16", "float16"), ("float16", "float32"),
+                                                ("float32", "float32"), ("float64", "float64"),
+                                                ("float64", "float32"), ("bfloat16", "bfloat16"),
+                                                ("bfloat16", "float32")])
+def test_bias_dtypes_taken(q_dtype, bias_dtype):
+    if "bfloat16" in (q_dtype, bias_dtype):
+        pytest.importorskip("ml_dtypes")
+    from cupyflash import testing
+
+    args = _valid_args(testing.resolve_dtype(q_dtype))
+    bias = np.zeros((2, 1, 5, 7), testing.resolve_dtype(bias_dtype))
+    out, lse = _call("flash_attn_fwd", args, attn_bias=bias, attn_mask=np.ones(7, bool))
+    assert out.dtype == args["q"].dtype
+    *_, dbias = _call("flash_attn_bwd", dict(args, out=out, lse=lse), attn_bias=bias, return_dbias=True)
+    assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (1, 7), (5, 1), (4, 5, 7), (2, 1, 1, 7), (1, 4, 1, 1), (2, 4, 5, 7)])
+def test_broadcastable_shapes_are_taken(shape):
+    args = _valid_args()
+    out, lse = _call("flash_attn_fwd", args, attn_bias=np.zeros(shape, np.float32),
+                     attn_mask=np.ones(shape, bool))
+    *_, dbias = _call("flash_attn_bwd", dict(args, out=out, lse=lse), attn_bias=np.zeros(shape, np.float32),
+                      return_dbias=True)
+    assert dbias.shape == shape
+
+
+def test_check_variants_gives_4d_views():
+    """The interface with the GPU side: options["attn_bias"] / ["attn_mask"] are the
+    user's arrays left-padded to 4-D by indexing (views of the same memory, with the
+    same strides: never broadcast or copied), options["return_dbias"] is True."""
+    args = _valid_args()
+    q = args["q"]
+    wide = np.zeros((5, 20), np.float32)
+    bias = wide[:, 2:16:2]  # (5, 7), key stride 2
+    mask = np.ones((1, 4, 1, 7), bool)
+    options = _checks.check_variants("flash_attn_bwd", q, False, 0.0, (-1, -1), None, 0.0, None, None,
+                                     attn_bias=bias, attn_mask=mask, return_dbias=True, seqlens=(5, 7))
+    assert set(options) == {"attn_bias", "attn_mask", "return_dbias"} and options["return_dbias"] is True
+    b4, m4 = options["attn_bias"], options["attn_mask"]
+    assert b4.shape == (1, 1, 5, 7) and b4.strides[2:] == bias.strides and np.shares_memory(b4, wide)
+    assert b4.base is bias or b4.base is bias.base
+    assert m4 is mask  # already 4-D: the array itself
+    assert m4.dtype == np.bool_ and b4.dtype == np.float32
+    none = _checks.check_variants("flash_attn_bwd", q, False, 0.0, (-1, -1), None, 0.0, None, None)
+    assert none == {}
+    # varlen: batch = the number of sequences, seqlens the max lengths
+    packed = np.zeros((12, 4, 8), np.float32)
+    options = _checks.check_variants("flash_attn_varlen_fwd", packed, False, 0.0, (-1, -1), None, 0.0, None, None,
+                                     batch=3, attn_bias=np.zeros((3, 1, 6, 9), np.float32), seqlens=(6, 9))
+    assert options["attn_bias"].shape == (3, 1, 6, 9)
+    with pytest.raises(ValueError, match=re.escape("(batch, nheads_q, seqlen_q, seqlen_k) = (3, 4, 6, 9)")):
+        _checks.check_variants("flash_attn_varlen_fwd", packed, False, 0.0, (-1, -1), None, 0.0, None, None,
+                               batch=3, attn_bias=np.zeros((12, 1, 6, 9), np.float32), seqlens=(6, 9))
+
+
+def test_a_plain_call_takes_the_hot_path(monkeypatch):
+    """The defaults (None, None, False) divert nothing: no variant validation runs."""
+    from cupyflash import _api
+
+    monkeypatch.setattr(_api, "_variant_fwd", _must_not_run)
+    monkeypatch.setattr(_api, "_variant_bwd", _must_not_run)
+    args = _valid_args()
+    for fn_name in FUNCTIONS:
+        _call(fn_name, args, attn_bias=None, attn_mask=None)
+    _call("flash_attn_bwd", args, return_dbias=False)
+
+
+def test_options_given_off_are_the_plain_call(monkeypatch):
+    """np.False_ for return_dbias is validated, then runs the plain path (3 results)."""
+    args = _valid_args()
+    plain = _call("flash_attn_bwd", args)
+    same = _call("flash_attn_bwd", args, return_dbias=np.False_)
+    assert len(same) == 3
+    for a, b in zip(plain, same):
+        np.testing.assert_array_equal(a, b)
+
+
+class _ArrayFake(FakeCupyArray):
+    """A fake cupy array with the methods dbias's finishing step uses."""
+
+    def reshape(self, shape):
+        return _ArrayFake(self.host.reshape(shape), self.device.id)
+
+    def astype(self, dtype, copy=True):
+        return _ArrayFake(self.host.astype(dtype, copy=copy), self.device.id)
+
+
+@pytest.mark.parametrize("fn_name", FUNCTIONS)
+def test_gpu_bias_and_mask_go_to_the_variant_entries(monkeypatch, fn_name):
+    """On cupy arrays the checked options reach _gpu.variant_fwd / _gpu_bwd.variant_bwd
+    as 4-D views of the user's arrays; the backward's dbias (float32, 4-D) comes back
+    in the bias's shape and dtype, after dsinks."""
+    install_fake_gpu(monkeypatch)
+    a = _gpu_args()
+    bias = FakeCupyArray(np.arange(35, dtype=np.float16).reshape(5, 7))
+    mask = FakeCupyArray(np.ones((2, 1, 1, 7), bool))
+    sinks = FakeCupyArray(np.zeros(4, np.float32))
+    seen = {}
+
+    def fwd(q, k, v, out, lse, **kwargs):
+        seen.update(kwargs)
+        return "out", "lse"
+
+    def bwd(dout, q, k, v, out, lse, **kwargs):
+        seen.update(kwargs)
+        dbias4 = _ArrayFake(np.full((1, 1, 5, 7), 0.5, np.float32))
+        return "dq", "dk", "dv", "dsinks", dbias4
+
+    cupyflash._gpu.variant_fwd = fwd  # the fake modules install_fake_gpu put in place
+    cupyflash._gpu_bwd.variant_bwd = bwd
+    extra = {"return_dbias": True} if fn_name == "flash_attn_bwd" else {}
+    result = _call(fn_name, a, attn_bias=bias, attn_mask=mask, sinks=sinks, **extra)
+    options = seen["options"]
+    assert options["attn_bias"].shape == (1, 1, 5, 7) and np.shares_memory(options["attn_bias"].host, bias.host)
+    assert options["attn_mask"] is mask and options["sinks"] is sinks
+    assert options.get("return_dbias", False) is (fn_name == "flash_attn_bwd")
+    if fn_name == "flash_attn_bwd":
+        assert result[:4] == ("dq", "dk", "dv", "dsinks")
+        dbias = result[4]
+        assert isinstance(dbias, FakeCupyArray) and dbias.shape == (5, 7) and dbias.dtype == np.float16
+        assert (dbias.host == 0.5).all()
+
+
+@pytest.mark.parametrize("fn_name", FUNCTIONS)
+def test_gpu_bias_checks(monkeypatch, fn_name):
+    install_fake_gpu(monkeypatch)
+    a = _gpu_args()
+    with pytest.raises(TypeError, match=re.escape(f"cupyflash.{fn_name}: attn_bias must be a cupy.ndarray like q "
+                                                  f"(numpy and cupy inputs cannot be mixed); got numpy.ndarray.")):
+        _call(fn_name, a, attn_bias=np.zeros((5, 7), np.float16))
+    with pytest.raises(ValueError, match=re.escape(f"cupyflash.{fn_name}: attn_mask must be on the same device as "
+                                                   f"q (cuda:0); got cuda:1.")):
+        _call(fn_name, a, attn_mask=FakeCupyArray(np.ones((5, 7), bool), device_id=1))
+    with pytest.raises(TypeError, match=re.escape(f"cupyflash.{fn_name}: attn_bias must have q's dtype (float16) "
+                                                  f"or float32; got float64.")):
+        _call(fn_name, a, attn_bias=FakeCupyArray(np.zeros((5, 7))))
+    odd = np.ndarray((5, 7), np.float16, buffer=np.zeros(200, np.uint8), strides=(21, 3))  # 3-byte key stride
+    with pytest.raises(ValueError, match=re.escape(f"cupyflash.{fn_name}: attn_bias must have strides in whole "
+                                                   f"elements on the GPU (multiples of 2 bytes); got strides of "
+                                                   f"(21, 3) bytes.")):
+        _call(fn_name, a, attn_bias=FakeCupyArray(odd))
+    # numpy q with a cupy bias
+    with pytest.raises(TypeError, match=re.escape(f"cupyflash.{fn_name}: attn_bias must be a numpy.ndarray like q "
+                                                  f"(numpy and cupy inputs cannot be mixed); got cupy.ndarray.")):
+        _call(fn_name, _valid_args(), attn_bias=FakeCupyArray(np.zeros((5, 7), np.float32)))
+
+
+def test_gpu_bf16_storage_bias(monkeypatch):
+    """bfloat16 data in uint16 storage with dtype="bfloat16": a uint16 bias is q's
+    dtype, an int16 one is not; dbias comes back as bfloat16 bits in uint16."""
+    from cupyflash import _api, testing
+
+    install_fake_gpu(monkeypatch)
+    a = {name: FakeCupyArray(testing.to_bf16_bits(x.host.astype(np.float32)) if name != "lse" else x.host)
+         for name, x in _gpu_args().items()}
+    bias = FakeCupyArray(np.zeros((2, 4, 5, 7), np.uint16))
+    cupyflash._gpu.variant_fwd = lambda *args, **kwargs: ("out", "lse")
+    _call("flash_attn_fwd", a, dtype="bfloat16", attn_bias=bias)
+    with pytest.raises(TypeError, match=re.escape("attn_bias must have q's dtype (uint16) or float32; got int16.")):
+        _call("flash_attn_fwd", a, dtype="bfloat16", attn_bias=FakeCupyArray(np.zeros((5, 7), np.int16)))
+    # the finishing step, on the host: float32 -> bfloat16 bits (round to nearest even), float16 bits
+    values = np.array([[1.0, -2.5, 3.14159, np.nan, 1e-30, 65504.0]], np.float32)
+    bits = _api._finish_dbias(values[None, None], np.zeros(6, np.uint16), "bfloat16")
+    assert bits.shape == (6,) and bits.dtype == np.uint16
+    np.testing.assert_array_equal(bits[[0, 1, 2, 4, 5]], testing.to_bf16_bits(values[0, [0, 1, 2, 4, 5]]))
+    assert np.isnan(testing.from_bf16_bits(bits[3]))
+    half = _api._finish_dbias(values[None, None], np.zeros((1, 6), np.int16), "float16")
+    assert half.dtype == np.int16
+    np.testing.assert_array_equal(half.view(np.float16), values.astype(np.float16))
