@@ -5,9 +5,12 @@ Anything else that is an array (``torch.Tensor``, ``jax.Array``, an object with
 ``__dlpack__`` or ``__cuda_array_interface__``) comes here: :func:`call` views
 every argument as a NumPy (CPU) or CuPy (GPU) array without copying, calls the
 public function again with the views, and hands the results back in the
-caller's type.  The attention variants' arrays (``alibi_slopes=``, ``sinks=``)
-are viewed the same way when given, with the same type and device checks
-(float32, whatever q's dtype), and ``dsinks`` comes back in the caller's type.
+caller's type.  The attention variants' arrays (``alibi_slopes=``, ``sinks=``,
+and issue 14's ``attn_bias=``, ``attn_mask=``) are viewed the same way when
+given, strides and all (a stride-0 broadcast view stays one: nothing is copied),
+with the same type and device checks (slopes and sinks float32, the bias q's
+dtype or float32, the mask bool), and ``dsinks`` and ``dbias`` come back in the
+caller's type (``dbias`` in the bias's dtype, bfloat16 included).
 
 What each framework gets
 ------------------------
@@ -208,9 +211,9 @@ def _accepts_foreign_positional(names):
 #: handed back as the caller's own objects.
 _OUTPUTS = ("out", "lse", "dq", "dk", "dv")
 
-#: Keyword arrays of the attention variants (issue 13): viewed like the inputs when
-#: given, whatever the function (their checks are the core's, after the views).
-_VARIANT_ARRAYS = ("alibi_slopes", "sinks")
+#: Keyword arrays of the attention variants (issues 13 and 14): viewed like the inputs
+#: when given, whatever the function (their checks are the core's, after the views).
+_VARIANT_ARRAYS = ("alibi_slopes", "sinks", "attn_bias", "attn_mask")
 
 
 def call(fn_name, fn, names, arrays, rest, kwargs, keywords=(), optional=frozenset(),
@@ -224,9 +227,11 @@ def call(fn_name, fn, names, arrays, rest, kwargs, keywords=(), optional=frozens
     ``optional`` that are not arrays (None, an int) are passed on unchanged;
     ``appends`` as for :func:`accepts_foreign`.
     """
-    # The variants' arrays (alibi_slopes, sinks) are keyword arrays of every function
-    # that takes them: viewed like q, k and v when given (None is passed on as it is).
-    if kwargs.get("alibi_slopes") is not None or kwargs.get("sinks") is not None:  # two lookups otherwise
+    # The variants' arrays (alibi_slopes, sinks, attn_bias, attn_mask) are keyword arrays of
+    # every function that takes them: viewed like q, k and v when given (None is passed on
+    # as it is).
+    if (kwargs.get("alibi_slopes") is not None or kwargs.get("sinks") is not None
+            or kwargs.get("attn_bias") is not None or kwargs.get("attn_mask") is not None):  # four lookups otherwise
         extra = tuple(name for name in _VARIANT_ARRAYS
                       if name not in names and kwargs.get(name) is not None)
         names = tuple(names) + extra
@@ -319,17 +324,25 @@ def _map(result, convert):
 
 #: Arguments whose dtype is fixed, whatever q's is (the others must have q's).
 _FIXED_DTYPES = {"lse": "float32", "alibi_slopes": "float32", "sinks": "float32", "cu_seqlens_q": "int32", "cu_seqlens_k": "int32",
-                 "cache_seqlens": "int32", "cache_batch_idx": "int32", "block_table": "int32"}
+                 "cache_seqlens": "int32", "cache_batch_idx": "int32", "block_table": "int32",
+                 "attn_mask": "bool"}
 
 
 def _check_same(fn_name, names, values, what, cls):
-    """Every value equal to q's (a fixed dtype: that one); ``what`` is 'dtype' or 'device'."""
+    """Every value equal to q's (a fixed dtype: that one; the bias: q's or float32);
+    ``what`` is 'dtype' or 'device'.  The dtype messages are the core's."""
     ref = values[names.index("q")]
     for name, value in zip(names, values):
         if name in _FIXED_DTYPES and what == "dtype":
             if value != _FIXED_DTYPES[name]:
+                if name == "attn_mask":
+                    fail(TypeError, fn_name, f"attn_mask must have dtype bool (True = attend; a float mask "
+                                             f"belongs in attn_bias); got {value}.")
                 fail(TypeError, fn_name,
                      f"{name} must have dtype {_FIXED_DTYPES[name]}; got {value}.")
+        elif name == "attn_bias" and what == "dtype":
+            if value != ref and value != "float32":
+                fail(TypeError, fn_name, f"attn_bias must have q's dtype ({ref}) or float32; got {value}.")
         elif value != ref:
             fail(cls, fn_name, f"{name} must have the same {what} as q ({ref}); got {value}.")
 
@@ -567,8 +580,7 @@ def _run_torch(fn_name, fn, names, arrays):
     cupy = _import_cupy(fn_name, "torch.Tensor")
     with cupy.cuda.Device(q.device.index), \
             use_stream(cupy, torch.cuda.current_stream(q.device).cuda_stream):
-        views = [cupy.from_dlpack(x.view(torch.int16) if x.dtype == torch.bfloat16 else x)
-                 for x in arrays]
+        views = [_torch_to_cupy(torch, cupy, x) for x in arrays]
         result = fn(*views, **({"dtype": "bfloat16"} if bf16 else {}))
 
         def back(a):
@@ -576,6 +588,16 @@ def _run_torch(fn_name, fn, names, arrays):
             return t.view(torch.bfloat16) if bf16 and _is_storage(a) else t
 
         return _map(result, back)
+
+
+def _torch_to_cupy(torch, cupy, x):
+    """A CuPy view of a CUDA tensor (DLPack, its strides kept: no copy); bfloat16 as
+    int16 storage, bool through uint8 (whatever DLPack type code torch gives bool)."""
+    if x.dtype == torch.bfloat16:
+        return cupy.from_dlpack(x.view(torch.int16))
+    if x.dtype == torch.bool:
+        return cupy.from_dlpack(x.view(torch.uint8)).view(cupy.bool_)
+    return cupy.from_dlpack(x)
 
 
 def torch_to_numpy(x):
@@ -655,10 +677,13 @@ def _run_jax(fn_name, fn, names, arrays):
 
 
 def _jax_to_cupy(cupy, x):
-    if x.dtype.name != "bfloat16":
+    name = x.dtype.name
+    if name not in ("bfloat16", "bool"):
         return cupy.from_dlpack(x)  # passes CuPy's current stream to x.__dlpack__
+    # bfloat16 as uint16 storage; bool straight from the capsule (8-bit), whatever
+    # DLPack type code the exporter gives it
     capsule = x.__dlpack__(stream=_dlpack_stream(cupy))  # orders our stream after x's producer
-    return cupy_from_capsule(cupy, capsule, np.uint16)
+    return cupy_from_capsule(cupy, capsule, np.uint16 if name == "bfloat16" else np.bool_)
 
 
 # ----------------------------------------------------------------------------

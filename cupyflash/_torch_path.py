@@ -12,7 +12,8 @@ device (torch's caching allocator: memory statistics, streams and CUDA graph
 pools see them), and launches on ``torch.cuda.current_stream()``.
 
 Anything this path does not cover (CPU tensors, empty inputs, the varlen
-functions, a call with an attention variant on) returns ``NotImplemented`` and takes the general DLPack path of
+functions, a call with an attention variant on, a bias or a mask included) returns
+``NotImplemented`` and takes the general DLPack path of
 :mod:`._interop`.
 
 Importing this module imports torch (the caller already has it).
@@ -139,10 +140,11 @@ class _Unsupported(Exception):
     """A keyword this path does not take (the general path takes it, or says what is wrong)."""
 
 
-#: The variant options (issue 13) with their "off" values.  A call that gives one
-#: with any other value (or type) takes the general path, which checks it and runs
+#: The variant options (issues 13 and 14) with their "off" values.  A call that gives
+#: one with any other value (or type) takes the general path, which checks it and runs
 #: the variant; off, this path runs as if it was not given.
-_VARIANTS_OFF = {**_checks.NOT_IMPLEMENTED, "sinks": None, "rng_state": None}
+_VARIANTS_OFF = {**_checks.NOT_IMPLEMENTED, "sinks": None, "rng_state": None, "attn_bias": None,
+                 "attn_mask": None, "return_dbias": False}
 
 
 def _check_options(fn_name, options):

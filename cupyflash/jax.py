@@ -389,16 +389,17 @@ _MASK32 = (1 << 32) - 1
 
 class _VariantStatic(tuple):
     """What a variant call fixes at trace time (hashable): ``(softmax_scale, causal,
-    deterministic, window_size, softcap, dropout_p, rng_state, inputs)``, where
-    ``rng_state`` is the static ``(seed, offset)`` (None: none, or a key's bits
-    given as an input) and ``inputs`` names the optional inputs given, in order,
-    among ``("alibi_slopes", "sinks", "rng")``."""
+    deterministic, window_size, softcap, dropout_p, rng_state, inputs, bias_dtype)``,
+    where ``rng_state`` is the static ``(seed, offset)`` (None: none, or a key's bits
+    given as an input), ``inputs`` names the optional inputs given, in order, among
+    ``("alibi_slopes", "sinks", "attn_bias", "attn_mask", "rng")``, and
+    ``bias_dtype`` is the name of ``attn_bias``'s dtype (None without one)."""
 
     __slots__ = ()
 
     def variants(self, rng=None):
         """The core's keyword arguments (``rng``: the bits of a key, read on the host)."""
-        _, _, _, window, softcap, dropout_p, rng_state, _ = self
+        _, _, _, window, softcap, dropout_p, rng_state, _, _ = self
         if rng is not None:
             words = [int(w) for w in np.asarray(rng, dtype=np.uint32)]
             rng_state = (words[0] | words[1] << 32, words[2])
@@ -424,6 +425,11 @@ class _VariantCallback:
     def __init__(self, static, dtype_name):
         self.static, self.dtype_name = static, dtype_name
 
+    @staticmethod
+    def _storage(dtype_name):
+        """The dtype of a CuPy view of data of ``dtype_name`` (bfloat16: its uint16 bits)."""
+        return np.dtype(np.uint16) if dtype_name == "bfloat16" else np.dtype(dtype_name)
+
     def _views(self, buffers, names):
         """``(views, device_id, cupy, dtype)``: views of ``buffers`` by name."""
         kind, device_id = buffers[0].__dlpack_device__()
@@ -431,9 +437,12 @@ class _VariantCallback:
             return {name: np.asarray(b) for name, b in zip(names, buffers)}, device_id, None, None
         cupy = _interop._import_cupy(_FN, "jax.Array")  # noqa: SLF001
         bf16 = self.dtype_name == "bfloat16"
-        data = np.dtype(np.uint16) if bf16 else np.dtype(self.dtype_name)
+        data = self._storage(self.dtype_name)
         fixed = {"lse": np.float32, "alibi_slopes": np.float32, "sinks": np.float32, "dsinks": np.float32,
-                 "rng": np.uint32}
+                 "rng": np.uint32, "attn_mask": np.bool_}
+        bias_dtype = self.static[8]
+        if bias_dtype is not None:  # dbias has the bias's dtype
+            fixed["attn_bias"] = fixed["dbias"] = self._storage(bias_dtype)
         views = {name: _cupy_view(cupy, b, fixed.get(name, data), device_id) for name, b in zip(names, buffers)}
         return views, device_id, cupy, ("bfloat16" if bf16 else None)
 
@@ -463,42 +472,53 @@ class _VariantFwd(_VariantCallback):
         names = ("out", "lse", "q", "k", "v") + self.static[7]
         with self._entered(ctx, (*outputs, *inputs), names) as (views, cupy, dtype, variants):
             extra = {} if dtype is None else {"dtype": dtype}
+            arrays = {name: views.get(name) for name in _OPTIONAL_ARRAYS}
             if cupy is None:
                 o, l = _api.flash_attn_fwd(views["q"], views["k"], views["v"], softmax_scale=scale,
-                                           causal=causal, alibi_slopes=views.get("alibi_slopes"),
-                                           sinks=views.get("sinks"), **variants)
+                                           causal=causal, **arrays, **variants)
                 views["out"][...] = o
                 views["lse"][...] = l
             else:  # straight into XLA's out and lse
                 _api.flash_attn_fwd(views["q"], views["k"], views["v"], softmax_scale=scale, causal=causal,
-                                    alibi_slopes=views.get("alibi_slopes"), sinks=views.get("sinks"),
-                                    out=views["out"], lse=views["lse"], **variants, **extra)
+                                    out=views["out"], lse=views["lse"], **arrays, **variants, **extra)
 
 
 class _VariantBwd(_VariantCallback):
-    """``callback(ctx, (dq, dk, dv[, dsinks]), dout, q, k, v, out, lse, *optional)``."""
+    """``callback(ctx, (dq, dk, dv[, dsinks][, dbias]), dout, q, k, v, out, lse, *optional)``;
+    dbias only with ``with_dbias`` (the bias is differentiated: ``return_dbias=True``)."""
 
-    __slots__ = ()
+    __slots__ = ("with_dbias",)
+
+    def __init__(self, static, dtype_name, with_dbias=False):
+        super().__init__(static, dtype_name)
+        self.with_dbias = with_dbias
 
     def __call__(self, ctx, outputs, *inputs):
         scale, causal, deterministic = self.static[:3]
         optional = self.static[7]
-        grads = ("dq", "dk", "dv") + (("dsinks",) if "sinks" in optional else ())
+        grads = (("dq", "dk", "dv") + (("dsinks",) if "sinks" in optional else ())
+                 + (("dbias",) if self.with_dbias else ()))
         names = grads + ("dout", "q", "k", "v", "out", "lse") + optional
         with self._entered(ctx, (*outputs, *inputs), names) as (views, cupy, dtype, variants):
             args = [views[name] for name in ("dout", "q", "k", "v", "out", "lse")]
             kwargs = dict(softmax_scale=scale, causal=causal, deterministic=deterministic,
-                          alibi_slopes=views.get("alibi_slopes"), sinks=views.get("sinks"), **variants)
+                          **{name: views.get(name) for name in _OPTIONAL_ARRAYS}, **variants)
+            if self.with_dbias:
+                kwargs["return_dbias"] = True
             if cupy is None:
                 result = _api.flash_attn_bwd(*args, **kwargs)
                 for name, r in zip(grads, result):
                     views[name][...] = r
-            else:  # dq, dk, dv straight into XLA's buffers; dsinks copied there
+            else:  # dq, dk, dv straight into XLA's buffers; dsinks and dbias copied there
                 result = _api.flash_attn_bwd(*args, dq=views["dq"], dk=views["dk"], dv=views["dv"],
                                              **kwargs, **({} if dtype is None else {"dtype": dtype}))
-                if "dsinks" in views:
-                    views["dsinks"][...] = result[3]
+                for name, r in zip(grads[3:], result[3:]):
+                    views[name][...] = r
 
+
+#: The optional arrays the core takes by keyword (the rest of ``inputs``, "rng", is read
+#: on the host).
+_OPTIONAL_ARRAYS = ("alibi_slopes", "sinks", "attn_bias", "attn_mask")
 
 _variant_fwd_callback = functools.lru_cache(maxsize=1024)(_VariantFwd)
 _variant_bwd_callback = functools.lru_cache(maxsize=1024)(_VariantBwd)
@@ -518,15 +538,18 @@ def _variant_fwd_call(static, q, k, v, optional):
     return tuple(_buffer_callback(callback, result, vmap_method="sequential")(q, k, v, *optional))
 
 
-def _variant_bwd_call(static, dout, q, k, v, out, lse, optional):
+def _variant_bwd_call(static, dout, q, k, v, out, lse, optional, with_dbias=False):
+    """``(dq, dk, dv)``, then dsinks with sinks, then dbias with ``with_dbias``."""
     sinks = "sinks" in static[7]
-    if _checks.is_empty(q, k):
-        grads = tuple(jnp.zeros(x.shape, x.dtype) for x in (q, k, v))
-        return grads + ((jnp.zeros((q.shape[2],), jnp.float32),) if sinks else ())
-    callback = _variant_bwd_callback(static, np.dtype(q.dtype).name)
     result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     if sinks:
         result += (jax.ShapeDtypeStruct((q.shape[2],), jnp.float32),)
+    if with_dbias:
+        bias = optional[static[7].index("attn_bias")]
+        result += (jax.ShapeDtypeStruct(bias.shape, bias.dtype),)
+    if _checks.is_empty(q, k):
+        return tuple(jnp.zeros(r.shape, r.dtype) for r in result)
+    callback = _variant_bwd_callback(static, np.dtype(q.dtype).name, with_dbias)
     return tuple(_buffer_callback(callback, result, vmap_method="sequential")(
         dout, q, k, v, out, lse, *optional))
 
@@ -536,22 +559,39 @@ def _variant_attention(static, q, k, v, optional):
     return _variant_fwd_call(static, q, k, v, optional)[0]
 
 
+# The rule is defined with symbolic zeros (``symbolic_zeros=True``): the forward rule
+# sees which inputs are differentiated (``CustomVJPPrimal.perturbed``), so the
+# backward computes dbias only when the bias is (``return_dbias=True``), as the torch
+# wrapper does when the bias requires grad.  Whether it is rides in the residuals'
+# structure (``((),)`` or ``()``: no leaves either way).
+
+_DBIAS, _NO_DBIAS = ((),), ()
+
+
 def _variant_attention_fwd(static, q, k, v, optional):
+    q, k, v = q.value, k.value, v.value
+    names = static[7]
+    with_dbias = "attn_bias" in names and optional[names.index("attn_bias")].perturbed
+    optional = tuple(x.value for x in optional)
     out, lse = _variant_fwd_call(static, q, k, v, optional)
-    return out, (q, k, v, out, lse, optional)
+    return out, (q, k, v, out, lse, optional, _DBIAS if with_dbias else _NO_DBIAS)
 
 
 def _variant_attention_bwd(static, residuals, dout):
-    q, k, v, out, lse, optional = residuals
-    grads = _variant_bwd_call(static, dout, q, k, v, out, lse, optional)
+    q, k, v, out, lse, optional, dbias_marker = residuals
+    if isinstance(dout, jax.custom_derivatives.SymbolicZero):  # out does not reach the loss
+        dout = jnp.zeros(out.shape, out.dtype)
+    with_dbias = dbias_marker == _DBIAS
+    grads = _variant_bwd_call(static, dout, q, k, v, out, lse, optional, with_dbias)
     names = static[7]
     # alibi_slopes are constants (flash-attention does not differentiate them either);
-    # rng (a key's bits, integers) has no cotangent
-    d_optional = tuple(grads[3] if name == "sinks" else None for name in names)
+    # rng (a key's bits, integers) and attn_mask (bool) have no cotangent; dbias is last
+    d_optional = tuple(grads[3] if name == "sinks" else grads[-1] if name == "attn_bias" and with_dbias
+                       else None for name in names)
     return grads[0], grads[1], grads[2], d_optional
 
 
-_variant_attention.defvjp(_variant_attention_fwd, _variant_attention_bwd)
+_variant_attention.defvjp(_variant_attention_fwd, _variant_attention_bwd, symbolic_zeros=True)
 
 
 def _is_key(x):
@@ -564,32 +604,49 @@ def _is_key(x):
     return np.dtype(dtype) == np.uint32 and tuple(getattr(x, "shape", ())) == (2,)
 
 
+#: What each optional array of :func:`flash_attention` must be, as its TypeError says.
+_ARRAY_RULES = {"alibi_slopes": "a float32 jax.Array", "sinks": "a float32 jax.Array",
+                "attn_bias": "a jax.Array of q's dtype or float32", "attn_mask": "a bool jax.Array"}
+
+
+def _optional_array(name, x):
+    """An optional array argument as a JAX array (NumPy arrays converted; None kept)."""
+    if x is None:
+        return None
+    if isinstance(x, np.ndarray):
+        return jnp.asarray(x)
+    if not isinstance(x, (jax.Array, jax.core.Tracer)):
+        _checks.fail(TypeError, _FN, f"{name} must be None or {_ARRAY_RULES[name]}; got "
+                                     f"{_checks._type_name(x)}.")  # noqa: SLF001
+    return x
+
+
 def _variant_call(q, k, v, scale, causal, deterministic, dropout_p, window_size, softcap, alibi_slopes,
-                  sinks, rng_state):
+                  sinks, rng_state, attn_bias=None, attn_mask=None):
     """:func:`flash_attention` with a variant argument given: validated at trace time
     with the core's rules (on NumPy specs of the arrays), then the variant callbacks."""
     key = rng_state if _is_key(rng_state) else None
-    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        if x is not None and isinstance(x, np.ndarray):
-            x = jnp.asarray(x)
-        if x is not None and not (hasattr(x, "shape") and hasattr(x, "dtype")):
-            _checks.fail(TypeError, _FN, f"{name} must be None or a float32 jax.Array; got "
-                                         f"{_checks._type_name(x)}.")  # noqa: SLF001
+    arrays = {name: _optional_array(name, x) for name, x in (
+        ("alibi_slopes", alibi_slopes), ("sinks", sinks), ("attn_bias", attn_bias), ("attn_mask", attn_mask))}
+    specs = {name: None if x is None else _spec(x) for name, x in arrays.items()}
     options = _checks.check_variants(
-        _FN, _spec(q), False, dropout_p, window_size, None if alibi_slopes is None else _spec(alibi_slopes),
-        softcap, None if sinks is None else _spec(sinks), (0, 0) if key is not None else rng_state)
+        _FN, _spec(q), False, dropout_p, window_size, specs["alibi_slopes"], softcap, specs["sinks"],
+        (0, 0) if key is not None else rng_state, attn_bias=specs["attn_bias"], attn_mask=specs["attn_mask"],
+        seqlens=(q.shape[1], k.shape[1]))
     if not options:
         return _attention(q, k, v, scale, causal, deterministic)
+    bias_dtype = None if attn_bias is None else np.dtype(arrays["attn_bias"].dtype).name
     if _buffer_callback is None:
-        return _eager(_api.flash_attn, q, k, v, softmax_scale=scale, causal=causal, alibi_slopes=alibi_slopes,
-                      sinks=sinks, **_VariantStatic((scale, causal, deterministic, options.get(
+        return _eager(_api.flash_attn, q, k, v, softmax_scale=scale, causal=causal,
+                      **{name: x for name, x in arrays.items() if x is not None},
+                      **_VariantStatic((scale, causal, deterministic, options.get(
                           "window_size", (-1, -1)), options.get("softcap", 0.0), options.get("dropout_p", 0.0),
-                          options.get("rng_state"), ())).variants())
+                          options.get("rng_state"), (), bias_dtype)).variants())
     names, optional = [], []
-    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+    for name, x in arrays.items():
         if x is not None:
             names.append(name)
-            optional.append(jnp.asarray(x))
+            optional.append(x)
     static_rng = options.get("rng_state")
     if "dropout_p" in options and key is not None:
         if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
@@ -599,13 +656,13 @@ def _variant_call(q, k, v, scale, causal, deterministic, dropout_p, window_size,
         static_rng = None
     static = _VariantStatic((scale, causal, deterministic, options.get("window_size", (-1, -1)),
                              options.get("softcap", 0.0), options.get("dropout_p", 0.0), static_rng,
-                             tuple(names)))
+                             tuple(names), bias_dtype))
     return _variant_attention(static, q, k, v, tuple(optional))
 
 
 def flash_attention(q, k, v, *, softmax_scale=None, causal=False, deterministic=False,
                     dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, softcap=_NO_SOFTCAP, alibi_slopes=None,
-                    sinks=None, rng_state=None):
+                    sinks=None, rng_state=None, attn_bias=None, attn_mask=None):
     """Exact attention for JAX arrays; differentiable, usable under ``jax.jit``.
 
     Parameters
@@ -686,9 +743,10 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, deterministic=
     """
     scale = _validate(q, k, v, softmax_scale, causal, deterministic)
     if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or softcap is not _NO_SOFTCAP
-            or alibi_slopes is not None or sinks is not None or rng_state is not None):
+            or alibi_slopes is not None or sinks is not None or rng_state is not None
+            or attn_bias is not None or attn_mask is not None):
         return _variant_call(q, k, v, scale, bool(causal), bool(deterministic), dropout_p, window_size,
-                             softcap, alibi_slopes, sinks, rng_state)
+                             softcap, alibi_slopes, sinks, rng_state, attn_bias, attn_mask)
     return _attention(q, k, v, scale, bool(causal), bool(deterministic))
 
 

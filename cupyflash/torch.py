@@ -12,10 +12,11 @@ differentiable.  It is built on two custom operators,
 registered with ``torch.library.custom_op`` together with their shapes
 (``register_fake``), so ``torch.compile(..., fullgraph=True)`` keeps them in
 the graph as opaque nodes instead of breaking it.  The attention variants
-(window, softcap, ALiBi, sinks, dropout) have a pair of their own,
-``torch.ops.cupyflash.flash_attn_variant`` (differentiable in q, k, v and
-sinks) and ``torch.ops.cupyflash.flash_attn_variant_bwd`` (which also returns
-dsinks), whose schema holds every variant.  In eager mode
+(window, softcap, ALiBi, sinks, dropout, and issue 14's additive bias and
+boolean mask) have a pair of their own, ``torch.ops.cupyflash.flash_attn_variant``
+(differentiable in q, k, v, sinks and attn_bias) and
+``torch.ops.cupyflash.flash_attn_variant_bwd`` (which also returns dsinks and
+dbias), whose schema holds every variant.  In eager mode
 :func:`flash_attn_func` runs :class:`FlashAttnFunc` (with a variant on,
 :class:`FlashAttnVariantFunc`), a plain
 ``torch.autograd.Function`` over the same kernels (identical results): the
@@ -118,30 +119,39 @@ def _backward(ctx, dout, _dlse):
 _flash_attn_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# The attention variants (issue 13): one more pair of operators, whose schema holds
-# every variant (window as two ints, the dropout state as two ints), so the plain
-# operators above keep their schema.  dsinks is an empty tensor when sinks is None
-# (an operator returns no None).
+# The attention variants (issues 13 and 14): one more pair of operators, whose schema
+# holds every variant (window as two ints, the dropout state as two ints), so the plain
+# operators above keep their schema.  The bias and the mask (issue 14) come last, with
+# defaults, so calls written for issue 13's schema still work.  dsinks and dbias are
+# empty tensors when not asked for (an operator returns no None).
 
 _VARIANT_SCHEMA = ("Tensor? alibi_slopes, Tensor? sinks, float softmax_scale, bool causal, "
                    "bool deterministic, int window_left, int window_right, float softcap, "
                    "float dropout_p, int seed, int offset")
+_SCORE_SCHEMA = "Tensor? attn_bias=None, Tensor? attn_mask=None"
+#: The number of flags (floats, bools, ints) after sinks, and where the bias sits in
+#: the inputs of ``flash_attn_variant`` (for its autograd).
+_N_FLAGS = 9
+_BIAS_INPUT = 5 + _N_FLAGS
 
 
-def _variant_kwargs(alibi_slopes, sinks, window_left, window_right, softcap, dropout_p, seed, offset):
+def _variant_kwargs(alibi_slopes, sinks, window_left, window_right, softcap, dropout_p, seed, offset,
+                    attn_bias=None, attn_mask=None):
     """The core's keyword arguments for the operators' variant arguments."""
     return dict(window_size=(int(window_left), int(window_right)), softcap=float(softcap),
                 alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=float(dropout_p),
-                rng_state=(int(seed) & _MASK64, int(offset)) if dropout_p > 0 else None)
+                rng_state=(int(seed) & _MASK64, int(offset)) if dropout_p > 0 else None,
+                attn_bias=attn_bias, attn_mask=attn_mask)
 
 
 @torch.library.custom_op(
     "cupyflash::flash_attn_variant", mutates_args=(),
-    schema=f"(Tensor q, Tensor k, Tensor v, {_VARIANT_SCHEMA}) -> (Tensor, Tensor)")
+    schema=f"(Tensor q, Tensor k, Tensor v, {_VARIANT_SCHEMA}, {_SCORE_SCHEMA}) -> (Tensor, Tensor)")
 def _flash_attn_variant_op(q, k, v, alibi_slopes, sinks, softmax_scale, causal, deterministic,
-                           window_left, window_right, softcap, dropout_p, seed, offset):
+                           window_left, window_right, softcap, dropout_p, seed, offset, attn_bias=None,
+                           attn_mask=None):
     out, lse = _api.flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal, **_variant_kwargs(
-        alibi_slopes, sinks, window_left, window_right, softcap, dropout_p, seed, offset))
+        alibi_slopes, sinks, window_left, window_right, softcap, dropout_p, seed, offset, attn_bias, attn_mask))
     return out, lse
 
 
@@ -153,37 +163,50 @@ def _flash_attn_variant_fake(q, k, v, *_):
 
 @torch.library.custom_op(
     "cupyflash::flash_attn_variant_bwd", mutates_args=(),
-    schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_VARIANT_SCHEMA}) "
-           "-> (Tensor, Tensor, Tensor, Tensor)")
+    schema=f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_VARIANT_SCHEMA}, "
+           f"{_SCORE_SCHEMA}, bool return_dbias=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _flash_attn_variant_bwd_op(dout, q, k, v, out, lse, alibi_slopes, sinks, softmax_scale, causal,
-                               deterministic, window_left, window_right, softcap, dropout_p, seed, offset):
+                               deterministic, window_left, window_right, softcap, dropout_p, seed, offset,
+                               attn_bias=None, attn_mask=None, return_dbias=False):
     grads = _api.flash_attn_bwd(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
-                                deterministic=deterministic, **_variant_kwargs(
+                                deterministic=deterministic, return_dbias=bool(return_dbias), **_variant_kwargs(
                                     alibi_slopes, sinks, window_left, window_right, softcap, dropout_p,
-                                    seed, offset))
+                                    seed, offset, attn_bias, attn_mask))
     dsinks = grads[3] if sinks is not None else q.new_empty((0,), dtype=torch.float32)
-    return grads[0], grads[1], grads[2], dsinks
+    # dbias in the bias's shape and dtype, contiguous (as the fake says)
+    dbias = grads[-1].contiguous() if return_dbias else q.new_empty((0,))
+    return grads[0], grads[1], grads[2], dsinks, dbias
 
 
 @_flash_attn_variant_bwd_op.register_fake
-def _flash_attn_variant_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, sinks, *_):
+def _flash_attn_variant_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, sinks, softmax_scale, causal,
+                                 deterministic, window_left, window_right, softcap, dropout_p, seed, offset,
+                                 attn_bias=None, attn_mask=None, return_dbias=False):
     dsinks = q.new_empty((0,) if sinks is None else (q.shape[2],), dtype=torch.float32)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+    dbias = attn_bias.new_empty(attn_bias.shape) if return_dbias else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks, dbias
 
 
 def _variant_setup_context(ctx, inputs, output):
-    q, k, v, alibi_slopes, sinks, *flags = inputs
+    q, k, v, alibi_slopes, sinks = inputs[:5]
+    flags = inputs[5:_BIAS_INPUT]
+    attn_bias, attn_mask = (tuple(inputs[_BIAS_INPUT:_BIAS_INPUT + 2]) + (None, None))[:2]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
-    ctx.flags = flags
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, attn_bias, attn_mask)
+    ctx.flags, ctx.n_inputs = flags, len(inputs)
     ctx.mark_non_differentiable(lse)
 
 
 def _variant_backward(ctx, dout, _dlse):
-    q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
-    dq, dk, dv, dsinks = torch.ops.cupyflash.flash_attn_variant_bwd(
-        _unit_last_stride(dout), q, k, v, out, lse, alibi_slopes, sinks, *ctx.flags)
-    return (dq, dk, dv, None, dsinks if sinks is not None else None) + (None,) * len(ctx.flags)
+    q, k, v, out, lse, alibi_slopes, sinks, attn_bias, attn_mask = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    return_dbias = attn_bias is not None and len(needs) > _BIAS_INPUT and bool(needs[_BIAS_INPUT])
+    dq, dk, dv, dsinks, dbias = torch.ops.cupyflash.flash_attn_variant_bwd(
+        _unit_last_stride(dout), q, k, v, out, lse, alibi_slopes, sinks, *ctx.flags, attn_bias, attn_mask,
+        return_dbias)
+    grads = (dq, dk, dv, None, dsinks if sinks is not None else None) + (None,) * len(ctx.flags)
+    grads += (dbias if return_dbias else None, None)
+    return grads[:ctx.n_inputs]
 
 
 _flash_attn_variant_op.register_autograd(_variant_backward, setup_context=_variant_setup_context)
@@ -222,38 +245,47 @@ class FlashAttnFunc(torch.autograd.Function):
 
 class FlashAttnVariantFunc(torch.autograd.Function):
     """``out = FlashAttnVariantFunc.apply(q, k, v, alibi_slopes, sinks, softmax_scale, causal,
-    deterministic, window_size, softcap, dropout_p, rng_state)``.
+    deterministic, window_size, softcap, dropout_p, rng_state[, attn_bias, attn_mask])``.
 
     The autograd.Function that eager :func:`flash_attn_func` runs when an
-    attention variant is on (all twelve arguments required; ``alibi_slopes``
-    and ``sinks`` may be None, ``rng_state`` is a ``(seed, offset)`` pair or
-    None without dropout).  Differentiable in q, k, v and sinks (dsinks from
-    :func:`cupyflash.flash_attn_bwd`); alibi_slopes are constants.  Saves q,
-    k, v, out, lse, the slopes and the sinks; the backward is given the
+    attention variant is on (the first twelve arguments required;
+    ``alibi_slopes`` and ``sinks`` may be None, ``rng_state`` is a ``(seed,
+    offset)`` pair or None without dropout; ``attn_bias`` and ``attn_mask``
+    default to None).  Differentiable in q, k, v, sinks (dsinks from
+    :func:`cupyflash.flash_attn_bwd`) and attn_bias (dbias, asked of the
+    backward only when the bias requires grad); alibi_slopes are constants
+    and the mask is bool.  Saves q, k, v, out, lse, the slopes, the sinks,
+    the bias and the mask (references, not copies); the backward is given the
     forward's variants, the dropout state included, so it draws the same mask.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, alibi_slopes, sinks, softmax_scale, causal, deterministic, window_size,
-                softcap, dropout_p, rng_state):
+                softcap, dropout_p, rng_state, attn_bias=None, attn_mask=None):
         variants = dict(window_size=window_size, softcap=softcap, dropout_p=dropout_p,
                         rng_state=rng_state if dropout_p > 0 else None)
         out, lse = _api.flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                       alibi_slopes=alibi_slopes, sinks=sinks, **variants)
-        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
+                                       alibi_slopes=alibi_slopes, sinks=sinks, attn_bias=attn_bias,
+                                       attn_mask=attn_mask, **variants)
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, attn_bias, attn_mask)
         ctx.softmax_scale, ctx.causal, ctx.deterministic, ctx.variants = (
             softmax_scale, causal, deterministic, variants)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
+        q, k, v, out, lse, alibi_slopes, sinks, attn_bias, attn_mask = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        return_dbias = attn_bias is not None and len(needs) > 12 and bool(needs[12])
         grads = _api.flash_attn_bwd(_unit_last_stride(dout), q, k, v, out, lse,
                                     softmax_scale=ctx.softmax_scale, causal=ctx.causal,
                                     deterministic=ctx.deterministic, alibi_slopes=alibi_slopes,
-                                    sinks=sinks, **ctx.variants)
+                                    sinks=sinks, attn_bias=attn_bias, attn_mask=attn_mask,
+                                    return_dbias=return_dbias, **ctx.variants)
         dsinks = grads[3] if sinks is not None else None
-        return (grads[0], grads[1], grads[2], None, dsinks) + (None,) * 7
+        dbias = grads[-1] if return_dbias else None
+        # (Nones past the inputs given are dropped by autograd)
+        return (grads[0], grads[1], grads[2], None, dsinks) + (None,) * 7 + (dbias, None)
 
 
 def _unsupported(option, rule, value, fn="flash_attn_func"):
@@ -272,7 +304,7 @@ _RNG_SPEC = np.zeros((1, 1, 1, 1), np.float32)  # a q for checking rng_state alo
 def flash_attn_func(q, k, v, dropout_p=_NO_DROPOUT, softmax_scale=None, causal=False,
                     window_size=_NO_WINDOW, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, softcap=_NO_SOFTCAP, sinks=None, rng_state=None,
-                    generator=None):
+                    generator=None, attn_bias=None, attn_mask=None):
     """Exact attention for torch tensors, differentiable; flash-attention's signature.
 
     Parameters
@@ -322,6 +354,27 @@ def flash_attn_func(q, k, v, dropout_p=_NO_DROPOUT, softmax_scale=None, causal=F
     generator : torch.Generator, keyword-only, optional
         The generator to draw ``rng_state`` from when it is not given; default
         torch's default generator of q's device.
+    attn_bias : torch.Tensor, keyword-only, optional
+        An additive bias on the scores, broadcastable to ``(batch, nheads_q,
+        seqlen_q, seqlen_k)`` by torch's rules: rank at most 4, each dimension
+        (left-padded with 1s) 1 or full; e.g. ``(1, nheads_q, seqlen_q,
+        seqlen_k)``, ``(batch, 1, 1, seqlen_k)`` or ``(seqlen_q, seqlen_k)``.
+        On q's device, dtype q's or float32.  Any strides, read in place: an
+        ``expand()``ed (stride-0) or sliced bias is never copied.  Added after
+        the softcap and ALiBi; a ``-inf`` entry hides the key from the row
+        (see :func:`cupyflash.flash_attn_fwd`).  Differentiable: a bias that
+        requires grad gets its gradient (``dS`` summed over the dimensions it
+        broadcasts, in its own shape and dtype, accumulated in float32); one
+        that does not costs no bias gradient.  The gradient of an
+        ``expand()``ed view is full-size (autograd's rule for a view), which
+        ``expand``'s backward then sums: to keep the gradient small, pass the
+        small tensor itself, whose size-1 dimensions broadcast.
+    attn_mask : torch.Tensor of bool, keyword-only, optional
+        A keep-mask broadcastable like ``attn_bias`` (True attends; the
+        convention of ``torch.nn.functional.scaled_dot_product_attention``'s
+        bool ``attn_mask``), on q's device, any strides.  A float mask belongs
+        in ``attn_bias``.  Not differentiable.  A row that sees no key gets
+        output 0 and zero gradients.
 
     Returns
     -------
@@ -333,11 +386,13 @@ def flash_attn_func(q, k, v, dropout_p=_NO_DROPOUT, softmax_scale=None, causal=F
         ``return_attn_probs=True``; under ``torch.compile``, dropout without
         an explicit ``rng_state``.
     TypeError, ValueError
-        As :func:`cupyflash.flash_attn_fwd` for the tensors and the variants.
+        As :func:`cupyflash.flash_attn_fwd` for the tensors and the variants
+        (``attn_bias``/``attn_mask`` that are not torch tensors are named here).
 
     Notes
     -----
-    Without any variant on (the defaults) the call is exactly the plain one:
+    Without any variant on (the defaults, ``attn_bias=None`` and
+    ``attn_mask=None`` included) the call is exactly the plain one:
     :class:`FlashAttnFunc` in eager mode, ``cupyflash::flash_attn`` under
     ``torch.compile``.  With a variant on it runs :class:`FlashAttnVariantFunc`
     in eager mode (through the general DLPack path of the core functions, a
@@ -363,9 +418,11 @@ def flash_attn_func(q, k, v, dropout_p=_NO_DROPOUT, softmax_scale=None, causal=F
     """
     if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
             or softcap is not _NO_SOFTCAP or sinks is not None or rng_state is not None
-            or generator is not None or return_attn_probs is not False):
+            or generator is not None or return_attn_probs is not False or attn_bias is not None
+            or attn_mask is not None):
         return _variant_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes,
-                             deterministic, return_attn_probs, softcap, sinks, rng_state, generator)
+                             deterministic, return_attn_probs, softcap, sinks, rng_state, generator,
+                             attn_bias, attn_mask)
     return _plain_func(q, k, v, softmax_scale, causal, deterministic)
 
 
@@ -381,14 +438,23 @@ def _plain_func(q, k, v, softmax_scale, causal, deterministic):
     return FlashAttnFunc.apply(q, k, v, float(softmax_scale), bool(causal), bool(deterministic))
 
 
+def _check_tensor(name, x, rule):
+    """``x`` is None or a torch tensor (the core checks the rest: device, dtype, shape)."""
+    if x is not None and not isinstance(x, torch.Tensor):
+        _checks.fail(TypeError, _FN, f"{name} must be None or {rule}; got {_checks._type_name(x)}.")  # noqa: SLF001
+
+
 def _variant_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic,
-                  return_attn_probs, softcap, sinks, rng_state, generator):
+                  return_attn_probs, softcap, sinks, rng_state, generator, attn_bias=None, attn_mask=None):
     """:func:`flash_attn_func` with a variant argument given (any value)."""
     if return_attn_probs:
         _unsupported("return_attn_probs", "False", return_attn_probs)
+    _check_tensor("attn_bias", attn_bias, "a torch.Tensor of q's dtype or float32")
+    _check_tensor("attn_mask", attn_mask, "a bool torch.Tensor")
     window = _checks._check_option_forms(_FN, dropout_p, window_size, alibi_slopes, softcap)  # noqa: SLF001
     dropout_p, softcap = float(dropout_p), float(softcap)
-    if dropout_p == 0.0 and window == (-1, -1) and softcap == 0.0 and alibi_slopes is None and sinks is None:
+    if (dropout_p == 0.0 and window == (-1, -1) and softcap == 0.0 and alibi_slopes is None and sinks is None
+            and attn_bias is None and attn_mask is None):
         # (not flash_attn_func again: under torch.compile the defaults' identity checks
         # do not hold, and it would come back here)
         return _plain_func(q, k, v, softmax_scale, causal, deterministic)
@@ -414,10 +480,10 @@ def _variant_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_
         seed, offset = _rng_ints(rng_state)
         out, _ = torch.ops.cupyflash.flash_attn_variant(
             q, k, v, alibi_slopes, sinks, float(softmax_scale), bool(causal), bool(deterministic),
-            window[0], window[1], softcap, dropout_p, seed, offset)
+            window[0], window[1], softcap, dropout_p, seed, offset, attn_bias, attn_mask)
         return out
     return FlashAttnVariantFunc.apply(q, k, v, alibi_slopes, sinks, softmax_scale, causal, deterministic,
-                                      window, softcap, dropout_p, rng_state)
+                                      window, softcap, dropout_p, rng_state, attn_bias, attn_mask)
 
 
 def _rng_ints(rng_state):

@@ -579,3 +579,66 @@ def test_generate_prints_the_torch_sdpa_line(generate_bare, capsys):
     printed = capsys.readouterr().out
     assert "same model, attention through torch SDPA (CPU): " in printed
     assert "tokens/s (same tokens)" in printed
+
+
+# ----------------------------------------------------------------------------
+# A Hugging Face Llama through cupyflash (transformers' 4-D masks: issue 14)
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_llama():
+    return _load_example("hf_llama_cupyflash", "torch", "transformers")
+
+
+def test_hf_llama_matches_sdpa_with_and_without_padding(hf_llama, capsys):
+    """The reduced run on the CPU path: a full batch and a left-padded one (whose 4-D mask
+    reaches cupyflash's attn_mask) within 2x sdpa's error, and a finite gradient."""
+    hf_llama.main(["--seqlen", "48"])  # exits 1 on a failed check
+    printed = capsys.readouterr().out
+    assert "full batch:" in printed and "left-padded:" in printed and "grad norm" in printed
+
+
+def test_hf_llama_attention_passes_4d_masks_through(hf_llama, rng, monkeypatch):
+    """The attention function with a transformers-style (batch, 1, q, kv) mask: a bool mask
+    goes to attn_mask, a float additive one to attn_bias, each as the caller's own tensor
+    (an expand()ed view kept as it is), causal off; a longer kv_len is cut to the keys.
+    Both give SDPA's output with the same mask."""
+    import types
+
+    import torch
+
+    calls = []
+    real = hf_llama.flash_attn_func
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_llama, "flash_attn_func", spy)
+    batch, heads, kv_heads, seqlen, dim = 2, 4, 2, 11, 16
+    q = torch.from_numpy(rng.standard_normal((batch, heads, seqlen, dim), dtype=np.float32))
+    k, v = (torch.from_numpy(rng.standard_normal((batch, kv_heads, seqlen, dim), dtype=np.float32))
+            for _ in range(2))
+    # a padding mask broadcast over the queries (stride 0 there, as transformers' expand()
+    # makes), and a causal + padding one as an additive float mask
+    padded = torch.ones(batch, 1, 1, seqlen + 3, dtype=torch.bool)
+    padded[1, ..., :4] = False  # left padding of the second sequence
+    bool_mask = padded.expand(batch, 1, seqlen, seqlen + 3)
+    assert bool_mask.stride(2) == 0
+    keep = torch.ones(batch, 1, seqlen, seqlen + 3, dtype=torch.bool).tril() & padded
+    keep[1, :, :4, 4] = True  # every row sees a key (SDPA needs that for a finite output)
+    float_mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    module = types.SimpleNamespace(is_causal=True)
+    k_rep, v_rep = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+    for mask, slot in ((bool_mask, "attn_mask"), (float_mask, "attn_bias")):
+        out, weights = hf_llama.cupyflash_attention(module, q, k, v, mask, scaling=dim ** -0.5)
+        assert weights is None and out.shape == (batch, seqlen, heads, dim)
+        kwargs = calls.pop()
+        assert kwargs["causal"] is False and set(kwargs) & {"attn_mask", "attn_bias"} == {slot}
+        given = kwargs[slot]
+        assert given.shape == (batch, 1, seqlen, seqlen) and given.data_ptr() == mask.data_ptr()
+        assert given.stride() == mask.stride()  # a view: never densified or copied
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k_rep, v_rep, attn_mask=mask[..., :seqlen], scale=dim ** -0.5).transpose(1, 2)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
