@@ -506,6 +506,10 @@ BWD_SM90_BLOCK_M = 64
 # mma.sync dQ kernel (`bench --bwd-dq mma` A/B).
 BWD_DQ_SM90 = True
 _BWD_DQ_SM90 = {64: (128, 1), 128: (64, 1)}
+# ... in place of _BWD_DQ_SM90 per variant bit: the bias's and mask's per-element reads
+# spill 148-444 bytes at D=64 with 128 keys (S and dP 64 registers each); 64 keys take
+# 218-228 registers.
+_BWD_DQ_SM90_VARIANT = {bit: {64: (64, 1)} for bit in (VAR_BIAS, VAR_BIAS_FP32, VAR_MASK)}
 BWD_DQ_SM90_BLOCK_M = 128
 # Padded head_dims whose default (non-deterministic) backward on Hopper also
 # takes dQ from the wgmma dQ kernel instead of atomics in the dK/dV kernel: at
@@ -528,7 +532,8 @@ def bwd_dq_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: b
                        grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0) -> Launch:
     """The wgmma deterministic dQ kernel (cc 9.0)."""
     d = head_dim_padded
-    block_n, ctas_per_sm = _BWD_DQ_SM90[d]
+    block_n, ctas_per_sm = next((table[d] for bit, table in _BWD_DQ_SM90_VARIANT.items()
+                                 if variant & bit and d in table), _BWD_DQ_SM90[d])
     # BwdDqSm90Traits::SMEM_BYTES: Q, dO, 3 stages of (K, V), 1 KB to align.
     smem = 2 * BWD_DQ_SM90_BLOCK_M * d * 2 + 2 * 3 * block_n * d * 2 + 1024
     args = (CTYPES[dtype], str(d), str(block_n), str(ctas_per_sm), _cbool(causal), _cbool(even_k), str(variant))

@@ -443,7 +443,10 @@ def test_bias_mask_backward_at_d128_on_hopper_takes_the_spill_free_mma_sync_kern
     assert dkdv.args[-1] == str(variant)
     wgmma = _plan(head_dim=64, cc=(9, 0), variant=variant, deterministic=deterministic)
     assert wgmma.launches[1].template == "cupyflash::flash_bwd_dkdv_sm90_kernel"
-    assert wgmma.launches[2].template == "cupyflash::flash_bwd_dq_sm90_kernel"
+    dq = wgmma.launches[2]
+    assert dq.template == "cupyflash::flash_bwd_dq_sm90_kernel" and dq.args[2] == "64"  # 64 keys, not 128
+    assert dq.smem_bytes == 2 * 128 * 64 * 2 + 2 * 3 * 64 * 64 * 2 + 1024
+    assert _plan(head_dim=64, cc=(9, 0), deterministic=deterministic).launches[2].args[2] == "128"
     # the other variants keep the wgmma kernels at D=128
     other = _plan(head_dim=128, cc=(9, 0), variant=dispatch.VAR_SOFTCAP, deterministic=deterministic)
     assert other.launches[1].template == "cupyflash::flash_bwd_dkdv_sm90_kernel"

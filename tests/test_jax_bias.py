@@ -213,7 +213,8 @@ def test_dbias_only_when_the_bias_is_differentiated(rng, bwd_calls, jit):
     q, k, v, dout = (jnp.asarray(x) for x in _inputs(rng))
     bias = jnp.asarray(_bias(rng, (1, HQ, SQ, SK)))
     loss = lambda q, b: (flash_attention(q, k, v, attn_bias=b, causal=True) * dout).sum()
-    wrap = jax.jit if jit else (lambda f: f)
+    # (each result waited for: the callbacks may run after the call returns, jitted or not)
+    wrap = lambda f: lambda *a: jax.block_until_ready((jax.jit(f) if jit else f)(*a))  # noqa: E731
     dq_only = wrap(jax.grad(loss, argnums=0))(q, bias)
     assert bwd_calls == [False]
     dq, dbias = wrap(jax.grad(loss, argnums=(0, 1)))(q, bias)
