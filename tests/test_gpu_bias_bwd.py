@@ -70,8 +70,8 @@ def run(cp, rng, dtype, shape, causal, *, bias=None, mask=None, view=None, varia
         softmax_scale=None):
     """Fresh inputs; the forward then the backward (``return_dbias`` with a bias) through
     the public functions into poisoned outputs. ``bias``/``mask`` are host arrays, moved
-    to the GPU and then given ``view`` (the same view is taken of the host array for the
-    reference). Returns the host inputs, the host (out, lse), the host gradients (dbias
+    to the GPU; the bias is then given ``view`` (the same view is taken of the host array
+    for the reference). Returns the host inputs, the host (out, lse), the host gradients (dbias
     last) and the host bias and mask as the reference takes them."""
     batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim = shape
     variants = dict(variants or {})
@@ -79,7 +79,7 @@ def run(cp, rng, dtype, shape, causal, *, bias=None, mask=None, view=None, varia
     dout = testing.random_normal(rng, q.shape, dtype)
     view = view or (lambda x: x)
     d_bias = None if bias is None else view(dev(cp, bias))
-    d_mask = None if mask is None else view(cp.asarray(mask))
+    d_mask = None if mask is None else cp.asarray(mask)
     kw = dict(softmax_scale=softmax_scale, causal=causal, **dtype_kw(cp, dtype),
               **{n: (cp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in variants.items()})
     d_q, d_k, d_v, d_dout = (dev(cp, x) for x in (q, k, v, dout))
@@ -94,7 +94,7 @@ def run(cp, rng, dtype, shape, causal, *, bias=None, mask=None, view=None, varia
     if bias is not None:
         assert grads[-1].shape == d_bias.shape and grads[-1].dtype == d_bias.dtype
     h_bias = None if bias is None else view(bias)
-    h_mask = None if mask is None else view(mask)
+    h_mask = None if mask is None else mask
     grads = tuple(host(g, dtype if i < 3 or bias is None or bias.dtype != np.float32 else None)
                   for i, g in enumerate(grads))
     return (q, k, v, dout), (host(out, dtype), host(lse)), grads, (h_bias, h_mask)
