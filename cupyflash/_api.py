@@ -283,7 +283,12 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
         stride-0 view is a full-size bias: its gradient is full-size.
         Accumulated in float32 (float64 for float64 inputs on the CPU path),
         in the array type of ``q``; 0 where a key is hidden and in rows that
-        see no key.
+        see no key.  As FlashAttention does, ``dS = P * (dP - delta)`` takes
+        ``delta = rowsum(dout * out)`` from the ``out`` given, rounded to its
+        dtype: the gradient of a bias broadcast over the keys (shape
+        ``(..., seqlen_q, 1)``), exactly 0 since softmax is shift-invariant,
+        comes back as that rounding (of the order of ``eps * |dout| * |out|``
+        per row).
 
     Raises
     ------
