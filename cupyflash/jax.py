@@ -92,6 +92,14 @@ def _spec(x):
                                            writeable=False)
 
 
+def _value_spec(x):
+    """A NumPy stand-in for an optional array at trace time: its shape and dtype, every
+    value 0, over memory it owns (the core's checks read the slopes' and sinks' values
+    on the CPU; the real values are not known at trace time, nor read there).  One
+    element broadcast (stride 0): never the size of a bias or mask."""
+    return np.broadcast_to(np.zeros((), np.dtype(x.dtype)), tuple(x.shape))
+
+
 def _device(q):
     """q's one device, or None for a tracer or an array over several devices."""
     devices = None if isinstance(q, jax.core.Tracer) else q.devices()
@@ -632,7 +640,7 @@ def _variant_call(q, k, v, scale, causal, deterministic, dropout_p, window_size,
     key = rng_state if _is_key(rng_state) else None
     arrays = {name: _optional_array(name, x) for name, x in (
         ("alibi_slopes", alibi_slopes), ("sinks", sinks), ("attn_bias", attn_bias), ("attn_mask", attn_mask))}
-    specs = {name: None if x is None else _spec(x) for name, x in arrays.items()}
+    specs = {name: None if x is None else _value_spec(x) for name, x in arrays.items()}
     options = _checks.check_variants(
         _FN, _spec(q), False, dropout_p, window_size, specs["alibi_slopes"], softcap, specs["sinks"],
         (0, 0) if key is not None else rng_state, attn_bias=specs["attn_bias"], attn_mask=specs["attn_mask"],

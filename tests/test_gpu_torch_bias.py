@@ -222,9 +222,9 @@ def score_arrays(monkeypatch):
     seen = []
     real = _checks.check_score_arrays
 
-    def spy(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, return_dbias=False):
+    def spy(fn, q, *args, attn_bias=None, attn_mask=None, **kwargs):
         seen.append((attn_bias, attn_mask))
-        return real(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, return_dbias)
+        return real(fn, q, *args, attn_bias=attn_bias, attn_mask=attn_mask, **kwargs)
 
     monkeypatch.setattr(_checks, "check_score_arrays", spy)
     return seen
