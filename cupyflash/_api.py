@@ -202,6 +202,17 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
     >>> out, lse = cupyflash.flash_attn_fwd(q, q, q, causal=True)
     >>> out.shape, lse.shape
     ((1, 4, 2, 8), (1, 2, 4))
+
+    A bias per head, shared by the batch, and a key-padding mask (the last key
+    of the sequence hidden):
+
+    >>> bias = rng.standard_normal((1, 2, 4, 4), dtype=np.float32)
+    >>> keep = np.array([True, True, True, False])            # (seqlen_k,): every row
+    >>> out, lse = cupyflash.flash_attn_fwd(q, q, q, attn_bias=bias, attn_mask=keep)
+    >>> dq, dk, dv, dbias = cupyflash.flash_attn_bwd(np.ones_like(out), q, q, q, out, lse,
+    ...                                              attn_bias=bias, attn_mask=keep, return_dbias=True)
+    >>> dbias.shape, float(np.abs(dbias[..., 3]).max())
+    ((1, 2, 4, 4), 0.0)
     """
     if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
             or softcap is not _NO_SOFTCAP or sinks is not None or rng_state is not None
@@ -283,7 +294,12 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
         stride-0 view is a full-size bias: its gradient is full-size.
         Accumulated in float32 (float64 for float64 inputs on the CPU path),
         in the array type of ``q``; 0 where a key is hidden and in rows that
-        see no key.
+        see no key.  As FlashAttention does, ``dS = P * (dP - delta)`` takes
+        ``delta = rowsum(dout * out)`` from the ``out`` given, rounded to its
+        dtype: the gradient of a bias broadcast over the keys (shape
+        ``(..., seqlen_q, 1)``), exactly 0 since softmax is shift-invariant,
+        comes back as that rounding (of the order of ``eps * |dout| * |out|``
+        per row).
 
     Raises
     ------

@@ -459,6 +459,7 @@ def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, si
     if softmax_scale is not None and float(softcap) > 0 and not float(softmax_scale) / float(softcap) < F32_MAX:
         fail(ValueError, fn, f"softmax_scale / softcap must be finite in float32 (below {F32_MAX:.3g}); got "
                              f"{float(softmax_scale)!r} / {float(softcap)!r}.")
+    packed = batch is not None
     batch, nheads = (q.shape[0], q.shape[2]) if batch is None else (batch, q.shape[1])
     kind = _kind(q)
     for name, x, shapes in (("alibi_slopes", alibi_slopes, ((nheads,), (batch, nheads))),
@@ -506,12 +507,14 @@ def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, si
     if sinks is not None:
         options["sinks"] = sinks
     if attn_bias is not None or attn_mask is not None or return_dbias is not False:
-        options.update(check_score_arrays(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, return_dbias))
+        options.update(check_score_arrays(fn, q, nheads=nheads, batch=batch, seqlens=seqlens, attn_bias=attn_bias,
+                                          attn_mask=attn_mask, return_dbias=return_dbias, packed=packed))
     return options
 
 
-#: The shape a bias or mask broadcasts to, as its messages name it.
-SCORE_LAYOUT = "(batch, nheads_q, seqlen_q, seqlen_k)"
+#: The shape a bias or mask broadcasts to, as its messages name it: dense, and varlen.
+SCORE_LAYOUT = ("batch", "nheads_q", "seqlen_q", "seqlen_k")
+PACKED_SCORE_LAYOUT = ("batch", "nheads_q", "max_seqlen_q", "max_seqlen_k")
 
 
 def pad4(x):
@@ -520,13 +523,15 @@ def pad4(x):
     return x if x.ndim == 4 else x[(None,) * (4 - x.ndim) + (Ellipsis,)]
 
 
-def check_score_arrays(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, return_dbias=False):
+def check_score_arrays(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, return_dbias=False,
+                       packed=False):
     """The options of ``attn_bias``, ``attn_mask`` and ``return_dbias`` (issue 14).
 
     Each array is a NumPy or CuPy array like ``q`` (and on its device) of rank at
-    most 4, broadcastable to ``(batch, nheads_q, seqlen_q, seqlen_k)`` with every
-    dimension (after left-padding with 1s) either 1 or full; any strides (on the GPU,
-    in whole elements).  The bias has q's dtype (on the GPU the storage dtype of
+    most 4, broadcastable to ``(batch, nheads_q, seqlen_q, seqlen_k)`` (``packed``:
+    the varlen functions' ``(batch, nheads_q, max_seqlen_q, max_seqlen_k)``) with
+    every dimension (after left-padding with 1s) either 1 or full; any strides (on
+    the GPU, in whole elements).  The bias has q's dtype (on the GPU the storage dtype of
     bfloat16 data too) or float32; the mask is bool.  The values are not read:
     NaN and ``+inf`` in a bias propagate.  Returns ``{"attn_bias": 4-D view,
     "attn_mask": 4-D view, "return_dbias": True}``, each only when given (on)."""
@@ -543,6 +548,8 @@ def check_score_arrays(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, retu
         raise TypeError(f"check_score_arrays ({fn}): seqlens=(seqlen_q, seqlen_k) must be given with "
                         f"attn_bias or attn_mask")  # a caller's mistake, not the user's
     full = (batch, nheads, int(seqlens[0]), int(seqlens[1]))
+    axes = PACKED_SCORE_LAYOUT if packed else SCORE_LAYOUT
+    layout = "(" + ", ".join(axes) + ")"
     for name, x in (("attn_bias", attn_bias), ("attn_mask", attn_mask)):
         if x is None:
             continue
@@ -554,14 +561,13 @@ def check_score_arrays(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, retu
             fail(TypeError, fn, f"attn_bias must have q's dtype ({dtype_desc(q.dtype)}) or float32; got "
                                 f"{dtype_desc(x.dtype)}.")
         if x.ndim > 4:
-            fail(ValueError, fn, f"{name} must have at most 4 dimensions, broadcastable to {SCORE_LAYOUT}; "
+            fail(ValueError, fn, f"{name} must have at most 4 dimensions, broadcastable to {layout}; "
                                  f"got {x.ndim} with shape {tuple(x.shape)}.")
         shape = (1,) * (4 - x.ndim) + tuple(x.shape)
-        for axis, (n, want) in enumerate(zip(shape, full)):
+        for what, n, want in zip(axes, shape, full):
             if n != 1 and n != want:
-                what = SCORE_LAYOUT[1:-1].split(", ")[axis]
                 fail(ValueError, fn,
-                     f"{name} must be broadcastable to {SCORE_LAYOUT} = {full}, each dimension 1 or full "
+                     f"{name} must be broadcastable to {layout} = {full}, each dimension 1 or full "
                      f"(left-padded with 1s to 4 dimensions); got shape {tuple(x.shape)}, whose {what} "
                      f"is {n}.")
         if kind == "cupy":

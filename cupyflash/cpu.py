@@ -83,6 +83,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _philox
+from ._checks import pad4
 
 __all__ = ["BLOCK_M", "BLOCK_N", "fwd", "bwd"]
 
@@ -268,8 +269,8 @@ class _Variants:
             self.seed, self.offset = (int(x) for x in rng_state)
         self.batch_start = int(batch_start)  # the dropout counter's index of sequence 0
         # the bias and mask as 4-D views (size-1 dimensions broadcast, never expanded)
-        self.bias = None if attn_bias is None else _score_array(attn_bias, "attn_bias")
-        self.mask = None if attn_mask is None else _score_array(attn_mask, "attn_mask")
+        self.bias = None if attn_bias is None else pad4(np.asarray(attn_bias))
+        self.mask = None if attn_mask is None else pad4(np.asarray(attn_mask))
         # softcap, ALiBi and a bias: scores computed once in log2 units (exponent
         # factor 1); otherwise raw scores with softmax_scale * log2(e) folded into the exponent
         self.modified = self.softcap > 0 or self.alibi is not None or self.bias is not None
@@ -279,14 +280,6 @@ class _Variants:
         """The sink logit of each tile row, shape (1, Hkv, G*rows)."""
         sinks = self.sinks.reshape(-1, self.group, 1)
         return np.broadcast_to(sinks, sinks.shape[:2] + (rows,)).reshape(1, sinks.shape[0], -1)
-
-
-def _score_array(x, name):
-    """A bias or mask as a 4-D NumPy array, left-padded with size-1 dimensions (a view)."""
-    x = np.asarray(x)
-    if x.ndim > 4:
-        raise ValueError(f"{name} must have at most 4 dimensions; got shape {x.shape}")
-    return x if x.ndim == 4 else x[(None,) * (4 - x.ndim) + (Ellipsis,)]
 
 
 def _block(x, m0, m1, n0, n1):

@@ -6,7 +6,11 @@ device buffers and its CUDA stream, and the callback launches cupyflash's
 kernels on that stream, straight on XLA's buffers, so the work is ordered with
 the rest of the computation and XLA owns every byte of it.  Gradients come
 from ``jax.custom_vjp`` with ``out`` and ``lse`` as residuals.  On the CPU
-backend the same callbacks run cupyflash's CPU path.
+backend the same callbacks run cupyflash's CPU path.  The attention variants
+(window, softcap, ALiBi, sinks, dropout, and issue 14's ``attn_bias`` /
+``attn_mask``) have callbacks of their own, which run the core functions on
+views of XLA's buffers; the bias is a differentiable input of the
+``custom_vjp`` (its cotangent is dbias), the mask a constant.
 
 What a call costs
 -----------------
@@ -86,6 +90,14 @@ def _spec(x):
     strides = tuple(s * dtype.itemsize for s in _interop.c_strides(x.shape))
     return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), tuple(x.shape), strides,
                                            writeable=False)
+
+
+def _value_spec(x):
+    """A NumPy stand-in for an optional array at trace time: its shape and dtype, every
+    value 0, over memory it owns (the core's checks read the slopes' and sinks' values
+    on the CPU; the real values are not known at trace time, nor read there).  One
+    element broadcast (stride 0): never the size of a bias or mask."""
+    return np.broadcast_to(np.zeros((), np.dtype(x.dtype)), tuple(x.shape))
 
 
 def _device(q):
@@ -628,7 +640,7 @@ def _variant_call(q, k, v, scale, causal, deterministic, dropout_p, window_size,
     key = rng_state if _is_key(rng_state) else None
     arrays = {name: _optional_array(name, x) for name, x in (
         ("alibi_slopes", alibi_slopes), ("sinks", sinks), ("attn_bias", attn_bias), ("attn_mask", attn_mask))}
-    specs = {name: None if x is None else _spec(x) for name, x in arrays.items()}
+    specs = {name: None if x is None else _value_spec(x) for name, x in arrays.items()}
     options = _checks.check_variants(
         _FN, _spec(q), False, dropout_p, window_size, specs["alibi_slopes"], softcap, specs["sinks"],
         (0, 0) if key is not None else rng_state, attn_bias=specs["attn_bias"], attn_mask=specs["attn_mask"],
@@ -709,6 +721,21 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, deterministic=
         stream).  Split the key per step and per layer, as for any JAX
         randomness.  The same state gives the same mask, here and in
         :func:`cupyflash.flash_attn_fwd`.
+    attn_bias : jax.Array, optional
+        An additive bias on the scores, broadcastable to ``(batch, nheads_q,
+        seqlen_q, seqlen_k)``: rank at most 4, each dimension (left-padded
+        with 1s) 1 or full, e.g. ``(1, nheads_q, seqlen_q, seqlen_k)``,
+        ``(batch, 1, 1, seqlen_k)`` or ``(seqlen_q, seqlen_k)``.  dtype q's
+        or float32.  Added after the softcap and ALiBi; a ``-inf`` entry
+        hides the key from the row (see :func:`cupyflash.flash_attn_fwd`).
+        Differentiable: its cotangent is dbias (``dS`` summed over the
+        dimensions it broadcasts, in its shape and dtype), computed only when
+        the bias is differentiated (``jax.grad`` with respect to q alone
+        computes none).
+    attn_mask : jax.Array of bool, optional
+        A keep-mask broadcastable like ``attn_bias``: True attends.  Not
+        differentiable (``jax.vjp`` gives it a float0 cotangent).  A row that
+        sees no key, whatever hides them, gets output 0 and zero gradients.
 
     Returns
     -------
@@ -718,8 +745,9 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, deterministic=
     ------
     TypeError, ValueError
         At trace time, with the rules of :func:`cupyflash.flash_attn_fwd`
-        (the variants' too: shapes and dtypes of the slopes and sinks; their
-        values are not read at trace time).
+        (the variants' too: shapes and dtypes of the slopes, sinks, bias and
+        mask, a non-bool mask included; their values are not read at trace
+        time).
     ImportError
         At trace time on a GPU when CuPy cannot be imported.
     RuntimeError

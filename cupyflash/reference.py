@@ -55,6 +55,7 @@ __all__ = [
     "visible_keys",
     "attention_fwd",
     "attention_bwd",
+    "attention_probs",
     "attention_with_kvcache",
     "naive_attention",
     "naive_attention_bwd",
@@ -293,6 +294,29 @@ def attention_fwd(q, k, v, softmax_scale=None, causal=False, *, window_size=(-1,
         p = p * keep
     out = p @ _heads_first(v, q.shape[2])
     return out.transpose(0, 2, 1, 3), lse
+
+
+def attention_probs(q, k, softmax_scale=None, causal=False, *, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, sinks=None, attn_bias=None, attn_mask=None, **dropout):
+    """The float64 softmax probabilities of :func:`attention_fwd`, before dropout.
+
+    Parameters
+    ----------
+    q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks, attn_bias, attn_mask
+        As for :func:`attention_fwd`.
+    **dropout
+        ``dropout_p`` and ``dropout_mask`` are taken and ignored (the
+        probabilities are those before dropout).
+
+    Returns
+    -------
+    p : numpy.ndarray, shape (batch, nheads_q, seqlen_q, seqlen_k), float64
+        ``exp(s - lse)``, 0 where a key is hidden; with sinks a row sums to less
+        than 1 (the sink's share is not a column).
+    """
+    q, k = (_host(x, np.float64) for x in (q, k))
+    return _probs64(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks, attn_bias,
+                    attn_mask)[0]
 
 
 def attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, *, window_size=(-1, -1),

@@ -31,6 +31,7 @@ __all__ = [
     "assert_close_to_reference",
     "assert_fwd_matches_reference",
     "assert_bwd_matches_reference",
+    "given_out",
     "random_qkv",
     "random_normal",
     "poison",
@@ -176,7 +177,7 @@ def assert_fwd_matches_reference(q, k, v, out, lse, *, softmax_scale=None, causa
 
 
 def assert_bwd_matches_reference(dout, q, k, v, dq, dk, dv, *, softmax_scale=None,
-                                 causal=False, dsinks=None, dbias=None, floor=None, **variants):
+                                 causal=False, dsinks=None, dbias=None, out=None, floor=None, **variants):
     """Check gradients against the float64 reference with the naive rule.
 
     Parameters
@@ -192,6 +193,10 @@ def assert_bwd_matches_reference(dout, q, k, v, dq, dk, dv, *, softmax_scale=Non
     dbias : array, optional
         The bias's gradient to check (in ``attn_bias``'s shape), with ``attn_bias``
         among the variants; the naive one is summed from its rounded ``dS``.
+    out : array, optional
+        The forward output the gradients were computed from.  Given, ``dsinks``
+        and ``dbias`` are held against the reference's for it (see
+        :func:`given_out`): recommended whenever they are checked.
 
     Returns
     -------
@@ -204,6 +209,8 @@ def assert_bwd_matches_reference(dout, q, k, v, dq, dk, dv, *, softmax_scale=Non
         raise ValueError("assert_bwd_matches_reference: dbias needs attn_bias")
     refs = reference.attention_bwd(dout, q, k, v, softmax_scale, causal, return_dbias=with_dbias,
                                    **variants)
+    if out is not None:
+        refs = given_out(refs, out, dout, q, k, v, softmax_scale=softmax_scale, causal=causal, **variants)
     dtype = naive_dtype(_host_dtype(q))
     naives = reference.naive_attention_bwd(dout, q, k, v, softmax_scale, causal, dtype,
                                            return_dbias=with_dbias, **variants)
@@ -219,6 +226,44 @@ def assert_bwd_matches_reference(dout, q, k, v, dq, dk, dv, *, softmax_scale=Non
                                         _floor(ref) if floor is None else floor)
         for name, g, ref, naive in zip(names, got, refs, naives)
     }
+
+
+def given_out(refs, out, dout, q, k, v, *, softmax_scale=None, causal=False, **variants):
+    """The reference gradients ``refs`` (``attention_bwd``'s: dq, dk, dv, then dsinks
+    with sinks, dbias with ``attn_bias`` when it was asked) with dsinks and dbias
+    made those of the forward output ``out`` given.
+
+    FlashAttention computes ``dS = P * (dP - delta)`` and ``dsinks = -sum P_sink *
+    delta`` with ``delta = rowsum(dout * out)`` of the ``out`` it returned, rounded
+    to the input dtype; the naive implementation never rounds ``out``, so its
+    error does not include that rounding.  Where nothing else contributes it is
+    all there is: a bias broadcast over the keys has an exact dbias of 0 (softmax
+    is shift-invariant) and a computed one that is exactly this rounding.  The
+    rounding of ``out`` is held to the rule by the forward's check; given it,
+    ``delta`` is the returned out's, here as in the fast paths:
+    ``dS += P * (delta_exact - delta_returned)``, ``dsinks += sum P_sink *
+    (delta_exact - delta_returned)``.  dq, dk and dv are left as they are.
+
+    Returns the corrected tuple (float64).
+    """
+    ref_out, ref_lse = reference.attention_fwd(q, k, v, softmax_scale, causal, **variants)
+    dout64 = _host64(dout)
+    change = ((dout64 * ref_out).sum(axis=-1) - (dout64 * _host64(out)).sum(axis=-1)).transpose(0, 2, 1)
+    refs = list(refs)
+    at = 3
+    sinks = variants.get("sinks")
+    if sinks is not None and len(refs) > at:
+        p_sink = np.exp(_host64(sinks)[None, :, None] - ref_lse)  # (B, H, Sq); 0 for a -inf sink
+        refs[at] = refs[at] + (p_sink * change).sum(axis=(0, 2))
+        at += 1
+    bias = variants.get("attn_bias")
+    if bias is not None and len(refs) > at:
+        full = reference.attention_probs(q, k, softmax_scale, causal, **variants) * change[..., None]
+        shape = tuple(bias.shape)
+        padded = (1,) * (4 - len(shape)) + shape
+        axes = tuple(a for a in range(4) if padded[a] == 1 and full.shape[a] > 1)
+        refs[at] = refs[at] + full.sum(axis=axes, keepdims=True).reshape(shape)
+    return tuple(refs)
 
 
 def _host_dtype(x):

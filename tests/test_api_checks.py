@@ -486,7 +486,8 @@ def test_check_variants_gives_4d_views():
     options = _checks.check_variants("flash_attn_varlen_fwd", packed, False, 0.0, (-1, -1), None, 0.0, None, None,
                                      batch=3, attn_bias=np.zeros((3, 1, 6, 9), np.float32), seqlens=(6, 9))
     assert options["attn_bias"].shape == (3, 1, 6, 9)
-    with pytest.raises(ValueError, match=re.escape("(batch, nheads_q, seqlen_q, seqlen_k) = (3, 4, 6, 9)")):
+    with pytest.raises(ValueError, match=re.escape("(batch, nheads_q, max_seqlen_q, max_seqlen_k) = (3, 4, 6, 9)")
+                       + r".*got shape \(12, 1, 6, 9\), whose batch is 12\.$"):
         _checks.check_variants("flash_attn_varlen_fwd", packed, False, 0.0, (-1, -1), None, 0.0, None, None,
                                batch=3, attn_bias=np.zeros((12, 1, 6, 9), np.float32), seqlens=(6, 9))
 
@@ -605,3 +606,78 @@ def test_gpu_bf16_storage_bias(monkeypatch):
     half = _api._finish_dbias(values[None, None], np.zeros((1, 6), np.int16), "float16")
     assert half.dtype == np.int16
     np.testing.assert_array_equal(half.view(np.float16), values.astype(np.float16))
+
+
+# The varlen functions: q (12, 4, 8) in 3 sequences, max_seqlen_q = max_seqlen_k = 7.
+_PACKED_FULL = "(batch, nheads_q, max_seqlen_q, max_seqlen_k) = (3, 4, 7, 7)"
+VARLEN_SCORE_CASES = [
+    ("bias-total-rows", ValueError, "attn_bias", f"must be broadcastable to {_PACKED_FULL}, each dimension 1 or "
+     f"full (left-padded with 1s to 4 dimensions); got shape (12, 7), whose max_seqlen_q is 12.",
+     {"attn_bias": np.zeros((12, 7), np.float32)}),
+    ("bias-batch", ValueError, "attn_bias", "got shape (2, 1, 7, 7), whose batch is 2.",
+     {"attn_bias": np.zeros((2, 1, 7, 7), np.float32)}),
+    ("bias-rank5", ValueError, "attn_bias", "must have at most 4 dimensions, broadcastable to (batch, nheads_q, "
+     "max_seqlen_q, max_seqlen_k); got 5", {"attn_bias": np.zeros((1, 3, 4, 7, 7), np.float32)}),
+    ("bias-float64", TypeError, "attn_bias", "must have q's dtype (float32) or float32; got float64.",
+     {"attn_bias": np.zeros(7)}),
+    ("mask-float", TypeError, "attn_mask", "a float mask belongs in attn_bias); got float64.",
+     {"attn_mask": np.zeros((7, 7))}),
+    ("mask-list", TypeError, "attn_mask", "must be a numpy.ndarray or cupy.ndarray; got list.",
+     {"attn_mask": [True] * 7}),
+]
+
+
+def _varlen_score_cases():
+    import test_varlen
+
+    for fn_name in test_varlen.FUNCTIONS:
+        for case in VARLEN_SCORE_CASES:
+            yield pytest.param(fn_name, *case[1:], id=f"{fn_name}-{case[0]}")
+    yield pytest.param("flash_attn_varlen_bwd", ValueError, "return_dbias", "must be False without attn_bias",
+                       {"return_dbias": True}, id="flash_attn_varlen_bwd-return_dbias-without-bias")
+    yield pytest.param("flash_attn_varlen_bwd", TypeError, "return_dbias", "must be a bool; got str.",
+                       {"return_dbias": "yes", "attn_bias": np.zeros(7, np.float32)},
+                       id="flash_attn_varlen_bwd-return_dbias-str")
+
+
+@pytest.mark.parametrize("fn_name,exc_type,arg,text,kwargs", list(_varlen_score_cases()))
+def test_bad_varlen_bias_and_mask(monkeypatch, fn_name, exc_type, arg, text, kwargs):
+    import test_varlen
+
+    monkeypatch.setattr(cpu, "fwd", _must_not_run)
+    monkeypatch.setattr(cpu, "bwd", _must_not_run)
+    with pytest.raises(exc_type) as info:
+        test_varlen._call(fn_name, test_varlen._valid_args(), **kwargs)
+    message = str(info.value)
+    assert message.startswith(f"cupyflash.{fn_name}: {arg} must "), message
+    assert text in message, message
+    assert message.endswith("."), message
+
+
+@pytest.mark.parametrize("fn_name", ["flash_attn_varlen_fwd", "flash_attn_varlen", "flash_attn_varlen_bwd"])
+def test_gpu_varlen_bias_goes_to_the_variant_entries(monkeypatch, fn_name):
+    """Packed cupy arrays: the options (4-D views) and the packed batch reach the GPU
+    variant entries; dbias comes back in the bias's shape and dtype."""
+    import test_varlen
+
+    install_fake_gpu(monkeypatch)
+    a = {name: (FakeCupyArray(x.astype(np.float16) if x.dtype == np.float32 and name != "lse" else x)
+                if isinstance(x, np.ndarray) else x) for name, x in test_varlen._valid_args().items()}
+    bias = FakeCupyArray(np.zeros((3, 1, 7, 7), np.float32))
+    mask = FakeCupyArray(np.ones((7,), bool))
+    seen = {}
+
+    def record(*args, **kwargs):
+        seen.update(kwargs)
+        return ("dq", "dk", "dv", _ArrayFake(np.ones((3, 1, 7, 7), np.float32))) if "deterministic" in kwargs \
+            else ("out", "lse")
+
+    cupyflash._gpu.variant_fwd = record
+    cupyflash._gpu_bwd.variant_bwd = record
+    extra = {"return_dbias": True} if fn_name.endswith("bwd") else {}
+    result = test_varlen._call(fn_name, a, attn_bias=bias, attn_mask=mask, **extra)
+    assert seen["options"]["attn_bias"] is bias and seen["options"]["attn_mask"].shape == (1, 1, 1, 7)
+    assert seen["packed"][0] is a["cu_seqlens_q"] and seen["packed"][2:] == (7, 7)
+    if fn_name.endswith("bwd"):
+        assert seen["options"]["return_dbias"] is True
+        assert result[3].shape == (3, 1, 7, 7) and result[3].dtype == np.float32 and (result[3].host == 1).all()

@@ -99,17 +99,23 @@ def _reference_kwargs(q, k, variants):
 
 
 def _check(q, k, v, dout, out, lse, grads, causal=False, **variants):
-    """Everything against the float64 reference with the naive rule; returns the errors."""
+    """Everything against the float64 reference with the naive rule; returns the errors.
+
+    ``dsinks`` and ``dbias`` are held against the reference's for the returned
+    ``out`` (:func:`cupyflash.testing.given_out`: delta from the rounded out, as
+    FlashAttention computes it)."""
     ref_kw = _reference_kwargs(q, k, variants)
     bias = variants.get("attn_bias")
-    assert len(grads) == 3 + (variants.get("sinks") is not None) + (bias is not None)
-    dsinks = grads[3] if variants.get("sinks") is not None else None
+    with_sinks = variants.get("sinks") is not None
+    assert len(grads) == 3 + with_sinks + (bias is not None)
+    dsinks = grads[3] if with_sinks else None
     dbias = grads[-1] if bias is not None else None
     if dbias is not None:
         assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
     errors = testing.assert_fwd_matches_reference(q, k, v, out, lse, softmax_scale=SCALE, causal=causal, **ref_kw)
     errors.update(testing.assert_bwd_matches_reference(dout, q, k, v, *grads[:3], softmax_scale=SCALE,
-                                                       causal=causal, dsinks=dsinks, dbias=dbias, **ref_kw))
+                                                       causal=causal, dsinks=dsinks, dbias=dbias, out=out,
+                                                       **ref_kw))
     return errors
 
 

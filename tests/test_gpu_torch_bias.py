@@ -222,9 +222,9 @@ def score_arrays(monkeypatch):
     seen = []
     real = _checks.check_score_arrays
 
-    def spy(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, return_dbias=False):
+    def spy(fn, q, *args, attn_bias=None, attn_mask=None, **kwargs):
         seen.append((attn_bias, attn_mask))
-        return real(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, return_dbias)
+        return real(fn, q, *args, attn_bias=attn_bias, attn_mask=attn_mask, **kwargs)
 
     monkeypatch.setattr(_checks, "check_score_arrays", spy)
     return seen
@@ -256,8 +256,12 @@ def test_expanded_bias_and_mask_are_read_in_place(rng, device, dtype, score_arra
 
 @pytest.mark.gpu
 def test_expanded_bias_allocates_no_full_size_tensor(rng):
-    """No (B, H, N, N) tensor is allocated for a broadcast bias (torch's allocator sees every
-    byte the call takes): the forward and the backward without dbias peak far below it."""
+    """No (B, H, N, N) buffer is allocated for a broadcast bias, forward or backward (without
+    dbias): every allocation of the call, torch's (its peak) and CuPy's (each one, through a
+    recording allocator: the general DLPack path allocates outputs there), stays far below
+    the bias's full size."""
+    import cupy
+
     batch, heads, n = 4, 8, 1024
     q, k, v = (torch.randn(batch, n, heads, 64, device="cuda", dtype=torch.float16, requires_grad=True)
                for _ in range(3))
@@ -266,12 +270,24 @@ def test_expanded_bias_allocates_no_full_size_tensor(rng):
     full = batch * heads * n * n * 4  # 128 MiB
     flash_attn_func(q, k, v, attn_bias=bias).sum().backward()  # warm up (compiles, plans)
     torch.cuda.synchronize()
+    sizes = []
+    previous = cupy.cuda.get_allocator()
+
+    def recording(nbytes):
+        sizes.append(nbytes)
+        return previous(nbytes)
+
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out = flash_attn_func(q, k, v, attn_bias=bias)
-    out.sum().backward()
-    torch.cuda.synchronize()
+    cupy.cuda.set_allocator(recording)
+    try:
+        out = flash_attn_func(q, k, v, attn_bias=bias)
+        out.sum().backward()
+        torch.cuda.synchronize()
+    finally:
+        cupy.cuda.set_allocator(previous)
     assert torch.cuda.max_memory_allocated() - before < full // 8
+    assert max(sizes, default=0) < full // 8, sorted(sizes)[-3:]
 
 
 @pytest.mark.parametrize("device", DEVICES)

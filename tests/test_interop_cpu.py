@@ -853,3 +853,113 @@ def test_jax_and_torch_varlen_mixed_is_rejected(jax, torch, rng):
                                         r"jax\.Array like q \(array types cannot be mixed\); "
                                         r"got torch\.Tensor\.$"):
         cupyflash.flash_attn_varlen(jq, jk, jv, jcu_q, torch.from_numpy(cu_k), *VARLEN_MAX)
+
+
+# ----------------------------------------------------------------------------
+# attn_bias / attn_mask (issue 14) through the interop layer: viewed like q (strides
+# kept), dbias back in the caller's type
+# ----------------------------------------------------------------------------
+
+
+def _score_arrays(rng, sq=9, sk=13):
+    bias = (2.0 * rng.standard_normal((1, 4, sq, sk))).astype(np.float32)
+    mask = rng.random((2, 1, 1, sk)) < 0.8
+    return bias, mask
+
+
+def test_dlpack_bias_and_mask_are_viewed_and_dbias_comes_back(rng):
+    """Foreign (DLPack) bias and mask are viewed like q; dbias ends the backward's result,
+    after dsinks, with dq= given (handed back as the caller's object)."""
+    q, k, v = _qkv(rng)
+    bias, mask = _score_arrays(rng)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    kw = dict(causal=True, sinks=sinks, attn_bias=bias, attn_mask=mask)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, **kw)
+    got_out, got_lse = cupyflash.flash_attn_fwd(*(DLPackOnly(x) for x in (q, k, v)), causal=True,
+                                                sinks=DLPackOnly(sinks), attn_bias=DLPackOnly(bias),
+                                                attn_mask=DLPackOnly(mask))
+    np.testing.assert_array_equal(got_out, out)
+    dq = DLPackOnly(np.empty_like(q))
+    grads = cupyflash.flash_attn_bwd(*(DLPackOnly(x) for x in (out, q, k, v, out, lse)), causal=True,
+                                     sinks=DLPackOnly(sinks), attn_bias=DLPackOnly(bias),
+                                     attn_mask=DLPackOnly(mask), return_dbias=True, dq=dq)
+    want = cupyflash.flash_attn_bwd(out, q, k, v, out, lse, return_dbias=True, **kw)
+    assert len(grads) == 5 and grads[0] is dq
+    for g, w in zip((dq.array, *grads[1:]), want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_torch_bias_and_mask_keep_their_strides(torch, rng, monkeypatch):
+    """CPU tensors: an expand()ed bias and mask reach the core as views of the caller's
+    memory (stride 0 kept), and the results equal the contiguous ones; dbias is a tensor in
+    the bias's shape and dtype."""
+    from cupyflash import _checks
+
+    seen = []
+    real = _checks.check_score_arrays
+
+    def spy(fn, q, *args, attn_bias=None, attn_mask=None, **kwargs):
+        seen.append((attn_bias, attn_mask))
+        return real(fn, q, *args, attn_bias=attn_bias, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(_checks, "check_score_arrays", spy)
+    q, k, v = _torch_qkv(torch, rng, torch.float32)
+    base = torch.from_numpy(rng.standard_normal((4, 1, 23)).astype(np.float32))
+    bias = base.expand(2, 4, 17, 23)
+    mask = torch.from_numpy(rng.random((1, 1, 23)) < 0.8).expand(2, 1, 17, 23)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, attn_bias=bias, attn_mask=mask)
+    (b, m), = seen
+    assert b.ctypes.data == bias.data_ptr() and b.strides[0] == b.strides[2] == 0
+    assert m.ctypes.data == mask.data_ptr() and m.strides[2] == 0
+    want, _ = cupyflash.flash_attn_fwd(q, k, v, attn_bias=bias.contiguous(), attn_mask=mask.contiguous())
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    grads = cupyflash.flash_attn_bwd(out, q, k, v, out, lse, attn_bias=bias, attn_mask=mask, return_dbias=True)
+    assert len(grads) == 4 and isinstance(grads[3], torch.Tensor)
+    assert grads[3].shape == bias.shape and grads[3].dtype == bias.dtype  # a full-size view: full-size dbias
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_torch_bias_dtypes_through_the_core(torch, rng, dtype_name):
+    """A bias of q's dtype or float32: dbias in the bias's dtype (bfloat16 included)."""
+    q, k, v = _torch_qkv(torch, rng, getattr(torch, dtype_name))
+    for bias_dtype in {getattr(torch, dtype_name), torch.float32}:
+        bias = torch.zeros(1, 4, 17, 23, dtype=bias_dtype)
+        out, lse = cupyflash.flash_attn_fwd(q, k, v, attn_bias=bias)
+        dbias = cupyflash.flash_attn_bwd(out, q, k, v, out, lse, attn_bias=bias, return_dbias=True)[3]
+        assert dbias.dtype == bias_dtype and dbias.shape == bias.shape
+
+
+def test_torch_bad_bias_and_mask_are_named(torch, rng):
+    q, k, v = _torch_qkv(torch, rng, torch.float32)
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn_fwd: attn_bias must be a torch\.Tensor like q "
+                                        r"\(array types cannot be mixed\); got numpy\.ndarray\.$"):
+        cupyflash.flash_attn_fwd(q, k, v, attn_bias=np.zeros((17, 23), np.float32))
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn_fwd: attn_mask must have dtype bool \(True = "
+                                        r"attend; a float mask belongs in attn_bias\); got uint8\.$"):
+        cupyflash.flash_attn_fwd(q, k, v, attn_mask=torch.ones(17, 23, dtype=torch.uint8))
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn: attn_bias must have q's dtype \(float32\) or "
+                                        r"float32; got float16\.$"):
+        cupyflash.flash_attn(q, k, v, attn_bias=torch.zeros(17, 23, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"^cupyflash\.flash_attn_fwd: attn_bias must be broadcastable"):
+        cupyflash.flash_attn_fwd(q, k, v, attn_bias=torch.zeros(3, 1, 17, 23))
+
+
+def test_jax_core_functions_take_jax_bias_and_mask(jax, rng):
+    q, k, v = _jax_qkv(jax, rng)
+    bias = jax.numpy.asarray((rng.standard_normal((17, 17))).astype(np.float32))
+    mask = jax.numpy.asarray(rng.random((2, 1, 1, 17)) < 0.8)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, attn_bias=bias, attn_mask=mask, causal=True)
+    grads = cupyflash.flash_attn_bwd(out, q, k, v, out, lse, attn_bias=bias, attn_mask=mask, causal=True,
+                                     return_dbias=True)
+    assert len(grads) == 4 and all(isinstance(g, jax.Array) for g in grads)
+    host = [np.asarray(x) for x in (q, k, v)]
+    kw = dict(attn_bias=np.asarray(bias), attn_mask=np.asarray(mask), causal=True)
+    o, l = cupyflash.flash_attn_fwd(*host, **kw)
+    np.testing.assert_array_equal(np.asarray(out), o)
+    want = cupyflash.flash_attn_bwd(o, *host, o, l, return_dbias=True, **kw)
+    for g, w in zip(grads, want):
+        np.testing.assert_array_equal(np.asarray(g), w)
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn_fwd: attn_mask must have dtype bool"):
+        cupyflash.flash_attn_fwd(q, k, v, attn_mask=jax.numpy.ones((17, 17), jax.numpy.int32))
+    with pytest.raises(TypeError, match=r"^cupyflash\.flash_attn_fwd: attn_bias must be a jax\.Array like q"):
+        cupyflash.flash_attn_fwd(q, k, v, attn_bias=np.zeros((17, 17), np.float32))

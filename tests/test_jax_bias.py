@@ -296,3 +296,13 @@ def test_bad_bias_and_mask_are_named_at_trace_time(rng):
         flash_attention(q, k, v, attn_mask=jnp.ones((SQ, SK - 1), bool))
     with pytest.raises(ValueError, match=FN + r"attn_bias must have at most 4 dimensions"):
         flash_attention(q, k, v, attn_bias=jnp.zeros((1, 1, 1, SQ, SK)))
+
+
+def test_trace_time_stand_ins_hold_zeros_of_their_own():
+    """The NumPy stand-ins the core's checks see at trace time: the shape and dtype, every value
+    0 in memory they own (the checks read the slopes' and sinks' values; a stand-in over
+    foreign memory made them fail at random), one element for a bias however large."""
+    for x in (jnp.ones(4, jnp.float32), jnp.ones((2, 4), jnp.float32), jnp.ones((8, 16, 512, 512), bool)):
+        spec = cfj._value_spec(x)
+        assert spec.shape == x.shape and spec.dtype == np.dtype(x.dtype)
+        assert not spec.any() and spec.base is not None and spec.base.size == 1

@@ -326,3 +326,43 @@ def test_naive_with_minus_inf_rows_gives_no_nan(rng):
     grads = reference.naive_attention_bwd(dout, q, k, v, None, False, np.float16, attn_bias=bias, attn_mask=mask,
                                           return_dbias=True)
     assert all(np.isfinite(g.astype(np.float32)).all() for g in grads)
+
+
+# ----------------------------------------------------------------------------
+# attention_probs, and testing.given_out (dsinks and dbias for a returned out)
+# ----------------------------------------------------------------------------
+
+
+def test_attention_probs(rng):
+    q, k, v, _ = _inputs(rng, *SHAPE)
+    kwargs = CASES["everything"](rng)
+    causal = kwargs.pop("causal")
+    p = reference.attention_probs(q, k, 0.6, causal, **kwargs)
+    assert p.shape == (2, 4, 4, 5)
+    eye = np.broadcast_to(np.eye(5)[None, :, None, :], (2, 5, 2, 5))
+    no_dropout = {name: x for name, x in kwargs.items() if not name.startswith("dropout")}
+    out, _ = reference.attention_fwd(q, k, eye, 0.6, causal, **no_dropout)
+    np.testing.assert_allclose(p, out.transpose(0, 2, 1, 3), rtol=1e-13, atol=1e-15)
+    plain = reference.attention_probs(q, k, attn_bias=rng.standard_normal((4, 5)))
+    np.testing.assert_allclose(plain.sum(axis=-1), 1.0, rtol=1e-13)
+
+
+def test_given_out(rng):
+    """With the exact out nothing changes; with another out, a per-row bias's dbias
+    is the change of delta (its rows of P sum to 1), dsinks its P_sink-weighted sum."""
+    q, k, v, dout = _inputs(rng, *SHAPE)
+    bias = rng.standard_normal((2, 4, 4, 1))
+    sinks = rng.standard_normal(4)
+    refs = reference.attention_bwd(dout, q, k, v, attn_bias=bias, sinks=sinks, return_dbias=True)
+    out, lse = reference.attention_fwd(q, k, v, attn_bias=bias, sinks=sinks)
+    same = testing.given_out(refs, out, dout, q, k, v, attn_bias=bias, sinks=sinks)
+    for a, b in zip(same, refs):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    other = out + 1e-3 * rng.standard_normal(out.shape)
+    got = testing.given_out(refs, other, dout, q, k, v, attn_bias=bias, sinks=sinks)
+    for a, b in zip(got[:3], refs[:3]):
+        np.testing.assert_array_equal(a, b)
+    change = ((dout * out).sum(-1) - (dout * other).sum(-1)).transpose(0, 2, 1)  # (B, H, Sq)
+    p_sink = np.exp(sinks[None, :, None] - lse)
+    np.testing.assert_allclose(got[3], refs[3] + (p_sink * change).sum(axis=(0, 2)), rtol=1e-12)
+    np.testing.assert_allclose(got[4][..., 0], refs[4][..., 0] + (1 - p_sink) * change, rtol=1e-10, atol=1e-14)
