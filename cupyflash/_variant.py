@@ -33,6 +33,20 @@ def _strided(options) -> bool:
                for x in (options.get("attn_bias"), options.get("attn_mask")))
 
 
+def _staged(options) -> bool:
+    """Whether every bias and mask given can be copied 16 bytes at a time
+    (``dispatch.score_vec_ok``: unit column stride, 16-byte aligned rows)."""
+    arrays = [x for x in (options.get("attn_bias"), options.get("attn_mask")) if x is not None]
+    return bool(arrays) and all(dispatch.score_vec_ok(broadcast_strides(x), x.itemsize, x.data.ptr) for x in arrays)
+
+
+def fwd_bits(options) -> int:
+    """:func:`bits` for the forward: with VAR_BIAS_STAGED where the bias and mask can be
+    staged through shared memory (the plan drops it where its kernel does not)."""
+    b = bits(options)
+    return b | dispatch.VAR_BIAS_STAGED if _staged(options) and not b & dispatch.VAR_BIAS_STRIDED else b
+
+
 def bits(options) -> int:
     """The kernels' VARIANT template argument for ``options`` (with a bias or mask, it
     depends on their strides and on the parity of their addresses)."""
@@ -57,14 +71,14 @@ def dbias_shape(options):
 def plan_key(options) -> tuple:
     """What a plan depends on: the variants on and their scalars (no arrays but the
     bias's and mask's broadcast strides, and through :func:`bits` whether they are
-    read in pairs)."""
+    read in pairs; whether they are staged, :func:`fwd_bits`)."""
     alibi = options.get("alibi_slopes")
     key = (bits(options), options.get("window_size"), options.get("softcap"), options.get("dropout_p"),
            None if alibi is None else alibi.ndim)
     if "attn_bias" in options or "attn_mask" in options:
         key += tuple(None if x is None else broadcast_strides(x)
                      for x in (options.get("attn_bias"), options.get("attn_mask")))
-        key += (dbias_shape(options),)
+        key += (dbias_shape(options), _staged(options))
     return key
 
 

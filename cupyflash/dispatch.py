@@ -31,26 +31,35 @@ VAR_WINDOW, VAR_SOFTCAP, VAR_ALIBI, VAR_SINKS, VAR_DROPOUT = 1, 2, 4, 8, 16
 #: instead of in pairs of adjacent columns (which needs column stride 1 and every row's
 #: pairs aligned: :func:`score_pairs_ok`).
 VAR_BIAS, VAR_BIAS_FP32, VAR_MASK, VAR_BIAS_STRIDED = 32, 64, 128, 256
+#: VAR_BIAS_STAGED (forward only, not with VAR_BIAS_STRIDED): every row of the bias and
+#: mask is 16-byte aligned (:func:`score_vec_ok`), and the forward copies each key
+#: block's tile into shared memory with 16-byte cp.async (variant.cuh StagedScoreTerms)
+#: where its kernel does so and the stages fit (:func:`fwd_variant`).
+VAR_BIAS_STAGED = 512
 VARIANT_BITS = {"window": VAR_WINDOW, "softcap": VAR_SOFTCAP, "alibi": VAR_ALIBI, "sinks": VAR_SINKS,
                 "dropout": VAR_DROPOUT, "bias": VAR_BIAS, "bias_fp32": VAR_BIAS_FP32, "mask": VAR_MASK,
-                "bias_strided": VAR_BIAS_STRIDED}
+                "bias_strided": VAR_BIAS_STRIDED, "bias_staged": VAR_BIAS_STAGED}
 #: The bits of a bias or mask (the forward reads them a key block ahead, see _FWD_TILES_BIAS).
 _SCORE_ARRAY_BITS = VAR_BIAS | VAR_BIAS_FP32 | VAR_MASK
 
 
 def variant_bits(*, window: bool = False, softcap: bool = False, alibi: bool = False, sinks: bool = False,
-                 dropout: bool = False, bias: str | None = None, mask: bool = False, strided: bool = False) -> int:
+                 dropout: bool = False, bias: str | None = None, mask: bool = False, strided: bool = False,
+                 staged: bool = False) -> int:
     """The VARIANT template argument for the variants switched on; ``bias``: None, or
     the bias's storage ``"element"`` (q's dtype) or ``"float32"``; ``strided``: the bias
-    or mask cannot be read in pairs (:func:`score_pairs_ok`)."""
+    or mask cannot be read in pairs (:func:`score_pairs_ok`); ``staged``: the forward's,
+    whose rows are all 16-byte aligned (:func:`score_vec_ok`)."""
     if bias not in (None, "element", "float32"):
         raise ValueError(f"bias must be None, 'element' or 'float32'; got {bias!r}")
-    if strided and bias is None and not mask:
-        raise ValueError("strided needs a bias or a mask")
+    if (strided or staged) and bias is None and not mask:
+        raise ValueError("strided and staged need a bias or a mask")
+    if strided and staged:
+        raise ValueError("a bias or mask read element by element is not staged")
     return ((VAR_WINDOW if window else 0) | (VAR_SOFTCAP if softcap else 0) | (VAR_ALIBI if alibi else 0)
             | (VAR_SINKS if sinks else 0) | (VAR_DROPOUT if dropout else 0)
             | {None: 0, "element": VAR_BIAS, "float32": VAR_BIAS_FP32}[bias] | (VAR_MASK if mask else 0)
-            | (VAR_BIAS_STRIDED if strided else 0))
+            | (VAR_BIAS_STRIDED if strided else 0) | (VAR_BIAS_STAGED if staged else 0))
 
 
 def score_pairs_ok(strides: tuple[int, int, int, int], itemsize: int, ptr: int) -> bool:
@@ -60,6 +69,15 @@ def score_pairs_ok(strides: tuple[int, int, int, int], itemsize: int, ptr: int) 
     elements. Anything else takes VAR_BIAS_STRIDED."""
     batch, head, row, col = strides
     return col == 1 and not (batch % 2 or head % 2 or row % 2) and ptr % (2 * itemsize) == 0
+
+
+def score_vec_ok(strides: tuple[int, int, int, int], itemsize: int, ptr: int) -> bool:
+    """Whether the forward may copy a bias or mask (as :func:`score_pairs_ok`) into
+    shared memory 16 bytes at a time (VAR_BIAS_STAGED): unit column stride, and every
+    row 16-byte aligned (batch, head and row strides of 16 bytes, the pointer too); the
+    key tail needs no alignment (the copies read only the bytes inside the row)."""
+    batch, head, row, col = strides
+    return col == 1 and not any(x * itemsize % 16 for x in (batch, head, row)) and ptr % 16 == 0
 
 # Forward tiles per padded head_dim, (BLOCK_M, BLOCK_N, NUM_WARPS), for
 # (non-causal, causal). Each warp owns BLOCK_M / NUM_WARPS query rows; two m16
@@ -193,6 +211,7 @@ def fwd_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool, vec
                split: bool, grid: tuple[int, int, int] = (1, 1, 1), cc: tuple[int, int] = (9, 0),
                variant: int = 0) -> Launch:
     """The forward kernel instantiation for one set of compile-time choices."""
+    variant = fwd_variant(head_dim_padded, variant, sm90=False)
     block_m, block_n, num_warps = fwd_tiles(head_dim_padded, vec, causal, cc, split, variant)
     # Q, K and V tiles: kernels_cu/flash_fwd.cu FwdTraits::SMEM_BYTES.
     smem = _smem_tile_bytes(block_m, head_dim_padded) + 2 * _smem_tile_bytes(block_n, head_dim_padded)
@@ -204,27 +223,63 @@ def fwd_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool, vec
 def fwd_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
                     grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0) -> Launch:
     """The wgmma forward kernel (cc 9.0) for one set of compile-time choices."""
+    variant = fwd_variant(head_dim_padded, variant, sm90=True)
     block_n, ctas_per_sm = fwd_sm90_tile(head_dim_padded, causal, variant)
-    # kernels_cu/flash_fwd_sm90.cu FwdSm90Traits::SMEM_BYTES: Q, STAGES x (K, V), and
-    # 1 KB to align the window to the 128-byte swizzle's 1024-byte atom.
-    smem = 2 * head_dim_padded * (SM90_BLOCK_M + 2 * SM90_STAGES * block_n) + 1024
+    smem = fwd_sm90_smem_bytes(head_dim_padded, block_n, variant)
     args = (CTYPES[dtype], str(head_dim_padded), str(block_n), str(ctas_per_sm), _cbool(causal), _cbool(even_k),
             str(variant))
     return Launch("flash_fwd_sm90.cu", "cupyflash::flash_fwd_sm90_kernel", args, grid, (SM90_THREADS, 1, 1), smem)
 
 
-# With a bias or mask the wgmma kernel holds a key block of it in registers while S
-# is computed (variant.cuh ScoreTerms), one block per SM: at D=128 on 64-key tiles
-# (128-key tiles spill 8-64 bytes; 64 keys: 204-255 registers); at D=64 two blocks'
-# 128 registers are a coin flip (0-192 bytes of spill as the load moves by one line).
-_FWD_SM90_BIAS_BLOCK_N = {128: 64}
+def fwd_sm90_smem_bytes(head_dim_padded: int, block_n: int, variant: int = 0) -> int:
+    """kernels_cu/flash_fwd_sm90.cu FwdSm90Traits::SMEM_BYTES (the kernel traps on less):
+    Q, STAGES x (K, V and, staged, the key block's bias and mask tiles: StageTile, no
+    padding), and 1 KB to align the window to the 128-byte swizzle's 1024-byte atom."""
+    return (2 * head_dim_padded * (SM90_BLOCK_M + 2 * SM90_STAGES * block_n)
+            + SM90_STAGES * _score_stage_bytes(SM90_BLOCK_M, block_n, variant) + 1024)
+
+
+def _score_stage_bytes(block_m: int, block_n: int, variant: int) -> int:
+    """One stage of the staged bias and mask tiles (variant.cuh StagedScoreTerms::STAGE_BYTES)."""
+    if not variant & VAR_BIAS_STAGED:
+        return 0
+    bias = 4 if variant & VAR_BIAS_FP32 else 2 if variant & VAR_BIAS else 0
+    return block_m * block_n * (bias + (1 if variant & VAR_MASK else 0))
+
+
+# With a bias or mask (issue 14) the wgmma kernel takes 64-key tiles. Read into
+# registers a block ahead (ScoreTerms; not staged) it runs one block per SM: at D=128
+# 128-key tiles spill 8-64 bytes (64 keys: 204-255 registers); at D=64 two blocks' 128
+# registers are a coin flip (0-192 bytes of spill as the load moves by one line).
+# Staged through shared memory (StagedScoreTerms) it holds no pointers and no loads in
+# flight: D=64 keeps its two blocks per SM where both blocks' stages fit (a bf16 bias
+# or a mask alone: 113 KB a block with a bf16 bias, exactly half the SM); at D=128 the
+# three-stage K/V ring of 128-key tiles already fills the block's 227 KB.
+_FWD_SM90_BIAS_BLOCK_N = {64: 64, 128: 64}
+
+
+def fwd_variant(head_dim_padded: int, variant: int, sm90: bool, cc: tuple[int, int] = (9, 0)) -> int:
+    """The VARIANT a forward kernel is compiled with: ``variant`` less VAR_BIAS_STAGED
+    where that kernel does not stage (the mma.sync kernel, for now) or its stages do not
+    fit one block (the wgmma kernel at D=128 with an fp32 bias and a mask: 249 KB)."""
+    if not variant & VAR_BIAS_STAGED:
+        return variant
+    if sm90:
+        block_n = _FWD_SM90_BIAS_BLOCK_N[head_dim_padded]
+        if fwd_sm90_smem_bytes(head_dim_padded, block_n, variant) <= max_smem_per_block(cc):
+            return variant
+    return variant & ~VAR_BIAS_STAGED
 
 
 def fwd_sm90_tile(head_dim_padded: int, causal: bool, variant: int = 0) -> tuple[int, int]:
     """(BLOCK_N, CTAS_PER_SM) of the wgmma forward (see _FWD_LEAN_VARIANTS, _FWD_SM90_BIAS_BLOCK_N)."""
     block_n, ctas_per_sm = _FWD_SM90[head_dim_padded][int(causal)]
+    variant = fwd_variant(head_dim_padded, variant, sm90=True)
     if variant & _SCORE_ARRAY_BITS:
-        return _FWD_SM90_BIAS_BLOCK_N.get(head_dim_padded, block_n), 1
+        block_n = _FWD_SM90_BIAS_BLOCK_N[head_dim_padded]
+        smem = fwd_sm90_smem_bytes(head_dim_padded, block_n, variant)
+        if not variant & VAR_BIAS_STAGED or 2 * (smem + 1024) > smem_per_sm((9, 0)):
+            return block_n, 1
     if variant & (VAR_ALIBI | VAR_DROPOUT):
         return block_n, 1
     return block_n, ctas_per_sm
@@ -274,7 +329,7 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     if uses_sm90_fwd(d, vec, cc):
         block_m, block_n = SM90_BLOCK_M, fwd_sm90_tile(d, causal, variant)[0]
     else:
-        block_m, block_n, _ = fwd_tiles(d, vec, causal, cc, variant=variant)
+        block_m, block_n, _ = fwd_tiles(d, vec, causal, cc, variant=fwd_variant(d, variant, sm90=False))
     splits = 1 if varlen else num_splits_heuristic(batch * nheads_q * math.ceil(seqlen_q / block_m),
                                                    math.ceil(seqlen_k / block_n), num_sms)
     if splits == 1 and uses_sm90_fwd(d, vec, cc):
@@ -313,16 +368,26 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
         out.append(fwd_launch(_VARIANT_CHECK_DTYPE, d, causal, True, True, split, cc=cc, variant=bit))
         if uses_sm90_fwd(d, True, cc) and not split:
             out.append(fwd_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bit))
+    # The staged bias and mask (the wgmma kernel; where the stages do not fit, the
+    # register path it takes instead).
+    for bit, d, causal in itertools.product(FWD_STAGED_CHECK_VARIANTS, HEAD_DIMS, (False, True)):
+        if uses_sm90_fwd(d, True, cc):
+            out.append(fwd_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bit))
     return out
 
 
 #: The VARIANT values check-kernels compiles each forward with: each bit alone (the
 #: strided bit with each array it reads), and a bias with a mask, softcap or a window.
 FWD_CHECK_VARIANTS = (
-    *(bit for bit in VARIANT_BITS.values() if bit != VAR_BIAS_STRIDED),
+    *(bit for bit in VARIANT_BITS.values() if bit not in (VAR_BIAS_STRIDED, VAR_BIAS_STAGED)),
     VAR_BIAS | VAR_BIAS_STRIDED, VAR_BIAS_FP32 | VAR_BIAS_STRIDED, VAR_MASK | VAR_BIAS_STRIDED,
     VAR_BIAS | VAR_MASK, VAR_BIAS | VAR_SOFTCAP, VAR_BIAS | VAR_WINDOW,
 )
+#: ... and staged (VAR_BIAS_STAGED): each array alone, both together, a bias with
+#: softcap, a window, ALiBi or dropout.
+FWD_STAGED_CHECK_VARIANTS = tuple(VAR_BIAS_STAGED | bits for bits in (
+    VAR_BIAS, VAR_BIAS_FP32, VAR_MASK, VAR_BIAS | VAR_MASK, VAR_BIAS_FP32 | VAR_MASK,
+    VAR_BIAS | VAR_SOFTCAP, VAR_BIAS | VAR_WINDOW, VAR_BIAS | VAR_ALIBI, VAR_BIAS | VAR_DROPOUT))
 
 
 #: check-kernels compiles each variant alone in this dtype.

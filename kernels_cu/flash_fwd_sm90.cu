@@ -10,6 +10,9 @@
 // takes P from registers (the S accumulator layout is the A operand layout) and V
 // from shared memory, transposed by the descriptor. One barrier per key block:
 // it publishes block n's tiles and frees the stage the load for block n-2 reuses.
+// A bias or mask staged through shared memory (VAR_BIAS_STAGED) has its own 3-stage
+// ring after V's, each block's tile copied with its K tile (variant.cuh
+// StagedScoreTerms); otherwise it is read into registers a block ahead (ScoreTerms).
 //
 // Template parameters, in order:
 //   T           __half or __nv_bfloat16
@@ -33,7 +36,7 @@
 
 namespace cupyflash {
 
-template <typename T_, int HEAD_DIM_, int BLOCK_N_>
+template <typename T_, int HEAD_DIM_, int BLOCK_N_, int VARIANT_>
 struct FwdSm90Traits {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
@@ -46,14 +49,18 @@ struct FwdSm90Traits {
     static constexpr int D_TILES = HEAD_DIM / 8;
     using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;
     using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;
+    // the bias and mask of a key block (this thread's fragment rows: one m16 tile)
+    using Terms = KeyBlockTerms<VARIANT_, T, 1, N_TILES, BLOCK_M, NUM_THREADS>;
     // +1024: the dynamic shared window is aligned up to the swizzle atom in the kernel.
-    static constexpr int SMEM_BYTES = QTile::BYTES + 2 * STAGES * KVTile::BYTES + 1024;
+    // (cupyflash/dispatch.py fwd_sm90_smem_bytes; checked at launch, below)
+    static constexpr int SMEM_BYTES = QTile::BYTES + STAGES * (2 * KVTile::BYTES + Terms::STAGE_BYTES) + 1024;
+    static_assert(SMEM_BYTES <= 227 * 1024, "more shared memory than a Hopper block has");
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int CTAS_PER_SM, bool IS_CAUSAL, bool EVEN_K, int VARIANT>
 __global__ void __launch_bounds__(256, CTAS_PER_SM)
 flash_fwd_sm90_kernel(const FwdParams p) {
-    using Tr = FwdSm90Traits<T, HEAD_DIM, BLOCK_N>;
+    using Tr = FwdSm90Traits<T, HEAD_DIM, BLOCK_N, VARIANT>;
     constexpr int BLOCK_M = Tr::BLOCK_M, N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES;
     constexpr int NT = Tr::NUM_THREADS, STAGES = Tr::STAGES;
     using QTile = typename Tr::QTile;
@@ -63,6 +70,13 @@ flash_fwd_sm90_kernel(const FwdParams p) {
     const uint32 sQ = (smem_addr(smem) + 1023u) & ~1023u;
     const uint32 sK0 = sQ + QTile::BYTES;                       // K stage s at sK0 + s * KVTile::BYTES
     const uint32 sV0 = sK0 + STAGES * KVTile::BYTES;            // V likewise
+    const uint32 sB0 = sV0 + STAGES * KVTile::BYTES;            // bias/mask stages (staged only)
+    // The launch's dynamic shared memory is dispatch's number (fwd_sm90_smem_bytes): it
+    // must cover this kernel's. (Checked with the staged stages, whose size is new: in
+    // the plain D=64 kernel the check's registers cost a spill.)
+    if constexpr (Tr::Terms::STAGE_BYTES > 0) {
+        if (threadIdx.x == 0 && dynamic_smem_bytes() < uint32(Tr::SMEM_BYTES)) __trap();
+    }
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int wg = warp / 4;                                    // warpgroup: query rows 64 wg ..
@@ -79,7 +93,7 @@ flash_fwd_sm90_kernel(const FwdParams p) {
     const float sink = sink_log2<VARIANT>(p.var, h);
     // This thread's fragment rows within the block: r0 and r0 + 8.
     const int r0 = wg * 64 + (warp % 4) * 16 + g;
-    ScoreTerms<VARIANT, T, 1, N_TILES> terms(mod, m0 + r0);  // the bias and mask of a key block
+    typename Tr::Terms terms(mod, b, h, m0, r0, sB0);  // the bias and mask of a key block
 
     const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + int64(seq.q_start + m0) * p.q_row_stride +
                  h * p.q_head_stride;
@@ -98,7 +112,8 @@ flash_fwd_sm90_kernel(const FwdParams p) {
                                                                   v + int64(n) * BLOCK_N * p.v_row_stride,
                                                                   p.v_row_stride, seqlen_k - n * BLOCK_N, p.head_dim);
     };
-    auto load_kv = [&](int n, int stage) { load_k(n, stage); load_v(n, stage); };
+    // K, the block's bias/mask tile (staged: in K's commit group), V.
+    auto load_kv = [&](int n, int stage) { load_k(n, stage); terms.stage_in(n, stage); load_v(n, stage); };
 
     float acc_o[1][D_TILES][4];
 #pragma unroll
@@ -158,8 +173,9 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         };
         if constexpr (!LOADS_UNDER_S) load_next();
 
-        // The block's bias and mask: read while the tensor cores do S.
-        terms.template load<decltype(masked)::value>(n * BLOCK_N + 2 * t);
+        // The block's bias and mask (from global memory, or from its stage): read
+        // while the tensor cores do S.
+        terms.template load<decltype(masked)::value>(n * BLOCK_N + 2 * t, stage);
         float s[1][N_TILES][4];
         issue_s(s, stage);
         if constexpr (LOADS_UNDER_S) load_next();

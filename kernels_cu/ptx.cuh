@@ -9,6 +9,12 @@ namespace cupyflash {
 __device__ __forceinline__ uint32 smem_addr(const void* p) {
     return static_cast<uint32>(__cvta_generic_to_shared(p));
 }
+// The dynamic shared memory this launch was given, in bytes.
+__device__ __forceinline__ uint32 dynamic_smem_bytes() {
+    uint32 n;
+    asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(n));
+    return n;
+}
 
 // ldmatrix: lanes 8i..8i+7 give the row addresses of 8x8 matrix i; register i
 // receives matrix i with lane l holding row l/4, columns 2(l%4) and 2(l%4)+1.
@@ -61,6 +67,11 @@ __device__ __forceinline__ void cp_async_16(uint32 dst, const void* src, bool pr
 __device__ __forceinline__ void cp_async_4(uint32 dst, const void* src, bool pred) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
                  :: "r"(dst), "l"(src), "r"(pred ? 4 : 0));
+}
+// 16-byte copy of which the first src_bytes (0..16) are read and the rest zero-filled
+// (a row's tail); src 16-byte aligned.
+__device__ __forceinline__ void cp_async_16_bytes(uint32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 

@@ -38,6 +38,7 @@ constexpr int VAR_BIAS = 32;     // additive bias in the kernel's element type (
 constexpr int VAR_BIAS_FP32 = 64; // additive bias in float32 (not with VAR_BIAS)
 constexpr int VAR_MASK = 128;    // boolean keep-mask
 constexpr int VAR_BIAS_STRIDED = 256;  // bias/mask read element by element (else: pairs, see ScoreTerms)
+constexpr int VAR_BIAS_STAGED = 512;   // forward: bias/mask tiles staged through shared memory (StagedScoreTerms)
 
 // The variants' runtime arguments, one member `var` of every params struct
 // (mirrored as VARIANT_PARAMS in cupyflash/_params.py). Fields of a variant that
@@ -304,6 +305,8 @@ struct ScoreTerms {
     // a bias pair: two T in one word, or two floats
     using BiasPair = typename Select<FP32, float2, uint32>::type;
 
+    static constexpr int STAGE_BYTES = 0;  // no shared memory (StagedScoreTerms' interface)
+
     const Mod& mod;
     const BiasT* bias_row[M_TILES][2];
     const uint8* keep_row[M_TILES][2];
@@ -313,6 +316,10 @@ struct ScoreTerms {
     float bias_elem[M_TILES][2][N_TILES][2];
     uint32 keep_elem[M_TILES][2][N_TILES][2];
 
+    // (KeyBlockTerms' form: the (batch, head), the block's first row m0, this lane's first
+    // fragment row r0 in the block, a shared window it does not use)
+    __device__ __forceinline__ ScoreTerms(const Mod& mod_, int, int, int m0, int r0, uint32)
+        : ScoreTerms(mod_, m0 + r0) {}
     __device__ __forceinline__ ScoreTerms(const Mod& mod_, int row0) : mod(mod_) {
         if constexpr (ANY) {
 #pragma unroll
@@ -326,9 +333,12 @@ struct ScoreTerms {
         }
     }
 
-    // Read the key block whose fragment columns start at col0 (even).
+    // StagedScoreTerms' copy into shared memory: nothing to do here.
+    __device__ __forceinline__ void stage_in(int, int) {}
+
+    // Read the key block whose fragment columns start at col0 (even); (the stage: unused).
     template <bool MASKED>
-    __device__ __forceinline__ void load(int col0) {
+    __device__ __forceinline__ void load(int col0, int = 0) {
         if constexpr (ANY) {
 #pragma unroll
             for (int i = 0; i < M_TILES; ++i)
@@ -388,11 +398,12 @@ struct ScoreTerms {
     }
 };
 
-// score_tile with the bias and mask of terms (loaded for this key block).
-template <bool MASKED, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES, typename T>
+// score_tile with the bias and mask of terms (ScoreTerms or StagedScoreTerms, loaded
+// for this key block).
+template <bool MASKED, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES, typename T, typename Terms>
 __device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], const ScoreMod<VARIANT, T>& mod,
                                            const Mask<IS_CAUSAL, VARIANT>& mask, int row0, int col0,
-                                           const ScoreTerms<VARIANT, T, M_TILES, N_TILES>& terms) {
+                                           const Terms& terms) {
 #pragma unroll
     for (int i = 0; i < M_TILES; ++i)
 #pragma unroll
@@ -403,6 +414,174 @@ __device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], cons
             });
         }
 }
+
+// One key block's bias or mask in shared memory (StagedScoreTerms): ROWS x COLS
+// elements of E bytes, rows of 16-byte chunks with no padding (the D=64 wgmma kernel
+// keeps its two blocks per SM with three stages of a bf16 bias only so), chunk c of
+// row r stored at chunk c ^ key(r). In score_tile's layout the 4 lanes of a fragment
+// row read 8 E bytes of it at once (SPAN chunks, or half of one) and the 8 rows of a
+// warp's phase must fall in 8 different 16-byte bank groups of the 128-byte bank line:
+// ROWS_PER_LINE rows share a line (short rows), the others differ in key(r). key is
+// the same for rows r and r + 8 (every fragment row of a lane: one key per lane).
+template <int E, int ROWS, int COLS>
+struct StageTile {
+    static constexpr int ELEM = E;
+    static constexpr int ROW_BYTES = COLS * E;
+    static constexpr int CHUNKS = ROW_BYTES / 16;
+    static constexpr int BYTES = ROWS * ROW_BYTES;
+    static constexpr int ROWS_PER_LINE = CHUNKS >= 8 ? 1 : 8 / CHUNKS;
+    static constexpr int SPAN = E == 4 ? 2 : 1;  // chunks one fragment row's lanes read (fp32: 8-byte lanes)
+    static constexpr int KEYS = CHUNKS < 8 ? CHUNKS : 8;
+    static_assert(ROW_BYTES % 16 == 0 && CHUNKS >= 2, "a stage row is whole 16-byte chunks, at least two");
+    static_assert(ROW_BYTES % 16 == 0 && CHUNKS >= 2, "a stage row is whole 16-byte chunks, at least two");
+    static_assert(8 / ROWS_PER_LINE * SPAN % KEYS == 0, "key(r + 8) == key(r)");
+
+    __device__ static __forceinline__ uint32 key(int row) { return uint32(row / ROWS_PER_LINE * SPAN % KEYS); }
+    __device__ static __forceinline__ uint32 offset(int row, int chunk) {
+        return uint32(row * ROW_BYTES) + ((uint32(chunk) ^ key(row)) << 4);
+    }
+    // Byte offset of fragment column 8 j (+ 2 t, added by the caller) in a row whose
+    // key, shifted to bytes, is key16 (chunk bits only: the lane's offset 2 E t never
+    // carries into them, since key is a multiple of SPAN).
+    __device__ static __forceinline__ uint32 column(int j, uint32 key16) {
+        return ((uint32(8 * E * j) & ~15u) ^ key16) + (uint32(8 * E * j) & 15u);
+    }
+};
+
+// The bias and mask of one key block, as ScoreTerms (same layout, same apply()), but
+// staged through shared memory: stage_in() copies the block's BLOCK_M x BLOCK_N tile
+// with coalesced 16-byte cp.async into one stage of a ring beside the kernel's K/V
+// ring (issued with K, in K's commit group, so it lands with K), and load() reads this
+// lane's pairs from it (ld.shared, conflict-free: StageTile). The plan has found the
+// column stride 1 and every row 16-byte aligned (dispatch.score_vec_ok). Rows past
+// seqlen_q read row seqlen_q - 1 (as ScoreMod's clamp); keys past seqlen_k are
+// zero-filled (cp.async's src-size: nothing past the row is read; Mask hides them). A
+// row-broadcast array (row stride 0: a (B, 1, 1, N) padding mask) is copied as its
+// one row, and every fragment row reads that row. The NUM_THREADS threads of the
+// block all call stage_in(); the caller commits, waits and synchronises.
+template <int VARIANT, typename T, int M_TILES, int N_TILES, int BLOCK_M, int NUM_THREADS>
+struct StagedScoreTerms {
+    using Mod = ScoreMod<VARIANT, T>;
+    using BiasT = typename Mod::BiasT;
+    static constexpr bool BIAS = Mod::BIAS, MASK = Mod::MASK;
+    static constexpr bool FP32 = sizeof(BiasT) == 4;
+    static constexpr int BLOCK_N = 8 * N_TILES;
+    using BiasTile = StageTile<int(sizeof(BiasT)), BLOCK_M, BLOCK_N>;
+    using KeepTile = StageTile<1, BLOCK_M, BLOCK_N>;
+    static constexpr int KEEP_OFFSET = BIAS ? BiasTile::BYTES : 0;  // in a stage: the bias tile, then the mask's
+    static constexpr int STAGE_BYTES = KEEP_OFFSET + (MASK ? KeepTile::BYTES : 0);
+    using BiasPair = typename Select<FP32, float2, uint32>::type;
+    static_assert(Mod::BIAS_OR_MASK && (VARIANT & VAR_BIAS_STRIDED) == 0, "staged: a bias or mask, in 16-byte rows");
+
+    const Mod& mod;
+    int b, h;                      // the (batch, head): its arrays' offsets are recomputed per copy
+    int m0, r0;                    // the block's first row; this lane's first fragment row in it
+    uint32 smem;                   // stage 0
+    // set by load() for its block (recomputed there: the compiler would hold their
+    // per-column sums across the key loop, 16-32 registers the D=64 kernel's two blocks
+    // per SM do not have)
+    uint32 bias_at[M_TILES][2];    // this lane's fragment rows in the block's bias tile, at its column 2 t
+    uint32 keep_at[M_TILES][2];
+    uint32 bias_key, keep_key;     // StageTile::key of those rows, in bytes
+
+    __device__ __forceinline__ StagedScoreTerms(const Mod& mod_, int b_, int h_, int m0_, int r0_, uint32 smem_)
+        : mod(mod_), b(b_), h(h_), m0(m0_), r0(r0_), smem(smem_) {}
+
+    // Copy key block n into stage `stage`.
+    __device__ __forceinline__ void stage_in(int n, int stage) {
+        const uint32 base = smem + uint32(stage * STAGE_BYTES);
+        const int keys_valid = mod.last_col + 1 - n * BLOCK_N;
+        // (from the params, not ScoreMod's pointers: two registers fewer across the key loop)
+        const VariantParams& v = mod.v;
+        if constexpr (BIAS) {
+            copy<BiasTile>(base, static_cast<const BiasT*>(v.attn_bias) + b * v.bias_batch_stride +
+                                     h * v.bias_head_stride + n * BLOCK_N, v.bias_row_stride, keys_valid);
+        }
+        if constexpr (MASK) {
+            copy<KeepTile>(base + KEEP_OFFSET, v.attn_mask + b * v.mask_batch_stride + h * v.mask_head_stride +
+                                                   n * BLOCK_N, v.mask_row_stride, keys_valid);
+        }
+    }
+
+    // Take the block in stage `stage` (its copies landed and are visible: the caller's
+    // wait and barrier); apply() reads this lane's pairs of it as the scores need them
+    // (no registers held across the S GEMM). (col0: ScoreTerms' interface.)
+    template <bool MASKED>
+    __device__ __forceinline__ void load(int, int stage) {
+        int row = r0;
+        asm volatile("" : "+r"(row));  // opaque: recomputed per block
+        const uint32 block = smem + uint32(stage * STAGE_BYTES);
+        const int t = threadIdx.x % 4;
+        if constexpr (BIAS) set_rows<BiasTile>(bias_at, bias_key, mod.v.bias_row_stride == 0, row, t, block);
+        if constexpr (MASK) set_rows<KeepTile>(keep_at, keep_key, mod.v.mask_row_stride == 0, row, t, block + KEEP_OFFSET);
+    }
+
+    // x (the score before the bias and mask, log2 units) with the taken block's terms.
+    __device__ __forceinline__ float apply(float x, int i, int half, int j, int e) const {
+        // (Not volatile: the two elements of a pair share one load, and the loads
+        // depend on load()'s opaque values, so they stay behind the caller's barrier.)
+        if constexpr (BIAS) {
+            const uint32 a = bias_at[i][half] + BiasTile::column(j, bias_key);
+            if constexpr (FP32) {
+                float2 b;
+                asm("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(b.x), "=f"(b.y) : "r"(a));
+                x = fmaf(e ? b.y : b.x, LOG2E, x);
+            } else {
+                uint32 u;
+                asm("ld.shared.b32 %0, [%1];\n" : "=r"(u) : "r"(a));
+                x = fmaf(pair_float<T>(u, e), LOG2E, x);
+            }
+        }
+        if constexpr (MASK) {
+            uint32 u;
+            asm("ld.shared.u16 %0, [%1];\n" : "=r"(u) : "r"(keep_at[i][half] + KeepTile::column(j, keep_key)));
+            if (!((u >> (8 * e)) & 0xffu)) x = NEG_INF;
+        }
+        return x;
+    }
+
+  private:
+    template <typename Tile>
+    __device__ static __forceinline__ void set_rows(uint32 (&at)[M_TILES][2], uint32& key16, bool broadcast,
+                                                    int r0, int t, uint32 tile) {
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = broadcast ? 0 : r0 + i * 16 + half * 8;
+                at[i][half] = tile + uint32(row * Tile::ROW_BYTES + 2 * Tile::ELEM * t);
+            }
+        key16 = broadcast ? 0u : Tile::key(r0) << 4;
+    }
+
+    // The tile's chunks, NUM_THREADS at a time: chunk c of row r from global row
+    // min(m0 + r, last_row) at keys 16 / E c ..; the bytes past the key tail zero-filled.
+    template <typename Tile, typename E>
+    __device__ __forceinline__ void copy(uint32 dst, const E* src, int64 row_stride, int keys_valid) {
+        constexpr int CHUNKS = Tile::CHUNKS, PER_CHUNK = 16 / int(sizeof(E));
+        static_assert(BLOCK_M * CHUNKS % NUM_THREADS == 0 && NUM_THREADS % CHUNKS == 0,
+                      "stage chunks divide evenly among threads");
+        int tid = threadIdx.x;
+        asm volatile("" : "+r"(tid));  // (the rows' offsets recomputed per block, not held across the key loop)
+        const int c = tid % CHUNKS;
+        const int bytes = min(max((keys_valid - c * PER_CHUNK) * int(sizeof(E)), 0), 16);
+        const int rows = row_stride == 0 ? 1 : BLOCK_M;  // a broadcast row once
+#pragma unroll
+        for (int it = 0; it < BLOCK_M * CHUNKS / NUM_THREADS; ++it) {
+            const int r = tid / CHUNKS + it * (NUM_THREADS / CHUNKS);
+            if (r >= rows) break;
+            const E* row = src + int64(min(m0 + r, mod.last_row)) * row_stride;
+            cp_async_16_bytes(dst + Tile::offset(r, c), bytes > 0 ? row + c * PER_CHUNK : row, bytes);
+        }
+    }
+};
+
+// The bias and mask of one key block for a forward kernel: staged through shared
+// memory where the plan allows (VAR_BIAS_STAGED), else read into registers (ScoreTerms).
+template <int VARIANT, typename T, int M_TILES, int N_TILES, int BLOCK_M, int NUM_THREADS>
+using KeyBlockTerms = typename Select<(VARIANT & VAR_BIAS_STAGED) != 0,
+                                      StagedScoreTerms<VARIANT, T, M_TILES, N_TILES, BLOCK_M, NUM_THREADS>,
+                                      ScoreTerms<VARIANT, T, M_TILES, N_TILES>>::type;
 
 // Set to -inf the scores at or past a per-row column limit: col_limit[i][half]
 // is the first invisible key of fragment row (i, half). For kernels whose rows

@@ -68,7 +68,11 @@ def test_wgmma_variants_fit_hopper_shared_memory_and_are_checked_on_sm90_only():
     sm90 = [L for L in dispatch.all_fwd_launches((9, 0)) if L.source == "flash_fwd_sm90.cu"]
     plain = [L for L in sm90 if L.args[-1] == "0"]
     assert len(plain) == 2 * 2 * 2 * 2  # dtype x head_dim (64, 128) x causal x even_k
-    assert len(sm90) - len(plain) == len(dispatch.FWD_CHECK_VARIANTS) * 2 * 2  # bf16, head_dim x causal
+    # bf16, head_dim x causal; the staged ones: each at D=64 and 128 x causal, but the fp32
+    # bias with a mask at D=128, whose stages do not fit (the register path's instead)
+    assert len(sm90) - len(plain) == (len(dispatch.FWD_CHECK_VARIANTS) + len(dispatch.FWD_STAGED_CHECK_VARIANTS)) * 4
+    staged = [L for L in sm90 if int(L.args[-1]) & dispatch.VAR_BIAS_STAGED]
+    assert len(staged) == len(dispatch.FWD_STAGED_CHECK_VARIANTS) * 2 * 2 - 2
     assert all(L.smem_bytes <= 227 * 1024 for L in sm90)
     assert not [L for L in dispatch.all_fwd_launches((8, 0)) if L.source == "flash_fwd_sm90.cu"]
 
@@ -540,3 +544,67 @@ def test_strided_bit_needs_a_bias_or_mask_and_decode_refuses_both():
     listed = {int(L.args[-1]) for L in dispatch.all_decode_launches() if L.template.endswith("decode_kernel")}
     assert not any(v & (dispatch.VAR_BIAS | dispatch.VAR_BIAS_FP32 | dispatch.VAR_MASK | dispatch.VAR_BIAS_STRIDED)
                    for v in listed)
+
+
+def test_score_vec_needs_unit_column_stride_and_16_byte_rows():
+    ok = dispatch.score_vec_ok
+    assert ok((0, 0, 1024, 1), 2, 256) and ok((0, 0, 16, 1), 1, 16) and ok((0, 0, 4, 1), 4, 16)
+    assert ok((0, 0, 0, 1), 2, 256)                   # one row for every query row
+    assert ok((208, 0, 0, 1), 2, 512)                 # (B, 1, 1, 208) bf16: 416-byte batch stride
+    assert not ok((0, 0, 1002, 1), 2, 256)            # pairs aligned, rows not (2004 bytes)
+    assert dispatch.score_pairs_ok((0, 0, 1002, 1), 2, 256)
+    assert not ok((0, 0, 1000, 1), 1, 256)            # a mask of 1000 keys: rows 8 bytes off
+    assert not ok((1000, 0, 0, 1), 1, 256)            # ... or its (B, 1, 1, N) batches
+    assert not ok((0, 1004, 1024, 1), 2, 256)         # head stride
+    assert not ok((0, 0, 1024, 1), 2, 260)            # the pointer
+    assert not ok((0, 0, 1024, 2), 2, 256)            # column stride
+
+
+def test_staged_bias_keeps_two_blocks_per_sm_where_its_stages_fit():
+    """VAR_BIAS_STAGED on the wgmma kernel: D=64 keeps its two blocks per SM with a bf16
+    bias or a mask alone (both blocks' stages in the SM's 228 KB), one block with an fp32
+    bias or both arrays; D=128 64-key tiles; the fp32 bias with a mask at D=128 does not
+    fit and is read into registers; the mma.sync kernel drops the bit."""
+    S, B, F, M = dispatch.VAR_BIAS_STAGED, dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK
+    for causal in (False, True):
+        assert dispatch.fwd_sm90_tile(64, causal, S | B) == (64, 2)
+        assert dispatch.fwd_sm90_tile(64, causal, S | M) == (64, 2)
+        assert dispatch.fwd_sm90_tile(64, causal, S | F) == (64, 1)
+        assert dispatch.fwd_sm90_tile(64, causal, S | B | M) == (64, 1)
+        assert dispatch.fwd_sm90_tile(64, causal, S | B | dispatch.VAR_ALIBI) == (64, 1)
+        assert dispatch.fwd_sm90_tile(64, causal, S | B | dispatch.VAR_WINDOW) == (64, 2)
+        for bits in (B, F, M, B | M, F | M):
+            assert dispatch.fwd_sm90_tile(128, causal, S | bits) == (64, 1)
+    # the stages' bytes: 3 x 128 x 64 x (2 | 4 | 1 | 3), beside Q and the K/V ring
+    base = dispatch.fwd_sm90_smem_bytes(64, 64)
+    assert base == 2 * 64 * (128 + 6 * 64) + 1024
+    for bits, per in ((B, 2), (F, 4), (M, 1), (B | M, 3), (F | M, 5)):
+        assert dispatch.fwd_sm90_smem_bytes(64, 64, S | bits) - base == 3 * 128 * 64 * per
+        assert dispatch.fwd_sm90_smem_bytes(64, 64, bits) == base  # not staged: no stages
+    two = dispatch.fwd_sm90_smem_bytes(64, 64, S | B)
+    assert 2 * (two + 1024) == dispatch.smem_per_sm((9, 0))  # exactly two blocks
+    assert dispatch.fwd_variant(128, S | F | M, sm90=True) == F | M
+    assert dispatch.fwd_variant(128, S | B | M, sm90=True) == S | B | M
+    assert dispatch.fwd_variant(64, S | B, sm90=False) == B
+    kw = dict(batch=4, seqlen_q=4096, seqlen_k=4096, nheads_q=32, head_dim=64, dtype="bfloat16", causal=False,
+              vec=True)
+    plan = dispatch.select_fwd(**kw, variant=S | B)
+    assert plan.main.source == "flash_fwd_sm90.cu" and plan.main.args[-1] == str(S | B)
+    assert plan.main.args[2:4] == ("64", "2") and plan.main.smem_bytes == two
+    plan = dispatch.select_fwd(**kw, cc=(8, 0), variant=S | B)
+    assert plan.main.args[-1] == str(B)
+    plan = dispatch.select_fwd(**{**kw, "head_dim": 128}, variant=S | F | M)
+    assert plan.main.args[-1] == str(F | M) and plan.main.smem_bytes == dispatch.fwd_sm90_smem_bytes(128, 64)
+    launches = {L.name_expression for L in dispatch.all_fwd_launches((9, 0))}
+    for bits in dispatch.FWD_STAGED_CHECK_VARIANTS:
+        for d, causal in itertools.product((64, 128), (False, True)):
+            got = dispatch.select_fwd(**{**kw, "head_dim": d, "causal": causal}, variant=bits)
+            assert got.main.name_expression in launches
+
+
+def test_staged_needs_a_bias_or_mask_and_not_strided():
+    assert dispatch.variant_bits(bias="element", staged=True) == dispatch.VAR_BIAS | dispatch.VAR_BIAS_STAGED
+    with pytest.raises(ValueError, match="need a bias or a mask"):
+        dispatch.variant_bits(staged=True)
+    with pytest.raises(ValueError, match="not staged"):
+        dispatch.variant_bits(mask=True, strided=True, staged=True)

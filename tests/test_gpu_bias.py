@@ -15,7 +15,9 @@ Covered: every broadcast shape (full, (1, H, N, N), (B, 1, N, N), (B, 1, 1, N),
 or element by element, ``dispatch.score_pairs_ok``), ``-inf`` entries and fully
 masked rows (out 0, lse -inf; the sink with sinks), the other variants combined
 (causal, window, softcap, ALiBi, sinks), GQA, varlen, and that a broadcast bias
-is never expanded to ``(B, H, N, N)`` on the device.
+is never expanded to ``(B, H, N, N)`` on the device. The ``-staged`` configurations and
+views (16-byte aligned rows, ``dispatch.score_vec_ok``) take the wgmma kernel's shared
+memory stages (VAR_BIAS_STAGED), with key and query tails.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ CONFIGS = {
     "f16-d96-130x203-gqa": ("float16", (2, 130, 203, 4, 2, 96), False),         # mma.sync
     "bf16-d32-77x129-causal": ("bfloat16", (2, 77, 129, 2, 1, 32), True),       # mma.sync
     "f16-d64-9x1500-split": ("float16", (1, 9, 1500, 2, 2, 64), False),         # mma.sync, split-KV
+    # 16-byte rows (seqlen_k a multiple of 16): staged through shared memory on the wgmma
+    # kernel (VAR_BIAS_STAGED), with a key tail of 16 keys and a query tail
+    "bf16-d64-200x208-staged": ("bfloat16", (2, 200, 208, 4, 2, 64), False),    # wgmma, two blocks per SM
+    "f16-d128-300x272-causal-staged": ("float16", (1, 300, 272, 4, 4, 128), True),  # wgmma
+    "f16-d64-9x1504-split-staged": ("float16", (1, 9, 1504, 2, 2, 64), False),  # mma.sync (staged bit dropped)
 }
 
 #: name -> the bias's (or mask's) shape given (batch, nheads_q, seqlen_q, seqlen_k)
@@ -144,7 +151,8 @@ def test_mask_every_broadcast_shape(cp, rng, shape_name, config):
 
 
 @pytest.mark.parametrize("config", list(_params(["bf16-d64-200x333-gqa", "f16-d128-257x190-causal",
-                                                 "f16-d96-130x203-gqa", "f16-d64-9x1500-split"])))
+                                                 "f16-d96-130x203-gqa", "f16-d64-9x1500-split",
+                                                 "bf16-d64-200x208-staged", "f16-d128-300x272-causal-staged"])))
 def test_bias_and_mask_together(cp, rng, config):
     dtype, shape, causal = CONFIGS[config]
     b, h, m, n = _score_shape(shape)
@@ -171,6 +179,10 @@ VIEWS = {
     "every-other-column": lambda cp, x, b: cp.repeat(x, 2, axis=3)[:, :, :, ::2],
     # the transpose of a (1, H, N, M) array: column stride M
     "transposed": lambda cp, x, b: cp.ascontiguousarray(x.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2),
+    # rows padded to 16 elements (16-byte aligned rows, staged where seqlen_k is not a
+    # multiple of 8: the copies' key tail reads part of a 16-byte chunk)
+    "aligned-rows": lambda cp, x, b: cp.pad(x, ((0, 0), (0, 0), (0, 0), (0, 16 - x.shape[3] % 16)))[
+        :, :, :, :x.shape[3]],
     # an odd row stride: odd rows' pairs misaligned
     "odd-row-stride": lambda cp, x, b: cp.pad(x, ((0, 0), (0, 0), (0, 0), (0, 1 + x.shape[3] % 2)))[
         :, :, :, :x.shape[3]],
@@ -178,7 +190,7 @@ VIEWS = {
 
 
 @pytest.mark.parametrize("config", list(_params(["bf16-d64-200x333-gqa", "f16-d128-257x190-causal",
-                                                 "f16-d96-130x203-gqa"])))
+                                                 "f16-d96-130x203-gqa", "bf16-d64-200x208-staged"])))
 @pytest.mark.parametrize("view", list(VIEWS))
 @pytest.mark.parametrize("bias_dtype", ["q", "float32"])
 def test_bias_views_are_read_in_place(cp, rng, view, bias_dtype, config):
@@ -194,7 +206,9 @@ def test_bias_views_are_read_in_place(cp, rng, view, bias_dtype, config):
     # read in pairs only with unit column stride and even row strides (a contiguous
     # bias of odd seqlen_k has odd rows misaligned)
     strided = not dispatch.score_pairs_ok(_variant.broadcast_strides(d_bias), d_bias.itemsize, d_bias.data.ptr)
-    assert strided == {"broadcast_to": n % 2 == 1, "slice-even": False}.get(view, True)
+    assert strided == {"broadcast_to": n % 2 == 1, "slice-even": False, "aligned-rows": False}.get(view, True)
+    staged = dispatch.score_vec_ok(_variant.broadcast_strides(d_bias), d_bias.itemsize, d_bias.data.ptr)
+    assert staged == (view == "aligned-rows" or view == "broadcast_to" and n * d_bias.itemsize % 16 == 0)
     fwd = _fwd(cp, q, k, v, dtype, causal, {"attn_bias": d_bias})
     _check(q, k, v, fwd, causal, attn_bias=ref_bias)
 
@@ -271,7 +285,8 @@ COMBOS = {
 
 
 @pytest.mark.parametrize("config", list(_params(["bf16-d64-200x333-gqa", "f16-d128-257x190-causal",
-                                                 "f16-d96-130x203-gqa", "f16-d64-9x1500-split"])))
+                                                 "f16-d96-130x203-gqa", "f16-d64-9x1500-split",
+                                                 "bf16-d64-200x208-staged", "f16-d128-300x272-causal-staged"])))
 @pytest.mark.parametrize("with_mask", [False, True], ids=["bias", "bias+mask"])
 @pytest.mark.parametrize("combo", list(COMBOS))
 def test_bias_with_other_variants(cp, rng, combo, with_mask, config):
@@ -302,10 +317,12 @@ LENS_Q, LENS_K = [33, 0, 190, 1, 129], [70, 12, 160, 65, 129]
                                             ("float16", 96)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("arrays", ["bias", "bias-fp32+mask", "mask-per-key"])
-def test_varlen_reads_each_sequence_s_block(cp, rng, arrays, causal, dtype, head_dim):
+@pytest.mark.parametrize("pad_k", [2, 16], ids=["max_k+2", "staged"])  # 176 keys: 16-byte rows, staged
+def test_varlen_reads_each_sequence_s_block(cp, rng, pad_k, arrays, causal, dtype, head_dim):
     nheads, nheads_kv = 4, 2
     q, k, v = packed_inputs(rng, LENS_Q, LENS_K, nheads, nheads_kv, head_dim, dtype)
-    max_q, max_k = max(LENS_Q) + 3, max(LENS_K) + 2  # larger than the longest: entries past them are not read
+    # larger than the longest: entries past them are not read
+    max_q, max_k = max(LENS_Q) + 3, max(LENS_K) + pad_k
     full = (len(LENS_Q), nheads, max_q, max_k)
     ref = {}
     if arrays == "bias":
