@@ -485,14 +485,17 @@ def _variant_bwd_gpu(fn, dout, q, k, v, out, lse, scale, causal, deterministic, 
 
 
 def _finish_dbias(dbias4, attn_bias, dtype_name):
-    """The bias gradient as returned: the CPU path's or the kernels' 4-D accumulator
-    (float32, or float64 from float64 CPU inputs; the bias's shape left-padded to 4
-    dimensions) reshaped to the user's ``attn_bias`` shape, in its dtype.
+    """The bias gradient as returned: the CPU path's 4-D accumulator (float32, or
+    float64 from float64 CPU inputs) or the GPU kernel's dbias (already in the bias's
+    dtype), the bias's shape left-padded to 4 dimensions, reshaped to the user's
+    ``attn_bias`` shape, in its dtype.
 
     ``dtype_name`` is the element type of q's data (``dtype=``'s on the GPU): a bias
     held in q's uint16/int16 storage gets the bits of that element type."""
     dbias = dbias4.reshape(attn_bias.shape)
     target = attn_bias.dtype
+    if dbias.dtype == target:  # the GPU's (bits of dtype_name in a storage dtype), or a float32 bias's
+        return dbias
     if target.name not in _checks.GPU_STORAGE_DTYPES:
         return dbias.astype(target, copy=False)
     if dtype_name == "float16":

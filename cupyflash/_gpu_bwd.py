@@ -102,7 +102,8 @@ def plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causa
         head_dim=head_dim, dtype=dtype_name, causal=causal, deterministic=deterministic,
         vec=vec_ok((q, k, v, out, dout, dq, dk, dv), head_dim),
         num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id), varlen=packed is not None,
-        total_q=packed_totals[0], total_k=packed_totals[1], variant=_variant.bits(options) if options else 0)
+        total_q=packed_totals[0], total_k=packed_totals[1], variant=_variant.bits(options) if options else 0,
+        dbias_shape=_variant.dbias_shape(options) if options else None)
     rows_q = nheads_q * total_q  # the row buffers: one row per query (key) row, per head
     scratch = _launch.scratch_layout((
         rows_q * 4, rows_q * 4,
@@ -130,15 +131,15 @@ def variant_bwd(dout, q, k, v, out, lse, *, softmax_scale: float, causal: bool, 
     """A backward with variants on the GPU (``options`` not empty); ``packed`` as in
     :func:`_run_bwd`. Returns ``(dq, dk, dv)``, then ``dsinks`` (float32
     ``(nheads_q,)``, summed over the batch and rows) when sinks are on, then ``dbias``
-    with ``options["return_dbias"]``: float32 in the bias's 4-D shape
-    (``_variant.dbias_shape``), dS summed over the bias's broadcast (size-1)
-    dimensions; a packed batch's sequence ``b`` adds into ``dbias[b, :, :len_q,
-    :len_k]`` (its block of the bias), and the rest stays 0.
+    with ``options["return_dbias"]``: in the bias's 4-D shape (``_variant.dbias_shape``)
+    and dtype, C-contiguous, dS summed over the bias's broadcast (size-1) dimensions; a
+    packed batch's sequence ``b`` adds into ``dbias[b, :, :len_q, :len_k]`` (its block
+    of the bias), and the rest is 0.
 
-    dbias is summed by fp32 atomics from the dK/dV kernel, in any mode: where the bias
-    is full-size each element is added once to 0, so it is exact and reproducible, but
-    a broadcast dimension is summed in the order the blocks run, so ``deterministic``
-    does not make such a dbias bitwise reproducible."""
+    dbias comes from its own kernel (kernels_cu/flash_bwd_dbias.cu), one block per tile
+    of it summing in registers, in a fixed order, over what broadcasts onto the tile,
+    then writing every element of the tile once (zeros where nothing reaches it): no
+    atomics, so it is bitwise reproducible in any mode, and allocated uninitialised."""
     with q.device:
         return _run_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtype_name, packed,
                         dq, dk, dv, options)
@@ -193,7 +194,7 @@ def _run_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtyp
         if options and "sinks" in options:
             grads += (cupy.zeros(q.shape[-2], dtype=cupy.float32),)
         if options and _variant.dbias_shape(options) is not None:
-            grads += (cupy.zeros(_variant.dbias_shape(options), dtype=cupy.float32),)
+            grads += (cupy.zeros(_variant.dbias_shape(options), dtype=options["attn_bias"].dtype),)
         return grads
     device_id = q.data.device_id
     dims = None if packed is None else (packed[0].shape[0] - 1, int(packed[2]), int(packed[3]))
@@ -206,8 +207,8 @@ def _run_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtyp
         key += (_variant.plan_key(options),)
         if "sinks" in options:
             dsinks = cupy.zeros(q.shape[-2], dtype=cupy.float32)
-        if _variant.dbias_shape(options) is not None:  # summed into by the dK/dV kernel's atomics
-            dbias = cupy.zeros(_variant.dbias_shape(options), dtype=cupy.float32)
+        if _variant.dbias_shape(options) is not None:  # every element written by the dbias kernel
+            dbias = cupy.empty(_variant.dbias_shape(options), dtype=options["attn_bias"].dtype)
         var = _variant.call_values(options, *(0 if x is None else x.data.ptr for x in (dsinks, dbias)))
     call = PLANS.get_or_make(key, lambda: plan_bwd(
         dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,

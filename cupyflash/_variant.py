@@ -64,7 +64,8 @@ def broadcast_strides(x) -> tuple[int, int, int, int]:
 
 
 def dbias_shape(options):
-    """The 4-D shape of the backward's fp32 dbias (the bias's), or None without one."""
+    """The 4-D shape of the backward's dbias (the bias's; it has the bias's dtype too),
+    or None without one."""
     return options["attn_bias"].shape if options.get("return_dbias") else None
 
 
@@ -98,8 +99,8 @@ def plan_fields(options, softmax_scale: float, nheads_q: int) -> dict:
         fields["dropout_scale"] = 1.0 / (1.0 - options["dropout_p"])
     arrays = {"bias": options.get("attn_bias"), "mask": options.get("attn_mask")}
     shape = dbias_shape(options)
-    if shape is not None:  # fp32, C-contiguous in the bias's 4-D shape (the backward allocates it)
-        arrays["dbias"] = Contiguous(shape, 4)
+    if shape is not None:  # C-contiguous in the bias's 4-D shape and dtype (the backward allocates it)
+        arrays["dbias"] = Contiguous(shape, options["attn_bias"].itemsize)
     for name, x in arrays.items():
         if x is not None:
             for axis, stride in zip(("batch", "head", "row", "col"), broadcast_strides(x)):

@@ -491,7 +491,7 @@ class BwdPlan:
     and ``q.shape[0]`` for a packed one (laid out ``(nheads, total)``).
     """
 
-    launches: tuple[Launch, ...]  # in launch order: preprocess, dK/dV, dQ or convert, [convert dK/dV]
+    launches: tuple[Launch, ...]  # in launch order: preprocess, dK/dV, dQ or convert, [convert dK/dV], [dbias]
     head_dim_padded: int
     num_stages: int               # dK/dV kernel: Q/dO buffers in flight (BwdParams.num_stages)
     dq_accum: bool                # whether dq_accum is used (default mode)
@@ -553,6 +553,78 @@ def bwd_dq_launch(dtype: str, head_dim_padded: int, tile: tuple[int, int, int], 
     return Launch("flash_bwd.cu", "cupyflash::flash_bwd_dq_kernel", args, grid, (num_warps * 32, 1, 1),
                   bwd_dq_smem_bytes(head_dim_padded, tile))
 
+
+
+# The dbias kernel (kernels_cu/flash_bwd_dbias.cu): one block per tile of dbias,
+# (BLOCK_M, BLOCK_N, NUM_WARPS, WARPS_M) per padded head_dim, best first;
+# bwd_dbias_tile takes the first that fits the GPU's shared memory, with two stages
+# if they fit, else one. Each visit loads Q, dO (BLOCK_M rows) and K, V (BLOCK_N keys)
+# for two GEMMs over them, so the bytes per MMA fall with the tile's size: 128 x 64
+# moves 3/4 of what 64 x 64 does per (query, key) pair. The warp tiles are 32 x 32
+# (S, dP and the fp32 dbias accumulator 32 registers each next to the tile's bias);
+# 128 x 128 (32 x 64 warp tiles) would need 192 for those three alone.
+_BWD_DBIAS_TILES = {
+    32: ((128, 64, 8, 4), (64, 64, 4, 2)),
+    64: ((128, 64, 8, 4), (64, 64, 4, 2)),
+    96: ((128, 64, 8, 4), (64, 64, 4, 2)),
+    128: ((128, 64, 8, 4), (64, 64, 4, 2)),
+    192: ((64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 2, 1)),
+    256: ((64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 2, 1)),
+}
+
+
+#: check-kernels compiles the dbias kernel with each bias kind (q's dtype, fp32; read in
+#: pairs or element by element: a bias broadcast along keys is always the latter), with
+#: and without the mask, causal or not ...
+DBIAS_CHECK_VARIANTS = tuple(bias | extra for bias in (VAR_BIAS, VAR_BIAS_FP32)
+                             for extra in (0, VAR_MASK, VAR_BIAS_STRIDED))
+#: ... and with each other variant beside a bias.
+DBIAS_CHECK_WITH = (VAR_WINDOW, VAR_SOFTCAP, VAR_ALIBI, VAR_SINKS, VAR_DROPOUT)
+
+
+def bwd_dbias_smem_bytes(head_dim_padded: int, tile: tuple[int, int, int, int], stages: int) -> int:
+    """kernels_cu/flash_bwd_dbias.cu BwdDbiasTraits::SMEM_BYTES: per stage Q, K, dO, V;
+    two slots of (lse_log2, delta) rows; at least the epilogue's fp32 tile (rows padded
+    by 4 floats)."""
+    block_m, block_n = tile[:2]
+    pipe = (stages * 2 * (_smem_tile_bytes(block_m, head_dim_padded) + _smem_tile_bytes(block_n, head_dim_padded))
+            + 2 * 2 * block_m * 4)
+    return max(pipe, block_m * (block_n + 4) * 4)
+
+
+def bwd_dbias_tile(head_dim_padded: int, cc: tuple[int, int] = (9, 0)) -> tuple[tuple[int, int, int, int], int]:
+    """The dbias kernel's ``(tile, stages)`` on a GPU of compute capability ``cc``:
+    the first tile of the table that fits its shared memory, two stages if they fit."""
+    limit = max_smem_per_block(cc)
+    for tile in _BWD_DBIAS_TILES[head_dim_padded]:
+        for stages in (2, 1):
+            if bwd_dbias_smem_bytes(head_dim_padded, tile, stages) <= limit:
+                return tile, stages
+    raise NotImplementedError(
+        f"cupyflash: no dbias tile for head_dim {head_dim_padded} fits {limit} bytes of shared memory")
+
+
+def bwd_dbias_grid(tile: tuple[int, ...], dbias_shape: tuple[int, int, int, int], seqlen_q: int,
+                   seqlen_k: int) -> tuple[int, int, int]:
+    """One block per tile of dbias over the bias's 4-D shape: a size-1 row (key)
+    dimension is one tile that the block sums over every query (key) block."""
+    batch_b, heads_b, rows_b, cols_b = dbias_shape
+    tiles_m = 1 if rows_b == 1 else math.ceil(seqlen_q / tile[0])
+    tiles_n = 1 if cols_b == 1 else math.ceil(seqlen_k / tile[1])
+    return (batch_b * heads_b * tiles_m * tiles_n, 1, 1)
+
+
+def bwd_dbias_launch(dtype: str, head_dim_padded: int, tile: tuple[int, int, int, int], stages: int,
+                     causal: bool, even_k: bool, vec: bool, grid: tuple[int, int, int] = (1, 1, 1),
+                     variant: int = VAR_BIAS) -> Launch:
+    """The dbias kernel instantiation (``variant`` holds a bias bit)."""
+    if not variant & (VAR_BIAS | VAR_BIAS_FP32):
+        raise ValueError(f"cupyflash: the dbias kernel needs a bias in its variant bits; got {variant}")
+    block_m, block_n, num_warps, warps_m = tile
+    args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(num_warps), str(warps_m),
+            str(stages), _cbool(causal), _cbool(even_k), _cbool(vec), str(variant))
+    return Launch("flash_bwd_dbias.cu", "cupyflash::flash_bwd_dbias_kernel", args, grid, (num_warps * 32, 1, 1),
+                  bwd_dbias_smem_bytes(head_dim_padded, tile, stages))
 
 # Hopper (cc 9.0, sm_90a) runs the dK/dV kernel of these padded head_dims on
 # wgmma (kernels_cu/flash_bwd_sm90.cu): 128 keys per block (two warpgroups of
@@ -733,7 +805,8 @@ def _pick_bwd_dq_tile(d: int, smem_limit: int, variant: int = 0) -> tuple[int, i
 def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nheads_kv: int, head_dim: int,
                dtype: str, causal: bool, deterministic: bool, vec: bool, num_sms: int = 132,
                cc: tuple[int, int] = (9, 0), varlen: bool = False, total_q: int = 0,
-               total_k: int = 0, variant: int = 0) -> BwdPlan:
+               total_k: int = 0, variant: int = 0,
+               dbias_shape: tuple[int, int, int, int] | None = None) -> BwdPlan:
     """Choose the backward kernels, their grids and the scratch-buffer sizes.
 
     Launch order: preprocess (delta, lse·log2e, zero dq_accum); dK/dV (one
@@ -752,6 +825,10 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     ``total_q``/``total_k`` the packed row counts (``q.shape[0]``,
     ``k.shape[0]``), which size the row-wise kernels: those walk a packed
     batch as one sequence of ``total`` rows.
+
+    ``dbias_shape``: the bias's 4-D shape when its gradient is asked for (``variant``
+    then has a bias bit): the dbias kernel runs last (it reads the preprocess's
+    lse_log2 and delta), one block per tile of that shape (:func:`bwd_dbias_grid`).
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
@@ -794,6 +871,10 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
         launches.append(bwd_convert_launch(dtype, vec, q_rows[0] * q_rows[1] * nheads_q))
     if kv_splits > 1:
         launches.append(bwd_convert_dkv_launch(dtype, vec, k_rows[0] * k_rows[1] * nheads_kv))
+    if dbias_shape is not None:
+        dbias_tile, dbias_stages = bwd_dbias_tile(d, cc)
+        launches.append(bwd_dbias_launch(dtype, d, dbias_tile, dbias_stages, causal, even_k, vec,
+                                         bwd_dbias_grid(dbias_tile, dbias_shape, seqlen_q, seqlen_k), variant))
     return BwdPlan(tuple(launches), d, stages, not separate_dq, kv_splits)
 
 
@@ -841,7 +922,19 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
             out.append(bwd_dkdv_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, no_dq, variant=bit))
             if no_dq:
                 out.append(bwd_dq_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bit))
-    return out
+    # The dbias kernel: its tile (and stages) depend on the shared memory of cc.
+    dbias = []
+    for arch in (cc,) if cc is not None else ARCHS:
+        for d in HEAD_DIMS:
+            tile, stages = bwd_dbias_tile(d, arch)
+            for variant, causal in itertools.product(DBIAS_CHECK_VARIANTS, (False, True)):
+                dbias.append(bwd_dbias_launch(_VARIANT_CHECK_DTYPE, d, tile, stages, causal, True, True,
+                                              variant=variant))
+            for variant in DBIAS_CHECK_WITH:
+                dbias.append(bwd_dbias_launch(_VARIANT_CHECK_DTYPE, d, tile, stages, False, True, True,
+                                              variant=VAR_BIAS | variant))
+            dbias.append(bwd_dbias_launch("float16", d, tile, stages, False, False, False))  # unaligned
+    return out + list(dict.fromkeys(dbias))
 
 
 # ----------------------------------------------------------------------------

@@ -11,9 +11,8 @@
 // and rp = 1/(1-p) give dV = (P∘Z·rp)ᵀ·dO and dS = P∘(dP∘Z·rp − delta), softcap
 // multiplies dS by 1 − tanh², and a sink (in lse already) adds dsinks[h] =
 // −Σ exp(sink_h − lse)·delta (the preprocess kernel). With a bias, dbias = dS before
-// the softcap factor, summed over broadcast dimensions by fp32 reductions from the
-// dK/dV kernel only (variant.cuh's add_dbias_pair). variant.cuh's BwdScores holds the
-// element-wise pieces.
+// the softcap factor, summed over broadcast dimensions, is flash_bwd_dbias.cu's own
+// kernel (no atomics). variant.cuh's BwdScores holds the element-wise pieces.
 //
 // Kernels, in launch order (cupyflash/_gpu_bwd.py):
 //   flash_bwd_preprocess_kernel  delta; lse·log2(e) with the P = 0 guards; dq_accum = 0;
@@ -25,6 +24,8 @@
 //   flash_bwd_convert_dq_kernel  default mode: dq = scale·dq_accum in the input dtype
 //   flash_bwd_convert_dkv_kernel GQA split over several blocks (kv_splits > 1):
 //                                dk, dv = the sum of the fp32 partials, in a fixed order
+//   flash_bwd_dbias_kernel       with a bias's gradient asked for (flash_bwd_dbias.cu):
+//                                dbias from lse_log2 and delta, one block per tile of it
 //
 // Dense and packed (varlen) batches run the same instantiations: seqlens.cuh
 // gives each block its sequence's rows and lengths.
@@ -449,11 +450,8 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
                                                                                       sV, sdp_col0);
 
         // ---- dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap) in place of dP, and
-        //      P∘Z·rp (dropout's keep mask Z, rp = 1/(1-p)) in place of P; dbias += dS
-        //      (before the softcap factor) where asked: this kernel sees each (query, key)
-        //      of a head once, the dQ kernel's dS would add it twice
-        scores(Bool<(Scores::DEFER || Scores::BIAS) && LENGTHS>{})
-            .template dscores<MASKED, true>(s, dp, row0, col0, lse2, delta);
+        //      P∘Z·rp (dropout's keep mask Z, rp = 1/(1-p)) in place of P
+        scores(Bool<Scores::DEFER && LENGTHS>{}).template dscores<MASKED>(s, dp, row0, col0, lse2, delta);
 
         // ---- P∘Z·rp and dS to shared memory: dV and dK read them transposed, dQ as is
         store_frag<T, PTile>(sP, s, sdp_row0, sdp_col0);
@@ -682,7 +680,7 @@ flash_bwd_dq_kernel(const BwdParams p) {
 
         // ---- dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap), repacked as the A
         //      operand of dS·K (s becomes P∘Z·rp, unused here)
-        scores.template dscores<MASKED, false>(s, dp, m0 + r0, col0, lse2_of, delta_of);
+        scores.template dscores<MASKED>(s, dp, m0 + r0, col0, lse2_of, delta_of);
         uint32 ds[M_TILES][BLOCK_N / 16][4];
         pack_a<T>(ds, dp);
 

@@ -13,8 +13,8 @@
 // in log2 units, P = prob(x, lse_log2) (lse includes any sink: sinks change nothing
 // here, dsinks is the preprocess kernel's), Z the dropout keep mask of the forward's
 // Philox counters, rp = 1/(1-p):
-//   dV += (P∘Z·rp)ᵀ·dO,  dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap),
-//   dbias += P∘(dP∘Z·rp − delta) (the dK/dV kernel only, fp32 reductions).
+//   dV += (P∘Z·rp)ᵀ·dO,  dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap)
+// (dbias is flash_bwd_dbias.cu's kernel).
 //
 // One block owns BLOCK_N = 128 keys of one (batch, KV head); each of its two
 // warpgroups owns 64 of them and loops over the query blocks (BLOCK_M = 64) of
@@ -120,7 +120,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     using DSTile = typename Tr::DSTile;
     constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0, ALIBI = (VARIANT & VAR_ALIBI) != 0;
     constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
-    constexpr bool BIAS_OR_MASK = ScoreMod<VARIANT, T>::BIAS_OR_MASK, BIAS = ScoreMod<VARIANT, T>::BIAS;
+    constexpr bool BIAS_OR_MASK = ScoreMod<VARIANT, T>::BIAS_OR_MASK;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const uint32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -308,18 +308,8 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         fence_operands(dpt);
 
         // ---- dSᵀ = Pᵀ∘(dPᵀ∘Z·rp − delta) (∘(1 − tanh²)), with Pᵀ as rounded for dV (its
-        //      fp32 copy would cost D=128 the last 32 registers; softcap: P·(1 − tanh²) rounded);
-        //      dbias += dS before the softcap factor (P as rounded for dV) where asked. Lane
-        //      (g, t)'s pair is one key, queries 2 t, 2 t + 1: a reduction of the warp adds 8
-        //      adjacent keys (one 32-byte sector when dbias has unit column stride) of 4
-        //      query rows; exact zeros (masked, P = 0) are skipped.
+        //      fp32 copy would cost D=128 the last 32 registers; softcap: P·(1 − tanh²) rounded)
         const uint32 (&ds_p)[BLOCK_M / 16][4] = SOFTCAP ? pds : pa;
-        // (the score modifier built again, from the lengths in shared memory: P's one
-        // held across dV's product costs the registers D=64 lacks)
-        SeqLens dl{};
-        if constexpr (BIAS) dl = seq_slot.load();
-        const ScoreMod<VARIANT, T> dmod(p.var, p.softmax_scale_log2, b, h, dl.seqlen_q, dl.seqlen_k);
-        [[maybe_unused]] const bool dbias = BIAS && dmod.has_dbias();
         uint32 dsa[BLOCK_M / 16][4];
 #pragma unroll
         for (int j = 0; j < M_TILES; ++j) {
@@ -334,12 +324,6 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
                 }
                 dp0 -= delta.x;
                 dp1 -= delta.y;
-                if (BIAS && dbias) {
-                    const float2 pb = SOFTCAP ? TypeTraits<T>::unpack(pa[j / 2][(j % 2) * 2 + hh]) : pr;
-                    const int key = n0 + key_row0 + hh * 8, query = m0 + j * 8 + 2 * t;
-                    if (pb.x != 0.f) dmod.add_dbias(pb.x * dp0, query, key);
-                    if (pb.y != 0.f) dmod.add_dbias(pb.y * dp1, query + 1, key);
-                }
                 dpt[j][2 * hh] = pr.x * dp0;
                 dpt[j][2 * hh + 1] = pr.y * dp1;
             }

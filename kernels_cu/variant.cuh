@@ -51,7 +51,8 @@ struct VariantParams {
     const void* attn_bias;      // (batch, nheads_q, seqlen_q, seqlen_k) at the bias strides (0: broadcast),
                                 // the kernel's element type (VAR_BIAS) or fp32 (VAR_BIAS_FP32)
     const uint8* attn_mask;     // bool, the same form at the mask strides; 0 = masked
-    float* dbias;               // backward: fp32 at the dbias strides, zeroed, dS summed into; null otherwise
+    void* dbias;                // backward: the bias's element type (T or fp32) at the dbias strides,
+                                // written by flash_bwd_dbias_kernel only; null otherwise
     uint64 dropout_seed;        // Philox key: (seed & 0xffffffff, seed >> 32)
     uint32 dropout_offset;      // Philox counter word 3
     // per plan
@@ -174,7 +175,7 @@ template <> __device__ __forceinline__ float pair_float<__nv_bfloat16>(uint32 u,
 
 // Raw q·k -> the score in log2 units, for the rows of one (batch, head). The
 // scales and strides stay references to the kernel's params (constant-bank
-// operands, no registers); only ALiBi's per-head slope and the bias/mask/dbias
+// operands, no registers); only ALiBi's per-head slope and the bias/mask
 // pointers of this (batch, head) are held. T: the kernel's element type (a
 // VAR_BIAS bias has it).
 //
@@ -196,7 +197,6 @@ struct ScoreMod {
     int last_row, last_col;  // seqlen_q - 1, seqlen_k - 1 (bias, mask only)
     const BiasT* bias;     // this (batch, head)'s bias (bias only)
     const uint8* keep;     // this (batch, head)'s mask (mask only)
-    float* dbias;          // this (batch, head)'s dbias (backward with dbias only)
 
     __device__ __forceinline__ ScoreMod(const VariantParams& v_, const float& softmax_scale_log2_, int b, int h,
                                         int seqlen_q, int seqlen_k)
@@ -205,8 +205,7 @@ struct ScoreMod {
           off(seqlen_k - seqlen_q), last_row(seqlen_q - 1), last_col(seqlen_k - 1),
           bias(BIAS ? static_cast<const BiasT*>(v_.attn_bias) + b * v_.bias_batch_stride + h * v_.bias_head_stride
                     : nullptr),
-          keep(MASK ? v_.attn_mask + b * v_.mask_batch_stride + h * v_.mask_head_stride : nullptr),
-          dbias(BIAS && v_.dbias ? v_.dbias + b * v_.dbias_batch_stride + h * v_.dbias_head_stride : nullptr) {}
+          keep(MASK ? v_.attn_mask + b * v_.mask_batch_stride + h * v_.mask_head_stride : nullptr) {}
 
     // The score before the bias and mask (softcap, ALiBi), log2 units.
     __device__ __forceinline__ float scaled(float s, int row, int col) const {
@@ -217,12 +216,11 @@ struct ScoreMod {
     // reads them a key block ahead instead: ScoreTerms).
     __device__ __forceinline__ float operator()(float s, int row, int col) const {
         float x = scaled(s, row, col);
-        if constexpr (BIAS_OR_MASK) {
+        if constexpr (BIAS) {
             const int64 r = min(row, last_row), c = min(col, last_col);
-            if (BIAS) x = fmaf(load_float(bias + r * v.bias_row_stride + c * v.bias_col_stride), LOG2E, x);
-            if (MASK && !__ldg(keep + r * v.mask_row_stride + c * v.mask_col_stride)) x = NEG_INF;
+            x = fmaf(load_float(bias + r * v.bias_row_stride + c * v.bias_col_stride), LOG2E, x);
         }
-        return x;
+        return keep_masked(x, row, col);
     }
     // d(score)/d(softmax_scale·s) relative to the plain one: 1 - tanh² with softcap
     // (the kernels multiply dS by softmax_scale at the end, as without variants).
@@ -231,14 +229,13 @@ struct ScoreMod {
         const float th = fast_tanh(s * v.softcap_scale);
         return fmaf(-th, th, 1.f);
     }
-    // Whether the backward sums dS into dbias (a bias, and dbias asked for).
-    __device__ __forceinline__ bool has_dbias() const { return BIAS && dbias != nullptr; }
-    // dbias[row, col] += ds: ds the gradient of the score u (natural units, before
-    // softcap's derivative and softmax_scale: dS = P∘(dP − delta), with dropout's Z·rp
-    // in dP). Elements outside the sequence are not written.
-    __device__ __forceinline__ void add_dbias(float ds, int row, int col) const {
-        if (BIAS && row <= last_row && col <= last_col)
-            atomicAdd(dbias + int64(row) * v.dbias_row_stride + int64(col) * v.dbias_col_stride, ds);
+    // x, or -inf where the mask hides (row, col) (read clamped, as operator()'s).
+    __device__ __forceinline__ float keep_masked(float x, int row, int col) const {
+        if constexpr (MASK) {
+            const int64 r = min(row, last_row), c = min(col, last_col);
+            if (!__ldg(keep + r * v.mask_row_stride + c * v.mask_col_stride)) x = NEG_INF;
+        }
+        return x;
     }
 };
 
@@ -689,25 +686,6 @@ __device__ __forceinline__ void add_sink_term(float (&acc_l)[1][4], const float 
     }
 }
 
-// dbias[row, col] += d0 and dbias[row, col + 1] += d1 (col even: one lane's pair in
-// score_tile's layout, where the 32 lanes of a warp cover 8 rows x 8 columns): one
-// two-wide reduction where the pair is adjacent and 8-byte aligned in memory (unit
-// column stride, no broadcast) and both are in the sequence, else add_dbias each.
-// A pair of exact zeros (masked or dropped: P = 0) adds nothing and is skipped.
-template <int VARIANT, typename T>
-__device__ __forceinline__ void add_dbias_pair(const ScoreMod<VARIANT, T>& mod, float d0, float d1, int row,
-                                               int col) {
-    if (d0 == 0.f && d1 == 0.f) return;
-    float* p = mod.dbias + int64(row) * mod.v.dbias_row_stride + int64(col) * mod.v.dbias_col_stride;
-    if (mod.v.dbias_col_stride == 1 && row <= mod.last_row && col < mod.last_col &&
-        (reinterpret_cast<uint64>(p) & 7u) == 0) {
-        red_add_f32x2(p, d0, d1);
-    } else {
-        mod.add_dbias(d0, row, col);
-        mod.add_dbias(d1, row, col + 1);
-    }
-}
-
 // ---------------------------------------------------------------------------
 // The backward's element pipeline (the mma.sync kernels of flash_bwd.cu), on S and
 // dP accumulator tiles in score_tile's layout: s[i][j][e] at row row0 + 16 i (+ 8
@@ -715,9 +693,8 @@ __device__ __forceinline__ void add_dbias_pair(const ScoreMod<VARIANT, T>& mod, 
 // sequence, col0 even. With x the variant's masked score (log2 units), Z the
 // dropout keep mask and rp = 1/(1-p) (cupyflash/reference.py):
 //   P = prob(x, lse·log2e),  dV += (P∘Z·rp)ᵀ·dO,
-//   dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap),  dK, dQ from dS;
-//   dbias += P∘(dP∘Z·rp − delta) (before the softcap factor; the dK/dV kernel's
-//   dscores<MASKED, true> only, so each (query, key) is added once per head).
+//   dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap),  dK, dQ from dS
+// (dbias, dS before the softcap factor, is flash_bwd_dbias.cu's: DbiasScores below).
 // Without softcap, probs() turns S into P before dP = dO·Vᵀ (as without variants),
 // and with dropout it also draws Z there, while fewer registers are live: Z rides
 // in P's sign bit (P >= 0, so the bit is free) until dscores(), set where dropped.
@@ -729,10 +706,8 @@ struct BwdScores {
     static constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0;
     static constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
     static constexpr bool DEFER = SOFTCAP;  // P computed in dscores() from the raw S
-    static constexpr bool BIAS = ScoreMod<VARIANT, T>::BIAS;  // dscores<MASKED, true>() may sum dbias
     // Whether the scores of unmasked blocks read the sequence's lengths (ALiBi's
-    // offset; the bias's and mask's clamped reads and dbias's tail test; masked
-    // blocks always do).
+    // offset; the bias's and mask's clamped reads; masked blocks always do).
     static constexpr bool UNMASKED_LENGTHS = (VARIANT & VAR_ALIBI) != 0 || ScoreMod<VARIANT, T>::BIAS_OR_MASK;
     using MaskT = Mask<IS_CAUSAL, VARIANT>;
     MaskT mask;
@@ -775,11 +750,9 @@ struct BwdScores {
 
     // s: P from probs() (DEFER: the raw q·k), dp: dO·Vᵀ  ->  s = P∘Z·rp (dV's operand), dp = dS
     // (before softmax_scale). delta(i, half): rowsum(dO∘O) of row (i, half); lse2 as for probs.
-    // DBIAS: also sum dS (before softcap's factor) into dbias, where the plan asks for it.
-    template <bool MASKED, bool DBIAS, int M_TILES, int N_TILES, typename Lse2, typename Delta>
+    template <bool MASKED, int M_TILES, int N_TILES, typename Lse2, typename Delta>
     __device__ __forceinline__ void dscores(float (&s)[M_TILES][N_TILES][4], float (&dp)[M_TILES][N_TILES][4],
                                             int row0, int col0, const Lse2& lse2, const Delta& delta) const {
-        const bool dbias = DBIAS && mod.has_dbias();
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
@@ -797,7 +770,6 @@ struct BwdScores {
                     const int col = col0 + j * 8;
                     // DEFER: keep bits of columns col, col + 1 (one Philox call: col is even)
                     const uint32 bits = DROPOUT && DEFER ? drop.keep4(row, col >> 2) >> (col & 3) : 3u;
-                    float ds[2];  // dS of columns col, col + 1 before softcap's factor
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         float& ps = s[i][j][half * 2 + e];
@@ -824,10 +796,97 @@ struct BwdScores {
                             d = P * (d - dl);
                             ps = P;
                         }
-                        ds[e] = d;
                         if constexpr (SOFTCAP) d *= dtanh;
                     }
-                    if (dbias) add_dbias_pair(mod, ds[0], ds[1], row, col);
+                }
+            }
+        }
+    }
+};
+
+// ---------------------------------------------------------------------------
+// The dbias kernel's element pipeline (flash_bwd_dbias.cu), on S and dP tiles in
+// score_tile's layout. A block owns one tile of dbias and sums
+//   dbias += P∘(dP∘Z·rp − delta)   (dS before softcap's factor and softmax_scale)
+// over the (batch, head) pairs, and for a bias broadcast along rows or keys the query
+// or key blocks, that broadcast onto the tile. The bias there is the same for each of
+// them, so the block reads it once (Terms, ScoreTerms without the mask, built on a
+// ScoreMod of the tile's bias); the mask, ALiBi's slope, dropout's key and the lengths
+// are each (batch, head)'s (this struct, built per pair). As in BwdScores, probs()
+// turns S into P (the dropped entries' sign bit set) before dP = dO·Vᵀ, so that S and
+// dP are not live at once next to the dbias accumulator.
+// ---------------------------------------------------------------------------
+template <bool IS_CAUSAL, int VARIANT, typename T, int M_TILES, int N_TILES>
+struct DbiasScores {
+    static_assert((VARIANT & (VAR_BIAS | VAR_BIAS_FP32)) != 0, "dbias needs a bias");
+    static constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
+    using BiasMod = ScoreMod<VARIANT & ~VAR_MASK, T>;                      // the tile's bias
+    using Terms = ScoreTerms<VARIANT & ~VAR_MASK, T, M_TILES, N_TILES>;    // ... in registers
+    using PairMod = ScoreMod<VARIANT & ~(VAR_BIAS | VAR_BIAS_FP32), T>;    // softcap, ALiBi, mask
+    using MaskT = Mask<IS_CAUSAL, VARIANT>;
+    MaskT mask;
+    PairMod mod;
+    Dropout drop;  // (its fields are read only with dropout)
+    const Terms& bias;
+
+    __device__ __forceinline__ DbiasScores(const VariantParams& v, const float& softmax_scale_log2, int b, int h,
+                                           int nheads_q, int seqlen_q, int seqlen_k, const Terms& bias_)
+        : mask(v, seqlen_q, seqlen_k), mod(v, softmax_scale_log2, b, h, seqlen_q, seqlen_k),
+          drop(v, b, h, nheads_q), bias(bias_) {}
+
+    // s: raw q·k -> P, its sign bit set where dropout drops. lse2(i, half): lse·log2(e)
+    // of row (i, half) (+inf: P = 0).
+    template <bool MASKED, typename Lse2>
+    __device__ __forceinline__ void probs(float (&s)[M_TILES][N_TILES][4], int row0, int col0,
+                                          const Lse2& lse2) const {
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = row0 + i * 16 + half * 8;
+                score_row_by<MASKED>(s[i], half, mask, row, col0, [&](float x, int j, int e) {
+                    const int col = col0 + j * 8 + e;
+                    return mod.keep_masked(bias.apply(mod.scaled(x, row, col), i, half, j, e), row, col);
+                });
+                const float l = lse2(i, half);
+#pragma unroll
+                for (int j = 0; j < N_TILES; ++j) {
+                    const int col = col0 + j * 8;
+                    const uint32 bits = DROPOUT ? drop.keep4(row, col >> 2) >> (col & 3) : 3u;
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& x = s[i][j][half * 2 + e];
+                        x = prob(x, l);
+                        if (DROPOUT && !((bits >> e) & 1u)) x = __uint_as_float(__float_as_uint(x) | 0x80000000u);
+                    }
+                }
+            }
+        }
+    }
+
+    // acc += P∘(dP∘Z·rp − delta): p from probs(), dp = dO·Vᵀ; delta(i, half) as lse2.
+    template <typename Delta>
+    __device__ __forceinline__ void accumulate(float (&acc)[M_TILES][N_TILES][4],
+                                               const float (&p)[M_TILES][N_TILES][4],
+                                               const float (&dp)[M_TILES][N_TILES][4], const Delta& delta) const {
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float dl = delta(i, half);
+#pragma unroll
+                for (int j = 0; j < N_TILES; ++j) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int k = half * 2 + e;
+                        if constexpr (DROPOUT) {
+                            const uint32 u = __float_as_uint(p[i][j][k]);
+                            const float z = (u >> 31) == 0u ? drop.scale : 0.f;  // Z·rp
+                            acc[i][j][k] += __uint_as_float(u & 0x7fffffffu) * (dp[i][j][k] * z - dl);
+                        } else {
+                            acc[i][j][k] += p[i][j][k] * (dp[i][j][k] - dl);
+                        }
+                    }
                 }
             }
         }

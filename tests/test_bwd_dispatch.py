@@ -473,11 +473,104 @@ def test_check_kernels_lists_bias_and_mask_in_every_backward_family(cc):
         families |= {"cupyflash::flash_bwd_dkdv_sm90_kernel", "cupyflash::flash_bwd_dq_sm90_kernel"}
     for bit in _BIAS_MASK:
         listed = {L.template for L in launches if L.args[-1] == str(bit)}
-        assert listed == families, bit
-        # every plan's kernels are among them (aligned bf16, any head_dim)
+        dbias = {"cupyflash::flash_bwd_dbias_kernel"} if bit != dispatch.VAR_MASK else set()
+        assert listed == families | dbias, bit
+        # every plan's kernels are among them (aligned bf16, any head_dim), dbias's too
         names = {L.name_expression for L in launches}
         for d, causal, det in itertools.product((32, 64, 96, 128, 192, 256), (False, True), (False, True)):
-            plan = _plan(head_dim=d, cc=cc, variant=bit, deterministic=det, causal=causal, dtype="bfloat16")
+            plan = _plan(head_dim=d, cc=cc, variant=bit, deterministic=det, causal=causal, dtype="bfloat16",
+                         dbias_shape=(1, 8, 1000, 1000) if dbias else None)
+            assert (plan.launches[-1].template in dbias) == bool(dbias)
             for L in plan.launches[1:]:
                 if L.args[-1] == str(bit):
                     assert L.name_expression in names, L.name_expression
+
+
+# ----------------------------------------------------------------------------
+# The dbias kernel (kernels_cu/flash_bwd_dbias.cu)
+# ----------------------------------------------------------------------------
+
+
+def test_dbias_tile_table_warp_grids_are_consistent():
+    """BwdDbiasTraits' static_asserts, for every table entry."""
+    for d, tiles in dispatch._BWD_DBIAS_TILES.items():
+        assert d in dispatch.HEAD_DIMS
+        for block_m, block_n, warps, warps_m in tiles:
+            assert block_m <= 32 * warps  # one thread per row of lse_log2 and delta
+            assert warps % warps_m == 0
+            assert (block_m // warps_m) % 16 == 0 and (block_n // (warps // warps_m)) % 16 == 0
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (8, 6), (9, 0), (12, 0)])
+def test_dbias_tile_fits_shared_memory_with_two_stages_where_they_fit(cc):
+    for d in dispatch.HEAD_DIMS:
+        tile, stages = dispatch.bwd_dbias_tile(d, cc)
+        assert tile in dispatch._BWD_DBIAS_TILES[d] and stages in (1, 2)
+        limit = dispatch.max_smem_per_block(cc)
+        assert dispatch.bwd_dbias_smem_bytes(d, tile, stages) <= limit
+        if stages == 1:
+            assert dispatch.bwd_dbias_smem_bytes(d, tile, 2) > limit
+        earlier = dispatch._BWD_DBIAS_TILES[d][:dispatch._BWD_DBIAS_TILES[d].index(tile)]
+        assert all(dispatch.bwd_dbias_smem_bytes(d, t, 1) > limit for t in earlier)
+
+
+def test_dbias_tiles_on_the_h200_and_a100():
+    assert dispatch.bwd_dbias_tile(64, (9, 0)) == ((128, 64, 8, 4), 2)
+    assert dispatch.bwd_dbias_tile(128, (9, 0)) == ((128, 64, 8, 4), 2)
+    assert dispatch.bwd_dbias_tile(128, (8, 0)) == ((128, 64, 8, 4), 1)  # 2 stages need 206 KB
+    assert dispatch.bwd_dbias_tile(256, (9, 0)) == ((64, 64, 4, 2), 1)
+
+
+def test_dbias_smem_bytes_follow_the_traits():
+    # D=64, 128 x 64: Q, dO 128 rows of 9 chunks, K, V 64 rows; two stages; 2 x 2 x 128 floats
+    assert dispatch.bwd_dbias_smem_bytes(64, (128, 64, 8, 4), 2) == 2 * 2 * (128 + 64) * 9 * 16 + 2048
+    # D=32, one stage: the epilogue's fp32 tile (rows of 64 + 4 floats) is larger
+    assert dispatch.bwd_dbias_smem_bytes(32, (128, 64, 8, 4), 1) == 128 * 68 * 4
+
+
+@pytest.mark.parametrize("shape,tiles", [
+    ((1, 8, 1000, 1000), 8 * 8 * 16),   # (1, H, N, N): 128 x 64 tiles
+    ((2, 1, 1000, 1000), 2 * 8 * 16),   # (B, 1, N, N)
+    ((1, 1, 1000, 1000), 8 * 16),       # (N, N)
+    ((2, 1, 1, 1000), 2 * 16),          # (B, 1, 1, N): one row block, summed over the rows
+    ((2, 1, 1000, 1), 2 * 8),           # (B, 1, N, 1): one key block, summed over the keys
+    ((1, 1, 1, 1), 1),
+])
+def test_dbias_grid_has_one_block_per_tile_of_the_bias(shape, tiles):
+    plan = _plan(head_dim=64, variant=dispatch.VAR_BIAS, dbias_shape=shape, cc=(9, 0))
+    dbias = plan.launches[-1]
+    assert dbias.template == "cupyflash::flash_bwd_dbias_kernel"
+    assert dbias.args[2:7] == ("128", "64", "8", "4", "2") and dbias.block == (256, 1, 1)
+    assert dbias.grid == (tiles, 1, 1)
+    assert dbias.smem_bytes <= dispatch.max_smem_per_block((9, 0))
+
+
+def test_dbias_kernel_runs_last_and_only_when_asked():
+    kw = dict(head_dim=96, variant=dispatch.VAR_BIAS_FP32 | dispatch.VAR_MASK, causal=True)
+    without = _plan(**kw)
+    assert "flash_bwd_dbias_kernel" not in _names(without)
+    plan = _plan(**kw, dbias_shape=(2, 8, 1000, 1000))
+    assert _names(plan)[:-1] == _names(without) and _names(plan)[-1] == "flash_bwd_dbias_kernel"
+    args = plan.launches[-1].args  # <T, D, BM, BN, WARPS, WARPS_M, STAGES, CAUSAL, EVEN_K, VEC, VARIANT>
+    assert args[0] == "__half" and args[1] == "96" and args[7:] == ("true", "true", "true", str(kw["variant"]))
+    odd = _plan(**{**kw, "head_dim": 90, "vec": False}, dbias_shape=(2, 8, 1000, 1000)).launches[-1]
+    assert odd.args[8:10] == ("false", "false")
+    with pytest.raises(ValueError, match="bias"):
+        dispatch.bwd_dbias_launch("float16", 64, (128, 64, 8, 4), 2, False, True, True, variant=dispatch.VAR_MASK)
+
+
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
+def test_check_kernels_lists_every_dbias_plan_on_aligned_data(cc):
+    names = {L.name_expression for L in dispatch.all_bwd_launches(cc)}
+    extras = (0, dispatch.VAR_MASK, dispatch.VAR_BIAS_STRIDED)
+    for d, causal, bias, extra in itertools.product(dispatch.HEAD_DIMS, (False, True),
+                                                    (dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32), extras):
+        plan = _plan(head_dim=d, causal=causal, variant=bias | extra, dtype="bfloat16", cc=cc,
+                     dbias_shape=(1, 8, 1, 1000))
+        assert plan.launches[-1].name_expression in names, (d, causal, bias | extra)
+    for bit in dispatch.DBIAS_CHECK_WITH:
+        plan = _plan(head_dim=64, variant=dispatch.VAR_BIAS | bit, dtype="bfloat16", cc=cc,
+                     dbias_shape=(2, 1, 1000, 1000))
+        assert plan.launches[-1].name_expression in names, bit
+    unaligned = _plan(head_dim=59, vec=False, variant=dispatch.VAR_BIAS, cc=cc, dbias_shape=(2, 8, 1000, 1000))
+    assert unaligned.launches[-1].name_expression in names

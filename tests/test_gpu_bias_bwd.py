@@ -8,14 +8,15 @@ FLOOR`` for every gradient (``dbias`` included; 2x for out and lse), ``naive`` t
 reference's naive implementation in the input dtype with the same bias and mask.
 Inputs are fresh random values; every CuPy allocation made during a test starts as
 0xFF bytes (NaN) and dq, dk, dv are NaN-poisoned buffers, so an element never written
-fails (dbias is the kernels' zeroed accumulator: an element written twice, or a NaN
-added, fails too).
+fails (dbias too: the dbias kernel writes every element of its uninitialised output,
+zeros where no (query, key) pair reaches it).
 
 Covered: every broadcast shape of the bias, in q's dtype and in float32, stride-0
 and non-contiguous biases (read in place), masks, ``-inf`` entries and fully masked
 rows (zero dq and dbias rows, nothing NaN), causal, window, softcap (dbias is dS
 before softcap's 1 - tanh² factor), dropout with ``rng_state``, GQA, varlen,
-deterministic mode, float16 and bfloat16.
+deterministic mode (bit-for-bit reruns, broadcast biases included), float16 and
+bfloat16.
 """
 
 from __future__ import annotations
@@ -290,24 +291,25 @@ def test_with_other_variants(cp, rng, dtype, shape, causal, name):
           causal, variants, softmax_scale)
 
 
-@pytest.mark.parametrize("name", ["full", "per-head"])
+@pytest.mark.parametrize("name", ["full", "per-head", "per-key", "shared"])
 @pytest.mark.parametrize("dtype,shape,causal", _all_configs())
 def test_deterministic(cp, rng, dtype, shape, causal, name):
-    """Deterministic mode: dbias still comes from the dK/dV kernel only (once per
-    element: a full bias's dbias is the same bits run after run), dq from the dQ kernel."""
+    """Deterministic mode, dq from the dQ kernel; dbias comes from the dbias kernel, which
+    sums what broadcasts onto each tile in a fixed order: the same bits run after run,
+    for a broadcast bias too."""
     bias = bias_values(rng, BROADCAST[name](*_score_shape(shape)), "float32")
     mask = keep_mask(rng, _score_shape(shape)[2:], 0.9)
     inputs, fwd, grads, scores = run(cp, rng, dtype, shape, causal, bias=bias, mask=mask, deterministic=True)
     check(inputs, fwd, grads, scores, causal)
-    if name == "full":  # the same inputs again: the same bits
-        q, k, v, dout = (dev(cp, x) for x in inputs)
-        kw = dict(causal=causal, **dtype_kw(cp, dtype), attn_bias=cp.asarray(scores[0]),
-                  attn_mask=cp.asarray(scores[1]))
-        out, lse = cupyflash.flash_attn_fwd(q, k, v, **kw)
-        again = cupyflash.flash_attn_bwd(dout, q, k, v, out, lse, deterministic=True, return_dbias=True, **kw)
-        for a, b in zip(grads, again):
-            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), host(b, dtype if a.dtype != np.float32
-                                                                               else None).view(np.uint8))
+    # the same inputs again: the same bits
+    q, k, v, dout = (dev(cp, x) for x in inputs)
+    kw = dict(causal=causal, **dtype_kw(cp, dtype), attn_bias=cp.asarray(scores[0]),
+              attn_mask=cp.asarray(scores[1]))
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, **kw)
+    again = cupyflash.flash_attn_bwd(dout, q, k, v, out, lse, deterministic=True, return_dbias=True, **kw)
+    for a, b in zip(grads, again):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), host(b, dtype if a.dtype != np.float32
+                                                                           else None).view(np.uint8))
 
 
 # ----------------------------------------------------------------------------

@@ -1,0 +1,309 @@
+// flash_bwd_dbias.cu: the gradient of attn_bias (issue 14) on mma.sync.m16n8k16
+// fragments, with no atomics: deterministic by construction.
+//
+// dbias is dS before softcap's factor and softmax_scale (cupyflash/reference.py),
+//   dbias[b', h', i', j'] = Σ P∘(dP∘Z·rp − delta)  over (b, h, i, j) broadcast onto it,
+// with P = prob(x, lse·log2e) (x the variant's masked score, log2 units), dP = dO·Vᵀ,
+// Z dropout's keep mask, rp = 1/(1-p), delta = rowsum(dO∘O): two of the backward's
+// five GEMMs again (S and dP), none of them stored.
+//
+// One block per tile of dbias over the bias's own 4-D shape (bias batch, bias head,
+// row block, key block; a size-1 dimension has one index, and a bias broadcast along
+// rows (keys) has one row (key) block of a single row (key)). The block loops over what
+// broadcasts onto its tile, in a fixed order: every batch entry when the bias's batch
+// dimension is 1, every query head when its head dimension is 1 (GQA: K/V head h /
+// group), every query block when its rows are 1, every key block when its keys are 1.
+// Per visit: Q, dO of the query rows, K, V of the keys, lse_log2 and delta (the
+// preprocess kernel's row buffers, bwd_rows.cuh) arrive by cp.async a visit ahead;
+//   S = Q·Kᵀ,  P = prob(x, lse·log2e),  dP = dO·Vᵀ,  acc += P∘(dP∘Z·rp − delta)
+// in fp32 registers (variant.cuh's DbiasScores). The bias of the tile is the same at
+// every visit: read once into registers. At the end the tile (summed over its rows or
+// keys where the bias broadcasts along them) is written once, in the bias's element
+// type (T or fp32), at the dbias strides.
+//
+// Every element of dbias is written: tiles, or visits, that no (query, key) pair
+// reaches (causal, window, a shorter sequence of a packed batch) add nothing, so
+// such elements are 0. Visits whose blocks no row sees (Mask::key_blocks) are skipped;
+// visits at a key tail, the causal diagonal or a window's edge run the masked step.
+// Query tails load Q, dO, lse_log2 and delta as 0, so dS = P∘(0 − 0) = 0 there
+// (flash_bwd.cu's header); rows that see no key have lse_log2 = +inf, so P = 0.
+//
+// Template parameters, in order:
+//   T          __half or __nv_bfloat16 (q, k, v, out, dout)
+//   HEAD_DIM   padded head dimension (multiple of 16); runtime head_dim <= HEAD_DIM
+//   BLOCK_M    query rows per tile;  BLOCK_N  keys per tile
+//   NUM_WARPS  warps per block, in a WARPS_M x (NUM_WARPS / WARPS_M) grid of warp tiles
+//   WARPS_M    warps along the query rows
+//   STAGES     2: each visit's four tiles load during the whole previous visit;
+//              1: one buffer each, Q and K of the next visit loading under dP's GEMM
+//              and dO and V under the next S (for shared memory too small for 2)
+//   IS_CAUSAL, EVEN_K, VEC, VARIANT  as for flash_bwd.cu's kernels (VARIANT has a bias)
+#include "params.cuh"
+#include "ptx.cuh"
+#include "seqlens.cuh"
+#include "bwd_rows.cuh"
+#include "tile_io.cuh"
+#include "variant.cuh"
+#include "warp_mma.cuh"
+
+namespace cupyflash {
+
+template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_, int WARPS_M_, int STAGES_>
+struct BwdDbiasTraits {
+    using T = T_;
+    static constexpr int HEAD_DIM = HEAD_DIM_;
+    static constexpr int BLOCK_M = BLOCK_M_;
+    static constexpr int BLOCK_N = BLOCK_N_;
+    static constexpr int NUM_WARPS = NUM_WARPS_;
+    static constexpr int NUM_THREADS = NUM_WARPS * 32;
+    static constexpr int STAGES = STAGES_;
+    // S, dP and the dbias accumulator: (BLOCK_M x BLOCK_N) in warp tiles of WARP_ROWS x WARP_COLS
+    static constexpr int WARP_ROWS = BLOCK_M / WARPS_M_;
+    static constexpr int WARP_COLS = BLOCK_N / (NUM_WARPS / WARPS_M_);
+    static constexpr int M_TILES = WARP_ROWS / 16, N_TILES = WARP_COLS / 8;
+
+    using QTile = SmemTile<T, BLOCK_M, HEAD_DIM>;   // Q and dO
+    using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM>;  // K and V
+    // Shared memory: per stage Q, K, dO, V; then two slots of (lse_log2, delta) rows.
+    // The epilogue's fp32 tile (rows padded by 4 floats) reuses it.
+    static constexpr int STAGE_BYTES = 2 * QTile::BYTES + 2 * KVTile::BYTES;
+    static constexpr int ROWS_BYTES = 2 * 2 * BLOCK_M * 4;
+    static constexpr int ACC_STRIDE = BLOCK_N + 4;  // floats
+    static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + ROWS_BYTES;
+    static constexpr int ACC_BYTES = BLOCK_M * ACC_STRIDE * 4;
+    static constexpr int SMEM_BYTES = PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES;
+
+    static_assert(NUM_WARPS % WARPS_M_ == 0, "the warp grid uses every warp");
+    static_assert(WARP_ROWS % 16 == 0 && WARP_COLS % 16 == 0, "warp tiles of whole m16 tiles and n8 tile pairs");
+    static_assert(HEAD_DIM % 16 == 0, "k16 steps");
+    static_assert(BLOCK_M <= NUM_THREADS, "one thread per row of lse_log2 and delta");
+    static_assert(STAGES == 1 || STAGES == 2, "one or two stages");
+};
+
+// One visit of a block: the (batch, head) pair and the query and key blocks.
+struct DbiasVisit {
+    int b, h, m0, n0;
+    bool masked;  // the step needs mask code (key tail, causal diagonal, window edge)
+};
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int WARPS_M, int STAGES,
+          bool IS_CAUSAL, bool EVEN_K, bool VEC, int VARIANT>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
+flash_bwd_dbias_kernel(const BwdParams p) {
+    using Tr = BwdDbiasTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, WARPS_M, STAGES>;
+    using QTile = typename Tr::QTile;
+    using KVTile = typename Tr::KVTile;
+    using Scores = DbiasScores<IS_CAUSAL, VARIANT, T, Tr::M_TILES, Tr::N_TILES>;
+    using BiasT = typename Scores::BiasMod::BiasT;
+    constexpr int NT = Tr::NUM_THREADS;
+    constexpr int M_TILES = Tr::M_TILES, N_TILES = Tr::N_TILES;
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    const uint32 s_base = smem_addr(smem);
+    auto sQ = [&](int stage) { return s_base + stage * Tr::STAGE_BYTES; };
+    auto sK = [&](int stage) { return sQ(stage) + QTile::BYTES; };
+    auto sdO = [&](int stage) { return sK(stage) + KVTile::BYTES; };
+    auto sV = [&](int stage) { return sdO(stage) + QTile::BYTES; };
+    // slot s: lse_log2 of BLOCK_M rows, then their delta
+    auto rows_addr = [&](int slot) { return s_base + STAGES * Tr::STAGE_BYTES + slot * 2 * BLOCK_M * 4; };
+    auto rows_of = [&](int slot) {
+        return reinterpret_cast<const float*>(smem + STAGES * Tr::STAGE_BYTES + slot * 2 * BLOCK_M * 4);
+    };
+
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t = lane % 4;
+    const int warp_row0 = (warp % WARPS_M) * Tr::WARP_ROWS, warp_col0 = (warp / WARPS_M) * Tr::WARP_COLS;
+
+    // ---- which tile: a dbias dimension of size 1 (stride 0) is summed over
+    const VariantParams& var = p.var;
+    const bool all_b = var.dbias_batch_stride == 0, all_h = var.dbias_head_stride == 0;
+    const bool all_m = var.dbias_row_stride == 0, all_n = var.dbias_col_stride == 0;
+    const int m_blocks = ceil_div(p.seqlen_q, BLOCK_M), n_blocks = ceil_div(p.seqlen_k, BLOCK_N);
+    const int tiles_m = all_m ? 1 : m_blocks, tiles_n = all_n ? 1 : n_blocks;
+    const int heads_b = all_h ? 1 : p.nheads_q;
+    const int n_tile = blockIdx.x % tiles_n;
+    const int m_tile = blockIdx.x / tiles_n % tiles_m;
+    const int bh_tile = blockIdx.x / tiles_n / tiles_m;
+    const int h_tile = bh_tile % heads_b, b_tile = bh_tile / heads_b;
+
+    // ---- what broadcasts onto it: visit it = ((b · heads + h) · blocks_m + m) · blocks_n + n
+    const int visit_b = all_b ? p.batch : 1, visit_h = all_h ? p.nheads_q : 1;
+    const int visit_m = all_m ? m_blocks : 1, visit_n = all_n ? n_blocks : 1;
+    const int num_visits = visit_b * visit_h * visit_m * visit_n;
+    const int group = p.nheads_q / p.nheads_kv;
+
+    // The visit's pair and blocks, and whether any of its rows sees any of its keys.
+    auto visit_of = [&](int it, DbiasVisit& v) {
+        const int n = all_n ? it % visit_n : n_tile;
+        it /= visit_n;
+        const int m = all_m ? it % visit_m : m_tile;
+        it /= visit_m;
+        v.h = all_h ? it % visit_h : h_tile;
+        v.b = all_b ? it / visit_h : b_tile;
+        v.m0 = m * BLOCK_M;
+        v.n0 = n * BLOCK_N;
+        const SeqLens seq = seq_lens(p, v.b);
+        if (v.m0 >= seq.seqlen_q || v.n0 >= seq.seqlen_k) return false;
+        const BlockRange r = Mask<IS_CAUSAL, VARIANT>(var, seq.seqlen_q, seq.seqlen_k)
+                                 .key_blocks(v.m0, BLOCK_M, BLOCK_N);
+        v.masked = r.masked(n);
+        return n >= r.begin && n < r.end;
+    };
+    // The first visit at or after it that some (query, key) pair reaches (num_visits: none).
+    auto next_visit = [&](int it, DbiasVisit& v) {
+        while (it < num_visits && !visit_of(it, v)) ++it;
+        return it;
+    };
+
+    // Loads of one visit, zero-filled past the sequence (and head_dim): Q, K and the
+    // rows' lse_log2, delta (into rows slot `slot`), then dO, V.
+    auto load_qk = [&](const DbiasVisit& v, int stage, int slot) {
+        const SeqLens seq = seq_lens(p, v.b);
+        const T* q = static_cast<const T*>(p.q) + v.b * p.q_batch_stride + v.h * p.q_head_stride +
+                     int64(seq.q_start + v.m0) * p.q_row_stride;
+        const T* k = static_cast<const T*>(p.k) + v.b * p.k_batch_stride + (v.h / group) * p.k_head_stride +
+                     int64(seq.k_start + v.n0) * p.k_row_stride;
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ(stage), q, p.q_row_stride, seq.seqlen_q - v.m0,
+                                                         p.head_dim);
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(sK(stage), k, p.k_row_stride, seq.seqlen_k - v.n0,
+                                                         p.head_dim);
+        const int r = threadIdx.x;  // thread r loads row r of lse_log2 and delta
+        if (r < BLOCK_M) {
+            const bool valid = v.m0 + r < seq.seqlen_q;
+            const int64 row_index = query_row_index(p, v.b, v.h, seq, v.m0) + (valid ? r : 0);
+            cp_async_4(rows_addr(slot) + r * 4, p.lse_log2 + row_index, valid);
+            cp_async_4(rows_addr(slot) + (BLOCK_M + r) * 4, p.delta + row_index, valid);
+        }
+    };
+    auto load_dov = [&](const DbiasVisit& v, int stage) {
+        const SeqLens seq = seq_lens(p, v.b);
+        const T* dout = static_cast<const T*>(p.dout) + v.b * p.do_batch_stride + v.h * p.do_head_stride +
+                        int64(seq.q_start + v.m0) * p.do_row_stride;
+        const T* vv = static_cast<const T*>(p.v) + v.b * p.v_batch_stride + (v.h / group) * p.v_head_stride +
+                      int64(seq.k_start + v.n0) * p.v_row_stride;
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sdO(stage), dout, p.do_row_stride, seq.seqlen_q - v.m0,
+                                                         p.head_dim);
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(sV(stage), vv, p.v_row_stride, seq.seqlen_k - v.n0,
+                                                         p.head_dim);
+    };
+
+    // ---- the tile's bias at this thread's fragment positions, read once (rows and keys
+    //      clamped into the bias; those past it are never stored)
+    const typename Scores::BiasMod bias_mod(var, p.softmax_scale_log2, b_tile, h_tile, p.seqlen_q, p.seqlen_k);
+    typename Scores::Terms bias(bias_mod, m_tile * BLOCK_M + warp_row0 + g);
+    bias.template load<true>(n_tile * BLOCK_N + warp_col0 + 2 * t);
+
+    float acc[M_TILES][N_TILES][4];
+    clear(acc);
+
+    DbiasVisit cur;
+    int it = next_visit(0, cur);
+    if (it < num_visits) {
+        load_qk(cur, 0, 0);
+        if constexpr (STAGES == 1) cp_async_commit();
+        load_dov(cur, 0);
+    }
+    cp_async_commit();
+
+    auto step = [&](auto masked, int slot, bool has_next, const DbiasVisit& next) {
+        constexpr bool MASKED = decltype(masked)::value;
+        const int stage = STAGES == 2 ? slot : 0;
+        if constexpr (STAGES == 2) {
+            cp_async_wait<0>();
+            __syncthreads();  // this visit's tiles landed; every warp is done with the last one's
+            if (has_next) {
+                load_qk(next, stage ^ 1, slot ^ 1);
+                load_dov(next, stage ^ 1);
+            }
+            cp_async_commit();
+        } else {
+            cp_async_wait<1>();
+            __syncthreads();  // Q, K, rows landed (dO, V may still be in flight)
+        }
+
+        // ---- S = Q·Kᵀ
+        float s[M_TILES][N_TILES][4];
+        clear(s);
+        warp_gemm<T, M_TILES, N_TILES, HEAD_DIM / 16, QTile, false, KVTile, false, true>(s, sQ(stage), warp_row0,
+                                                                                        sK(stage), warp_col0);
+        if constexpr (STAGES == 1) {
+            __syncthreads();  // every warp is done with Q, K
+            if (has_next) load_qk(next, 0, slot ^ 1);
+            cp_async_commit();
+        }
+
+        // ---- P = prob(x, lse·log2e), x the pair's masked score with the tile's bias
+        const SeqLens seq = seq_lens(p, cur.b);
+        const Scores scores(var, p.softmax_scale_log2, cur.b, cur.h, p.nheads_q, seq.seqlen_q, seq.seqlen_k, bias);
+        const float* s_lse = rows_of(slot);
+        const float* s_delta = s_lse + BLOCK_M;
+        auto lse2 = [&](int i, int hh) { return s_lse[warp_row0 + i * 16 + hh * 8 + g]; };
+        auto delta = [&](int i, int hh) { return s_delta[warp_row0 + i * 16 + hh * 8 + g]; };
+        scores.template probs<MASKED>(s, cur.m0 + warp_row0 + g, cur.n0 + warp_col0 + 2 * t, lse2);
+
+        if constexpr (STAGES == 1) {
+            cp_async_wait<1>();
+            __syncthreads();  // dO, V landed
+        }
+
+        // ---- dP = dO·Vᵀ
+        float dp[M_TILES][N_TILES][4];
+        clear(dp);
+        warp_gemm<T, M_TILES, N_TILES, HEAD_DIM / 16, QTile, false, KVTile, false, true>(dp, sdO(stage), warp_row0,
+                                                                                         sV(stage), warp_col0);
+        if constexpr (STAGES == 1) {
+            __syncthreads();  // every warp is done with dO, V
+            if (has_next) load_dov(next, 0);
+            cp_async_commit();
+        }
+
+        // ---- dbias += P∘(dP∘Z·rp − delta)
+        scores.accumulate(acc, s, dp, delta);
+    };
+
+    for (int slot = 0; it < num_visits; slot ^= 1) {
+        DbiasVisit next;
+        const int it_next = next_visit(it + 1, next);
+        const bool has_next = it_next < num_visits;
+        if (cur.masked) step(Bool<true>{}, slot, has_next, next);
+        else step(Bool<false>{}, slot, has_next, next);
+        it = it_next;
+        cur = next;
+    }
+
+    // ---- epilogue: the fp32 tile through shared memory, summed over its rows (keys)
+    //      where the bias broadcasts along them, then stored once as BiasT
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the pipeline's buffers
+    float* s_acc = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j) {
+                const int row = warp_row0 + i * 16 + hh * 8 + g, col = warp_col0 + j * 8 + 2 * t;
+                *reinterpret_cast<float2*>(s_acc + row * Tr::ACC_STRIDE + col) =
+                    make_float2(acc[i][j][2 * hh], acc[i][j][2 * hh + 1]);
+            }
+    __syncthreads();
+
+    const int m0 = m_tile * BLOCK_M, n0 = n_tile * BLOCK_N;
+    const int rows_out = all_m ? 1 : min(BLOCK_M, p.seqlen_q - m0);
+    const int cols_out = all_n ? 1 : min(BLOCK_N, p.seqlen_k - n0);
+    const int sum_rows = all_m ? BLOCK_M : 1, sum_cols = all_n ? BLOCK_N : 1;
+    BiasT* dbias = static_cast<BiasT*>(var.dbias) + b_tile * var.dbias_batch_stride + h_tile * var.dbias_head_stride +
+                   int64(m0) * var.dbias_row_stride + int64(n0) * var.dbias_col_stride;
+    for (int e = threadIdx.x; e < rows_out * BLOCK_N; e += NT) {
+        const int r = e / BLOCK_N, c = e % BLOCK_N;  // consecutive threads, consecutive keys
+        if (c >= cols_out) continue;
+        float x = 0.f;
+        for (int rr = 0; rr < sum_rows; ++rr)  // a fixed order: bitwise reproducible
+            for (int cc = 0; cc < sum_cols; ++cc) x += s_acc[(r + rr) * Tr::ACC_STRIDE + c + cc];
+        BiasT& out = dbias[int64(r) * var.dbias_row_stride + int64(c) * var.dbias_col_stride];
+        if constexpr (sizeof(BiasT) == 4) out = x;
+        else out = TypeTraits<T>::from_float(x);
+    }
+}
+
+}  // namespace cupyflash
