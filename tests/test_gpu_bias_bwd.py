@@ -115,7 +115,7 @@ def check(inputs, fwd, grads, scores, causal, variants=None, softmax_scale=None)
     dsinks = grads[3] if (variants or {}).get("sinks") is not None else None
     testing.assert_bwd_matches_reference(dout, q, k, v, *grads[:3], softmax_scale=softmax_scale, causal=causal,
                                          dsinks=dsinks, dbias=grads[-1] if bias is not None else None,
-                                         floor=FLOOR, **ref_kw)
+                                         out=fwd[0], floor=FLOOR, **ref_kw)
 
 
 # id -> (dtype, (batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim), causal): the wgmma

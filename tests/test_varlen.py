@@ -62,8 +62,11 @@ def sequence_variants(variants, b, len_q, len_k, nheads):
     return seq
 
 
-def packed_reference(q, k, v, dout, cu_q, cu_k, causal, softmax_scale=None, **variants):
+def packed_reference(q, k, v, dout, cu_q, cu_k, causal, softmax_scale=None, out=None, **variants):
     """Float64 reference and naive results, per sequence, packed like the outputs.
+
+    ``out``: the packed output the gradients were computed from; with sinks, the
+    reference dsinks is then that of the returned ``out`` (:func:`cupyflash.testing.given_out`).
 
     ``variants`` are the public functions' variant keywords (``window_size``,
     ``softcap``, ``alibi_slopes``, ``sinks``, ``dropout_p`` with ``rng_state``),
@@ -91,6 +94,9 @@ def packed_reference(q, k, v, dout, cu_q, cu_k, causal, softmax_scale=None, **va
         ref_fwd = reference.attention_fwd(*args, softmax_scale, causal, **seq_kw)
         naive_fwd = reference.naive_attention(*args, softmax_scale, causal, naive_dtype, **seq_kw)
         ref_bwd = reference.attention_bwd(dout[None, q0:q1], *args, softmax_scale, causal, **seq_kw)
+        if out is not None and sinks is not None:
+            ref_bwd = testing.given_out(ref_bwd, out[None, q0:q1], dout[None, q0:q1], *args,
+                                        softmax_scale=softmax_scale, causal=causal, **seq_kw)
         naive_bwd = reference.naive_attention_bwd(dout[None, q0:q1], *args, softmax_scale,
                                                   causal, naive_dtype, **seq_kw)
         seq = {"out": (ref_fwd[0], naive_fwd[0]), "lse": (ref_fwd[1], naive_fwd[1]),

@@ -95,7 +95,7 @@ def test_matches_reference_per_sequence(rng, name, dtype):
     if "sinks" in variants:
         assert grads[3].shape == (NHEADS,) and grads[3].dtype == np.float32
         results["dsinks"] = grads[3]
-    refs = packed_reference(q, k, v, dout, args[0], args[1], causal, **variants)
+    refs = packed_reference(q, k, v, dout, args[0], args[1], causal, out=out, **variants)
     assert_matches_packed_reference(results, refs)
     np.testing.assert_array_equal(
         cupyflash.flash_attn_varlen(q, k, v, *args, causal=causal, **variants), out)
