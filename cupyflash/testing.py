@@ -253,7 +253,9 @@ def given_out(refs, out, dout, q, k, v, *, softmax_scale=None, causal=False, **v
     at = 3
     sinks = variants.get("sinks")
     if sinks is not None and len(refs) > at:
-        p_sink = np.exp(_host64(sinks)[None, :, None] - ref_lse)  # (B, H, Sq); 0 for a -inf sink
+        sink64 = _host64(sinks)[None, :, None]
+        with np.errstate(invalid="ignore"):  # a -inf sink of a row that sees no key: -inf - -inf
+            p_sink = np.where(np.isneginf(sink64), 0.0, np.exp(sink64 - ref_lse))  # (B, H, Sq)
         refs[at] = refs[at] + (p_sink * change).sum(axis=(0, 2))
         at += 1
     bias = variants.get("attn_bias")

@@ -12,3 +12,16 @@ def test_bf16_bits_round_to_nearest_even_like_ml_dtypes(rng):
     expected = x.astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(to_bf16_bits(x), expected.view(np.uint16))
     np.testing.assert_array_equal(from_bf16_bits(to_bf16_bits(x)), expected.astype(np.float32))
+
+
+def test_given_out_has_no_nan_for_a_minus_inf_sink_on_a_row_that_sees_no_key():
+    """Causal with seqlen_q > seqlen_k: the top rows see no key, and lse = sink = -inf there."""
+    from cupyflash import reference, testing
+
+    rng = np.random.default_rng(3)
+    q, k, v, dout = (rng.standard_normal(s) for s in ((1, 5, 2, 8), (1, 2, 2, 8), (1, 2, 2, 8), (1, 5, 2, 8)))
+    sinks = np.array([-np.inf, 0.5], np.float32)
+    out, _ = reference.attention_fwd(q, k, v, causal=True, sinks=sinks)
+    refs = reference.attention_bwd(dout, q, k, v, causal=True, sinks=sinks)
+    fixed = testing.given_out(refs, out.astype(np.float16), dout, q, k, v, causal=True, sinks=sinks)
+    assert np.isfinite(fixed[3]).all() and fixed[3][0] == refs[3][0] == 0
