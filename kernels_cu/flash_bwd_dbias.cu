@@ -97,6 +97,12 @@ flash_bwd_dbias_kernel(const BwdParams p) {
     using BiasT = typename Scores::BiasMod::BiasT;
     constexpr int NT = Tr::NUM_THREADS;
     constexpr int M_TILES = Tr::M_TILES, N_TILES = Tr::N_TILES;
+    // The GEMMs' k loops unrolled at D <= 64: with 8 warps per SM the next k step's
+    // ldmatrix must issue under this one's mma (rolled, as the dK/dV kernel's, its
+    // latency is exposed at every step: the H200's D=64 dbias took 4.9 ms rolled, 4.1
+    // unrolled, at B·N = 16k, N = 4096, (B, 1, N, N)). Dropout's Philox rounds and the
+    // mask's reads take D <= 64 to 244-255 registers unrolled: those stay rolled.
+    constexpr bool ROLLED = HEAD_DIM > 64 || (VARIANT & (VAR_DROPOUT | VAR_MASK)) != 0;
 
     extern __shared__ __align__(16) unsigned char smem[];
     const uint32 s_base = smem_addr(smem);
@@ -224,7 +230,7 @@ flash_bwd_dbias_kernel(const BwdParams p) {
         // ---- S = Q·Kᵀ
         float s[M_TILES][N_TILES][4];
         clear(s);
-        warp_gemm<T, M_TILES, N_TILES, HEAD_DIM / 16, QTile, false, KVTile, false, true>(s, sQ(stage), warp_row0,
+        warp_gemm<T, M_TILES, N_TILES, HEAD_DIM / 16, QTile, false, KVTile, false, ROLLED>(s, sQ(stage), warp_row0,
                                                                                         sK(stage), warp_col0);
         if constexpr (STAGES == 1) {
             __syncthreads();  // every warp is done with Q, K
@@ -249,7 +255,7 @@ flash_bwd_dbias_kernel(const BwdParams p) {
         // ---- dP = dO·Vᵀ
         float dp[M_TILES][N_TILES][4];
         clear(dp);
-        warp_gemm<T, M_TILES, N_TILES, HEAD_DIM / 16, QTile, false, KVTile, false, true>(dp, sdO(stage), warp_row0,
+        warp_gemm<T, M_TILES, N_TILES, HEAD_DIM / 16, QTile, false, KVTile, false, ROLLED>(dp, sdO(stage), warp_row0,
                                                                                          sV(stage), warp_col0);
         if constexpr (STAGES == 1) {
             __syncthreads();  // every warp is done with dO, V
