@@ -46,8 +46,8 @@ import numpy as np
 
 from . import bench
 from ._bench_suites import ERROR, OOM, _number, cell, mark_failed, ratio
-from ._bench_variants import (NOT_IMPLEMENTED, PASSES, _mark, check_status, count_checks, measure_passes,
-                              tflops)
+from ._bench_variants import (NOT_IMPLEMENTED, PASSES, OursVariant, _mark, check_status, count_checks,
+                              measure_passes, tflops)
 
 BIAS_TOKENS = 16384
 BIAS_HEAD_DIMS = (64, 128)
@@ -179,39 +179,12 @@ def judge_report(report) -> None:
 # ----------------------------------------------------------------------------
 
 
-class OursBias:
-    """``flash_attn_fwd``/``flash_attn_bwd`` with ``attn_bias=`` (and ``return_dbias=True``) or ``attn_mask=``."""
-
-    name = "ours"
-    passes = PASSES
-
-    def __init__(self, cupy, *, dtype, softmax_scale, bias=None, mask=None):
-        import cupyflash  # noqa: PLC0415
-
-        self.cupy, self.lib = cupy, cupyflash
-        self.fwd_kwargs = {"softmax_scale": softmax_scale, "dtype": dtype}
-        if bias is not None:
-            self.fwd_kwargs["attn_bias"] = bias
-        if mask is not None:
-            self.fwd_kwargs["attn_mask"] = mask
-        self.bwd_kwargs = dict(self.fwd_kwargs, **({"return_dbias": True} if bias is not None else {}))
-
-    def prepare(self, sets):
-        return sets
-
-    def forward(self, state):
-        q, k, v, _ = state
-        return self.lib.flash_attn_fwd(q, k, v, **self.fwd_kwargs)
-
-    def backward(self, state, fwd):
-        q, k, v, dout = state
-        return self.lib.flash_attn_bwd(dout, q, k, v, fwd[0], fwd[1], **self.bwd_kwargs)
-
-    def wait(self, result):
-        self.cupy.cuda.get_current_stream().synchronize()
-
-    def time_ms(self, fn, reps):
-        return bench._time_ms(fn, reps, self.cupy)  # noqa: SLF001
+def ours_bias(cupy, *, dtype, softmax_scale, bias=None, mask=None):
+    """ours (:class:`OursVariant`): ``flash_attn_fwd``/``flash_attn_bwd`` with ``attn_bias=``
+    (the backward with ``return_dbias=True``) or ``attn_mask=``."""
+    kwargs = {name: x for name, x in (("attn_bias", bias), ("attn_mask", mask)) if x is not None}
+    return OursVariant(cupy, dtype=dtype, softmax_scale=softmax_scale, kwargs=kwargs,
+                       bwd_kwargs={"return_dbias": True} if bias is not None else None)
 
 
 def _torch_bhsd(torch, cupy, sets, dtype):
@@ -385,7 +358,7 @@ def bias_point(cupy, torch_env, flex, report, save, *, head_dim, seqlen, dtype, 
             _progress(report, save, res, "ours")
             continue
         try:
-            measure_passes(OursBias(cupy, dtype=dtype, softmax_scale=scale, bias=bias, mask=mask), sets, res, reps)
+            measure_passes(ours_bias(cupy, dtype=dtype, softmax_scale=scale, bias=bias, mask=mask), sets, res, reps)
         except Exception as e:  # noqa: BLE001
             _mark(res, "ours", [f"ours_{p}_ms" for p in PASSES], e)
         _progress(report, save, res, "ours")

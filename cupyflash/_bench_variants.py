@@ -273,10 +273,12 @@ class OursVariant:
     name = "ours"
     passes = PASSES
 
-    def __init__(self, cupy, *, dtype, softmax_scale, kwargs):
+    def __init__(self, cupy, *, dtype, softmax_scale, kwargs, bwd_kwargs=None):
+        """``kwargs``: both passes' keyword arguments; ``bwd_kwargs``: the backward's extra ones."""
         import cupyflash  # noqa: PLC0415
 
         self.cupy, self.lib, self.kwargs = cupy, cupyflash, dict(kwargs, softmax_scale=softmax_scale, dtype=dtype)
+        self.bwd_kwargs = dict(self.kwargs, **(bwd_kwargs or {}))
 
     def prepare(self, sets):
         return sets
@@ -287,7 +289,7 @@ class OursVariant:
 
     def backward(self, state, fwd):
         q, k, v, dout = state
-        return self.lib.flash_attn_bwd(dout, q, k, v, fwd[0], fwd[1], **self.kwargs)
+        return self.lib.flash_attn_bwd(dout, q, k, v, fwd[0], fwd[1], **self.bwd_kwargs)
 
     def wait(self, result):
         self.cupy.cuda.get_current_stream().synchronize()

@@ -86,3 +86,12 @@ def test_suite_is_registered_with_its_options():
     args = parser.parse_args(["--suite", "bias", "--variant", "window"])
     with pytest.raises(ValueError):
         bench.check_suite_options(args)
+
+
+def test_ours_asks_for_dbias_only_with_a_bias_and_only_in_the_backward():
+    bias, mask = object(), object()
+    with_bias = bb.ours_bias(None, dtype="bfloat16", softmax_scale=0.1, bias=bias)
+    assert with_bias.kwargs["attn_bias"] is bias and "return_dbias" not in with_bias.kwargs
+    assert with_bias.bwd_kwargs["return_dbias"] is True and with_bias.bwd_kwargs["attn_bias"] is bias
+    with_mask = bb.ours_bias(None, dtype="bfloat16", softmax_scale=0.1, mask=mask)
+    assert with_mask.kwargs["attn_mask"] is mask and "return_dbias" not in with_mask.bwd_kwargs
