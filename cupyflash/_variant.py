@@ -123,21 +123,6 @@ def contiguous(options):
     return out
 
 
-def contiguous(options):
-    """``options`` with the slopes and sinks as C-contiguous device arrays (the kernels
-    read them with unit head stride, and ``(batch, nheads_q)`` slopes with batch stride
-    ``nheads_q``): a view is copied, a contiguous array kept as it is. The bias and
-    mask are read in place at their strides."""
-    import cupy  # noqa: PLC0415
-
-    out = options
-    for name in ("alibi_slopes", "sinks"):
-        x = options.get(name)
-        if x is not None and not x.flags.c_contiguous:
-            out = {**out, name: cupy.ascontiguousarray(x)}
-    return out
-
-
 def call_values(options, dsinks: int = 0, dbias: int = 0) -> tuple[int, ...]:
     """VariantParams' per-call fields (``_params.VARIANT_PER_CALL``): the slopes',
     sinks', bias's and mask's pointers, ``dsinks`` and ``dbias`` (the backward's
