@@ -125,7 +125,13 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
 
         A ``-inf`` entry hides the key from that row, as the causal mask does.
         The values are not checked (that would read every one on every call):
-        a NaN or ``+inf`` entry makes its row's output, lse and gradients NaN.
+        a NaN or ``+inf`` entry makes its row's output and gradients NaN (its
+        lse is then not meaningful).  Hide keys with ``-inf`` or ``attn_mask``,
+        not with a large finite negative value: a row whose every score is
+        about ``-1e7`` or below (``(1 - mask) * -1e9``) keeps its forward, but
+        its lse, stored in float32, rounds to the row maximum, and the
+        backward's recomputed probabilities, hence its gradients, are wrong
+        (as in FlashAttention, whose backward also recomputes P from lse).
     attn_mask : array of bool, optional
         A keep-mask broadcastable like ``attn_bias``: True attends, False
         hides the key from the row (together with ``causal``, ``window_size``
@@ -139,8 +145,10 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
         Same array type and dtype as ``q`` (uint16 storage stays uint16),
         C-contiguous.  Accumulated in float32.
     lse : array, shape (batch, nheads_q, seqlen_q), float32
-        The natural-log logsumexp of each row of scaled, masked scores,
-        ``log(sum_j exp(softmax_scale * q_i . k_j))``; the backward pass needs it.
+        The natural-log logsumexp of each row of final, masked scores,
+        ``log(sum_j exp(s_ij))`` with ``s_ij = softmax_scale * q_i . k_j``
+        modified by the variants (softcap, ALiBi, ``attn_bias``; with sinks
+        ``+ exp(sinks[h])`` inside the sum); the backward pass needs it.
 
     Raises
     ------
