@@ -39,7 +39,6 @@ seqlen (8 compiles at the defaults of one dtype).
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 import numpy as np
@@ -47,7 +46,7 @@ import numpy as np
 from . import bench
 from ._bench_suites import ERROR, OOM, _number, cell, mark_failed, ratio
 from ._bench_variants import (NOT_IMPLEMENTED, PASSES, OursVariant, _mark, check_status, count_checks,
-                              measure_passes, tflops)
+                              flex_module, measure_passes, tflops)
 
 BIAS_TOKENS = 16384
 BIAS_HEAD_DIMS = (64, 128)
@@ -283,16 +282,10 @@ class FlexBias:
 
 def flex_env(torch_env, softmax_scale):
     """``({"torch", "function", "create_block_mask"}, None)``, or ``(None, why flex is not measured)``."""
-    if torch_env is None:
-        return None, "torch not measured"
+    module, why = flex_module(torch_env)
+    if module is None:
+        return None, why
     torch = torch_env[0]
-    try:
-        module = importlib.import_module("torch.nn.attention.flex_attention")
-    except Exception as e:  # noqa: BLE001 - an older torch
-        return None, f"torch has no flex_attention ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
-    config = getattr(getattr(torch, "_functorch", None), "config", None)
-    if config is not None and hasattr(config, "donated_buffer"):  # backward timed repeatedly on one graph
-        config.donated_buffer = False
     bodies, compiled = flex_functions(module.flex_attention, softmax_scale), {}
 
     def function(case):

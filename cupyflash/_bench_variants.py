@@ -385,11 +385,6 @@ class FlexEnv:
         self.mask_mods = flex_mask_mods()
         self._compile = compile_fn or functools.partial(torch.compile, dynamic=False)
         self.compiled, self.masks = {}, {}
-        # AOTAutograd's donated buffers refuse a backward run twice on one graph
-        # (retain_graph=True), which is how the timed backward repeats.
-        config = getattr(getattr(torch, "_functorch", None), "config", None)
-        if config is not None and hasattr(config, "donated_buffer"):
-            config.donated_buffer = False
 
     def function(self, variant):
         if variant not in self.compiled:
@@ -416,8 +411,10 @@ class FlexEnv:
         self.torch.cuda.empty_cache()
 
 
-def flex_env(torch_env, softmax_scale):
-    """``(FlexEnv, None)``, or ``(None, why FlexAttention is not measured)``."""
+def flex_module(torch_env):
+    """``(torch.nn.attention.flex_attention, None)``, or ``(None, why FlexAttention is not
+    measured)``.  Turns off AOTAutograd's donated buffers, which refuse a backward run
+    twice on one graph (``retain_graph=True``), as the timed backwards repeat."""
     if torch_env is None:
         return None, "torch not measured"
     torch = torch_env[0]
@@ -425,7 +422,16 @@ def flex_env(torch_env, softmax_scale):
         module = importlib.import_module("torch.nn.attention.flex_attention")
     except Exception as e:  # noqa: BLE001 - an older torch
         return None, f"torch has no flex_attention ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
-    return FlexEnv(torch, module, softmax_scale=softmax_scale), None
+    config = getattr(getattr(torch, "_functorch", None), "config", None)
+    if config is not None and hasattr(config, "donated_buffer"):
+        config.donated_buffer = False
+    return module, None
+
+
+def flex_env(torch_env, softmax_scale):
+    """``(FlexEnv, None)``, or ``(None, why FlexAttention is not measured)``."""
+    module, why = flex_module(torch_env)
+    return (None, why) if module is None else (FlexEnv(torch_env[0], module, softmax_scale=softmax_scale), None)
 
 
 class FlexVariant:

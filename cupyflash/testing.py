@@ -18,6 +18,8 @@ host); nothing imports CuPy.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from . import reference
@@ -35,6 +37,7 @@ __all__ = [
     "random_qkv",
     "random_normal",
     "poison",
+    "poisoned_allocations",
     "to_bf16_bits",
     "from_bf16_bits",
 ]
@@ -306,6 +309,27 @@ def random_qkv(rng, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim, dt
 def poison(shape, dtype, xp=np):
     """An array of NaN: give it as an output buffer to prove every element is written."""
     return xp.full(shape, np.nan, dtype=resolve_dtype(dtype))
+
+
+@contextlib.contextmanager
+def poisoned_allocations(cupy):
+    """Within the block, every CuPy allocation is filled with 0xFF bytes (NaN in every
+    float dtype) before use, from a memory pool of its own that is freed on exit: an
+    output, a scratch buffer or an intermediate the kernels forget to write shows up
+    as NaN."""
+    pool = cupy.cuda.MemoryPool()
+
+    def malloc(nbytes):
+        mem = pool.malloc(nbytes)
+        if nbytes:
+            cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, nbytes, cupy.cuda.get_current_stream().ptr)
+        return mem
+
+    try:
+        with cupy.cuda.using_allocator(malloc):
+            yield
+    finally:
+        pool.free_all_blocks()
 
 
 def to_bf16_bits(x32):

@@ -109,3 +109,12 @@ def launches(monkeypatch):
     return names
 
 
+
+
+@pytest.fixture
+def jax_cpu_device():
+    """Run the test with JAX's CPU device as the default one (for the tests of the
+    CPU backend's callbacks, on a machine whose default JAX backend is a GPU)."""
+    jax = pytest.importorskip("jax")
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield

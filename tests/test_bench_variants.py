@@ -552,10 +552,14 @@ def test_flex_env_without_flex_attention(monkeypatch):
     assert variants.flex_env(None, 0.1) == (None, "torch not measured")
 
 
-def test_flex_env_turns_donated_buffers_off():
+def test_flex_env_turns_donated_buffers_off(monkeypatch):
+    """flex_module (shared by the variants and bias suites) turns them off."""
     torch = fake_torch()
     torch._functorch = types.SimpleNamespace(config=types.SimpleNamespace(donated_buffer=True))
-    variants.FlexEnv(torch, fake_flex_module(), softmax_scale=0.1, compile_fn=lambda fn: fn)
+    torch.compile = lambda fn, dynamic: fn
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.flex_attention", fake_flex_module())
+    env, why = variants.flex_env((torch, None, None), 0.1)
+    assert why is None and isinstance(env, variants.FlexEnv)
     assert torch._functorch.config.donated_buffer is False
 
 

@@ -41,17 +41,8 @@ FLOOR = 1e-3
 def cp():
     """cupy, every allocation NaN-poisoned (0xFF bytes)."""
     cupy = pytest.importorskip("cupy")
-    pool = cupy.cuda.MemoryPool()
-
-    def malloc(nbytes):
-        mem = pool.malloc(nbytes)
-        if nbytes:
-            cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, nbytes, cupy.cuda.get_current_stream().ptr)
-        return mem
-
-    with cupy.cuda.using_allocator(malloc):
+    with testing.poisoned_allocations(cupy):
         yield cupy
-    pool.free_all_blocks()
 
 
 # id -> (dtype, (batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim), causal); the

@@ -41,17 +41,8 @@ SEED, OFFSET = 0x5EED_0014_B1A5_0BD0, 7
 def cp():
     """cupy, every allocation NaN-poisoned (0xFF bytes) for the test's duration."""
     cupy = pytest.importorskip("cupy")
-    pool = cupy.cuda.MemoryPool()
-
-    def malloc(nbytes):
-        mem = pool.malloc(nbytes)
-        if nbytes:
-            cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, nbytes, cupy.cuda.get_current_stream().ptr)
-        return mem
-
-    with cupy.cuda.using_allocator(malloc):
+    with testing.poisoned_allocations(cupy):
         yield cupy
-    pool.free_all_blocks()
 
 
 def _dtypes(*names):

@@ -53,17 +53,8 @@ def xp(request):
         yield np
         return
     cp = pytest.importorskip("cupy")
-    pool = cp.cuda.MemoryPool()
-
-    def malloc(nbytes):
-        mem = pool.malloc(nbytes)
-        if nbytes:
-            cp.cuda.runtime.memsetAsync(mem.ptr, 0xFF, nbytes, cp.cuda.get_current_stream().ptr)
-        return mem
-
-    with cp.cuda.using_allocator(malloc):
+    with testing.poisoned_allocations(cp):
         yield cp
-    pool.free_all_blocks()
 
 
 def _is_bf16(dtype) -> bool:

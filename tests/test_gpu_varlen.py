@@ -41,18 +41,8 @@ def _cp():
 @pytest.fixture(autouse=True)
 def poisoned_memory():
     """Fill every CuPy allocation of the test with 0xFF bytes (NaN) before use."""
-    cp = _cp()
-    pool = cp.cuda.MemoryPool()
-
-    def malloc(nbytes):
-        mem = pool.malloc(nbytes)
-        if nbytes:
-            cp.cuda.runtime.memsetAsync(mem.ptr, 0xFF, nbytes, cp.cuda.get_current_stream().ptr)
-        return mem
-
-    with cp.cuda.using_allocator(malloc):
+    with testing.poisoned_allocations(_cp()):
         yield
-    pool.free_all_blocks()
 
 
 @pytest.fixture(params=["kernel", "loop"])

@@ -22,14 +22,8 @@ if cfj._buffer_callback is None:
 import cupyflash  # noqa: E402
 from cupyflash import testing  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _on_the_cpu_backend():
-    """These tests are of JAX's CPU backend (NumPy views of XLA's buffers), also on a
-    machine whose default JAX backend is a GPU."""
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
-
+# JAX's CPU backend (NumPy views of XLA's buffers), also where its default is a GPU.
+pytestmark = pytest.mark.usefixtures("jax_cpu_device")
 
 jnp = jax.numpy
 flash_attention = cfj.flash_attention

@@ -25,3 +25,42 @@ def test_given_out_has_no_nan_for_a_minus_inf_sink_on_a_row_that_sees_no_key():
     refs = reference.attention_bwd(dout, q, k, v, causal=True, sinks=sinks)
     fixed = testing.given_out(refs, out.astype(np.float16), dout, q, k, v, causal=True, sinks=sinks)
     assert np.isfinite(fixed[3]).all() and fixed[3][0] == refs[3][0] == 0
+
+
+def test_poisoned_allocations_fills_every_allocation_and_frees_its_pool():
+    """With a stand-in for cupy: each allocation in the block is memset to 0xFF on the
+    current stream, the allocator is restored and the pool freed on exit (also on error)."""
+    import contextlib
+    import types
+
+    from cupyflash import testing
+
+    calls = []
+
+    class Pool:
+        def malloc(self, nbytes):
+            return types.SimpleNamespace(ptr=1000 + nbytes)
+
+        def free_all_blocks(self):
+            calls.append("freed")
+
+    current = {}
+
+    @contextlib.contextmanager
+    def using_allocator(malloc):
+        current["malloc"] = malloc
+        try:
+            yield
+        finally:
+            current.pop("malloc")
+
+    cuda = types.SimpleNamespace(
+        MemoryPool=Pool, using_allocator=using_allocator,
+        get_current_stream=lambda: types.SimpleNamespace(ptr=7),
+        runtime=types.SimpleNamespace(memsetAsync=lambda *args: calls.append(args)))
+    fake = types.SimpleNamespace(cuda=cuda)
+    with pytest.raises(RuntimeError), testing.poisoned_allocations(fake):
+        current["malloc"](16)
+        current["malloc"](0)
+        raise RuntimeError
+    assert calls == [(1016, 0xFF, 16, 7), "freed"] and not current
