@@ -102,7 +102,7 @@ def plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causa
         head_dim=head_dim, dtype=dtype_name, causal=causal, deterministic=deterministic,
         vec=vec_ok((q, k, v, out, dout, dq, dk, dv), head_dim),
         num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id), varlen=packed is not None,
-        total_q=packed_totals[0], total_k=packed_totals[1], variant=_variant.bits(options) if options else 0,
+        total_q=packed_totals[0], total_k=packed_totals[1], variant=_variant.staged_bits(options) if options else 0,
         dbias_shape=_variant.dbias_shape(options) if options else None)
     rows_q = nheads_q * total_q  # the row buffers: one row per query (key) row, per head
     scratch = _launch.scratch_layout((

@@ -40,9 +40,10 @@ def _staged(options) -> bool:
     return bool(arrays) and all(dispatch.score_vec_ok(broadcast_strides(x), x.itemsize, x.data.ptr) for x in arrays)
 
 
-def fwd_bits(options) -> int:
-    """:func:`bits` for the forward: with VAR_BIAS_STAGED where the bias and mask can be
-    staged through shared memory (the plan drops it where its kernel does not)."""
+def staged_bits(options) -> int:
+    """:func:`bits` for a plan (forward or backward): with VAR_BIAS_STAGED where the bias
+    and mask can be staged through shared memory (``select_fwd``/``select_bwd`` drop it
+    for each kernel that does not stage, or whose stages do not fit)."""
     b = bits(options)
     return b | dispatch.VAR_BIAS_STAGED if _staged(options) and not b & dispatch.VAR_BIAS_STRIDED else b
 
@@ -72,7 +73,7 @@ def dbias_shape(options):
 def plan_key(options) -> tuple:
     """What a plan depends on: the variants on and their scalars (no arrays but the
     bias's and mask's broadcast strides, and through :func:`bits` whether they are
-    read in pairs; whether they are staged, :func:`fwd_bits`)."""
+    read in pairs; whether they are staged, :func:`staged_bits`)."""
     alibi = options.get("alibi_slopes")
     key = (bits(options), options.get("window_size"), options.get("softcap"), options.get("dropout_p"),
            None if alibi is None else alibi.ndim)

@@ -10,6 +10,7 @@ attention kernel takes the variant bits (``VARIANT``, kernels_cu/variant.cuh) la
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -390,6 +391,12 @@ FWD_STAGED_CHECK_VARIANTS = tuple(VAR_BIAS_STAGED | bits for bits in (
     VAR_BIAS | VAR_SOFTCAP, VAR_BIAS | VAR_WINDOW, VAR_BIAS | VAR_ALIBI, VAR_BIAS | VAR_DROPOUT))
 
 
+#: The backward's staged bias and mask (VAR_BIAS_STAGED) that check-kernels compiles:
+#: each array alone, both, and a bias with softcap (whose dS recomputes the score).
+_BWD_STAGED_KERNELS = tuple(f"cupyflash::flash_bwd_{k}_kernel" for k in ("dkdv", "dq", "dkdv_sm90", "dq_sm90"))
+BWD_STAGED_CHECK_VARIANTS = tuple(VAR_BIAS_STAGED | bits for bits in (
+    VAR_BIAS, VAR_BIAS_FP32, VAR_MASK, VAR_BIAS | VAR_MASK, VAR_BIAS | VAR_SOFTCAP))
+
 #: check-kernels compiles each variant alone in this dtype.
 _VARIANT_CHECK_DTYPE = "bfloat16"
 
@@ -464,19 +471,37 @@ def max_smem_per_block(cc: tuple[int, int]) -> int:
     return 99 * 1024  # 8.6, 8.9, 12.x
 
 
-def bwd_smem_bytes(head_dim_padded: int, tile: tuple[int, ...], stages: int) -> int:
-    """Shared memory of the dK/dV kernel (kernels_cu/flash_bwd.cu BwdTraits)."""
+def bwd_smem_bytes(head_dim_padded: int, tile: tuple[int, ...], stages: int, variant: int = 0) -> int:
+    """Shared memory of the dK/dV kernel (kernels_cu/flash_bwd.cu BwdTraits; the kernel
+    traps on less when staged): K, V, P, dS, the SeqLens slot, then per stage Q, dO,
+    lse_log2, delta and (VAR_BIAS_STAGED) the query block's bias/mask tile."""
     block_m, block_n = tile[:2]
     fixed = (2 * _smem_tile_bytes(block_n, head_dim_padded) + 2 * _smem_tile_bytes(block_m, block_n)
              + _SEQLENS_SLOT_BYTES)
-    stage = 2 * _smem_tile_bytes(block_m, head_dim_padded) + 2 * block_m * 4
+    stage = (2 * _smem_tile_bytes(block_m, head_dim_padded) + 2 * block_m * 4
+             + _score_stage_bytes(block_m, block_n, variant))
     return fixed + stages * stage
 
 
-def bwd_dq_smem_bytes(head_dim_padded: int, tile: tuple[int, int, int]) -> int:
-    """Shared memory of the deterministic dQ kernel (BwdDqTraits): Q, dO, V, two K."""
+def bwd_dq_smem_bytes(head_dim_padded: int, tile: tuple[int, int, int], variant: int = 0) -> int:
+    """Shared memory of the deterministic dQ kernel (BwdDqTraits::SMEM_BYTES): Q, dO, V,
+    two K and (VAR_BIAS_STAGED) two of the key block's bias/mask tile."""
     block_m, block_n, _ = tile
-    return 2 * _smem_tile_bytes(block_m, head_dim_padded) + 3 * _smem_tile_bytes(block_n, head_dim_padded)
+    return (2 * _smem_tile_bytes(block_m, head_dim_padded) + 3 * _smem_tile_bytes(block_n, head_dim_padded)
+            + 2 * _score_stage_bytes(block_m, block_n, variant))
+
+
+def score_stage_ok(block_n: int, variant: int) -> bool:
+    """Whether a kernel with ``block_n`` keys per tile can stage the bias and mask
+    (variant.cuh StageTile: rows of two 16-byte chunks at least, the mask's 1-byte
+    elements included)."""
+    itemsize = 1 if variant & VAR_MASK else 2 if variant & VAR_BIAS else 4
+    return block_n * itemsize >= 32
+
+
+def _unstaged(variant: int, keep: bool) -> int:
+    """``variant``, less VAR_BIAS_STAGED unless ``keep``."""
+    return variant if keep else variant & ~VAR_BIAS_STAGED
 
 
 @dataclass(frozen=True)
@@ -541,7 +566,7 @@ def bwd_dkdv_launch(dtype: str, head_dim_padded: int, tile: tuple[int, ...], cau
             str(wn_dkv), str(wm_dq), _cbool(causal), _cbool(even_k), _cbool(vec), _cbool(deterministic),
             str(variant))
     return Launch("flash_bwd.cu", "cupyflash::flash_bwd_dkdv_kernel", args, grid, (num_warps * 32, 1, 1),
-                  bwd_smem_bytes(head_dim_padded, tile, stages))
+                  bwd_smem_bytes(head_dim_padded, tile, stages, variant))
 
 
 def bwd_dq_launch(dtype: str, head_dim_padded: int, tile: tuple[int, int, int], causal: bool, even_k: bool,
@@ -551,7 +576,7 @@ def bwd_dq_launch(dtype: str, head_dim_padded: int, tile: tuple[int, int, int], 
     args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(num_warps),
             _cbool(causal), _cbool(even_k), _cbool(vec), str(variant))
     return Launch("flash_bwd.cu", "cupyflash::flash_bwd_dq_kernel", args, grid, (num_warps * 32, 1, 1),
-                  bwd_dq_smem_bytes(head_dim_padded, tile))
+                  bwd_dq_smem_bytes(head_dim_padded, tile, variant))
 
 
 
@@ -679,32 +704,54 @@ def bwd_dq_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: b
 
 # Variant bits whose wgmma backward spills, per padded head_dim (check-kernels, NVRTC
 # 13, sm_90): those plans run the mma.sync kernels of flash_bwd.cu instead.
-#   bias, mask at D=128: the dK/dV kernel sits at 252-255 registers without variants;
-#     the per-element bias/mask reads of the transposed Pᵀ tile spill 36-196 bytes
-#     (mask alone 36-72), with or without dbias.
+#   bias, mask at D=128, not staged: the dK/dV kernel sits at 252-255 registers without
+#     variants; the per-element bias/mask reads of the transposed Pᵀ tile spill 36-196
+#     bytes (mask alone 36-72), with or without dbias. Staged (VAR_BIAS_STAGED, the
+#     tile read transposed from shared memory: StagedScoreTermsT) it still sits at 255:
+#     the bf16 bias spills 24-36 bytes (3 of 4), with the mask 56-76, with softcap
+#     64-244; the fp32 bias and the mask alone fit with no margin. These plans stay on
+#     the mma.sync kernels (which stage the tile too).
 _BWD_SM90_VARIANT_SPILLS = {128: VAR_BIAS | VAR_BIAS_FP32 | VAR_MASK}
 
 
+def bwd_sm90_variant(head_dim_padded: int, variant: int, cc: tuple[int, int] = (9, 0)) -> int:
+    """The VARIANT the wgmma dK/dV kernel is compiled with: ``variant`` less
+    VAR_BIAS_STAGED where its two stages of the tile do not fit one block."""
+    if not variant & VAR_BIAS_STAGED:
+        return variant
+    fits = bwd_dkdv_sm90_smem_bytes(head_dim_padded, variant=variant) <= max_smem_per_block(cc)
+    return _unstaged(variant, fits)
+
+
+def bwd_dq_sm90_variant(head_dim_padded: int, variant: int, cc: tuple[int, int] = (9, 0)) -> int:
+    """The VARIANT the wgmma dQ kernel is compiled with (VAR_BIAS_STAGED dropped: not staged yet)."""
+    return variant & ~VAR_BIAS_STAGED
+
+
 def uses_sm90_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int = 0) -> bool:
-    """Whether the wgmma kernels serve this padded head_dim (and VARIANT bits)."""
-    return (cc == (9, 0) and vec and head_dim_padded in _BWD_SM90_HEAD_DIMS
-            and not variant & _BWD_SM90_VARIANT_SPILLS.get(head_dim_padded, 0))
+    """Whether the wgmma kernels serve this padded head_dim (and VARIANT bits, staged or not)."""
+    if not (cc == (9, 0) and vec and head_dim_padded in _BWD_SM90_HEAD_DIMS):
+        return False
+    return not variant & _BWD_SM90_VARIANT_SPILLS.get(head_dim_padded, 0)
 
 
-def bwd_dkdv_sm90_smem_bytes(head_dim_padded: int, block_m: int = BWD_SM90_BLOCK_M) -> int:
-    """kernels_cu/flash_bwd_sm90.cu BwdSm90Traits::SMEM_BYTES: K, V, dSᵀ (keys x
-    BLOCK_M), two stages of (Q, dO), two of (lse_log2, delta), the block's SeqLens,
-    and 1 KB to align to the swizzle atom."""
+def bwd_dkdv_sm90_smem_bytes(head_dim_padded: int, block_m: int = BWD_SM90_BLOCK_M, variant: int = 0) -> int:
+    """kernels_cu/flash_bwd_sm90.cu BwdSm90Traits::SMEM_BYTES (the kernel traps on less
+    when staged): K, V, dSᵀ (keys x BLOCK_M), two stages of (Q, dO), two of (lse_log2,
+    delta), the block's SeqLens, (VAR_BIAS_STAGED) two of the query block's bias/mask
+    tile from a 128-byte boundary, and 1 KB to align to the swizzle atom."""
     d, n = head_dim_padded, BWD_SM90_BLOCK_N
-    return (2 * n * d * 2 + n * block_m * 2 + 2 * 2 * block_m * d * 2 + 2 * 2 * block_m * 4
-            + _SEQLENS_SLOT_BYTES + 1024)
+    end = 2 * n * d * 2 + n * block_m * 2 + 2 * 2 * block_m * d * 2 + 2 * 2 * block_m * 4 + _SEQLENS_SLOT_BYTES
+    if variant & VAR_BIAS_STAGED:
+        end = -(-end // 128) * 128 + 2 * _score_stage_bytes(block_m, n, variant)
+    return end + 1024
 
 
 def bwd_dkdv_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool, deterministic: bool,
                          grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0) -> Launch:
     """The wgmma dK/dV kernel (cc 9.0) for one set of compile-time choices."""
     d = head_dim_padded
-    smem = bwd_dkdv_sm90_smem_bytes(d)
+    smem = bwd_dkdv_sm90_smem_bytes(d, variant=variant)
     args = (CTYPES[dtype], str(d), _cbool(causal), _cbool(even_k), _cbool(deterministic), str(variant))
     return Launch("flash_bwd_sm90.cu", "cupyflash::flash_bwd_dkdv_sm90_kernel", args, grid, (256, 1, 1), smem)
 
@@ -829,6 +876,12 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     ``dbias_shape``: the bias's 4-D shape when its gradient is asked for (``variant``
     then has a bias bit): the dbias kernel runs last (it reads the preprocess's
     lse_log2 and delta), one block per tile of that shape (:func:`bwd_dbias_grid`).
+
+    ``variant`` may hold VAR_BIAS_STAGED (``_variant.staged_bits``: the bias and mask
+    pass :func:`score_vec_ok`): each kernel that stages the tile keeps it where its
+    stages fit the tile and stage count chosen without it (and :func:`score_stage_ok`;
+    the wgmma kernels: :func:`bwd_sm90_variant`, :func:`bwd_dq_sm90_variant`), the
+    others drop it.
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
@@ -842,7 +895,8 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     d = padded_head_dim(head_dim)
     even_k = head_dim == d
     smem_limit = max_smem_per_block(cc)
-    sm90 = uses_sm90_bwd(d, vec, cc, variant)
+    staged, variant = variant & VAR_BIAS_STAGED, variant & ~VAR_BIAS_STAGED
+    sm90 = uses_sm90_bwd(d, vec, cc, variant | staged)
     # dQ by its own kernel (no atomics): always when deterministic, and where measured faster
     separate_dq = deterministic or (sm90 and BWD_DQ_SM90 and _bwd_sm90_separate_dq(d))
     if sm90:
@@ -856,17 +910,23 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     kv_splits = bwd_kv_splits(kv_blocks, nheads_q // nheads_kv, num_sms)
     dkdv_grid = (kv_blocks * kv_splits, 1, 1)
     if sm90:
-        launches.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, separate_dq, dkdv_grid, variant))
+        launches.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, separate_dq, dkdv_grid,
+                                             bwd_sm90_variant(d, variant | staged, cc)))
     else:
+        dkdv_variant = _unstaged(variant | staged, bool(staged) and score_stage_ok(tile[1], variant)
+                                 and bwd_smem_bytes(d, tile, stages, variant | staged) <= smem_limit)
         launches.append(bwd_dkdv_launch(dtype, d, tile, causal, even_k, vec, deterministic, stages, dkdv_grid,
-                                        variant))
+                                        dkdv_variant))
     if separate_dq and sm90 and BWD_DQ_SM90:
         dq_grid = (math.ceil(seqlen_q / BWD_DQ_SM90_BLOCK_M) * batch * nheads_q, 1, 1)
-        launches.append(bwd_dq_sm90_launch(dtype, d, causal, even_k, dq_grid, variant))
+        launches.append(bwd_dq_sm90_launch(dtype, d, causal, even_k, dq_grid,
+                                           bwd_dq_sm90_variant(d, variant | staged, cc)))
     elif deterministic:
         dq_tile = _pick_bwd_dq_tile(d, smem_limit, variant)
         dq_grid = (math.ceil(seqlen_q / dq_tile[0]) * batch * nheads_q, 1, 1)
-        launches.append(bwd_dq_launch(dtype, d, dq_tile, causal, even_k, vec, dq_grid, variant))
+        dq_variant = _unstaged(variant | staged, bool(staged) and score_stage_ok(dq_tile[1], variant)
+                               and bwd_dq_smem_bytes(d, dq_tile, variant | staged) <= smem_limit)
+        launches.append(bwd_dq_launch(dtype, d, dq_tile, causal, even_k, vec, dq_grid, dq_variant))
     else:
         launches.append(bwd_convert_launch(dtype, vec, q_rows[0] * q_rows[1] * nheads_q))
     if kv_splits > 1:
@@ -911,7 +971,9 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
     # (The bias with the mask, causal, is not listed: on sm_80 the mma.sync dK/dV tiles
     # D=64 64x128, D=96 64x128 and D=256 64x64 and the D=256 dQ tile spill 8-64 bytes
     # with both reads, and D=64 has no leaner tile in the table.)
-    for bit, d, causal, det in itertools.product(VARIANT_BITS.values(), HEAD_DIMS, (False, True), (False, True)):
+    # (VAR_BIAS_STAGED needs a bias or mask: the staged list below.)
+    alone = [bit for bit in VARIANT_BITS.values() if bit != VAR_BIAS_STAGED]
+    for bit, d, causal, det in itertools.product(alone, HEAD_DIMS, (False, True), (False, True)):
         for tile in _bwd_variant_tiles(d, causal, det, True, bit)[:1]:
             out.append(bwd_dkdv_launch(_VARIANT_CHECK_DTYPE, d, tile, causal, True, True, det, variant=bit))
         if det:
@@ -922,6 +984,19 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
             out.append(bwd_dkdv_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, no_dq, variant=bit))
             if no_dq:
                 out.append(bwd_dq_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bit))
+    # The staged bias and mask: the dK/dV and dQ kernels of the plans that take them, on
+    # each GPU whose shared memory the tables tell apart (cc None: the mma.sync kernels
+    # of cc 8.0 and 8.6).
+    staged = []
+    for arch in (cc,) if cc is not None else ((8, 0), (8, 6)):
+        for bit, d, causal, det in itertools.product(BWD_STAGED_CHECK_VARIANTS, HEAD_DIMS, (False, True),
+                                                     (False, True)):
+            plan = select_bwd(batch=1, seqlen_q=1024, seqlen_k=1024, nheads_q=16, nheads_kv=16, head_dim=d,
+                              dtype=_VARIANT_CHECK_DTYPE, causal=causal, deterministic=det, vec=True, cc=arch,
+                              variant=bit)
+            staged.extend(dataclasses.replace(L, grid=(1, 1, 1)) for L in plan.launches
+                          if L.template in _BWD_STAGED_KERNELS and int(L.args[-1]) & VAR_BIAS_STAGED)
+    out.extend(dict.fromkeys(staged))
     # The dbias kernel: its tile (and stages) depend on the shared memory of cc.
     dbias = []
     for arch in (cc,) if cc is not None else ARCHS:

@@ -260,7 +260,7 @@ flash_bwd_preprocess_kernel(const BwdParams p) {
 // block loads during the whole step); 1 halves that memory and loads the next
 // block during the dQ GEMM only (for GPUs with less shared memory).
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_, int WARPS_M_SDP_,
-          int WARPS_N_DKV_, int WARPS_M_DQ_>
+          int WARPS_N_DKV_, int WARPS_M_DQ_, int VARIANT_ = 0>
 struct BwdTraits {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
@@ -288,8 +288,12 @@ struct BwdTraits {
     using QTile = SmemTile<T, BLOCK_M, HEAD_DIM>;   // Q and dO
     using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM>;  // K and V (and the dK, dV staging at the end)
     using PTile = SmemTile<T, BLOCK_M, BLOCK_N>;    // P and dS
-    // Shared memory: K, V, P, dS, the block's SeqLens, then per stage Q, dO, lse_log2, delta.
-    static constexpr int STAGE_BYTES = 2 * QTile::BYTES + 2 * BLOCK_M * 4;
+    // Shared memory: K, V, P, dS, the block's SeqLens, then per stage Q, dO, lse_log2, delta
+    // and (VAR_BIAS_STAGED) the query block's bias/mask tile (ScoreTileStage, BLOCK_M x BLOCK_N).
+    static constexpr bool STAGED = (VARIANT_ & VAR_BIAS_STAGED) != 0;
+    static constexpr int SCORE_OFFSET = 2 * QTile::BYTES + 2 * BLOCK_M * 4;  // in a stage
+    static constexpr int SCORE_BYTES = ScoreStageBytes<STAGED, VARIANT_, T, BLOCK_M, BLOCK_N, NUM_THREADS>::value;
+    static constexpr int STAGE_BYTES = SCORE_OFFSET + SCORE_BYTES;
     static constexpr int FIXED_BYTES = 2 * KVTile::BYTES + 2 * PTile::BYTES + SeqLensSlot::BYTES;
 
     static_assert(NUM_WARPS % WARPS_M_SDP_ == 0 && NUM_WARPS % WARPS_N_DKV_ == 0 && NUM_WARPS % WARPS_M_DQ_ == 0,
@@ -306,7 +310,7 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int
           int WARPS_M_DQ, bool IS_CAUSAL, bool EVEN_K, bool VEC, bool DETERMINISTIC, int VARIANT>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_bwd_dkdv_kernel(const BwdParams p) {
-    using Tr = BwdTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, WARPS_M_SDP, WARPS_N_DKV, WARPS_M_DQ>;
+    using Tr = BwdTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, WARPS_M_SDP, WARPS_N_DKV, WARPS_M_DQ, VARIANT>;
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using PTile = typename Tr::PTile;
@@ -327,6 +331,15 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     auto stage_floats = [&](int stage) {
         return reinterpret_cast<const float*>(smem + Tr::FIXED_BYTES + stage * Tr::STAGE_BYTES + 2 * QTile::BYTES);
     };
+    auto sScore = [&](int stage) { return sQ(stage) + Tr::SCORE_OFFSET; };  // staged bias/mask tile
+    constexpr bool STAGED = Tr::STAGED;
+    // The launch's dynamic shared memory is dispatch's (bwd_smem_bytes): it must cover
+    // this kernel's (checked where the staged tile's size is new).
+    if constexpr (STAGED) {
+        if (threadIdx.x == 0 && dynamic_smem_bytes() < uint32(Tr::FIXED_BYTES + p.num_stages * Tr::STAGE_BYTES)) {
+            __trap();
+        }
+    }
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, t = lane % 4;
@@ -394,6 +407,11 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
             cp_async_4(s_rows, p.lse_log2 + row_index, valid);
             cp_async_4(s_rows + BLOCK_M * 4, p.delta + row_index, valid);
         }
+        // the (query block, key block)'s bias/mask tile, in the group of Q and dO
+        if constexpr (STAGED) {
+            ScoreTileStage<VARIANT, T, BLOCK_M, BLOCK_N, NT>::copy(sScore(stage), p.var, b, h, m0, n0,
+                                                                   seq.seqlen_q - 1, seq.seqlen_k - 1);
+        }
     };
 
     float acc_dk[DKV_MT][DKV_NT][4], acc_dv[DKV_MT][DKV_NT][4];
@@ -438,10 +456,25 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
         const int row0 = m0 + sdp_row0 + g, col0 = n0 + sdp_col0 + 2 * t;
         auto lse2 = [&](int i, int hh) { return s_lse[sdp_row0 + i * 16 + hh * 8 + g]; };
         auto delta = [&](int i, int hh) { return s_delta[sdp_row0 + i * 16 + hh * 8 + g]; };
+        // The bias and mask: this stage's tile (staged; the ScoreMod only gives its strides'
+        // broadcast test), else ScoreMod's reads element by element.
+        const ScoreMod<VARIANT, T> tile_mod(p.var, p.softmax_scale_log2, b, h, 0, 0);
+        using Terms = typename Select<STAGED, StagedScoreTerms<VARIANT, T, SDP_MT, SDP_NT, BLOCK_M, NT, BLOCK_N>,
+                                      ElementTerms>::type;
+        auto make_terms = [&]() {
+            if constexpr (STAGED) {
+                Terms terms(tile_mod, b, h, 0, sdp_row0 + g, sScore(stage), sdp_col0);
+                terms.template load<MASKED>(0, 0);
+                return terms;
+            } else {
+                return ElementTerms{};
+            }
+        };
+        const Terms terms = make_terms();
 
         // ---- P = prob(x, lse·log2e), x the variant's masked score: 0 where masked (x = -inf)
         //      or lse_log2 = +inf (with softcap: in dscores below, from the raw S)
-        if constexpr (!Scores::DEFER) scores(Bool<LENGTHS>{}).template probs<MASKED>(s, row0, col0, lse2);
+        if constexpr (!Scores::DEFER) scores(Bool<LENGTHS>{}).template probs<MASKED>(s, row0, col0, lse2, terms);
 
         // ---- dP = dO·Vᵀ
         float dp[SDP_MT][SDP_NT][4];
@@ -451,7 +484,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
 
         // ---- dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap) in place of dP, and
         //      P∘Z·rp (dropout's keep mask Z, rp = 1/(1-p)) in place of P
-        scores(Bool<Scores::DEFER && LENGTHS>{}).template dscores<MASKED>(s, dp, row0, col0, lse2, delta);
+        scores(Bool<Scores::DEFER && LENGTHS>{}).template dscores<MASKED>(s, dp, row0, col0, lse2, delta, terms);
 
         // ---- P∘Z·rp and dS to shared memory: dV and dK read them transposed, dQ as is
         store_frag<T, PTile>(sP, s, sdp_row0, sdp_col0);
@@ -551,7 +584,7 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
 //
 // Template parameters: T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, IS_CAUSAL,
 // EVEN_K, VEC, VARIANT as for flash_bwd_dkdv_kernel.
-template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_>
+template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_, int VARIANT_ = 0>
 struct BwdDqTraits {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
@@ -565,7 +598,12 @@ struct BwdDqTraits {
     static constexpr int D_TILES = HEAD_DIM / 8;
     using QTile = SmemTile<T, BLOCK_M, HEAD_DIM>;   // Q and dO
     using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM>;  // K (two buffers) and V
-    static constexpr int SMEM_BYTES = 2 * QTile::BYTES + 3 * KVTile::BYTES;
+    // (VAR_BIAS_STAGED) two buffers of the key block's bias/mask tile, beside K's
+    static constexpr bool STAGED = (VARIANT_ & VAR_BIAS_STAGED) != 0;
+    using Terms = typename Select<STAGED, StagedScoreTerms<VARIANT_, T, M_TILES, N_TILES, BLOCK_M, NUM_THREADS>,
+                                  ElementTerms>::type;
+    static constexpr int SCORE_BYTES = ScoreStageBytes<STAGED, VARIANT_, T, BLOCK_M, BLOCK_N, NUM_THREADS>::value;
+    static constexpr int SMEM_BYTES = 2 * QTile::BYTES + 3 * KVTile::BYTES + 2 * SCORE_BYTES;
 
     static_assert(ROWS_PER_WARP % 16 == 0, "each warp owns whole m16 tiles");
     static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "k16 steps");
@@ -575,7 +613,7 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, boo
           int VARIANT>
 __global__ void __launch_bounds__(NUM_WARPS * 32)
 flash_bwd_dq_kernel(const BwdParams p) {
-    using Tr = BwdDqTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
+    using Tr = BwdDqTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, VARIANT>;
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     constexpr int NT = Tr::NUM_THREADS;
@@ -586,6 +624,13 @@ flash_bwd_dq_kernel(const BwdParams p) {
     const uint32 sdO = sQ + QTile::BYTES;
     const uint32 sV = sdO + QTile::BYTES;
     auto sK = [&](int buf) { return sV + KVTile::BYTES + buf * KVTile::BYTES; };
+    const uint32 sScore0 = sK(2);  // staged bias/mask tile of K's buffer buf at sScore0 + buf * SCORE_BYTES
+    constexpr bool STAGED = Tr::STAGED;
+    // The launch's dynamic shared memory is dispatch's (bwd_dq_smem_bytes): it must cover
+    // this kernel's (checked where the staged tiles' size is new).
+    if constexpr (STAGED) {
+        if (threadIdx.x == 0 && dynamic_smem_bytes() < uint32(Tr::SMEM_BYTES)) __trap();
+    }
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, t = lane % 4;
@@ -618,6 +663,8 @@ flash_bwd_dq_kernel(const BwdParams p) {
     // Per-thread fragment rows: row r0 + 16 i (+ 8) of this block; their lse_log2
     // and delta (0 past seqlen_q, like Q and dO: see the top of this file).
     const int r0 = warp * Tr::ROWS_PER_WARP + g;
+    // the bias and mask of a key block: staged with K (in its buffer), or ElementTerms
+    [[maybe_unused]] typename Tr::Terms terms(scores.mod, b, h, m0, r0, sScore0);
     const int64 row_index0 = query_row_index(p, b, h, seq, m0);
     float lse2[M_TILES][2], delta[M_TILES][2];
 #pragma unroll
@@ -642,6 +689,7 @@ flash_bwd_dq_kernel(const BwdParams p) {
         load_tile_lean<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ, q, p.q_row_stride, rows_valid, p.head_dim);
         load_tile_lean<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sdO, dout, p.do_row_stride, rows_valid, p.head_dim);
         load_kv(sK(0), k, p.k_row_stride, blocks.end - 1);
+        if constexpr (STAGED) terms.stage_in(blocks.end - 1, 0);
         cp_async_commit();
     }
 
@@ -653,7 +701,10 @@ flash_bwd_dq_kernel(const BwdParams p) {
         __syncthreads();  // K[n] landed; every warp is done with V[n+1] and K[n+1]
         load_kv(sV, v, p.v_row_stride, n);
         cp_async_commit();
-        if (n > blocks.begin) load_kv(sK(buf ^ 1), k, p.k_row_stride, n - 1);
+        if (n > blocks.begin) {
+            load_kv(sK(buf ^ 1), k, p.k_row_stride, n - 1);
+            if constexpr (STAGED) terms.stage_in(n - 1, buf ^ 1);
+        }
         cp_async_commit();  // possibly empty: wait<1> below then still means "V landed"
 
         // ---- S = Q·Kᵀ
@@ -667,7 +718,16 @@ flash_bwd_dq_kernel(const BwdParams p) {
         const int col0 = n * BLOCK_N + 2 * t;  // this lane's first key column
         auto lse2_of = [&](int i, int hh) { return lse2[i][hh]; };
         auto delta_of = [&](int i, int hh) { return delta[i][hh]; };
-        if constexpr (!Scores::DEFER) scores.template probs<MASKED>(s, m0 + r0, col0, lse2_of);
+        auto make_terms = [&]() {
+            if constexpr (STAGED) {
+                terms.template load<MASKED>(0, buf);
+                return terms;
+            } else {
+                return ElementTerms{};
+            }
+        };
+        const auto step_terms = make_terms();
+        if constexpr (!Scores::DEFER) scores.template probs<MASKED>(s, m0 + r0, col0, lse2_of, step_terms);
 
         cp_async_wait<1>();
         __syncthreads();  // V[n] landed
@@ -680,7 +740,7 @@ flash_bwd_dq_kernel(const BwdParams p) {
 
         // ---- dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap), repacked as the A
         //      operand of dS·K (s becomes P∘Z·rp, unused here)
-        scores.template dscores<MASKED>(s, dp, m0 + r0, col0, lse2_of, delta_of);
+        scores.template dscores<MASKED>(s, dp, m0 + r0, col0, lse2_of, delta_of, step_terms);
         uint32 ds[M_TILES][BLOCK_N / 16][4];
         pack_a<T>(ds, dp);
 

@@ -47,7 +47,7 @@
 
 namespace cupyflash {
 
-template <typename T_, int HEAD_DIM_>
+template <typename T_, int HEAD_DIM_, int VARIANT_ = 0>
 struct BwdSm90Traits {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
@@ -62,7 +62,12 @@ struct BwdSm90Traits {
     // lse_log2 and delta: 2 stages x 2 x BLOCK_M floats; the block's SeqLens;
     // +1024 to align the window.
     static constexpr int SEQ_OFFSET = ROWS_OFFSET + 2 * 2 * BLOCK_M * 4;
-    static constexpr int SMEM_BYTES = SEQ_OFFSET + SeqLensSlot::BYTES + 1024;
+    // (VAR_BIAS_STAGED) 2 stages of the query block's bias/mask tile (BLOCK_M x BLOCK_N,
+    // ScoreTileStage), after the SeqLens rounded up to 128 bytes
+    static constexpr bool STAGED = (VARIANT_ & VAR_BIAS_STAGED) != 0;
+    static constexpr int SCORE_OFFSET = (SEQ_OFFSET + SeqLensSlot::BYTES + 127) / 128 * 128;
+    static constexpr int SCORE_BYTES = ScoreStageBytes<STAGED, VARIANT_, T, BLOCK_M, BLOCK_N, NUM_THREADS>::value;
+    static constexpr int SMEM_BYTES = (STAGED ? SCORE_OFFSET + 2 * SCORE_BYTES : SEQ_OFFSET + SeqLensSlot::BYTES) + 1024;
 };
 
 // Dropout's keep bits (variant.cuh's Dropout, the forward's counters) of the dK/dV
@@ -109,7 +114,7 @@ struct KeepBitsT {
 template <typename T, int HEAD_DIM, bool IS_CAUSAL, bool EVEN_K, bool DETERMINISTIC, int VARIANT>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
-    using Tr = BwdSm90Traits<T, HEAD_DIM>;
+    using Tr = BwdSm90Traits<T, HEAD_DIM, VARIANT>;
     constexpr int BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N, NT = Tr::NUM_THREADS;
     constexpr int D_TILES = HEAD_DIM / 8;        // n8 tiles of dK, dV
     constexpr int M_TILES = BLOCK_M / 8;         // n8 tiles of Sᵀ, dPᵀ (query columns)
@@ -121,6 +126,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0, ALIBI = (VARIANT & VAR_ALIBI) != 0;
     constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
     constexpr bool BIAS_OR_MASK = ScoreMod<VARIANT, T>::BIAS_OR_MASK;
+    constexpr bool STAGED = Tr::STAGED;  // the bias/mask tile through shared memory (else ScoreMod's reads)
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const uint32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -131,6 +137,12 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     auto stage_floats = [&](int stage) {  // lse_log2[BLOCK_M], then delta[BLOCK_M]
         return reinterpret_cast<const float*>(smem + Tr::ROWS_OFFSET + stage * 2 * BLOCK_M * 4);
     };
+    auto sScore = [&](int stage) { return base + uint32(Tr::SCORE_OFFSET + stage * Tr::SCORE_BYTES); };
+    // The launch's dynamic shared memory is dispatch's (bwd_dkdv_sm90_smem_bytes): it must
+    // cover this kernel's (checked where the staged tiles' size is new).
+    if constexpr (STAGED) {
+        if (threadIdx.x == 0 && dynamic_smem_bytes() < uint32(Tr::SMEM_BYTES)) __trap();
+    }
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int wg = warp / 4;
@@ -199,6 +211,11 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
             cp_async_4(s_rows, p.lse_log2 + row_index, valid);
             cp_async_4(s_rows + BLOCK_M * 4, p.delta + row_index, valid);
         }
+        // the (query block, key block)'s bias/mask tile, in the group of Q and dO
+        if constexpr (STAGED) {
+            ScoreTileStage<VARIANT, T, BLOCK_M, BLOCK_N, NT>::copy(sScore(stage), p.var, b, h, m0, n0,
+                                                                   seq.seqlen_q - 1, seq.seqlen_k - 1);
+        }
     };
 
     float acc_dk[D_TILES][4], acc_dv[D_TILES][4];
@@ -256,9 +273,13 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         //      the bias's and mask's clamped reads).
         constexpr bool MASKED = decltype(masked)::value;
         SeqLens sl{};
-        if constexpr (MASKED || ALIBI || BIAS_OR_MASK) sl = seq_slot.load();
+        if constexpr (MASKED || ALIBI || (BIAS_OR_MASK && !STAGED)) sl = seq_slot.load();
         const Mask<IS_CAUSAL, VARIANT> mask(p.var, sl.seqlen_q, sl.seqlen_k);
         const ScoreMod<VARIANT, T> mod(p.var, p.softmax_scale_log2, b, h, sl.seqlen_q, sl.seqlen_k);
+        // staged: this stage's tile, read transposed (the warp's keys from wg·64 + 16 (warp % 4))
+        [[maybe_unused]] typename Select<STAGED, StagedScoreTermsT<VARIANT, T, BLOCK_M, BLOCK_N, NT>,
+                                         ElementTerms>::type terms;
+        if constexpr (STAGED) terms.load(p.var, sScore(stage), key_row0 - g);
         KeyRows<IS_CAUSAL, VARIANT> key_rows[2] = {{mask, n0 + key_row0}, {mask, n0 + key_row0 + 8}};
         [[maybe_unused]] float pd[M_TILES][4];  // softcap: P·(1 − tanh²), dS's factor in place of P
 #pragma unroll
@@ -271,6 +292,8 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
                 float x;
                 if constexpr (VARIANT == 0) {
                     x = fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -lse));
+                } else if constexpr (STAGED) {
+                    x = prob(terms.apply(mod.scaled(st[j][e], query, key), j, e), lse);
                 } else {
                     x = prob(mod(st[j][e], query, key), lse);
                 }

@@ -445,59 +445,118 @@ struct StageTile {
     }
 };
 
-// The bias and mask of one key block, as ScoreTerms (same layout, same apply()), but
-// staged through shared memory: stage_in() copies the block's BLOCK_M x BLOCK_N tile
-// with coalesced 16-byte cp.async into one stage of a ring beside the kernel's K/V
-// ring (issued with K, in K's commit group, so it lands with K), and load() reads this
-// lane's pairs from it (ld.shared, conflict-free: StageTile). The plan has found the
-// column stride 1 and every row 16-byte aligned (dispatch.score_vec_ok). Rows past
-// seqlen_q read row seqlen_q - 1 (as ScoreMod's clamp); keys past seqlen_k are
-// zero-filled (cp.async's src-size: nothing past the row is read; Mask hides them). A
-// row-broadcast array (row stride 0: a (B, 1, 1, N) padding mask) is copied as its
-// one row, and every fragment row reads that row. The NUM_THREADS threads of the
-// block all call stage_in(); the caller commits, waits and synchronises.
-template <int VARIANT, typename T, int M_TILES, int N_TILES, int BLOCK_M, int NUM_THREADS>
-struct StagedScoreTerms {
+// The bias and mask tile of BLOCK_M query rows x BLOCK_N keys in shared memory: one
+// stage of it (the bias's StageTile, then the mask's) and its copy. copy() moves the
+// tile of rows m0 .. and keys n0 .. with coalesced 16-byte cp.async (the NUM_THREADS
+// threads of the block all call it; the caller commits it in the group of the GEMM
+// operands of the same block, waits and synchronises). The plan has found the column
+// stride 1 and every row 16-byte aligned (dispatch.score_vec_ok). Rows past seqlen_q
+// read row seqlen_q - 1 (as ScoreMod's clamp); keys past seqlen_k are zero-filled
+// (cp.async's src-size: nothing past the row is read; Mask hides them). A
+// row-broadcast array (row stride 0: a (B, 1, 1, N) padding mask) is copied as its one
+// row, and every reader reads that row. Shared by the forward (a key block per stage,
+// issued with K) and the backward (the dK/dV kernels: a query block per stage, issued
+// with Q and dO; the dQ kernels: a key block, with K).
+template <int VARIANT, typename T, int BLOCK_M, int BLOCK_N, int NUM_THREADS>
+struct ScoreTileStage {
     using Mod = ScoreMod<VARIANT, T>;
     using BiasT = typename Mod::BiasT;
     static constexpr bool BIAS = Mod::BIAS, MASK = Mod::MASK;
-    static constexpr bool FP32 = sizeof(BiasT) == 4;
-    static constexpr int BLOCK_N = 8 * N_TILES;
     using BiasTile = StageTile<int(sizeof(BiasT)), BLOCK_M, BLOCK_N>;
     using KeepTile = StageTile<1, BLOCK_M, BLOCK_N>;
     static constexpr int KEEP_OFFSET = BIAS ? BiasTile::BYTES : 0;  // in a stage: the bias tile, then the mask's
     static constexpr int STAGE_BYTES = KEEP_OFFSET + (MASK ? KeepTile::BYTES : 0);
-    using BiasPair = typename Select<FP32, float2, uint32>::type;
     static_assert(Mod::BIAS_OR_MASK && (VARIANT & VAR_BIAS_STRIDED) == 0, "staged: a bias or mask, in 16-byte rows");
+
+    // Copy (batch b, head h)'s tile at (m0, n0) into the stage at `base`; last_row,
+    // last_col: seqlen_q - 1, seqlen_k - 1.
+    __device__ static __forceinline__ void copy(uint32 base, const VariantParams& v, int b, int h, int m0, int n0,
+                                                int last_row, int last_col) {
+        const int keys_valid = last_col + 1 - n0;
+        if constexpr (BIAS) {
+            copy_tile<BiasTile>(base, static_cast<const BiasT*>(v.attn_bias) + b * v.bias_batch_stride +
+                                          h * v.bias_head_stride + n0, v.bias_row_stride, m0, last_row, keys_valid);
+        }
+        if constexpr (MASK) {
+            copy_tile<KeepTile>(base + KEEP_OFFSET, v.attn_mask + b * v.mask_batch_stride + h * v.mask_head_stride + n0,
+                                v.mask_row_stride, m0, last_row, keys_valid);
+        }
+    }
+
+  private:
+    // The tile's chunks, NUM_THREADS at a time: chunk c of row r from global row
+    // min(m0 + r, last_row) at keys 16 / E c ..; the bytes past the key tail zero-filled.
+    template <typename Tile, typename E>
+    __device__ static __forceinline__ void copy_tile(uint32 dst, const E* src, int64 row_stride, int m0,
+                                                     int last_row, int keys_valid) {
+        constexpr int CHUNKS = Tile::CHUNKS, PER_CHUNK = 16 / int(sizeof(E));
+        constexpr int ROWS_PER_PASS = NUM_THREADS / CHUNKS;
+        static_assert(NUM_THREADS % CHUNKS == 0, "whole rows of chunks per pass of the threads");
+        int tid = threadIdx.x;
+        asm volatile("" : "+r"(tid));  // (the rows' offsets recomputed per block, not held across the loop)
+        const int c = tid % CHUNKS;
+        const int bytes = min(max((keys_valid - c * PER_CHUNK) * int(sizeof(E)), 0), 16);
+        const int rows = row_stride == 0 ? 1 : BLOCK_M;  // a broadcast row once
+#pragma unroll
+        for (int it = 0; it < (BLOCK_M + ROWS_PER_PASS - 1) / ROWS_PER_PASS; ++it) {
+            const int r = tid / CHUNKS + it * ROWS_PER_PASS;
+            if (r >= rows) break;
+            const E* row = src + int64(min(m0 + r, last_row)) * row_stride;
+            cp_async_16_bytes(dst + Tile::offset(r, c), bytes > 0 ? row + c * PER_CHUNK : row, bytes);
+        }
+    }
+};
+
+// One stage's bytes of a kernel's staged bias/mask tile: ScoreTileStage's where the
+// plan stages it (VAR_BIAS_STAGED), else 0 (nothing instantiated).
+template <bool STAGED, int VARIANT, typename T, int BLOCK_M, int BLOCK_N, int NUM_THREADS>
+struct ScoreStageBytes { static constexpr int value = 0; };
+template <int VARIANT, typename T, int BLOCK_M, int BLOCK_N, int NUM_THREADS>
+struct ScoreStageBytes<true, VARIANT, T, BLOCK_M, BLOCK_N, NUM_THREADS> {
+    static constexpr int value = ScoreTileStage<VARIANT, T, BLOCK_M, BLOCK_N, NUM_THREADS>::STAGE_BYTES;
+};
+
+// The bias and mask of one block, as ScoreTerms (same layout, same apply()), but read
+// from a ScoreTileStage (ld.shared, conflict-free: StageTile): load() takes the stage
+// whose copies landed, apply() reads this lane's pairs of it as the scores need them.
+// The lane's fragment rows are r0 + 16 i + 8 half of the tile, its columns c0 + 8 j +
+// 2 t (c0: its warp's first column in the tile, a multiple of the warp's 8 N_TILES
+// columns, which are a power of two: the warp's chunks are XORed into the swizzle key,
+// not added). The forward's form stages a key block of its own rows with stage_in().
+template <int VARIANT, typename T, int M_TILES, int N_TILES, int BLOCK_M, int NUM_THREADS, int BLOCK_N = 8 * N_TILES>
+struct StagedScoreTerms {
+    using Stage = ScoreTileStage<VARIANT, T, BLOCK_M, BLOCK_N, NUM_THREADS>;
+    using Mod = ScoreMod<VARIANT, T>;
+    using BiasT = typename Mod::BiasT;
+    static constexpr bool BIAS = Mod::BIAS, MASK = Mod::MASK;
+    static constexpr bool FP32 = sizeof(BiasT) == 4;
+    using BiasTile = typename Stage::BiasTile;
+    using KeepTile = typename Stage::KeepTile;
+    static constexpr int KEEP_OFFSET = Stage::KEEP_OFFSET;
+    static constexpr int STAGE_BYTES = Stage::STAGE_BYTES;
+    static_assert((8 * N_TILES & (8 * N_TILES - 1)) == 0 && BLOCK_N % (8 * N_TILES) == 0,
+                  "a warp's columns: a power of two dividing the tile's");
 
     const Mod& mod;
     int b, h;                      // the (batch, head): its arrays' offsets are recomputed per copy
-    int m0, r0;                    // the block's first row; this lane's first fragment row in it
+    int m0, r0;                    // the block's first row (forward); this lane's first fragment row in the tile
+    int c0;                        // this warp's first column in the tile
     uint32 smem;                   // stage 0
     // set by load() for its block (recomputed there: the compiler would hold their
     // per-column sums across the key loop, 16-32 registers the D=64 kernel's two blocks
     // per SM do not have)
     uint32 bias_at[M_TILES][2];    // this lane's fragment rows in the block's bias tile, at its column 2 t
     uint32 keep_at[M_TILES][2];
-    uint32 bias_key, keep_key;     // StageTile::key of those rows, in bytes
+    uint32 bias_key, keep_key;     // StageTile::key of those rows and the warp's chunks, in bytes
 
-    __device__ __forceinline__ StagedScoreTerms(const Mod& mod_, int b_, int h_, int m0_, int r0_, uint32 smem_)
-        : mod(mod_), b(b_), h(h_), m0(m0_), r0(r0_), smem(smem_) {}
+    __device__ __forceinline__ StagedScoreTerms(const Mod& mod_, int b_, int h_, int m0_, int r0_, uint32 smem_,
+                                                int c0_ = 0)
+        : mod(mod_), b(b_), h(h_), m0(m0_), r0(r0_), c0(c0_), smem(smem_) {}
 
-    // Copy key block n into stage `stage`.
+    // Copy key block n of rows m0 .. into stage `stage` (the forward's).
     __device__ __forceinline__ void stage_in(int n, int stage) {
-        const uint32 base = smem + uint32(stage * STAGE_BYTES);
-        const int keys_valid = mod.last_col + 1 - n * BLOCK_N;
         // (from the params, not ScoreMod's pointers: two registers fewer across the key loop)
-        const VariantParams& v = mod.v;
-        if constexpr (BIAS) {
-            copy<BiasTile>(base, static_cast<const BiasT*>(v.attn_bias) + b * v.bias_batch_stride +
-                                     h * v.bias_head_stride + n * BLOCK_N, v.bias_row_stride, keys_valid);
-        }
-        if constexpr (MASK) {
-            copy<KeepTile>(base + KEEP_OFFSET, v.attn_mask + b * v.mask_batch_stride + h * v.mask_head_stride +
-                                                   n * BLOCK_N, v.mask_row_stride, keys_valid);
-        }
+        Stage::copy(smem + uint32(stage * STAGE_BYTES), mod.v, b, h, m0, n * BLOCK_N, mod.last_row, mod.last_col);
     }
 
     // Take the block in stage `stage` (its copies landed and are visible: the caller's
@@ -539,8 +598,8 @@ struct StagedScoreTerms {
 
   private:
     template <typename Tile>
-    __device__ static __forceinline__ void set_rows(uint32 (&at)[M_TILES][2], uint32& key16, bool broadcast,
-                                                    int r0, int t, uint32 tile) {
+    __device__ __forceinline__ void set_rows(uint32 (&at)[M_TILES][2], uint32& key16, bool broadcast,
+                                                    int r0, int t, uint32 tile) const {
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i)
 #pragma unroll
@@ -548,28 +607,77 @@ struct StagedScoreTerms {
                 const int row = broadcast ? 0 : r0 + i * 16 + half * 8;
                 at[i][half] = tile + uint32(row * Tile::ROW_BYTES + 2 * Tile::ELEM * t);
             }
-        key16 = broadcast ? 0u : Tile::key(r0) << 4;
+        // the warp's first chunk c0 E / 16 has no bits in common with the chunks of its
+        // columns (a power of two span at a multiple of it): XORed, not added
+        key16 = (broadcast ? 0u : Tile::key(r0) << 4) ^ uint32(c0 * Tile::ELEM);
+    }
+};
+
+// A ScoreTileStage read transposed, for the wgmma dK/dV kernel, which computes Sᵀ (keys
+// as rows): element (j, e) of its accumulator is key k0 + g + 8 (e / 2), query 8 j + 2 t
+// + (e & 1) of the tile (k0: the warp's first key in the tile). One element per load:
+// for each (j, e) the warp reads 4 query rows (2 t + (e & 1), whose StageTile keys are
+// 2 t + (e & 1) apart: distinct chunks) of 8 adjacent keys, conflict-free for the
+// 16-bit bias and the mask; fp32 rows (SPAN 2) pair up: 2-way. Each lane's four
+// (e & 1, e / 2) addresses are set by load(); rows 8 j on are a fixed step (the
+// StageTile key of rows r and r + 8 is the same), 0 for a row-broadcast array.
+template <int VARIANT, typename T, int BLOCK_M, int BLOCK_N, int NUM_THREADS>
+struct StagedScoreTermsT {
+    using Stage = ScoreTileStage<VARIANT, T, BLOCK_M, BLOCK_N, NUM_THREADS>;
+    using Mod = ScoreMod<VARIANT, T>;
+    using BiasT = typename Mod::BiasT;
+    static constexpr bool BIAS = Mod::BIAS, MASK = Mod::MASK;
+    static constexpr bool FP32 = sizeof(BiasT) == 4;
+    using BiasTile = typename Stage::BiasTile;
+    using KeepTile = typename Stage::KeepTile;
+
+    uint32 bias_at[2][2], keep_at[2][2];  // [e & 1][e / 2]: the element of row j = 0
+    uint32 bias_step, keep_step;          // bytes from row j to row j + 1 (8 query rows)
+
+    // The stage at `tile` (its copies landed and are visible); k0: the warp's first key.
+    __device__ __forceinline__ void load(const VariantParams& v, uint32 tile, int k0) {
+        int lane = threadIdx.x % 32;
+        asm volatile("" : "+r"(lane));  // opaque: recomputed per block
+        const int g = lane / 4, t = lane % 4;
+        if constexpr (BIAS) set<BiasTile>(bias_at, bias_step, v.bias_row_stride == 0, tile, k0, g, t);
+        if constexpr (MASK) set<KeepTile>(keep_at, keep_step, v.mask_row_stride == 0, tile + Stage::KEEP_OFFSET, k0, g, t);
     }
 
-    // The tile's chunks, NUM_THREADS at a time: chunk c of row r from global row
-    // min(m0 + r, last_row) at keys 16 / E c ..; the bytes past the key tail zero-filled.
-    template <typename Tile, typename E>
-    __device__ __forceinline__ void copy(uint32 dst, const E* src, int64 row_stride, int keys_valid) {
-        constexpr int CHUNKS = Tile::CHUNKS, PER_CHUNK = 16 / int(sizeof(E));
-        static_assert(BLOCK_M * CHUNKS % NUM_THREADS == 0 && NUM_THREADS % CHUNKS == 0,
-                      "stage chunks divide evenly among threads");
-        int tid = threadIdx.x;
-        asm volatile("" : "+r"(tid));  // (the rows' offsets recomputed per block, not held across the key loop)
-        const int c = tid % CHUNKS;
-        const int bytes = min(max((keys_valid - c * PER_CHUNK) * int(sizeof(E)), 0), 16);
-        const int rows = row_stride == 0 ? 1 : BLOCK_M;  // a broadcast row once
-#pragma unroll
-        for (int it = 0; it < BLOCK_M * CHUNKS / NUM_THREADS; ++it) {
-            const int r = tid / CHUNKS + it * (NUM_THREADS / CHUNKS);
-            if (r >= rows) break;
-            const E* row = src + int64(min(m0 + r, mod.last_row)) * row_stride;
-            cp_async_16_bytes(dst + Tile::offset(r, c), bytes > 0 ? row + c * PER_CHUNK : row, bytes);
+    // x (the score before the bias and mask, log2 units) with element (j, e)'s terms.
+    __device__ __forceinline__ float apply(float x, int j, int e) const {
+        if constexpr (BIAS) {
+            const uint32 a = bias_at[e & 1][e / 2] + uint32(j) * bias_step;
+            if constexpr (FP32) {
+                float b;
+                asm("ld.shared.f32 %0, [%1];\n" : "=f"(b) : "r"(a));
+                x = fmaf(b, LOG2E, x);
+            } else {
+                uint32 u;
+                asm("ld.shared.u16 %0, [%1];\n" : "=r"(u) : "r"(a));
+                x = fmaf(pair_float<T>(u, 0), LOG2E, x);
+            }
         }
+        if constexpr (MASK) {
+            uint32 u;
+            asm("ld.shared.u8 %0, [%1];\n" : "=r"(u) : "r"(keep_at[e & 1][e / 2] + uint32(j) * keep_step));
+            if (!u) x = NEG_INF;
+        }
+        return x;
+    }
+
+  private:
+    template <typename Tile>
+    __device__ static __forceinline__ void set(uint32 (&at)[2][2], uint32& step, bool broadcast, uint32 tile,
+                                               int k0, int g, int t) {
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = broadcast ? 0 : 2 * t + e1;
+                const int byte = (k0 + 8 * h + g) * Tile::ELEM;  // the key's byte in its row
+                at[e1][h] = tile + Tile::offset(row, byte / 16) + uint32(byte % 16);
+            }
+        step = broadcast ? 0u : uint32(8 * Tile::ROW_BYTES);
     }
 };
 
@@ -701,6 +809,15 @@ __device__ __forceinline__ void add_sink_term(float (&acc_l)[1][4], const float 
 // With softcap (DEFER), S stays raw until dscores(), which needs it for 1 − tanh²
 // and draws Z itself.
 // ---------------------------------------------------------------------------
+// The backward's bias and mask read element by element by ScoreMod (the register
+// path: no staged tile); the staged path passes a StagedScoreTerms instead.
+struct ElementTerms {
+    __device__ __forceinline__ ElementTerms() {}
+    template <typename... A> __device__ __forceinline__ ElementTerms(const A&...) {}  // StagedScoreTerms' arguments
+};
+template <typename A, typename B> struct IsSame { static constexpr bool value = false; };
+template <typename A> struct IsSame<A, A> { static constexpr bool value = true; };
+
 template <bool IS_CAUSAL, int VARIANT, typename T>
 struct BwdScores {
     static constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0;
@@ -708,7 +825,10 @@ struct BwdScores {
     static constexpr bool DEFER = SOFTCAP;  // P computed in dscores() from the raw S
     // Whether the scores of unmasked blocks read the sequence's lengths (ALiBi's
     // offset; the bias's and mask's clamped reads; masked blocks always do).
-    static constexpr bool UNMASKED_LENGTHS = (VARIANT & VAR_ALIBI) != 0 || ScoreMod<VARIANT, T>::BIAS_OR_MASK;
+    // (A staged bias or mask is clamped by its copy, not here.)
+    static constexpr bool STAGED = (VARIANT & VAR_BIAS_STAGED) != 0;
+    static constexpr bool UNMASKED_LENGTHS =
+        (VARIANT & VAR_ALIBI) != 0 || (ScoreMod<VARIANT, T>::BIAS_OR_MASK && !STAGED);
     using MaskT = Mask<IS_CAUSAL, VARIANT>;
     MaskT mask;
     ScoreMod<VARIANT, T> mod;
@@ -719,13 +839,23 @@ struct BwdScores {
         : mask(v, seqlen_q, seqlen_k), mod(v, softmax_scale_log2, b, h, seqlen_q, seqlen_k),
           drop(v, b, h, nheads_q) {}
 
+    // The score of element (i, half, j, e) at (row, col), raw q·k s, log2 units, unmasked:
+    // the bias and mask from terms (ElementTerms: ScoreMod's own reads).
+    template <typename Terms>
+    __device__ __forceinline__ float score(const Terms& terms, float s, int row, int col, int i, int half, int j,
+                                           int e) const {
+        if constexpr (IsSame<Terms, ElementTerms>::value) return mod(s, row, col);
+        else return terms.apply(mod.scaled(s, row, col), i, half, j, e);
+    }
+
     // s: raw q·k -> P, its sign bit set where dropout drops (not with DEFER).
-    // lse2(i, half): lse·log2(e) of row (i, half).
-    template <bool MASKED, int M_TILES, int N_TILES, typename Lse2>
-    __device__ __forceinline__ void probs(float (&s)[M_TILES][N_TILES][4], int row0, int col0,
-                                          const Lse2& lse2) const {
+    // lse2(i, half): lse·log2(e) of row (i, half); terms: the block's bias and mask.
+    template <bool MASKED, int M_TILES, int N_TILES, typename Lse2, typename Terms = ElementTerms>
+    __device__ __forceinline__ void probs(float (&s)[M_TILES][N_TILES][4], int row0, int col0, const Lse2& lse2,
+                                          const Terms& terms = Terms{}) const {
         static_assert(!DEFER, "with softcap, dscores() computes P");
-        score_tile<MASKED>(s, mod, mask, row0, col0);
+        if constexpr (IsSame<Terms, ElementTerms>::value) score_tile<MASKED>(s, mod, mask, row0, col0);
+        else score_tile<MASKED>(s, mod, mask, row0, col0, terms);
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
@@ -749,10 +879,11 @@ struct BwdScores {
     }
 
     // s: P from probs() (DEFER: the raw q·k), dp: dO·Vᵀ  ->  s = P∘Z·rp (dV's operand), dp = dS
-    // (before softmax_scale). delta(i, half): rowsum(dO∘O) of row (i, half); lse2 as for probs.
-    template <bool MASKED, int M_TILES, int N_TILES, typename Lse2, typename Delta>
+    // (before softmax_scale). delta(i, half): rowsum(dO∘O) of row (i, half); lse2, terms as for probs.
+    template <bool MASKED, int M_TILES, int N_TILES, typename Lse2, typename Delta, typename Terms = ElementTerms>
     __device__ __forceinline__ void dscores(float (&s)[M_TILES][N_TILES][4], float (&dp)[M_TILES][N_TILES][4],
-                                            int row0, int col0, const Lse2& lse2, const Delta& delta) const {
+                                            int row0, int col0, const Lse2& lse2, const Delta& delta,
+                                            const Terms& terms = Terms{}) const {
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
@@ -779,7 +910,7 @@ struct BwdScores {
                         bool kept = true;
                         if constexpr (DEFER) {  // ps is the raw score: score_tile and prob, element-wise
                             dtanh = mod.dscore(ps);
-                            float x = mod(ps, row, col + e);
+                            float x = score(terms, ps, row, col + e, i, half, j, e);
                             if (MASKED && (col + e >= end || (MaskT::WINDOW && col + e < begin))) x = NEG_INF;
                             P = prob(x, l);
                             kept = (bits >> e) & 1u;

@@ -362,12 +362,14 @@ def test_every_wgmma_dkdv_variant_is_listed_for_check_kernels():
     sm90 = [L for L in dispatch.all_bwd_launches((9, 0)) if L.template.endswith("flash_bwd_dkdv_sm90_kernel")]
     plain = {L.args for L in sm90 if L.args[-1] == "0"}
     assert len(plain) == 2 * 2 * 2 * 2 * 2  # dtype, head_dim, causal, even_k, det
-    variants = {L.args for L in sm90 if L.args[-1] != "0"}
+    variants = {L.args for L in sm90 if L.args[-1] != "0" and not int(L.args[-1]) & dispatch.VAR_BIAS_STAGED}
     # each alone: head_dim, causal, and whether dQ comes from its own kernel; not where
-    # the wgmma kernel spills (those plans take mma.sync)
+    # the wgmma kernel spills (those plans take mma.sync); the staged bit needs a bias or
+    # mask (BWD_STAGED_CHECK_VARIANTS)
     want = {("__nv_bfloat16", str(d), causal, "true", str(det or dispatch._bwd_sm90_separate_dq(d)).lower(),
              str(bit)) for d in (64, 128) for causal in ("false", "true") for det in (False, True)
-            for bit in dispatch.VARIANT_BITS.values() if dispatch.uses_sm90_bwd(d, True, (9, 0), bit)}
+            for bit in dispatch.VARIANT_BITS.values()
+            if dispatch.uses_sm90_bwd(d, True, (9, 0), bit) and bit != dispatch.VAR_BIAS_STAGED}
     assert variants == want
     assert not [L for L in dispatch.all_bwd_launches((8, 0)) if L.source == "flash_bwd_sm90.cu"]
 
@@ -574,3 +576,67 @@ def test_check_kernels_lists_every_dbias_plan_on_aligned_data(cc):
         assert plan.launches[-1].name_expression in names, bit
     unaligned = _plan(head_dim=59, vec=False, variant=dispatch.VAR_BIAS, cc=cc, dbias_shape=(2, 8, 1000, 1000))
     assert unaligned.launches[-1].name_expression in names
+
+
+def _staged_plan(head_dim, bits, cc=(9, 0), deterministic=False):
+    return dispatch.select_bwd(batch=2, seqlen_q=4096, seqlen_k=4096, nheads_q=2048 // head_dim,
+                               nheads_kv=2048 // head_dim, head_dim=head_dim, dtype="bfloat16", causal=False,
+                               deterministic=deterministic, vec=True, cc=cc,
+                               variant=bits | dispatch.VAR_BIAS_STAGED,
+                               dbias_shape=(2, 1, 4096, 4096) if bits & dispatch.VAR_BIAS else None)
+
+
+@pytest.mark.parametrize("bits", [dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK,
+                                  dispatch.VAR_BIAS | dispatch.VAR_MASK])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
+def test_staged_backward_keeps_its_tile_and_stages(cc, head_dim, bits):
+    """VAR_BIAS_STAGED on the backward: the dK/dV and dQ kernels that stage the tile keep
+    the tile and stage count of the unstaged plan (the bit dropped where the stages do
+    not fit), their shared memory covers the stages, and the dbias kernel never has it."""
+    S = dispatch.VAR_BIAS_STAGED
+    for det in (False, True):
+        plan, plain = _staged_plan(head_dim, bits, cc, det), _plan_bits(head_dim, bits, cc, det)
+        assert plan.num_stages == plain.num_stages
+        for staged, unstaged in zip(plan.launches, plain.launches):
+            assert staged.template == unstaged.template
+            if staged.template.endswith("dbias_kernel"):
+                assert not int(staged.args[-1]) & S
+            if not staged.args[-1].isdigit() or not int(staged.args[-1]) & S:
+                assert staged == unstaged
+                continue
+            assert staged.args[:-1] == unstaged.args[:-1] and int(staged.args[-1]) == int(unstaged.args[-1]) | S
+            assert staged.smem_bytes > unstaged.smem_bytes
+            assert staged.smem_bytes <= dispatch.max_smem_per_block(cc)
+
+
+def _plan_bits(head_dim, bits, cc, deterministic):
+    return dispatch.select_bwd(batch=2, seqlen_q=4096, seqlen_k=4096, nheads_q=2048 // head_dim,
+                               nheads_kv=2048 // head_dim, head_dim=head_dim, dtype="bfloat16", causal=False,
+                               deterministic=deterministic, vec=True, cc=cc, variant=bits,
+                               dbias_shape=(2, 1, 4096, 4096) if bits & dispatch.VAR_BIAS else None)
+
+
+def test_staged_backward_shared_memory():
+    S, B, F, M = dispatch.VAR_BIAS_STAGED, dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK
+    tile = (64, 128, 8, 2, 4, 4)
+    plain = dispatch.bwd_smem_bytes(64, tile, 2)
+    assert dispatch.bwd_smem_bytes(64, tile, 2, B) == plain  # not staged: no tile
+    assert dispatch.bwd_smem_bytes(64, tile, 2, S | B) == plain + 2 * 64 * 128 * 2
+    assert dispatch.bwd_smem_bytes(64, tile, 1, S | F | M) == dispatch.bwd_smem_bytes(64, tile, 1) + 64 * 128 * 5
+    assert dispatch.bwd_dq_smem_bytes(64, (64, 32, 4), S | M) == dispatch.bwd_dq_smem_bytes(64, (64, 32, 4)) + 2 * 64 * 32
+    # wgmma dK/dV: two stages from a 128-byte boundary after the SeqLens slot
+    end = dispatch.bwd_dkdv_sm90_smem_bytes(64) - 1024
+    assert dispatch.bwd_dkdv_sm90_smem_bytes(64, variant=S | B) == -(-end // 128) * 128 + 2 * 64 * 128 * 2 + 1024
+    assert not dispatch.score_stage_ok(16, M) and dispatch.score_stage_ok(16, B) and dispatch.score_stage_ok(32, M)
+
+
+def test_staged_d128_stays_on_mma_sync_on_hopper():
+    """The wgmma dK/dV kernel at D=128 still spills with the staged tile (255 registers):
+    a D=128 bias or mask plan takes the mma.sync kernels, which stage it."""
+    plan = _staged_plan(128, dispatch.VAR_BIAS)
+    assert plan.launches[1].template == "cupyflash::flash_bwd_dkdv_kernel"
+    assert int(plan.launches[1].args[-1]) & dispatch.VAR_BIAS_STAGED
+    plan = _staged_plan(64, dispatch.VAR_BIAS)
+    assert plan.launches[1].template == "cupyflash::flash_bwd_dkdv_sm90_kernel"
+    assert int(plan.launches[1].args[-1]) & dispatch.VAR_BIAS_STAGED

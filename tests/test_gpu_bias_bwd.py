@@ -1,6 +1,8 @@
 """The GPU backward with ``attn_bias`` / ``attn_mask`` (issue 14) against the float64
 reference: dq, dk, dv and ``dbias``, on the wgmma kernels (D=64 and 128 on sm_90;
-the D=128 bias/mask plans take the mma.sync kernels, dispatch._BWD_SM90_VARIANT_SPILLS)
+the D=128 bias/mask plans take the mma.sync kernels, dispatch._BWD_SM90_VARIANT_SPILLS),
+the bias/mask tile staged through shared memory where its rows are 16-byte aligned
+(test_staged*; the other tests' odd seqlen_k read it element by element)
 and the mma.sync ones (D=96, 256, and every head_dim before sm_90).
 
 Tolerance (:mod:`cupyflash.testing`): ``max|got - ref64| <= 3 * max|naive - ref64| +
@@ -323,10 +325,22 @@ VARLEN_SHAPES = {
 @pytest.mark.parametrize("dtype,head_dim", [("float16", 64), pytest.param("bfloat16", 96, marks=_NO_BF16),
                                             ("float16", 128)])
 def test_varlen(cp, rng, dtype, head_dim, name, causal):
+    _varlen(cp, rng, dtype, head_dim, name, causal, max(LENS_K) + 2)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", ["full", "per-key-and-mask", "mask-only"])
+@pytest.mark.parametrize("dtype,head_dim", [("float16", 64), ("float16", 128)])
+def test_varlen_staged(cp, rng, dtype, head_dim, name, causal):
+    """max_seqlen_k = 208: the bias's and mask's rows 16-byte aligned (VAR_BIAS_STAGED)."""
+    _varlen(cp, rng, dtype, head_dim, name, causal, 208)
+
+
+def _varlen(cp, rng, dtype, head_dim, name, causal, max_k):
     nheads, nheads_kv = 4, 2
     q, k, v = packed_inputs(rng, LENS_Q, LENS_K, nheads, nheads_kv, head_dim, dtype)
     dout = testing.random_normal(rng, q.shape, dtype)
-    max_q, max_k = max(LENS_Q) + 3, max(LENS_K) + 2  # entries past the longest are not read
+    max_q = max(LENS_Q) + 3  # entries past the longest are not read
     args = (cu_seqlens(LENS_Q), cu_seqlens(LENS_K), max_q, max_k)
     full = (len(LENS_Q), nheads, max_q, max_k)
     bias_shape, mask_shape = VARLEN_SHAPES[name]
@@ -356,3 +370,74 @@ def test_varlen(cp, rng, dtype, head_dim, name, causal):
         testing.assert_close_to_reference(key, got, ref, naive, factor, floor)
     if bias_shape is not None and variants["attn_bias"].ndim == 4 and variants["attn_bias"].shape[2] > 1:
         assert (results["dbias"][:, :, max(LENS_Q):] == 0).all()  # rows past every sequence: never written
+
+
+# ----------------------------------------------------------------------------
+# The staged tile (VAR_BIAS_STAGED: every row 16-byte aligned, dispatch.score_vec_ok):
+# the dK/dV kernels (mma.sync; wgmma at D=64) and the dQ kernels copy each (query
+# block, key block)'s bias/mask tile into shared memory. seqlen_k = 208 keeps the bias's
+# (q's dtype and fp32) and the mask's rows aligned with a key tail in every tile size;
+# the padded view keeps them aligned at seqlen_k = 203 (the copy zero-fills past it).
+# ----------------------------------------------------------------------------
+
+STAGED_CONFIGS = {
+    "bf16-d64": ("bfloat16", (2, 150, 208, 4, 2, 64), False),
+    "f16-d64-causal": ("float16", (1, 208, 208, 2, 2, 64), True),
+    "f16-d128-causal": ("float16", (2, 208, 144, 4, 2, 128), True),
+    "bf16-d96-causal": ("bfloat16", (1, 130, 208, 4, 4, 96), True),
+    "f16-d256": ("float16", (2, 77, 208, 2, 1, 256), False),
+    "f16-d32": ("float16", (1, 100, 272, 2, 2, 32), False),
+}
+
+# name -> (bias shape or None, bias dtype ("q" or "float32"), mask shape or None), given (B, H, Sq, Sk)
+STAGED_KINDS = {
+    "bias": (lambda b, h, m, n: (b, h, m, n), "q", None),
+    "bias-fp32": (lambda b, h, m, n: (1, h, m, n), "float32", None),
+    "mask": (None, None, lambda b, h, m, n: (b, h, m, n)),
+    "bias-and-mask": (lambda b, h, m, n: (b, 1, m, n), "q", lambda b, h, m, n: (1, h, m, n)),
+    "row-broadcast": (lambda b, h, m, n: (b, 1, 1, n), "float32", lambda b, h, m, n: (b, 1, 1, n)),
+}
+
+
+def _staged_param(name):
+    dtype, shape, causal = STAGED_CONFIGS[name]
+    return pytest.param(dtype, shape, causal, id=name, marks=_NO_BF16 if dtype == "bfloat16" else ())
+
+
+def _assert_staged(cp, bias, mask):
+    """The arrays pass dispatch.score_vec_ok (the plan stages them)."""
+    from cupyflash import _variant, dispatch
+
+    options = {n: x for n, x in (("attn_bias", bias), ("attn_mask", mask)) if x is not None}
+    assert _variant.staged_bits(options) & dispatch.VAR_BIAS_STAGED
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("kind", list(STAGED_KINDS))
+@pytest.mark.parametrize("dtype,shape,causal", [_staged_param(n) for n in STAGED_CONFIGS])
+def test_staged(cp, rng, dtype, shape, causal, kind, deterministic):
+    bias_shape, bias_dtype, mask_shape = STAGED_KINDS[kind]
+    full = _score_shape(shape)
+    bias = None if bias_shape is None else bias_values(rng, bias_shape(*full),
+                                                       dtype if bias_dtype == "q" else "float32")
+    mask = None if mask_shape is None else keep_mask(rng, mask_shape(*full), 0.8)
+    _assert_staged(cp, None if bias is None else cp.asarray(bias), None if mask is None else cp.asarray(mask))
+    check(*run(cp, rng, dtype, shape, causal, bias=bias, mask=mask, deterministic=deterministic), causal)
+
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["bias", "bias-and-mask"])
+@pytest.mark.parametrize("dtype,head_dim,causal", [("float16", 64, False), pytest.param("bfloat16", 96, True,
+                                                                                        marks=_NO_BF16),
+                                                   ("float16", 128, True), ("float16", 256, False)])
+def test_staged_padded_rows(cp, rng, dtype, head_dim, causal, with_mask):
+    """seqlen_k = 203 keys of rows padded to 208: aligned rows, a key tail that is not a
+    multiple of 8 (the copy reads only the bytes inside the row)."""
+    shape = (2, 120, 203, 2, 2, head_dim)
+    full = _score_shape(shape)
+    base = bias_values(rng, full[:3] + (208,), dtype)
+    mask = keep_mask(rng, (full[3],), 0.9) if with_mask else None
+    view = lambda x: x[..., :203]  # noqa: E731
+    _assert_staged(cp, view(dev(cp, base)), None)
+    inputs, fwd, grads, scores = run(cp, rng, dtype, shape, causal, bias=base, mask=mask, view=view)
+    assert not scores[0].flags.c_contiguous
+    check(inputs, fwd, grads, scores, causal)
