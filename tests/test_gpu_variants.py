@@ -165,7 +165,7 @@ def check_dense(inputs, fwd, grads, causal, variants, softmax_scale=None):
     if dsinks is not None:
         assert dsinks.shape == (nheads,)
     testing.assert_bwd_matches_reference(dout, q, k, v, *grads[:3], softmax_scale=softmax_scale, causal=causal,
-                                         dsinks=dsinks, floor=FLOOR, **ref_kw)
+                                         dsinks=dsinks, out=fwd[0], floor=FLOOR, **ref_kw)
 
 
 # ----------------------------------------------------------------------------
