@@ -384,8 +384,8 @@ def _is_real(x) -> bool:
 SOFTCAP_RANGE = (1e-30, 1e30)
 #: window_size entries are key offsets: at most int32.
 WINDOW_MAX = 2**31 - 1
-#: The largest dropout_p: the keep decision is a 32-bit comparison (cupyflash._philox).
-DROPOUT_MAX = 1.0 - 2.0**-32
+#: The largest dropout_p: the keep decision is a 16-bit comparison (cupyflash._philox).
+DROPOUT_MAX = 1.0 - 2.0**-16
 F32_MAX = float(np.finfo(np.float32).max)
 #: alibi_slopes and sinks in magnitude: value * log2(e) stays finite in float32.
 VARIANT_VALUE_MAX = 1e30
@@ -398,8 +398,8 @@ def _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap):
     if not 0.0 <= float(dropout_p) < 1.0:
         fail(ValueError, fn, f"dropout_p must be in [0, 1); got {float(dropout_p)!r}.")
     if float(dropout_p) > DROPOUT_MAX:
-        fail(ValueError, fn, f"dropout_p must be at most 1 - 2**-32 (the keep decision compares 32-bit "
-                             f"words: a smaller keep fraction cannot be drawn); got {float(dropout_p)!r}.")
+        fail(ValueError, fn, f"dropout_p must be at most 1 - 2**-16 (the keep decision compares 16-bit "
+                             f"half-words: a smaller keep fraction cannot be drawn); got {float(dropout_p)!r}.")
     if not _is_real(softcap):
         fail(TypeError, fn, f"softcap must be a float >= 0 (0: off); got {_type_name(softcap)}.")
     if not (math.isfinite(float(softcap)) and float(softcap) >= 0.0):

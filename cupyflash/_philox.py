@@ -1,4 +1,4 @@
-"""The dropout random numbers: Philox4x32-10, counter-based, in NumPy (issue 13).
+"""The dropout random numbers: Philox4x32-7, counter-based, in NumPy (issue 13).
 
 This module is the specification the kernels' dropout must reproduce bit for
 bit: the keep decision of score ``(b, h, i, j)`` (sequence ``b`` of the
@@ -7,14 +7,18 @@ sequence) depends on nothing but ``(seed, offset, b * nheads_q + h, i, j)``
 and ``p``: not on tiles, splits, the kernel or the GPU, so the CPU path and
 every kernel draw the same mask.
 
-* Generator: Philox4x32-10 (Salmon, Moraes, Dror and Shaw, "Parallel random
-  numbers: as easy as 1, 2, 3", SC 2011), checked against Random123's
-  known-answer vectors in ``tests/test_philox.py``.
+* Generator: Philox4x32 (Salmon, Moraes, Dror and Shaw, "Parallel random
+  numbers: as easy as 1, 2, 3", SC 2011) with 7 rounds, the fewest the paper
+  finds Crush-resistant and the count flash-attention's dropout uses; the
+  round function is checked against Random123's known-answer vectors for 10
+  rounds in ``tests/test_philox.py``.
 * Key: ``(seed & 0xffffffff, seed >> 32)`` of a 64-bit ``seed``.
-* Counter: ``(j >> 2, i, b * nheads + h, offset)``, 32 bits each; one Philox
-  call gives four 32-bit words, word ``j & 3`` decides column ``j``.
-* Keep: ``word >= dropout_threshold(p)``, an integer comparison, so a kept
-  fraction of ``1 - p`` within 2^-32.
+* Counter: ``(j >> 3, i, b * nheads + h, offset)``, 32 bits each; one Philox
+  call gives four 32-bit words, eight 16-bit halves: half ``j & 1`` (low
+  first) of word ``(j >> 1) & 3`` decides column ``j``.  One call thus covers
+  the eight columns of an n8 tile, which a quad of lanes shares.
+* Keep: ``half >= dropout_threshold(p)``, an integer comparison, so a kept
+  fraction of ``1 - p`` within 2^-16 (flash-attention's is within 2^-8).
 
 ``offset`` (a 32-bit counter) tells the calls of one seed apart: the same
 ``(seed, offset)`` gives the same mask, a different one a new mask.
@@ -24,17 +28,20 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["philox4x32_10", "dropout_threshold", "keep_mask", "dropout_keep_mask"]
+__all__ = ["ROUNDS", "philox4x32", "dropout_threshold", "keep_mask", "dropout_keep_mask"]
 
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)  # round multipliers
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85                        # Weyl key increments
 _LO = np.uint64(0xFFFFFFFF)
 _SHIFT = np.uint64(32)
-ROUNDS = 10
+#: Philox rounds of the dropout generator (kernels_cu/variant.cuh PHILOX_ROUNDS).
+ROUNDS = 7
+#: Bits of the keep decision: a 16-bit half-word against the threshold.
+KEEP_BITS = 16
 
 
-def philox4x32_10(counter, key):
-    """Philox4x32 with 10 rounds.
+def philox4x32(counter, key, rounds=ROUNDS):
+    """Philox4x32 with ``rounds`` rounds.
 
     Parameters
     ----------
@@ -42,6 +49,9 @@ def philox4x32_10(counter, key):
         The four counter words of each draw.
     key : tuple of two ints
         The key words (each below 2**32).
+    rounds : int, optional
+        7 (the dropout's, default) or 10 (Random123's default, for its
+        known-answer vectors).
 
     Returns
     -------
@@ -50,7 +60,7 @@ def philox4x32_10(counter, key):
     """
     c = [np.asarray(w, dtype=np.uint64) for w in counter]
     k0, k1 = int(key[0]) & 0xFFFFFFFF, int(key[1]) & 0xFFFFFFFF
-    for r in range(ROUNDS):
+    for r in range(rounds):
         if r:
             k0, k1 = (k0 + _W0) & 0xFFFFFFFF, (k1 + _W1) & 0xFFFFFFFF
         p0, p1 = _M0 * c[0], _M1 * c[2]  # 64-bit products of 32-bit words: exact
@@ -59,9 +69,9 @@ def philox4x32_10(counter, key):
 
 
 def dropout_threshold(p: float) -> int:
-    """The 32-bit word below which a score is dropped: ``floor(p * 2**32)``,
-    at most ``2**32 - 1`` (``p`` in [0, 1))."""
-    return min(int(np.floor(float(p) * 2.0**32)), 2**32 - 1)
+    """The 16-bit half-word below which a score is dropped: ``floor(p * 2**16)``,
+    at most ``2**16 - 1`` (``p`` in [0, 1))."""
+    return min(int(np.floor(float(p) * 2.0**KEEP_BITS)), 2**KEEP_BITS - 1)
 
 
 def keep_mask(seed: int, offset: int, p: float, batch_index, head_index, rows, cols, nheads: int):
@@ -87,11 +97,12 @@ def keep_mask(seed: int, offset: int, p: float, batch_index, head_index, rows, c
     """
     b, h, i, j = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in
                                        (batch_index, head_index, rows, cols)))
-    counter = ((j >> 2) & 0xFFFFFFFF, i & 0xFFFFFFFF, (b * nheads + h) & 0xFFFFFFFF,
+    counter = ((j >> 3) & 0xFFFFFFFF, i & 0xFFFFFFFF, (b * nheads + h) & 0xFFFFFFFF,
                np.full(j.shape, int(offset) & 0xFFFFFFFF, dtype=np.int64))
-    words = philox4x32_10(counter, (int(seed) & 0xFFFFFFFF, (int(seed) >> 32) & 0xFFFFFFFF))
-    word = np.take_along_axis(words, (j & 3)[None], axis=0)[0]
-    return word >= np.uint32(dropout_threshold(p))
+    words = philox4x32(counter, (int(seed) & 0xFFFFFFFF, (int(seed) >> 32) & 0xFFFFFFFF))
+    word = np.take_along_axis(words, ((j >> 1) & 3)[None], axis=0)[0]
+    half = (word >> (KEEP_BITS * (j & 1)).astype(np.uint32)) & np.uint32(0xFFFF)
+    return half >= np.uint32(dropout_threshold(p))
 
 
 def dropout_keep_mask(seed: int, offset: int, p: float, batch: int, nheads: int, seqlen_q: int,

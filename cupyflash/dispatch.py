@@ -791,7 +791,8 @@ def _bwd_tiles(d: int, causal: bool, deterministic: bool, vec: bool) -> tuple[tu
 # Deterministic dQ tiles per variant bit and head_dim, in place of _BWD_DQ_TILES[d]
 # (the first bit of a plan's set found here decides):
 #   dropout at D=32 and D=64: 128 keys per tile (S, dP 64 registers each) spill
-#     8-32 bytes on sm_80; 64 keys take 163-200 registers.
+#     8-32 bytes on sm_80; 64 keys take 163-200 registers. At D=96 64 keys spill 16
+#     bytes (causal, sm_80, at 168 registers: a ptxas choice, as the window's); 32 keys.
 #   window at D=96: 64 keys spill 4 bytes on sm_90 (causal, at 168 registers: a
 #     ptxas choice); 32 keys take ~153.
 #   bias, mask (issue 14; the per-element bias/mask reads and dbias's reductions sit
@@ -809,7 +810,7 @@ _BWD_VARIANT_TILE_SPILLS: dict[int, set[tuple[int, tuple[int, ...], bool]]] = {
        for bit in _BIAS_MASK_BITS},
 }
 _BWD_DQ_VARIANT_TILES: dict[int, dict[int, tuple[tuple[int, int, int], ...]]] = {
-    VAR_DROPOUT: {32: ((64, 64, 4),), 64: ((64, 64, 4),)},
+    VAR_DROPOUT: {32: ((64, 64, 4),), 64: ((64, 64, 4),), 96: ((64, 32, 4),)},
     VAR_WINDOW: {96: ((64, 32, 4),)},
     **{bit: {32: ((64, 64, 4),), 64: ((64, 32, 4),), 96: ((64, 32, 4),)} for bit in _BIAS_MASK_BITS},
 }

@@ -71,30 +71,24 @@ struct BwdSm90Traits {
 };
 
 // Dropout's keep bits (variant.cuh's Dropout, the forward's counters) of the dK/dV
-// kernel's Pᵀ tile, st[j][e]: key key0 + g + 8 (e / 2), query q0 + 8 j + (e & 1),
-// with key0 the warp's first key (a multiple of 8) and q0 = m0 + 2 t. One Philox call
-// decides 4 keys of one query: keys key0 + 4 c .. + 3, the rows of lanes g = 4 c' ..
-// 4 c' + 3 of one t. Those four lanes need the same 32 calls; each makes 8 of them
-// (queries of n8 tiles j = 2 r, 2 r + 1 for r = g & 3) and the four exchange the bits.
+// kernel's Pᵀ tile, st[j][e] (j < 8: BLOCK_M = 64 query columns): key key0 + g + 8
+// (e / 2), query q0 + 8 j + (e & 1), with key0 the warp's first key (a multiple of 8)
+// and q0 = m0 + 2 t. One Philox call decides 8 keys of one query: keys key0 + 8 c ..
+// + 7, the rows g = 0 .. 7 of one t. Those 8 lanes need the same 32 calls; lane g
+// makes the 4 of n8 tile j = g and the 8 exchange the bits.
 struct KeepBitsT {
-    uint32 w[4];  // element (j, e) kept iff bit 16 (j & 1) + 4 e of w[j / 2]
+    uint32 w[2];  // element (j, e) kept iff bit 8 e + (j & 3) of w[j / 4]
 
     __device__ __forceinline__ void draw(const Dropout& drop, int key0, int q0, int g, int t) {
-        const int r = g & 3;
-        uint32 mine = 0;  // nibble 4 jj + e: the 4 keys' bits of query (j = 2 r + jj, e & 1), keys + 8 (e / 2)
+        uint32 mine = 0;  // byte e: the 8 keys key0 + 8 (e / 2) + 0 .. 7 of query q0 + 8 g + (e & 1)
 #pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
+        for (int e = 0; e < 4; ++e) mine |= drop.keep8(q0 + 8 * g + (e & 1), (key0 + 8 * (e / 2)) >> 3) << (8 * e);
+        // lane (g, t) takes bit g of each byte of lanes (j, t)
+        w[0] = w[1] = 0;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int query = q0 + (2 * r + jj) * 8 + (e & 1), key = key0 + (e / 2) * 8 + (g & 4);
-                mine |= drop.keep4(query, key >> 2) << (4 * (4 * jj + e));
-            }
-        }
-        // lane (g, t) takes bit g & 3 of each nibble of lanes (4 (g / 4) + rr, t)
-#pragma unroll
-        for (int rr = 0; rr < 4; ++rr) w[rr] = __shfl_sync(0xffffffffu, mine, 4 * ((g & 4) + rr) + t) >> r;
+        for (int j = 0; j < 8; ++j) w[j / 4] |= ((__shfl_sync(0xffffffffu, mine, 4 * j + t) >> g) & 0x01010101u) << (j & 3);
     }
-    __device__ __forceinline__ bool operator()(int j, int e) const { return (w[j / 2] >> (16 * (j & 1) + 4 * e)) & 1u; }
+    __device__ __forceinline__ bool operator()(int j, int e) const { return (w[j / 4] >> (8 * e + (j & 3))) & 1u; }
 
     // The A operand of Pᵀ (acc_to_a_operand's layout: a[kk][q] holds n8 tile 2 kk + q / 2,
     // elements 2 (q & 1) (low half) and 2 (q & 1) + 1) with the dropped entries zeroed.
@@ -310,6 +304,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         if constexpr (SOFTCAP) acc_to_a_operand<T>(pd, pds);
         // Dropout's keep bits of this step, drawn while the tensor cores work on dPᵀ
         [[maybe_unused]] KeepBitsT keep;
+        static_assert(!DROPOUT || M_TILES == 8, "KeepBitsT holds 8 query tiles");
         if constexpr (DROPOUT) {
             keep.draw(Dropout(p.var, b, h, p.nheads_q), n0 + key_row0 - g, m0 + 2 * t, g, t);
             keep.zero_dropped(pa, pv);

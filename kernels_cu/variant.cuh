@@ -17,7 +17,7 @@
 //   window   row i sees key j iff i + off - left <= j <= i + off + right (-1: unbounded);
 //            causal is right = 0; every row sees only j < seqlen_k
 //   sinks    a logit sinks[h] that joins each row's denominator with no value
-//   dropout  each probability kept iff its Philox word >= threshold, scaled by 1/(1-p)
+//   dropout  each probability kept iff its Philox half-word >= threshold, scaled by 1/(1-p)
 //   bias     u += attn_bias[b, h, i, j] (after softcap and ALiBi; -inf masks)
 //   mask     row i sees key j only where attn_mask[b, h, i, j] (and the rules above)
 // Scores are kept in log2 units, x = u · log2(e), computed once per element; the
@@ -56,7 +56,7 @@ struct VariantParams {
     uint64 dropout_seed;        // Philox key: (seed & 0xffffffff, seed >> 32)
     uint32 dropout_offset;      // Philox counter word 3
     // per plan
-    uint32 dropout_threshold;   // keep iff word >= threshold (floor(p * 2^32))
+    uint32 dropout_threshold;   // keep iff half-word >= threshold (floor(p * 2^16))
     int64 alibi_batch_stride;   // in elements
     // (batch, head, row, col) strides in elements of attn_bias, attn_mask and dbias;
     // a broadcast dimension has stride 0
@@ -716,13 +716,16 @@ __device__ __forceinline__ float sink_log2(const VariantParams& v, int h) {
 }
 
 // ---------------------------------------------------------------------------
-// Dropout: Philox4x32-10 (Salmon et al. 2011) exactly as cupyflash/_philox.py:
-// key (seed lo, seed hi), counter (j >> 2, i, b·nheads_q + h, offset); word j & 3
-// decides column j.
+// Dropout: Philox4x32-7 (Salmon et al. 2011) exactly as cupyflash/_philox.py:
+// key (seed lo, seed hi), counter (j >> 3, i, b·nheads_q + h, offset); 16-bit half
+// j & 1 (low first) of word (j >> 1) & 3 decides column j, so one call decides the
+// 8 columns of an n8 tile.
 // ---------------------------------------------------------------------------
-__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint32 k0, uint32 k1) {
+constexpr int PHILOX_ROUNDS = 7;  // cupyflash/_philox.py ROUNDS
+
+__device__ __forceinline__ uint4 philox4x32(uint4 c, uint32 k0, uint32 k1) {
 #pragma unroll
-    for (int r = 0; r < 10; ++r) {
+    for (int r = 0; r < PHILOX_ROUNDS; ++r) {
         if (r) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
         const uint32 lo0 = 0xD2511F53u * c.x, hi0 = __umulhi(0xD2511F53u, c.x);
         const uint32 lo1 = 0xCD9E8D57u * c.z, hi1 = __umulhi(0xCD9E8D57u, c.z);
@@ -732,24 +735,36 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint32 k0, uint32 k1) {
 }
 
 struct Dropout {
-    uint32 k0, k1, bh, offset, threshold;
+    uint32 k0, k1, bh, offset, threshold_hi;  // threshold_hi: the 16-bit threshold << 16
     float scale;  // 1 / (1 - p)
 
     __device__ __forceinline__ Dropout(const VariantParams& v, int b, int h, int nheads_q)
         : k0(uint32(v.dropout_seed)), k1(uint32(v.dropout_seed >> 32)), bh(uint32(b * nheads_q + h)),
-          offset(v.dropout_offset), threshold(v.dropout_threshold), scale(v.dropout_scale) {}
+          offset(v.dropout_offset), threshold_hi(v.dropout_threshold << 16), scale(v.dropout_scale) {}
 
-    // The keep bits of columns 4c .. 4c + 3 of row i (bit e: column 4c + e).
-    __device__ __forceinline__ uint32 keep4(int row, int col4) const {
-        // The round keys are rebuilt each call (20 adds): hoisted out of the loops
-        // by the compiler, they would hold 20 registers.
+    // The Philox words of columns 8c .. 8c + 7 of row i.
+    __device__ __forceinline__ uint4 words(int row, int col8) const {
+        // The round keys are rebuilt each call (12 adds): hoisted out of the loops
+        // by the compiler, they would hold 12 registers.
         uint32 a = k0, b = k1;
         asm volatile("" : "+r"(a), "+r"(b));
-        const uint4 w = philox4x32_10(make_uint4(uint32(col4), uint32(row), bh, offset), a, b);
-        return uint32(w.x >= threshold) | uint32(w.y >= threshold) << 1 | uint32(w.z >= threshold) << 2 |
-               uint32(w.w >= threshold) << 3;
+        return philox4x32(make_uint4(uint32(col8), uint32(row), bh, offset), a, b);
     }
-    __device__ __forceinline__ bool keep(int row, int col) const { return (keep4(row, col >> 2) >> (col & 3)) & 1u; }
+    // bit 0: the low half-word is kept, bit 1: the high one (h >= t iff h·2^16 >= t·2^16)
+    __device__ __forceinline__ uint32 keep2(uint32 word) const {
+        return uint32((word << 16) >= threshold_hi) | uint32(word >= threshold_hi) << 1;
+    }
+    // The keep bits of columns 8c .. 8c + 7 of row i (bit e: column 8c + e).
+    __device__ __forceinline__ uint32 keep8(int row, int col8) const {
+        const uint4 w = words(row, col8);
+        return keep2(w.x) | keep2(w.y) << 2 | keep2(w.z) << 4 | keep2(w.w) << 6;
+    }
+    // The keep bits of columns col, col + 1 (col even) of row i: bits 0 and 1.
+    __device__ __forceinline__ uint32 keep_pair(int row, int col) const {
+        const uint4 w = words(row, col >> 3);
+        const int q = (col >> 1) & 3;
+        return keep2(q < 2 ? (q == 0 ? w.x : w.y) : (q == 2 ? w.z : w.w));
+    }
 
     // Zero the dropped probabilities of an accumulator tile set (score_tile's layout),
     // with DropoutBits' shared Philox calls (below); every lane of the warp calls it.
@@ -865,8 +880,8 @@ struct BwdScores {
 #pragma unroll
                 for (int j = 0; j < N_TILES; ++j) {
                     const int col = col0 + j * 8;
-                    // keep bits of columns col, col + 1 (one Philox call: col is even)
-                    const uint32 bits = DROPOUT ? drop.keep4(row, col >> 2) >> (col & 3) : 3u;
+                    // keep bits of columns col, col + 1 (col is even)
+                    const uint32 bits = DROPOUT ? drop.keep_pair(row, col) : 3u;
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         float& x = s[i][j][half * 2 + e];
@@ -899,8 +914,8 @@ struct BwdScores {
 #pragma unroll
                 for (int j = 0; j < N_TILES; ++j) {
                     const int col = col0 + j * 8;
-                    // DEFER: keep bits of columns col, col + 1 (one Philox call: col is even)
-                    const uint32 bits = DROPOUT && DEFER ? drop.keep4(row, col >> 2) >> (col & 3) : 3u;
+                    // DEFER: keep bits of columns col, col + 1 (col is even)
+                    const uint32 bits = DROPOUT && DEFER ? drop.keep_pair(row, col) : 3u;
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         float& ps = s[i][j][half * 2 + e];
@@ -983,7 +998,7 @@ struct DbiasScores {
 #pragma unroll
                 for (int j = 0; j < N_TILES; ++j) {
                     const int col = col0 + j * 8;
-                    const uint32 bits = DROPOUT ? drop.keep4(row, col >> 2) >> (col & 3) : 3u;
+                    const uint32 bits = DROPOUT ? drop.keep_pair(row, col) : 3u;
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         float& x = s[i][j][half * 2 + e];
@@ -1044,35 +1059,46 @@ struct KeyRows {
 };
 
 // Dropout's keep bits of an accumulator tile set in score_tile's layout (rows row0 +
-// 16 i (+ 8), columns col0 + 8 j + (e & 1), col0 = 2 (lane % 4) modulo 8), drawn with
-// half of Dropout::apply's Philox calls: one call decides 4 columns of one row, those
-// of lanes t and t ^ 1 (the same g); lane t draws the row of m-tile i that t & 1 picks
-// and the pair swaps its bits. Every lane of the warp must call draw().
+// 16 i (+ 8), columns col0 + 8 j + (e & 1), col0 = 2 q modulo 8 for lane q of its
+// quad), drawn with a quarter of the calls of one per lane and n8 tile: one Philox
+// call decides the 8 columns of one row of an n8 tile, which the quad's 4 lanes
+// share. Lane q draws row half q & 1 of the n8 tiles j with j & 1 == q >> 1, and
+// takes its own 2 columns of every call from the quad's 4 lanes. Every lane of the
+// warp must call draw().
 template <int M_TILES, int N_TILES>
 struct DropoutBits {
-    static constexpr int WORDS = (N_TILES + 7) / 8;  // a nibble per n8 tile
-    uint32 w[M_TILES][2][WORDS];  // element (i, j, 2 half + e) kept iff bit 4 (j % 8) + e of w[i][half][j / 8]
+    static_assert(N_TILES % 2 == 0, "n8 tiles are drawn in pairs");
+    static constexpr int PAIRS = N_TILES / 2;
+    static constexpr int WORDS = (PAIRS + 3) / 4;  // a byte per pair of n8 tiles
+    // element (i, half, j, e) kept iff bit 8 (m & 3) + 2 s + e of w[i][m / 4],
+    // m = j / 2 and s = 2 (j & 1) + half (the lane that drew it)
+    uint32 w[M_TILES][WORDS];
 
     __device__ __forceinline__ void draw(const Dropout& drop, int row0, int col0) {
-        const bool odd = (col0 >> 1) & 1;  // t & 1: this lane draws row half `odd`
+        const int q = (col0 >> 1) & 3, half = q & 1, parity = q >> 1;
+        const int tile0 = col0 & ~7;  // the first column of n8 tile 0
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
             for (int wd = 0; wd < WORDS; ++wd) {
-                uint32 mine = 0;  // nibble jj: the 4 columns' bits of n8 tile 8 wd + jj, row half `odd`
+                uint32 mine = 0;  // byte m & 3: n8 tile 2 m + parity (m = 4 wd + 0 .. 3), row half `half`
 #pragma unroll
-                for (int jj = 0; jj < 8 && wd * 8 + jj < N_TILES; ++jj) {
-                    mine |= drop.keep4(row0 + i * 16 + (odd ? 8 : 0), (col0 + (wd * 8 + jj) * 8) >> 2) << (4 * jj);
+                for (int m = 4 * wd; m < 4 * wd + 4 && m < PAIRS; ++m) {
+                    mine |= drop.keep8(row0 + i * 16 + half * 8, (tile0 + (2 * m + parity) * 8) >> 3) << (8 * (m & 3));
                 }
-                const uint32 other = __shfl_xor_sync(0xffffffffu, mine, 1);  // row half !odd
-                // this lane's two columns are bits (col0 & 3) and (col0 & 3) + 1 of each nibble
-                w[i][0][wd] = (odd ? other : mine) >> (col0 & 3);
-                w[i][1][wd] = (odd ? mine : other) >> (col0 & 3);
+                uint32 bits = 0;
+#pragma unroll
+                for (int src = 0; src < 4; ++src) {  // lane src of the quad: its columns 2 q, 2 q + 1
+                    const uint32 other = __shfl_sync(0xffffffffu, mine, src, 4);
+                    bits |= ((other >> (2 * q)) & 0x03030303u) << (2 * src);
+                }
+                w[i][wd] = bits;
             }
         }
     }
     __device__ __forceinline__ bool operator()(int i, int half, int j, int e) const {
-        return (w[i][half][j / 8] >> (4 * (j % 8) + e)) & 1u;
+        const int m = j / 2, src = 2 * (j & 1) + half;
+        return (w[i][m / 4] >> (8 * (m & 3) + 2 * src + e)) & 1u;
     }
     // Zero the dropped entries of p (the layout draw() was given).
     __device__ __forceinline__ void zero_dropped(float (&p)[M_TILES][N_TILES][4]) const {

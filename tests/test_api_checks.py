@@ -333,12 +333,13 @@ def test_gpu_dtypes_table():
     ({"sinks": np.full(2, 3e38, np.float32)}, "sinks must be at most 1e+30 in magnitude"),
     ({"alibi_slopes": np.full(2, -3e38, np.float32)}, "alibi_slopes must be at most 1e+30 in magnitude"),
     ({"softcap": 1e-30, "softmax_scale": 1e10}, "softmax_scale / softcap must be finite in float32"),
-    ({"dropout_p": 1 - 2**-40, "rng_state": (1, 2)}, "dropout_p must be at most 1 - 2**-32"),
+    ({"dropout_p": 1 - 2**-40, "rng_state": (1, 2)}, "dropout_p must be at most 1 - 2**-16"),
+    ({"dropout_p": 1 - 2**-17, "rng_state": (1, 2)}, "dropout_p must be at most 1 - 2**-16"),
 ])
 def test_variant_values_outside_float32_reach_are_refused(kwargs, message):
     """Values each within their own rule whose products in the kernels' float32 would
     overflow (sink * log2(e), slope * log2(e), scale / softcap), or a keep fraction a
-    32-bit comparison cannot draw: ValueError, not NaN or a wrong lse."""
+    16-bit comparison cannot draw: ValueError, not NaN or a wrong lse."""
     q = np.random.default_rng(0).standard_normal((1, 4, 2, 8)).astype(np.float32)
     for fn in ("flash_attn_fwd", "flash_attn"):
         with pytest.raises(ValueError, match=re.escape(f"cupyflash.{fn}: {message}")):

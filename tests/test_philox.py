@@ -1,4 +1,4 @@
-"""The dropout generator (cupyflash._philox): Philox4x32-10 and the keep mask."""
+"""The dropout generator (cupyflash._philox): Philox4x32 and the keep mask."""
 
 from __future__ import annotations
 
@@ -18,23 +18,24 @@ KAT = [
 
 @pytest.mark.parametrize("counter,key,expected", KAT)
 def test_known_answers(counter, key, expected):
-    out = _philox.philox4x32_10(np.array(counter, dtype=np.uint32)[:, None], key)
+    out = _philox.philox4x32(np.array(counter, dtype=np.uint32)[:, None], key, rounds=10)
     assert out.dtype == np.uint32 and out.shape == (4, 1)
     assert tuple(int(w) for w in out[:, 0]) == expected
 
 
 def test_vectorised_draws_equal_one_at_a_time():
     counters = np.array([c for c, _, _ in KAT], dtype=np.uint32).T  # (4, 3)
-    together = _philox.philox4x32_10(counters, (7, 9))
+    together = _philox.philox4x32(counters, (7, 9))
     for n in range(3):
-        alone = _philox.philox4x32_10(counters[:, n:n + 1], (7, 9))
+        alone = _philox.philox4x32(counters[:, n:n + 1], (7, 9))
         assert np.array_equal(together[:, n], alone[:, 0])
 
 
 def test_threshold():
     assert _philox.dropout_threshold(0.0) == 0
-    assert _philox.dropout_threshold(0.5) == 2**31
-    assert _philox.dropout_threshold(1 - 2**-40) == 2**32 - 1
+    assert _philox.dropout_threshold(0.5) == 2**15
+    assert _philox.dropout_threshold(0.1) == 6553
+    assert _philox.dropout_threshold(1 - 2**-40) == 2**16 - 1
 
 
 def test_mask_depends_only_on_the_indices():
@@ -63,7 +64,27 @@ def test_state_changes_the_mask_and_p_zero_keeps_everything():
 
 
 def test_columns_and_heads_are_not_correlated():
-    """Neighbouring columns share a Philox call (4 words each) but not a word."""
+    """Eight neighbouring columns share a Philox call, two a word, none a half-word."""
     mask = _philox.dropout_keep_mask(11, 0, 0.5, 1, 2, 64, 64)
-    assert 0.4 < (mask[..., 0::4] == mask[..., 1::4]).mean() < 0.6
+    for other in range(1, 8):
+        assert 0.4 < (mask[..., 0::8] == mask[..., other::8]).mean() < 0.6
     assert 0.4 < (mask[:, 0] == mask[:, 1]).mean() < 0.6
+
+
+def test_keep_decision_is_the_documented_half_word():
+    """Column j is decided by half j & 1 of word (j >> 1) & 3 of the call at counter
+    (j >> 3, i, b * nheads + h, offset), against floor(p * 2**16)."""
+    seed, offset, p, nheads = 2**33 + 7, 5, 0.37, 3
+    b, h, i = 1, 2, 9
+    key = (seed & 0xFFFFFFFF, seed >> 32)
+    row = _philox.keep_mask(seed, offset, p, b, h, i, np.arange(40), nheads)
+    for j in range(40):
+        words = _philox.philox4x32(np.array([j >> 3, i, b * nheads + h, offset], dtype=np.uint32)[:, None], key)
+        half = (int(words[(j >> 1) & 3, 0]) >> (16 * (j & 1))) & 0xFFFF
+        assert bool(row[j]) == (half >= _philox.dropout_threshold(p))
+
+
+def test_seven_rounds_differ_from_ten():
+    c = np.array([1, 2, 3, 4], dtype=np.uint32)[:, None]
+    assert _philox.ROUNDS == 7
+    assert not np.array_equal(_philox.philox4x32(c, (5, 6)), _philox.philox4x32(c, (5, 6), rounds=10))
