@@ -476,6 +476,8 @@ def test_check_kernels_lists_bias_and_mask_in_every_backward_family(cc):
     for bit in _BIAS_MASK:
         listed = {L.template for L in launches if L.args[-1] == str(bit)}
         dbias = {"cupyflash::flash_bwd_dbias_kernel"} if bit != dispatch.VAR_MASK else set()
+        if dbias and cc == (9, 0):
+            dbias.add("cupyflash::flash_bwd_dbias_sm90_kernel")  # D=64, 128 on aligned data
         assert listed == families | dbias, bit
         # every plan's kernels are among them (aligned bf16, any head_dim), dbias's too
         names = {L.name_expression for L in launches}
@@ -538,13 +540,46 @@ def test_dbias_smem_bytes_follow_the_traits():
     ((2, 1, 1000, 1), 2 * 8),           # (B, 1, N, 1): one key block, summed over the keys
     ((1, 1, 1, 1), 1),
 ])
-def test_dbias_grid_has_one_block_per_tile_of_the_bias(shape, tiles):
-    plan = _plan(head_dim=64, variant=dispatch.VAR_BIAS, dbias_shape=shape, cc=(9, 0))
+@pytest.mark.parametrize("cc", [(9, 0), (10, 0)])  # the wgmma kernel; the mma.sync one
+def test_dbias_grid_has_one_block_per_tile_of_the_bias(shape, tiles, cc):
+    plan = _plan(head_dim=64, variant=dispatch.VAR_BIAS, dbias_shape=shape, cc=cc)
     dbias = plan.launches[-1]
-    assert dbias.template == "cupyflash::flash_bwd_dbias_kernel"
-    assert dbias.args[2:7] == ("128", "64", "8", "4", "2") and dbias.block == (256, 1, 1)
+    if cc == (9, 0):
+        assert dbias.template == "cupyflash::flash_bwd_dbias_sm90_kernel"
+        assert dbias.args[2:5] == ("128", "64", "8")
+    else:
+        assert dbias.template == "cupyflash::flash_bwd_dbias_kernel"
+        assert dbias.args[2:7] == ("128", "64", "8", "4", "2")
+    assert dbias.block == (256, 1, 1)
     assert dbias.grid == (tiles, 1, 1)
-    assert dbias.smem_bytes <= dispatch.max_smem_per_block((9, 0))
+    assert dbias.smem_bytes <= dispatch.max_smem_per_block(cc)
+
+
+@pytest.mark.parametrize("head_dim,vec,cc,wgmma", [
+    (64, True, (9, 0), True), (128, True, (9, 0), True), (120, True, (9, 0), True),  # padded to 128
+    (32, True, (9, 0), False), (96, True, (9, 0), False), (256, True, (9, 0), False),
+    (64, False, (9, 0), False),                                                   # unaligned
+    (64, True, (8, 0), False), (128, True, (10, 0), False), (64, True, (12, 0), False),
+])
+def test_dbias_kernel_on_wgmma_where_it_serves(head_dim, vec, cc, wgmma):
+    plan = _plan(head_dim=head_dim, vec=vec, cc=cc, variant=dispatch.VAR_BIAS_FP32 | dispatch.VAR_MASK,
+                 dbias_shape=(1, 8, 1000, 1000))
+    dbias = plan.launches[-1]
+    assert (dbias.template == "cupyflash::flash_bwd_dbias_sm90_kernel") == wgmma
+    assert dbias.template.startswith("cupyflash::flash_bwd_dbias")
+    assert dbias.args[-1] == str(dispatch.VAR_BIAS_FP32 | dispatch.VAR_MASK)
+    if wgmma:  # <T, D, BM, BN, WARPS, CAUSAL, EVEN_K, VARIANT>
+        assert dbias.args[1] == str(dispatch.padded_head_dim(head_dim))
+        assert dbias.args[6] == ("true" if head_dim in (64, 128) else "false")
+
+
+def test_dbias_sm90_smem_bytes_follow_the_traits():
+    # two stages of Q, dO (128 rows) and K, V (64 rows), unpadded; 2 x 2 x 128 floats; 1 KB to align
+    assert dispatch.bwd_dbias_sm90_smem_bytes(64) == 2 * 2 * (128 + 64) * 64 * 2 + 2048 + 1024
+    assert dispatch.bwd_dbias_sm90_smem_bytes(128) == 2 * 2 * (128 + 64) * 128 * 2 + 2048 + 1024
+    assert dispatch.bwd_dbias_sm90_smem_bytes(128) <= dispatch.max_smem_per_block((9, 0))
+    with pytest.raises(ValueError, match="bias"):
+        dispatch.bwd_dbias_sm90_launch("float16", 64, False, True, variant=dispatch.VAR_MASK)
 
 
 def test_dbias_kernel_runs_last_and_only_when_asked():
