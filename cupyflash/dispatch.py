@@ -745,9 +745,13 @@ def bwd_dq_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: b
 #     bytes (mask alone 36-72), with or without dbias. Staged (VAR_BIAS_STAGED, the
 #     tile read transposed from shared memory: StagedScoreTermsT) it still sits at 255:
 #     the bf16 bias spills 24-36 bytes (3 of 4), with the mask 56-76, with softcap
-#     64-244; the fp32 bias and the mask alone fit with no margin. These plans stay on
-#     the mma.sync kernels (which stage the tile too).
+#     64-244, the fp32 bias with the mask 16-88; the fp32 bias alone and the mask alone
+#     fit at 255 registers (fp16 and bf16, causal or not, with or without atomic dQ;
+#     the wgmma dQ kernel, unstaged, too): those two staged plans take the wgmma
+#     kernels (_BWD_SM90_STAGED_FITS), the others stay on the mma.sync kernels (which
+#     stage the tile too).
 _BWD_SM90_VARIANT_SPILLS = {128: VAR_BIAS | VAR_BIAS_FP32 | VAR_MASK}
+_BWD_SM90_STAGED_FITS = {128: (VAR_BIAS_FP32, VAR_MASK)}  # exactly these bits, with VAR_BIAS_STAGED
 
 
 def bwd_sm90_variant(head_dim_padded: int, variant: int, cc: tuple[int, int] = (9, 0)) -> int:
@@ -768,7 +772,10 @@ def uses_sm90_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant:
     """Whether the wgmma kernels serve this padded head_dim (and VARIANT bits, staged or not)."""
     if not (cc == (9, 0) and vec and head_dim_padded in _BWD_SM90_HEAD_DIMS):
         return False
-    return not variant & _BWD_SM90_VARIANT_SPILLS.get(head_dim_padded, 0)
+    if not variant & _BWD_SM90_VARIANT_SPILLS.get(head_dim_padded, 0):
+        return True
+    return (variant & ~VAR_BIAS_STAGED in _BWD_SM90_STAGED_FITS.get(head_dim_padded, ())
+            and bool(bwd_sm90_variant(head_dim_padded, variant, cc) & VAR_BIAS_STAGED))
 
 
 def bwd_dkdv_sm90_smem_bytes(head_dim_padded: int, block_m: int = BWD_SM90_BLOCK_M, variant: int = 0) -> int:
@@ -1025,7 +1032,8 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
                 out.append(bwd_dq_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bit))
     # The staged bias and mask: the dK/dV and dQ kernels of the plans that take them, on
     # each GPU whose shared memory the tables tell apart (cc None: the mma.sync kernels
-    # of cc 8.0 and 8.6).
+    # of cc 8.0 and 8.6); the wgmma dQ kernel of those plans, which does not stage (the
+    # D=128 plans that only staged take the wgmma kernels: _BWD_SM90_STAGED_FITS).
     staged = []
     for arch in (cc,) if cc is not None else ((8, 0), (8, 6)):
         for bit, d, causal, det in itertools.product(BWD_STAGED_CHECK_VARIANTS, HEAD_DIMS, (False, True),
@@ -1034,7 +1042,8 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
                               dtype=_VARIANT_CHECK_DTYPE, causal=causal, deterministic=det, vec=True, cc=arch,
                               variant=bit)
             staged.extend(dataclasses.replace(L, grid=(1, 1, 1)) for L in plan.launches
-                          if L.template in _BWD_STAGED_KERNELS and int(L.args[-1]) & VAR_BIAS_STAGED)
+                          if L.template in _BWD_STAGED_KERNELS and (int(L.args[-1]) & VAR_BIAS_STAGED
+                                                                    or L.template.endswith("dq_sm90_kernel")))
     out.extend(dict.fromkeys(staged))
     # The dbias kernel: its tile (and stages) depend on the shared memory of cc; aligned
     # data at D=64 and 128 on cc 9.0 takes the wgmma kernel (cc None: the mma.sync kernels).

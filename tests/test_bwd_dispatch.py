@@ -430,6 +430,32 @@ def test_wgmma_dq_variant_compiles_for_sm90a_without_spills(head_dim, causal, ev
 # attn_bias / attn_mask (issue 14)
 # ----------------------------------------------------------------------------
 
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bits", [dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK])
+def test_staged_fp32_bias_or_mask_alone_at_d128_on_hopper_take_wgmma(bits, causal, deterministic):
+    """Staged, the fp32 bias alone and the mask alone fit the D=128 wgmma dK/dV kernel
+    (_BWD_SM90_STAGED_FITS): its plan stages the tile there; dQ from the wgmma dQ kernel
+    (deterministic; unstaged) or by atomics in the dK/dV kernel (default at D=128)."""
+    S = dispatch.VAR_BIAS_STAGED
+    plan = dispatch.select_bwd(batch=2, seqlen_q=1000, seqlen_k=1000, nheads_q=8, nheads_kv=8, head_dim=128,
+                               dtype="bfloat16", causal=causal, deterministic=deterministic, vec=True, cc=(9, 0),
+                               variant=bits | S)
+    dkdv = plan.launches[1]
+    assert dkdv.template == "cupyflash::flash_bwd_dkdv_sm90_kernel" and dkdv.args[-1] == str(bits | S)
+    assert dkdv.smem_bytes == dispatch.bwd_dkdv_sm90_smem_bytes(128, variant=bits | S) <= 227 * 1024
+    assert plan.dq_accum == (not deterministic)
+    if deterministic:
+        assert plan.launches[2].template == "cupyflash::flash_bwd_dq_sm90_kernel"
+        assert plan.launches[2].args[-1] == str(bits)
+    names = {L.name_expression for L in dispatch.all_bwd_launches((9, 0))}
+    assert all(L.name_expression in names for L in plan.launches[1:])
+    # unstaged (rows not 16-byte aligned), on unaligned data, and before sm_90: mma.sync
+    assert not dispatch.uses_sm90_bwd(128, True, (9, 0), bits)
+    assert not dispatch.uses_sm90_bwd(128, False, (9, 0), bits | S)
+    assert not dispatch.uses_sm90_bwd(128, True, (8, 0), bits | S)
+
 _BIAS_MASK = (dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK)
 
 
@@ -628,8 +654,12 @@ def _staged_plan(head_dim, bits, cc=(9, 0), deterministic=False):
 def test_staged_backward_keeps_its_tile_and_stages(cc, head_dim, bits):
     """VAR_BIAS_STAGED on the backward: the dK/dV and dQ kernels that stage the tile keep
     the tile and stage count of the unstaged plan (the bit dropped where the stages do
-    not fit), their shared memory covers the stages, and the dbias kernel never has it."""
+    not fit), their shared memory covers the stages, and the dbias kernel never has it.
+    (The D=128 plans that fit the wgmma kernels only staged change family: tested above.)"""
     S = dispatch.VAR_BIAS_STAGED
+    if dispatch.uses_sm90_bwd(head_dim, True, cc, bits | S) != dispatch.uses_sm90_bwd(head_dim, True, cc, bits):
+        assert (head_dim, cc) == (128, (9, 0)) and bits in dispatch._BWD_SM90_STAGED_FITS[128]
+        return
     for det in (False, True):
         plan, plain = _staged_plan(head_dim, bits, cc, det), _plan_bits(head_dim, bits, cc, det)
         assert plan.num_stages == plain.num_stages
@@ -667,11 +697,14 @@ def test_staged_backward_shared_memory():
 
 
 def test_staged_d128_stays_on_mma_sync_on_hopper():
-    """The wgmma dK/dV kernel at D=128 still spills with the staged tile (255 registers):
-    a D=128 bias or mask plan takes the mma.sync kernels, which stage it."""
-    plan = _staged_plan(128, dispatch.VAR_BIAS)
-    assert plan.launches[1].template == "cupyflash::flash_bwd_dkdv_kernel"
-    assert int(plan.launches[1].args[-1]) & dispatch.VAR_BIAS_STAGED
+    """The wgmma dK/dV kernel at D=128 still spills with the staged q-dtype bias, the bias
+    with the mask, softcap (255 registers): those plans take the mma.sync kernels, which
+    stage the tile."""
+    for bits in (dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32 | dispatch.VAR_MASK, dispatch.VAR_BIAS | dispatch.VAR_MASK,
+                 dispatch.VAR_BIAS_FP32 | dispatch.VAR_SOFTCAP, dispatch.VAR_MASK | dispatch.VAR_BIAS_STRIDED):
+        plan = _staged_plan(128, bits)
+        assert plan.launches[1].template == "cupyflash::flash_bwd_dkdv_kernel", bits
+        assert int(plan.launches[1].args[-1]) & dispatch.VAR_BIAS_STAGED
     plan = _staged_plan(64, dispatch.VAR_BIAS)
     assert plan.launches[1].template == "cupyflash::flash_bwd_dkdv_sm90_kernel"
     assert int(plan.launches[1].args[-1]) & dispatch.VAR_BIAS_STAGED

@@ -1,6 +1,7 @@
 """The GPU backward with ``attn_bias`` / ``attn_mask`` (issue 14) against the float64
 reference: dq, dk, dv and ``dbias``, on the wgmma kernels (D=64 and 128 on sm_90;
-the D=128 bias/mask plans take the mma.sync kernels, dispatch._BWD_SM90_VARIANT_SPILLS),
+the D=128 bias/mask plans take the mma.sync kernels, dispatch._BWD_SM90_VARIANT_SPILLS,
+but for the staged fp32 bias alone and the mask alone: test_staged_d128_on_wgmma),
 the bias/mask tile staged through shared memory where its rows are 16-byte aligned
 (test_staged*; the other tests' odd seqlen_k read it element by element)
 and the mma.sync ones (D=96, 256, and every head_dim before sm_90). dbias comes from
@@ -489,3 +490,36 @@ def test_dbias_on_wgmma(cp, rng, launches, dtype, shape, causal, bias_shape, bia
         mask[..., 5, :] = False  # a row that sees no key: its dbias row is 0
     check(*run(cp, rng, dtype, shape, causal, bias=bias, mask=mask, variants=variants), causal, variants)
     assert "flash_bwd_dbias_sm90_kernel" in launches and "flash_bwd_dbias_kernel" not in launches
+
+
+# The staged fp32 bias alone and the mask alone at D=128 on sm_90: the wgmma dK/dV kernel
+# (dispatch._BWD_SM90_STAGED_FITS), atomic dQ in it (default) or the wgmma dQ kernel
+# (deterministic). Query tails (200, 130 rows), key counts that are multiples of 8 (staged).
+D128_STAGED = {
+    "bias-fp32": (lambda b, h, m, n: (1, h, m, n), None),
+    "mask": (None, lambda b, h, m, n: (b, h, m, n)),
+    "mask-per-key": (None, lambda b, h, m, n: (b, 1, 1, n)),
+}
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("kind", list(D128_STAGED))
+@pytest.mark.parametrize("dtype,shape,causal", [
+    pytest.param("float16", (2, 200, 208, 4, 2, 128), False, id="f16-gqa"),
+    pytest.param("bfloat16", (1, 130, 272, 2, 2, 128), True, id="bf16-causal", marks=_NO_BF16),
+])
+def test_staged_d128_on_wgmma(cp, rng, launches, dtype, shape, causal, kind, deterministic):
+    from cupyflash import _launch
+
+    if _launch.compute_capability(cp.cuda.Device().id) != (9, 0):
+        pytest.skip("the wgmma dK/dV kernel runs on compute capability 9.0")
+    bias_shape, mask_shape = D128_STAGED[kind]
+    full = _score_shape(shape)
+    bias = None if bias_shape is None else bias_values(rng, bias_shape(*full), "float32")
+    mask = None if mask_shape is None else keep_mask(rng, mask_shape(*full), 0.8)
+    if mask is not None and mask.shape[2] > 1:
+        mask[..., 5, :] = False  # a row that sees no key
+    _assert_staged(cp, None if bias is None else cp.asarray(bias), None if mask is None else cp.asarray(mask))
+    check(*run(cp, rng, dtype, shape, causal, bias=bias, mask=mask, deterministic=deterministic), causal)
+    assert "flash_bwd_dkdv_sm90_kernel" in launches and "flash_bwd_dkdv_kernel" not in launches
+    assert ("flash_bwd_dq_sm90_kernel" in launches) == deterministic
