@@ -58,7 +58,9 @@ namespace cupyflash {
 
 // The shared tiles of Q, dO (BLOCK_M rows) and K, V (BLOCK_N rows): padded for
 // ldmatrix, or in wgmma's 128-byte swizzle.
-template <bool WGMMA, typename T, int ROWS, int HEAD_DIM> struct DbiasTile { using type = SmemTile<T, ROWS, HEAD_DIM>; };
+template <bool WGMMA, typename T, int ROWS, int HEAD_DIM> struct DbiasTile {
+    using type = SmemTile<T, ROWS, HEAD_DIM>;
+};
 template <typename T, int ROWS, int HEAD_DIM> struct DbiasTile<true, T, ROWS, HEAD_DIM> {
     using type = Swizzle128Tile<T, ROWS, HEAD_DIM>;
 };
@@ -193,10 +195,10 @@ __device__ __forceinline__ void dbias_tile(const BwdParams& p) {
                      int64(seq.q_start + v.m0) * p.q_row_stride;
         const T* k = static_cast<const T*>(p.k) + v.b * p.k_batch_stride + (v.h / group) * p.k_head_stride +
                      int64(seq.k_start + v.n0) * p.k_row_stride;
-        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ(stage), q, p.q_row_stride, seq.seqlen_q - v.m0,
-                                                         p.head_dim);
-        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(sK(stage), k, p.k_row_stride, seq.seqlen_k - v.n0,
-                                                         p.head_dim);
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K, QTile>(sQ(stage), q, p.q_row_stride, seq.seqlen_q - v.m0,
+                                                                p.head_dim);
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K, KVTile>(sK(stage), k, p.k_row_stride, seq.seqlen_k - v.n0,
+                                                                 p.head_dim);
         const int r = threadIdx.x;  // thread r loads row r of lse_log2 and delta
         if (r < BLOCK_M) {
             const bool valid = v.m0 + r < seq.seqlen_q;
@@ -211,10 +213,10 @@ __device__ __forceinline__ void dbias_tile(const BwdParams& p) {
                         int64(seq.q_start + v.m0) * p.do_row_stride;
         const T* vv = static_cast<const T*>(p.v) + v.b * p.v_batch_stride + (v.h / group) * p.v_head_stride +
                       int64(seq.k_start + v.n0) * p.v_row_stride;
-        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sdO(stage), dout, p.do_row_stride, seq.seqlen_q - v.m0,
-                                                         p.head_dim);
-        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(sV(stage), vv, p.v_row_stride, seq.seqlen_k - v.n0,
-                                                         p.head_dim);
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K, QTile>(sdO(stage), dout, p.do_row_stride,
+                                                                seq.seqlen_q - v.m0, p.head_dim);
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K, KVTile>(sV(stage), vv, p.v_row_stride, seq.seqlen_k - v.n0,
+                                                                 p.head_dim);
     };
 
     // ---- the tile's bias at this thread's fragment positions, read once (rows and keys
