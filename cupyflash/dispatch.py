@@ -639,6 +639,42 @@ def bwd_dbias_grid(tile: tuple[int, ...], dbias_shape: tuple[int, int, int, int]
     return (batch_b * heads_b * tiles_m * tiles_n, 1, 1)
 
 
+# Hopper (cc 9.0) at padded head_dim 64 and 128 with 16-byte loads: the same kernel body
+# with S and dP on wgmma (flash_bwd_dbias_sm90_kernel): 128 x 64 tiles, each warpgroup
+# 64 rows x 64 keys (m64n64k16), two stages of 128-byte-swizzled Q, dO, K, V. The
+# mma.sync kernel issued ~4.6 cycles per instruction at 8 warps per SM (ncu, run 58):
+# latency- and issue-bound on its ldmatrix/mma stream, which wgmma replaces by 2·D/16
+# instructions per warpgroup and visit.
+_BWD_DBIAS_SM90_HEAD_DIMS = (64, 128)
+BWD_DBIAS_SM90_TILE = (128, 64, 8)  # BLOCK_M, BLOCK_N, NUM_WARPS (each warp 16 rows x BLOCK_N keys)
+
+
+def uses_sm90_dbias(head_dim_padded: int, vec: bool, cc: tuple[int, int]) -> bool:
+    """Whether the wgmma dbias kernel serves this padded head_dim."""
+    return cc == (9, 0) and vec and head_dim_padded in _BWD_DBIAS_SM90_HEAD_DIMS
+
+
+def bwd_dbias_sm90_smem_bytes(head_dim_padded: int) -> int:
+    """BwdDbiasTraits::SMEM_BYTES of the wgmma kernel: two stages of Q, dO (BLOCK_M rows)
+    and K, V (BLOCK_N rows), unpadded in the 128-byte swizzle; two slots of (lse_log2,
+    delta) rows; 1 KB to align to the swizzle atom."""
+    block_m, block_n, _ = BWD_DBIAS_SM90_TILE
+    pipe = 2 * 2 * (block_m + block_n) * head_dim_padded * 2 + 2 * 2 * block_m * 4
+    return max(pipe, block_m * (block_n + 4) * 4) + 1024
+
+
+def bwd_dbias_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
+                          grid: tuple[int, int, int] = (1, 1, 1), variant: int = VAR_BIAS) -> Launch:
+    """The wgmma dbias kernel instantiation (cc 9.0; ``variant`` holds a bias bit)."""
+    if not variant & (VAR_BIAS | VAR_BIAS_FP32):
+        raise ValueError(f"cupyflash: the dbias kernel needs a bias in its variant bits; got {variant}")
+    block_m, block_n, num_warps = BWD_DBIAS_SM90_TILE
+    args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(num_warps), _cbool(causal),
+            _cbool(even_k), str(variant))
+    return Launch("flash_bwd_dbias.cu", "cupyflash::flash_bwd_dbias_sm90_kernel", args, grid,
+                  (num_warps * 32, 1, 1), bwd_dbias_sm90_smem_bytes(head_dim_padded))
+
+
 def bwd_dbias_launch(dtype: str, head_dim_padded: int, tile: tuple[int, int, int, int], stages: int,
                      causal: bool, even_k: bool, vec: bool, grid: tuple[int, int, int] = (1, 1, 1),
                      variant: int = VAR_BIAS) -> Launch:
@@ -709,9 +745,13 @@ def bwd_dq_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: b
 #     bytes (mask alone 36-72), with or without dbias. Staged (VAR_BIAS_STAGED, the
 #     tile read transposed from shared memory: StagedScoreTermsT) it still sits at 255:
 #     the bf16 bias spills 24-36 bytes (3 of 4), with the mask 56-76, with softcap
-#     64-244; the fp32 bias and the mask alone fit with no margin. These plans stay on
-#     the mma.sync kernels (which stage the tile too).
+#     64-244, the fp32 bias with the mask 16-88; the fp32 bias alone and the mask alone
+#     fit at 255 registers (fp16 and bf16, causal or not, with or without atomic dQ;
+#     the wgmma dQ kernel, unstaged, too): those two staged plans take the wgmma
+#     kernels (_BWD_SM90_STAGED_FITS), the others stay on the mma.sync kernels (which
+#     stage the tile too).
 _BWD_SM90_VARIANT_SPILLS = {128: VAR_BIAS | VAR_BIAS_FP32 | VAR_MASK}
+_BWD_SM90_STAGED_FITS = {128: (VAR_BIAS_FP32, VAR_MASK)}  # exactly these bits, with VAR_BIAS_STAGED
 
 
 def bwd_sm90_variant(head_dim_padded: int, variant: int, cc: tuple[int, int] = (9, 0)) -> int:
@@ -732,7 +772,10 @@ def uses_sm90_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant:
     """Whether the wgmma kernels serve this padded head_dim (and VARIANT bits, staged or not)."""
     if not (cc == (9, 0) and vec and head_dim_padded in _BWD_SM90_HEAD_DIMS):
         return False
-    return not variant & _BWD_SM90_VARIANT_SPILLS.get(head_dim_padded, 0)
+    if not variant & _BWD_SM90_VARIANT_SPILLS.get(head_dim_padded, 0):
+        return True
+    return (variant & ~VAR_BIAS_STAGED in _BWD_SM90_STAGED_FITS.get(head_dim_padded, ())
+            and bool(bwd_sm90_variant(head_dim_padded, variant, cc) & VAR_BIAS_STAGED))
 
 
 def bwd_dkdv_sm90_smem_bytes(head_dim_padded: int, block_m: int = BWD_SM90_BLOCK_M, variant: int = 0) -> int:
@@ -932,7 +975,10 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
         launches.append(bwd_convert_launch(dtype, vec, q_rows[0] * q_rows[1] * nheads_q))
     if kv_splits > 1:
         launches.append(bwd_convert_dkv_launch(dtype, vec, k_rows[0] * k_rows[1] * nheads_kv))
-    if dbias_shape is not None:
+    if dbias_shape is not None and uses_sm90_dbias(d, vec, cc):
+        launches.append(bwd_dbias_sm90_launch(dtype, d, causal, even_k, bwd_dbias_grid(
+            BWD_DBIAS_SM90_TILE, dbias_shape, seqlen_q, seqlen_k), variant))
+    elif dbias_shape is not None:
         dbias_tile, dbias_stages = bwd_dbias_tile(d, cc)
         launches.append(bwd_dbias_launch(dtype, d, dbias_tile, dbias_stages, causal, even_k, vec,
                                          bwd_dbias_grid(dbias_tile, dbias_shape, seqlen_q, seqlen_k), variant))
@@ -987,7 +1033,8 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
                 out.append(bwd_dq_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bit))
     # The staged bias and mask: the dK/dV and dQ kernels of the plans that take them, on
     # each GPU whose shared memory the tables tell apart (cc None: the mma.sync kernels
-    # of cc 8.0 and 8.6).
+    # of cc 8.0 and 8.6); the wgmma dQ kernel of those plans, which does not stage (the
+    # D=128 plans that only staged take the wgmma kernels: _BWD_SM90_STAGED_FITS).
     staged = []
     for arch in (cc,) if cc is not None else ((8, 0), (8, 6)):
         for bit, d, causal, det in itertools.product(BWD_STAGED_CHECK_VARIANTS, HEAD_DIMS, (False, True),
@@ -996,19 +1043,24 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
                               dtype=_VARIANT_CHECK_DTYPE, causal=causal, deterministic=det, vec=True, cc=arch,
                               variant=bit)
             staged.extend(dataclasses.replace(L, grid=(1, 1, 1)) for L in plan.launches
-                          if L.template in _BWD_STAGED_KERNELS and int(L.args[-1]) & VAR_BIAS_STAGED)
+                          if L.template in _BWD_STAGED_KERNELS and (int(L.args[-1]) & VAR_BIAS_STAGED
+                                                                    or L.template.endswith("dq_sm90_kernel")))
     out.extend(dict.fromkeys(staged))
-    # The dbias kernel: its tile (and stages) depend on the shared memory of cc.
+    # The dbias kernel: its tile (and stages) depend on the shared memory of cc; aligned
+    # data at D=64 and 128 on cc 9.0 takes the wgmma kernel (cc None: the mma.sync kernels).
     dbias = []
     for arch in (cc,) if cc is not None else ARCHS:
         for d in HEAD_DIMS:
             tile, stages = bwd_dbias_tile(d, arch)
-            for variant, causal in itertools.product(DBIAS_CHECK_VARIANTS, (False, True)):
-                dbias.append(bwd_dbias_launch(_VARIANT_CHECK_DTYPE, d, tile, stages, causal, True, True,
-                                              variant=variant))
-            for variant in DBIAS_CHECK_WITH:
-                dbias.append(bwd_dbias_launch(_VARIANT_CHECK_DTYPE, d, tile, stages, False, True, True,
-                                              variant=VAR_BIAS | variant))
+            wgmma = cc is not None and uses_sm90_dbias(d, True, arch)
+
+            def aligned(causal: bool, variant: int) -> Launch:  # the kernel of aligned data on arch
+                if wgmma:
+                    return bwd_dbias_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=variant)
+                return bwd_dbias_launch(_VARIANT_CHECK_DTYPE, d, tile, stages, causal, True, True, variant=variant)
+            dbias.extend(aligned(causal, variant)
+                         for variant, causal in itertools.product(DBIAS_CHECK_VARIANTS, (False, True)))
+            dbias.extend(aligned(False, VAR_BIAS | variant) for variant in DBIAS_CHECK_WITH)
             dbias.append(bwd_dbias_launch("float16", d, tile, stages, False, False, False))  # unaligned
     return out + list(dict.fromkeys(dbias))
 

@@ -1,5 +1,7 @@
-// flash_bwd_dbias.cu: the gradient of attn_bias (issue 14) on mma.sync.m16n8k16
-// fragments, with no atomics: deterministic by construction.
+// flash_bwd_dbias.cu: the gradient of attn_bias (issue 14), with no atomics:
+// deterministic by construction. Two entry points share one body: mma.sync.m16n8k16
+// fragments (flash_bwd_dbias_kernel, any GPU) and Hopper wgmma (flash_bwd_dbias_sm90_kernel,
+// sm_90a, padded head_dim 64 and 128).
 //
 // dbias is dS before softcap's factor and softmax_scale (cupyflash/reference.py),
 //   dbias[b', h', i', j'] = Σ P∘(dP∘Z·rp − delta)  over (b, h, i, j) broadcast onto it,
@@ -38,6 +40,11 @@
 //              1: one buffer each, Q and K of the next visit loading under dP's GEMM
 //              and dO and V under the next S (for shared memory too small for 2)
 //   IS_CAUSAL, EVEN_K, VEC, VARIANT  as for flash_bwd.cu's kernels (VARIANT has a bias)
+// The wgmma kernel (WGMMA in the shared body): each warpgroup owns 64 of BLOCK_M = 128
+// rows and all BLOCK_N keys (warp w: rows 16 w .., the mma.sync accumulator layout,
+// WARPS_M = NUM_WARPS = 8), S = Q·Kᵀ and dP = dO·Vᵀ as m64nBLOCK_N k16 wgmma with both
+// operands from 128-byte-swizzled shared tiles, issued together: P is computed under
+// dP's product. Two stages, 16-byte loads (VEC) only.
 #include "params.cuh"
 #include "ptx.cuh"
 #include "seqlens.cuh"
@@ -45,10 +52,21 @@
 #include "tile_io.cuh"
 #include "variant.cuh"
 #include "warp_mma.cuh"
+#include "wgmma.cuh"
 
 namespace cupyflash {
 
-template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_, int WARPS_M_, int STAGES_>
+// The shared tiles of Q, dO (BLOCK_M rows) and K, V (BLOCK_N rows): padded for
+// ldmatrix, or in wgmma's 128-byte swizzle.
+template <bool WGMMA, typename T, int ROWS, int HEAD_DIM> struct DbiasTile {
+    using type = SmemTile<T, ROWS, HEAD_DIM>;
+};
+template <typename T, int ROWS, int HEAD_DIM> struct DbiasTile<true, T, ROWS, HEAD_DIM> {
+    using type = Swizzle128Tile<T, ROWS, HEAD_DIM>;
+};
+
+template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_, int WARPS_M_, int STAGES_,
+          bool WGMMA_ = false>
 struct BwdDbiasTraits {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
@@ -62,22 +80,28 @@ struct BwdDbiasTraits {
     static constexpr int WARP_COLS = BLOCK_N / (NUM_WARPS / WARPS_M_);
     static constexpr int M_TILES = WARP_ROWS / 16, N_TILES = WARP_COLS / 8;
 
-    using QTile = SmemTile<T, BLOCK_M, HEAD_DIM>;   // Q and dO
-    using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM>;  // K and V
+    static constexpr bool WGMMA = WGMMA_;
+    using QTile = typename DbiasTile<WGMMA, T, BLOCK_M, HEAD_DIM>::type;   // Q and dO
+    using KVTile = typename DbiasTile<WGMMA, T, BLOCK_N, HEAD_DIM>::type;  // K and V
     // Shared memory: per stage Q, K, dO, V; then two slots of (lse_log2, delta) rows.
-    // The epilogue's fp32 tile (rows padded by 4 floats) reuses it.
+    // The epilogue's fp32 tile (rows padded by 4 floats) reuses it. (WGMMA: from the
+    // first 1024-byte boundary, the swizzle atom; every tile is a multiple of 1024 bytes.)
     static constexpr int STAGE_BYTES = 2 * QTile::BYTES + 2 * KVTile::BYTES;
     static constexpr int ROWS_BYTES = 2 * 2 * BLOCK_M * 4;
     static constexpr int ACC_STRIDE = BLOCK_N + 4;  // floats
     static constexpr int PIPE_BYTES = STAGES * STAGE_BYTES + ROWS_BYTES;
     static constexpr int ACC_BYTES = BLOCK_M * ACC_STRIDE * 4;
-    static constexpr int SMEM_BYTES = PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES;
+    static constexpr int ALIGN_BYTES = WGMMA ? 1024 : 0;
+    static constexpr int SMEM_BYTES = (PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES) + ALIGN_BYTES;
 
     static_assert(NUM_WARPS % WARPS_M_ == 0, "the warp grid uses every warp");
     static_assert(WARP_ROWS % 16 == 0 && WARP_COLS % 16 == 0, "warp tiles of whole m16 tiles and n8 tile pairs");
     static_assert(HEAD_DIM % 16 == 0, "k16 steps");
     static_assert(BLOCK_M <= NUM_THREADS, "one thread per row of lse_log2 and delta");
     static_assert(STAGES == 1 || STAGES == 2, "one or two stages");
+    static_assert(!WGMMA || (NUM_WARPS % 4 == 0 && WARPS_M_ == NUM_WARPS && BLOCK_M == 16 * NUM_WARPS &&
+                             STAGES == 2 && (BLOCK_N == 32 || BLOCK_N == 64 || BLOCK_N == 128)),
+                  "wgmma: warpgroups of 64 rows x BLOCK_N keys, two stages");
 };
 
 // One visit of a block: the (batch, head) pair and the query and key blocks.
@@ -86,11 +110,11 @@ struct DbiasVisit {
     bool masked;  // the step needs mask code (key tail, causal diagonal, window edge)
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int WARPS_M, int STAGES,
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int WARPS_M, int STAGES, bool WGMMA,
           bool IS_CAUSAL, bool EVEN_K, bool VEC, int VARIANT>
-__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
-flash_bwd_dbias_kernel(const BwdParams p) {
-    using Tr = BwdDbiasTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, WARPS_M, STAGES>;
+__device__ __forceinline__ void dbias_tile(const BwdParams& p) {
+    using Tr = BwdDbiasTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, WARPS_M, STAGES, WGMMA>;
+    static_assert(!WGMMA || VEC, "wgmma: 16-byte loads");
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Scores = DbiasScores<IS_CAUSAL, VARIANT, T, Tr::M_TILES, Tr::N_TILES>;
@@ -104,8 +128,10 @@ flash_bwd_dbias_kernel(const BwdParams p) {
     // mask's reads take D <= 64 to 244-255 registers unrolled: those stay rolled.
     constexpr bool ROLLED = HEAD_DIM > 64 || (VARIANT & (VAR_DROPOUT | VAR_MASK)) != 0;
 
-    extern __shared__ __align__(16) unsigned char smem[];
-    const uint32 s_base = smem_addr(smem);
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    constexpr uint32 ALIGN = Tr::ALIGN_BYTES > 16 ? Tr::ALIGN_BYTES : 16;  // (the mma.sync tiles: 16 bytes)
+    const uint32 s_base = (smem_addr(smem_raw) + ALIGN - 1) & ~(ALIGN - 1);
+    unsigned char* const smem = smem_raw + (s_base - smem_addr(smem_raw));
     auto sQ = [&](int stage) { return s_base + stage * Tr::STAGE_BYTES; };
     auto sK = [&](int stage) { return sQ(stage) + QTile::BYTES; };
     auto sdO = [&](int stage) { return sK(stage) + KVTile::BYTES; };
@@ -169,10 +195,10 @@ flash_bwd_dbias_kernel(const BwdParams p) {
                      int64(seq.q_start + v.m0) * p.q_row_stride;
         const T* k = static_cast<const T*>(p.k) + v.b * p.k_batch_stride + (v.h / group) * p.k_head_stride +
                      int64(seq.k_start + v.n0) * p.k_row_stride;
-        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sQ(stage), q, p.q_row_stride, seq.seqlen_q - v.m0,
-                                                         p.head_dim);
-        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(sK(stage), k, p.k_row_stride, seq.seqlen_k - v.n0,
-                                                         p.head_dim);
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K, QTile>(sQ(stage), q, p.q_row_stride, seq.seqlen_q - v.m0,
+                                                                p.head_dim);
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K, KVTile>(sK(stage), k, p.k_row_stride, seq.seqlen_k - v.n0,
+                                                                 p.head_dim);
         const int r = threadIdx.x;  // thread r loads row r of lse_log2 and delta
         if (r < BLOCK_M) {
             const bool valid = v.m0 + r < seq.seqlen_q;
@@ -187,10 +213,10 @@ flash_bwd_dbias_kernel(const BwdParams p) {
                         int64(seq.q_start + v.m0) * p.do_row_stride;
         const T* vv = static_cast<const T*>(p.v) + v.b * p.v_batch_stride + (v.h / group) * p.v_head_stride +
                       int64(seq.k_start + v.n0) * p.v_row_stride;
-        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K>(sdO(stage), dout, p.do_row_stride, seq.seqlen_q - v.m0,
-                                                         p.head_dim);
-        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K>(sV(stage), vv, p.v_row_stride, seq.seqlen_k - v.n0,
-                                                         p.head_dim);
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, VEC, EVEN_K, QTile>(sdO(stage), dout, p.do_row_stride,
+                                                                seq.seqlen_q - v.m0, p.head_dim);
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, VEC, EVEN_K, KVTile>(sV(stage), vv, p.v_row_stride, seq.seqlen_k - v.n0,
+                                                                 p.head_dim);
     };
 
     // ---- the tile's bias at this thread's fragment positions, read once (rows and keys
@@ -216,6 +242,7 @@ flash_bwd_dbias_kernel(const BwdParams p) {
         const int stage = STAGES == 2 ? slot : 0;
         if constexpr (STAGES == 2) {
             cp_async_wait<0>();
+            if constexpr (WGMMA) fence_proxy_async_smem();  // this thread's copies, visible to wgmma
             __syncthreads();  // this visit's tiles landed; every warp is done with the last one's
             if (has_next) {
                 load_qk(next, stage ^ 1, slot ^ 1);
@@ -227,40 +254,62 @@ flash_bwd_dbias_kernel(const BwdParams p) {
             __syncthreads();  // Q, K, rows landed (dO, V may still be in flight)
         }
 
-        // ---- S = Q·Kᵀ
-        float s[M_TILES][N_TILES][4];
-        clear(s);
-        warp_gemm<T, M_TILES, N_TILES, HEAD_DIM / 16, QTile, false, KVTile, false, ROLLED>(s, sQ(stage), warp_row0,
-                                                                                        sK(stage), warp_col0);
-        if constexpr (STAGES == 1) {
-            __syncthreads();  // every warp is done with Q, K
-            if (has_next) load_qk(next, 0, slot ^ 1);
-            cp_async_commit();
-        }
-
-        // ---- P = prob(x, lse·log2e), x the pair's masked score with the tile's bias
         const SeqLens seq = seq_lens(p, cur.b);
         const Scores scores(var, p.softmax_scale_log2, cur.b, cur.h, p.nheads_q, seq.seqlen_q, seq.seqlen_k, bias);
         const float* s_lse = rows_of(slot);
         const float* s_delta = s_lse + BLOCK_M;
         auto lse2 = [&](int i, int hh) { return s_lse[warp_row0 + i * 16 + hh * 8 + g]; };
         auto delta = [&](int i, int hh) { return s_delta[warp_row0 + i * 16 + hh * 8 + g]; };
-        scores.template probs<MASKED>(s, cur.m0 + warp_row0 + g, cur.n0 + warp_col0 + 2 * t, lse2);
+        float s[M_TILES][N_TILES][4], dp[M_TILES][N_TILES][4];
+        if constexpr (WGMMA) {
+            // ---- S = Q·Kᵀ, then dP = dO·Vᵀ, for this warpgroup's 64 rows
+            const int wg_row0 = warp / 4 * 64;
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+                Wgmma<T, BLOCK_N>::template ss<0, 0>(s[0], desc_k_major<BLOCK_M>(sQ(stage), wg_row0, kk),
+                                                     desc_k_major<BLOCK_N>(sK(stage), 0, kk), kk > 0);
+            wgmma_commit();
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+                Wgmma<T, BLOCK_N>::template ss<0, 0>(dp[0], desc_k_major<BLOCK_M>(sdO(stage), wg_row0, kk),
+                                                     desc_k_major<BLOCK_N>(sV(stage), 0, kk), kk > 0);
+            wgmma_commit();
+            // ---- P = prob(x, lse·log2e), x the pair's masked score with the tile's bias,
+            //      under dP's product
+            wgmma_wait<1>();
+            fence_operands(s[0]);
+            scores.template probs<MASKED>(s, cur.m0 + warp_row0 + g, cur.n0 + warp_col0 + 2 * t, lse2);
+            wgmma_wait<0>();
+            fence_operands(dp[0]);
+        } else {
+            // ---- S = Q·Kᵀ
+            clear(s);
+            warp_gemm<T, M_TILES, N_TILES, HEAD_DIM / 16, QTile, false, KVTile, false, ROLLED>(
+                s, sQ(stage), warp_row0, sK(stage), warp_col0);
+            if constexpr (STAGES == 1) {
+                __syncthreads();  // every warp is done with Q, K
+                if (has_next) load_qk(next, 0, slot ^ 1);
+                cp_async_commit();
+            }
 
-        if constexpr (STAGES == 1) {
-            cp_async_wait<1>();
-            __syncthreads();  // dO, V landed
-        }
+            // ---- P = prob(x, lse·log2e), x the pair's masked score with the tile's bias
+            scores.template probs<MASKED>(s, cur.m0 + warp_row0 + g, cur.n0 + warp_col0 + 2 * t, lse2);
 
-        // ---- dP = dO·Vᵀ
-        float dp[M_TILES][N_TILES][4];
-        clear(dp);
-        warp_gemm<T, M_TILES, N_TILES, HEAD_DIM / 16, QTile, false, KVTile, false, ROLLED>(dp, sdO(stage), warp_row0,
-                                                                                         sV(stage), warp_col0);
-        if constexpr (STAGES == 1) {
-            __syncthreads();  // every warp is done with dO, V
-            if (has_next) load_dov(next, 0);
-            cp_async_commit();
+            if constexpr (STAGES == 1) {
+                cp_async_wait<1>();
+                __syncthreads();  // dO, V landed
+            }
+
+            // ---- dP = dO·Vᵀ
+            clear(dp);
+            warp_gemm<T, M_TILES, N_TILES, HEAD_DIM / 16, QTile, false, KVTile, false, ROLLED>(
+                dp, sdO(stage), warp_row0, sV(stage), warp_col0);
+            if constexpr (STAGES == 1) {
+                __syncthreads();  // every warp is done with dO, V
+                if (has_next) load_dov(next, 0);
+                cp_async_commit();
+            }
         }
 
         // ---- dbias += P∘(dP∘Z·rp − delta)
@@ -310,6 +359,21 @@ flash_bwd_dbias_kernel(const BwdParams p) {
         if constexpr (sizeof(BiasT) == 4) out = x;
         else out = TypeTraits<T>::from_float(x);
     }
+}
+
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int WARPS_M, int STAGES,
+          bool IS_CAUSAL, bool EVEN_K, bool VEC, int VARIANT>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
+flash_bwd_dbias_kernel(const BwdParams p) {
+    dbias_tile<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, WARPS_M, STAGES, false, IS_CAUSAL, EVEN_K, VEC, VARIANT>(p);
+}
+
+// sm_90a: S and dP on wgmma (BLOCK_M = 16 NUM_WARPS, WARPS_M = NUM_WARPS, two stages, VEC).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool IS_CAUSAL, bool EVEN_K,
+          int VARIANT>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
+flash_bwd_dbias_sm90_kernel(const BwdParams p) {
+    dbias_tile<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_WARPS, 2, true, IS_CAUSAL, EVEN_K, true, VARIANT>(p);
 }
 
 }  // namespace cupyflash

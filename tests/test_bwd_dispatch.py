@@ -430,6 +430,32 @@ def test_wgmma_dq_variant_compiles_for_sm90a_without_spills(head_dim, causal, ev
 # attn_bias / attn_mask (issue 14)
 # ----------------------------------------------------------------------------
 
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bits", [dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK])
+def test_staged_fp32_bias_or_mask_alone_at_d128_on_hopper_take_wgmma(bits, causal, deterministic):
+    """Staged, the fp32 bias alone and the mask alone fit the D=128 wgmma dK/dV kernel
+    (_BWD_SM90_STAGED_FITS): its plan stages the tile there; dQ from the wgmma dQ kernel
+    (deterministic; unstaged) or by atomics in the dK/dV kernel (default at D=128)."""
+    S = dispatch.VAR_BIAS_STAGED
+    plan = dispatch.select_bwd(batch=2, seqlen_q=1000, seqlen_k=1000, nheads_q=8, nheads_kv=8, head_dim=128,
+                               dtype="bfloat16", causal=causal, deterministic=deterministic, vec=True, cc=(9, 0),
+                               variant=bits | S)
+    dkdv = plan.launches[1]
+    assert dkdv.template == "cupyflash::flash_bwd_dkdv_sm90_kernel" and dkdv.args[-1] == str(bits | S)
+    assert dkdv.smem_bytes == dispatch.bwd_dkdv_sm90_smem_bytes(128, variant=bits | S) <= 227 * 1024
+    assert plan.dq_accum == (not deterministic)
+    if deterministic:
+        assert plan.launches[2].template == "cupyflash::flash_bwd_dq_sm90_kernel"
+        assert plan.launches[2].args[-1] == str(bits)
+    names = {L.name_expression for L in dispatch.all_bwd_launches((9, 0))}
+    assert all(L.name_expression in names for L in plan.launches[1:])
+    # unstaged (rows not 16-byte aligned), on unaligned data, and before sm_90: mma.sync
+    assert not dispatch.uses_sm90_bwd(128, True, (9, 0), bits)
+    assert not dispatch.uses_sm90_bwd(128, False, (9, 0), bits | S)
+    assert not dispatch.uses_sm90_bwd(128, True, (8, 0), bits | S)
+
 _BIAS_MASK = (dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK)
 
 
@@ -476,6 +502,8 @@ def test_check_kernels_lists_bias_and_mask_in_every_backward_family(cc):
     for bit in _BIAS_MASK:
         listed = {L.template for L in launches if L.args[-1] == str(bit)}
         dbias = {"cupyflash::flash_bwd_dbias_kernel"} if bit != dispatch.VAR_MASK else set()
+        if dbias and cc == (9, 0):
+            dbias.add("cupyflash::flash_bwd_dbias_sm90_kernel")  # D=64, 128 on aligned data
         assert listed == families | dbias, bit
         # every plan's kernels are among them (aligned bf16, any head_dim), dbias's too
         names = {L.name_expression for L in launches}
@@ -538,13 +566,46 @@ def test_dbias_smem_bytes_follow_the_traits():
     ((2, 1, 1000, 1), 2 * 8),           # (B, 1, N, 1): one key block, summed over the keys
     ((1, 1, 1, 1), 1),
 ])
-def test_dbias_grid_has_one_block_per_tile_of_the_bias(shape, tiles):
-    plan = _plan(head_dim=64, variant=dispatch.VAR_BIAS, dbias_shape=shape, cc=(9, 0))
+@pytest.mark.parametrize("cc", [(9, 0), (10, 0)])  # the wgmma kernel; the mma.sync one
+def test_dbias_grid_has_one_block_per_tile_of_the_bias(shape, tiles, cc):
+    plan = _plan(head_dim=64, variant=dispatch.VAR_BIAS, dbias_shape=shape, cc=cc)
     dbias = plan.launches[-1]
-    assert dbias.template == "cupyflash::flash_bwd_dbias_kernel"
-    assert dbias.args[2:7] == ("128", "64", "8", "4", "2") and dbias.block == (256, 1, 1)
+    if cc == (9, 0):
+        assert dbias.template == "cupyflash::flash_bwd_dbias_sm90_kernel"
+        assert dbias.args[2:5] == ("128", "64", "8")
+    else:
+        assert dbias.template == "cupyflash::flash_bwd_dbias_kernel"
+        assert dbias.args[2:7] == ("128", "64", "8", "4", "2")
+    assert dbias.block == (256, 1, 1)
     assert dbias.grid == (tiles, 1, 1)
-    assert dbias.smem_bytes <= dispatch.max_smem_per_block((9, 0))
+    assert dbias.smem_bytes <= dispatch.max_smem_per_block(cc)
+
+
+@pytest.mark.parametrize("head_dim,vec,cc,wgmma", [
+    (64, True, (9, 0), True), (128, True, (9, 0), True), (120, True, (9, 0), True),  # padded to 128
+    (32, True, (9, 0), False), (96, True, (9, 0), False), (256, True, (9, 0), False),
+    (64, False, (9, 0), False),                                                   # unaligned
+    (64, True, (8, 0), False), (128, True, (10, 0), False), (64, True, (12, 0), False),
+])
+def test_dbias_kernel_on_wgmma_where_it_serves(head_dim, vec, cc, wgmma):
+    plan = _plan(head_dim=head_dim, vec=vec, cc=cc, variant=dispatch.VAR_BIAS_FP32 | dispatch.VAR_MASK,
+                 dbias_shape=(1, 8, 1000, 1000))
+    dbias = plan.launches[-1]
+    assert (dbias.template == "cupyflash::flash_bwd_dbias_sm90_kernel") == wgmma
+    assert dbias.template.startswith("cupyflash::flash_bwd_dbias")
+    assert dbias.args[-1] == str(dispatch.VAR_BIAS_FP32 | dispatch.VAR_MASK)
+    if wgmma:  # <T, D, BM, BN, WARPS, CAUSAL, EVEN_K, VARIANT>
+        assert dbias.args[1] == str(dispatch.padded_head_dim(head_dim))
+        assert dbias.args[6] == ("true" if head_dim in (64, 128) else "false")
+
+
+def test_dbias_sm90_smem_bytes_follow_the_traits():
+    # two stages of Q, dO (128 rows) and K, V (64 rows), unpadded; 2 x 2 x 128 floats; 1 KB to align
+    assert dispatch.bwd_dbias_sm90_smem_bytes(64) == 2 * 2 * (128 + 64) * 64 * 2 + 2048 + 1024
+    assert dispatch.bwd_dbias_sm90_smem_bytes(128) == 2 * 2 * (128 + 64) * 128 * 2 + 2048 + 1024
+    assert dispatch.bwd_dbias_sm90_smem_bytes(128) <= dispatch.max_smem_per_block((9, 0))
+    with pytest.raises(ValueError, match="bias"):
+        dispatch.bwd_dbias_sm90_launch("float16", 64, False, True, variant=dispatch.VAR_MASK)
 
 
 def test_dbias_kernel_runs_last_and_only_when_asked():
@@ -593,8 +654,12 @@ def _staged_plan(head_dim, bits, cc=(9, 0), deterministic=False):
 def test_staged_backward_keeps_its_tile_and_stages(cc, head_dim, bits):
     """VAR_BIAS_STAGED on the backward: the dK/dV and dQ kernels that stage the tile keep
     the tile and stage count of the unstaged plan (the bit dropped where the stages do
-    not fit), their shared memory covers the stages, and the dbias kernel never has it."""
+    not fit), their shared memory covers the stages, and the dbias kernel never has it.
+    (The D=128 plans that fit the wgmma kernels only staged change family: tested above.)"""
     S = dispatch.VAR_BIAS_STAGED
+    if dispatch.uses_sm90_bwd(head_dim, True, cc, bits | S) != dispatch.uses_sm90_bwd(head_dim, True, cc, bits):
+        assert (head_dim, cc) == (128, (9, 0)) and bits in dispatch._BWD_SM90_STAGED_FITS[128]
+        return
     for det in (False, True):
         plan, plain = _staged_plan(head_dim, bits, cc, det), _plan_bits(head_dim, bits, cc, det)
         assert plan.num_stages == plain.num_stages
@@ -632,11 +697,14 @@ def test_staged_backward_shared_memory():
 
 
 def test_staged_d128_stays_on_mma_sync_on_hopper():
-    """The wgmma dK/dV kernel at D=128 still spills with the staged tile (255 registers):
-    a D=128 bias or mask plan takes the mma.sync kernels, which stage it."""
-    plan = _staged_plan(128, dispatch.VAR_BIAS)
-    assert plan.launches[1].template == "cupyflash::flash_bwd_dkdv_kernel"
-    assert int(plan.launches[1].args[-1]) & dispatch.VAR_BIAS_STAGED
+    """The wgmma dK/dV kernel at D=128 still spills with the staged q-dtype bias, the bias
+    with the mask, softcap (255 registers): those plans take the mma.sync kernels, which
+    stage the tile."""
+    for bits in (dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32 | dispatch.VAR_MASK, dispatch.VAR_BIAS | dispatch.VAR_MASK,
+                 dispatch.VAR_BIAS_FP32 | dispatch.VAR_SOFTCAP, dispatch.VAR_MASK | dispatch.VAR_BIAS_STRIDED):
+        plan = _staged_plan(128, bits)
+        assert plan.launches[1].template == "cupyflash::flash_bwd_dkdv_kernel", bits
+        assert int(plan.launches[1].args[-1]) & dispatch.VAR_BIAS_STAGED
     plan = _staged_plan(64, dispatch.VAR_BIAS)
     assert plan.launches[1].template == "cupyflash::flash_bwd_dkdv_sm90_kernel"
     assert int(plan.launches[1].args[-1]) & dispatch.VAR_BIAS_STAGED

@@ -1,9 +1,12 @@
 """The GPU backward with ``attn_bias`` / ``attn_mask`` (issue 14) against the float64
 reference: dq, dk, dv and ``dbias``, on the wgmma kernels (D=64 and 128 on sm_90;
-the D=128 bias/mask plans take the mma.sync kernels, dispatch._BWD_SM90_VARIANT_SPILLS),
+the D=128 bias/mask plans take the mma.sync kernels, dispatch._BWD_SM90_VARIANT_SPILLS,
+but for the staged fp32 bias alone and the mask alone: test_staged_d128_on_wgmma),
 the bias/mask tile staged through shared memory where its rows are 16-byte aligned
 (test_staged*; the other tests' odd seqlen_k read it element by element)
-and the mma.sync ones (D=96, 256, and every head_dim before sm_90).
+and the mma.sync ones (D=96, 256, and every head_dim before sm_90). dbias comes from
+the wgmma dbias kernel at padded D=64 and 128 on sm_90 (test_dbias_on_wgmma checks the
+launch), else from the mma.sync one.
 
 Tolerance (:mod:`cupyflash.testing`): ``max|got - ref64| <= 3 * max|naive - ref64| +
 FLOOR`` for every gradient (``dbias`` included; 2x for out and lse), ``naive`` the
@@ -441,3 +444,82 @@ def test_staged_padded_rows(cp, rng, dtype, head_dim, causal, with_mask):
     inputs, fwd, grads, scores = run(cp, rng, dtype, shape, causal, bias=base, mask=mask, view=view)
     assert not scores[0].flags.c_contiguous
     check(inputs, fwd, grads, scores, causal)
+
+
+# ----------------------------------------------------------------------------
+# The wgmma dbias kernel (flash_bwd_dbias_sm90_kernel: sm_90, padded head_dim 64 and
+# 128, 16-byte aligned data): dispatch launches it, and its dbias matches the reference
+# ----------------------------------------------------------------------------
+
+# id -> (dtype, shape, causal, bias shape, bias dtype, mask shape or None, variants): tails
+# in both axes, every broadcast kind (batch and head visits, rows and keys summed), q's
+# dtype and fp32, masks, GQA, causal with rows that see no key, a padded head_dim (120),
+# a window, dropout
+SM90_DBIAS = {
+    "d64-per-head-gqa": ("float16", (3, 200, 333, 4, 2, 64), False, BROADCAST["per-head"], "q", None, None),
+    "d128-per-batch-fp32-causal": ("bfloat16", (2, 333, 200, 4, 4, 128), True, BROADCAST["per-batch"],
+                                   "float32", None, None),
+    "d64-full-mask": ("float16", (2, 130, 257, 2, 2, 64), False, BROADCAST["full"], "q",
+                      lambda b, h, m, n: (b, h, m, n), None),
+    "d128-per-key-mask": ("float16", (2, 150, 300, 4, 4, 128), True, BROADCAST["per-key"], "float32",
+                          lambda b, h, m, n: (1, h, 1, n), None),
+    "d64-per-row": ("bfloat16", (2, 260, 190, 2, 2, 64), False, BROADCAST["per-row"], "q", None, None),
+    "d120-shared-window": ("float16", (1, 257, 257, 4, 4, 120), False, BROADCAST["shared"], "q", None,
+                           {"window_size": (48, 16)}),
+    "d64-dropout": ("float16", (2, 200, 200, 2, 2, 64), True, BROADCAST["per-head"], "float32", None,
+                    {"dropout_p": 0.2, "rng_state": (SEED, OFFSET)}),
+}
+
+
+def _sm90_dbias_param(name):
+    dtype, *rest = SM90_DBIAS[name]
+    return pytest.param(dtype, *rest, id=name, marks=_NO_BF16 if dtype == "bfloat16" else ())
+
+
+@pytest.mark.parametrize("dtype,shape,causal,bias_shape,bias_dtype,mask_shape,variants",
+                         [_sm90_dbias_param(n) for n in SM90_DBIAS])
+def test_dbias_on_wgmma(cp, rng, launches, dtype, shape, causal, bias_shape, bias_dtype, mask_shape, variants):
+    from cupyflash import _launch
+
+    if _launch.compute_capability(cp.cuda.Device().id) != (9, 0):
+        pytest.skip("the wgmma dbias kernel runs on compute capability 9.0")
+    full = _score_shape(shape)
+    bias = bias_values(rng, bias_shape(*full), dtype if bias_dtype == "q" else "float32")
+    mask = None if mask_shape is None else keep_mask(rng, mask_shape(*full), 0.8)
+    if mask is not None and mask.shape[2] > 1:
+        mask[..., 5, :] = False  # a row that sees no key: its dbias row is 0
+    check(*run(cp, rng, dtype, shape, causal, bias=bias, mask=mask, variants=variants), causal, variants)
+    assert "flash_bwd_dbias_sm90_kernel" in launches and "flash_bwd_dbias_kernel" not in launches
+
+
+# The staged fp32 bias alone and the mask alone at D=128 on sm_90: the wgmma dK/dV kernel
+# (dispatch._BWD_SM90_STAGED_FITS), atomic dQ in it (default) or the wgmma dQ kernel
+# (deterministic). Query tails (200, 130 rows), key counts that are multiples of 8 (staged).
+D128_STAGED = {
+    "bias-fp32": (lambda b, h, m, n: (1, h, m, n), None),
+    "mask": (None, lambda b, h, m, n: (b, h, m, n)),
+    "mask-per-key": (None, lambda b, h, m, n: (b, 1, 1, n)),
+}
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("kind", list(D128_STAGED))
+@pytest.mark.parametrize("dtype,shape,causal", [
+    pytest.param("float16", (2, 200, 208, 4, 2, 128), False, id="f16-gqa"),
+    pytest.param("bfloat16", (1, 130, 272, 2, 2, 128), True, id="bf16-causal", marks=_NO_BF16),
+])
+def test_staged_d128_on_wgmma(cp, rng, launches, dtype, shape, causal, kind, deterministic):
+    from cupyflash import _launch
+
+    if _launch.compute_capability(cp.cuda.Device().id) != (9, 0):
+        pytest.skip("the wgmma dK/dV kernel runs on compute capability 9.0")
+    bias_shape, mask_shape = D128_STAGED[kind]
+    full = _score_shape(shape)
+    bias = None if bias_shape is None else bias_values(rng, bias_shape(*full), "float32")
+    mask = None if mask_shape is None else keep_mask(rng, mask_shape(*full), 0.8)
+    if mask is not None and mask.shape[2] > 1:
+        mask[..., 5, :] = False  # a row that sees no key
+    _assert_staged(cp, None if bias is None else cp.asarray(bias), None if mask is None else cp.asarray(mask))
+    check(*run(cp, rng, dtype, shape, causal, bias=bias, mask=mask, deterministic=deterministic), causal)
+    assert "flash_bwd_dkdv_sm90_kernel" in launches and "flash_bwd_dkdv_kernel" not in launches
+    assert ("flash_bwd_dq_sm90_kernel" in launches) == deterministic
