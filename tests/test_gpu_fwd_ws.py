@@ -9,8 +9,10 @@ import math
 import numpy as np
 import pytest
 
+from test_gpu_fwd import make_inputs  # sibling module
+
 from cupyflash import testing
-from cupyflash.testing import from_bf16_bits, to_bf16_bits
+from cupyflash.testing import from_bf16_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -31,24 +33,6 @@ def ws_on(monkeypatch, launches):
     _gpu.select_fwd.cache_clear()
     yield launches
     _gpu.select_fwd.cache_clear()
-
-
-def _inputs(rng, dtype, shapes):
-    """Host float32 copies (exact in dtype) and device arrays (bfloat16 as bit patterns)."""
-    import cupy
-
-    host, dev = [], []
-    for shape in shapes:
-        x = rng.standard_normal(shape, dtype=np.float32)
-        if dtype == "float16":
-            x = x.astype(np.float16)
-            host.append(x.astype(np.float32))
-            dev.append(cupy.asarray(x))
-        else:
-            bits = to_bf16_bits(x)
-            host.append(from_bf16_bits(bits))
-            dev.append(cupy.asarray(bits))
-    return host, dev
 
 
 def _run(dev, dtype, scale, causal):
@@ -88,8 +72,7 @@ def _grid():
 def test_ws_fwd_matches_reference(ws_on, rng, dtype, head_dim, causal, seqlen_q, seqlen_k, gqa):
     batch = 2 if seqlen_q * seqlen_k < 4_000_000 else 1
     nheads_kv = 2
-    host, dev = _inputs(rng, dtype, [(batch, seqlen_q, nheads_kv * gqa, head_dim)] +
-                        [(batch, seqlen_k, nheads_kv, head_dim)] * 2)
+    host, dev = make_inputs(rng, dtype, batch, seqlen_q, seqlen_k, nheads_kv * gqa, nheads_kv, head_dim)
     scale = 1.0 / math.sqrt(head_dim)
     out, lse = _run(dev, dtype, scale, causal)
     assert WS_KERNEL in ws_on
@@ -101,7 +84,7 @@ def test_ws_fwd_matches_reference(ws_on, rng, dtype, head_dim, causal, seqlen_q,
 @pytest.mark.parametrize("causal", [False, True])
 def test_ws_fwd_head_dim_below_the_tile(ws_on, rng, dtype, head_dim, causal):
     """head_dim < HEAD_DIM: TMA zero-fills the missing columns, the stores skip them."""
-    host, dev = _inputs(rng, dtype, [(2, 333, 4, head_dim), (2, 517, 2, head_dim), (2, 517, 2, head_dim)])
+    host, dev = make_inputs(rng, dtype, 2, 333, 517, 4, 2, head_dim)
     scale = 1.0 / math.sqrt(head_dim)
     out, lse = _run(dev, dtype, scale, causal)
     assert WS_KERNEL in ws_on
@@ -129,8 +112,8 @@ def test_ws_fwd_strided_views(ws_on, rng, head_dim):
 def test_ws_fwd_new_pointers_same_plan(ws_on, rng):
     """A second call with the same geometry at other addresses (one plan, maps encoded
     again) and a third at the first call's (maps from the cache)."""
-    host_a, dev_a = _inputs(rng, "bfloat16", [(1, 640, 4, 128)] * 3)
-    host_b, dev_b = _inputs(rng, "bfloat16", [(1, 640, 4, 128)] * 3)
+    host_a, dev_a = make_inputs(rng, "bfloat16", 1, 640, 640, 4, 4, 128)
+    host_b, dev_b = make_inputs(rng, "bfloat16", 1, 640, 640, 4, 4, 128)
     for host, dev in ((host_a, dev_a), (host_b, dev_b), (host_a, dev_a)):
         out, lse = _run(dev, "bfloat16", 128 ** -0.5, False)
         _check(host, out, lse, 128 ** -0.5, False)
@@ -141,7 +124,7 @@ def test_ws_fwd_new_pointers_same_plan(ws_on, rng):
 def test_ws_fwd_fully_masked_rows(ws_on, rng, head_dim):
     """causal with seqlen_q > seqlen_k: rows that see no key give out 0 and lse -inf,
     and whole query blocks with no key block too."""
-    host, dev = _inputs(rng, "float16", [(1, 400, 2, head_dim), (1, 50, 2, head_dim), (1, 50, 2, head_dim)])
+    host, dev = make_inputs(rng, "float16", 1, 400, 50, 2, 2, head_dim)
     out, lse = _run(dev, "float16", 0.125, True)
     assert WS_KERNEL in ws_on
     assert not np.isnan(out).any() and not np.isnan(lse).any()
@@ -157,7 +140,7 @@ def test_ws_fwd_long(ws_on, rng, causal):
 
     from cupyflash import _gpu, reference
 
-    host, dev = _inputs(rng, "bfloat16", [(1, 16384, 2, 128)] * 3)
+    host, dev = make_inputs(rng, "bfloat16", 1, 16384, 16384, 2, 2, 128)
     with testing.poisoned_allocations(cupy):
         out, lse = _gpu.fwd(*dev, softmax_scale=128 ** -0.5, causal=causal, dtype="bfloat16")
         out, lse = from_bf16_bits(out.get()), lse.get()
