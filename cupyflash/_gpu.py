@@ -71,7 +71,7 @@ class FwdCall:
 
 
 def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_name: str, device_id: int,
-             packed=None, options=None) -> FwdCall:
+             packed=None, options=None, ws=None) -> FwdCall:
     """Plan a forward on the current device (compiling its kernels on first use).
 
     ``out``/``lse`` are the arrays to write, or None for C-contiguous ones the
@@ -79,6 +79,8 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
     for a dense batch, else ``(batch, max_seqlen_q, max_seqlen_k)`` of a packed one.
     ``options``: the variants on (``_checks.check_variants``), or None; a plan
     made with them is run with ``FwdCall.run(..., var=_variant.call_values(...))``.
+    ``ws``: whether the warp-specialised kernel may serve the call (None: ``dispatch.FWD_WS``);
+    False for calls run with ``seqused_k`` (that kernel reads the keys past it).
     """
     nheads_q, head_dim = q.shape[-2:]
     nheads_kv = k.shape[-2]
@@ -94,7 +96,7 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, head_dim=head_dim,
         dtype=dtype_name, causal=causal, vec=vec_ok((q, k, v, out), head_dim),
         num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id), varlen=packed is not None,
-        variant=_variant.staged_bits(options) if options else 0, ws=dispatch.FWD_WS)
+        variant=_variant.staged_bits(options) if options else 0, ws=dispatch.FWD_WS if ws is None else ws)
     scratch = (0, (0, 0))
     if plan.num_splits > 1:  # dense batches only
         rows = plan.num_splits * batch * nheads_q * seqlen_q
