@@ -178,6 +178,8 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
         if (lane == 0) mbar_arrive(empty(s));
     };
 
+    __shared__ float2 pin;  // written, never read (wgmma_wait_after)
+    const uint32 pin_slot = smem_addr(&pin);
     mbar_wait(full_q, 0);  // also before the epilogue overwrites sQ with O
     const int n_first = blocks.end - 1;
     if (n_first >= blocks.begin) {
@@ -219,7 +221,9 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
             scores(s, n, masked);
             float alpha[1][2];
             softmax.update_sums(s, row_sum, alpha);
-            wgmma_wait<0>();  // P_{n-1}·V_{n-1} has completed: pa and stage prev_stage are free
+            // P_{n-1}·V_{n-1} has completed: pa and stage prev_stage are free. (Pinned
+            // after the row sums, hence after every exp2 of the softmax: wgmma.cuh.)
+            wgmma_wait_after<0>(pin_slot, row_sum[0][0], row_sum[0][1]);
             fence_operands(acc_o[0]);
             fence_operands(pa);
             release(prev_stage);
