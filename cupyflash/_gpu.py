@@ -25,7 +25,7 @@ import functools
 
 import numpy as np
 
-from . import _gpu_bwd, _launch, _params, _variant, dispatch
+from . import _gpu_bwd, _launch, _params, _tma, _variant, dispatch
 from ._launch import LOG2E, Contiguous, element_strides, lse_strides, seq_strides, vec_ok  # noqa: F401
 
 # Plans are pure functions of scalars: memoised here (not in dispatch, whose
@@ -71,7 +71,7 @@ class FwdCall:
 
 
 def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_name: str, device_id: int,
-             packed=None, options=None) -> FwdCall:
+             packed=None, options=None, ws=None) -> FwdCall:
     """Plan a forward on the current device (compiling its kernels on first use).
 
     ``out``/``lse`` are the arrays to write, or None for C-contiguous ones the
@@ -79,6 +79,8 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
     for a dense batch, else ``(batch, max_seqlen_q, max_seqlen_k)`` of a packed one.
     ``options``: the variants on (``_checks.check_variants``), or None; a plan
     made with them is run with ``FwdCall.run(..., var=_variant.call_values(...))``.
+    ``ws``: whether the warp-specialised kernel may serve the call (None: ``dispatch.FWD_WS``);
+    False for calls run with ``seqused_k`` (that kernel reads the keys past it).
     """
     nheads_q, head_dim = q.shape[-2:]
     nheads_kv = k.shape[-2]
@@ -94,7 +96,7 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, head_dim=head_dim,
         dtype=dtype_name, causal=causal, vec=vec_ok((q, k, v, out), head_dim),
         num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id), varlen=packed is not None,
-        variant=_variant.staged_bits(options) if options else 0)
+        variant=_variant.staged_bits(options) if options else 0, ws=dispatch.FWD_WS if ws is None else ws)
     scratch = (0, (0, 0))
     if plan.num_splits > 1:  # dense batches only
         rows = plan.num_splits * batch * nheads_q * seqlen_q
@@ -110,8 +112,18 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
         softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E,
         var=_variant.plan_fields(options or {}, softmax_scale, nheads_q))
     launches = (plan.main,) if plan.combine is None else (plan.main, plan.combine)
+    maps = None
+    if plan.tma_box_rows is not None:  # FwdTmaParams: FwdParams, then the maps, rewritten per pointer
+        template += bytes(_params.FWD_TMA_PARAMS.itemsize - len(template))
+        maps = (_params.offset_of(_params.FWD_TMA_PARAMS, "q_map"), tma_maps(q, k, v, dtype_name, plan.tma_box_rows))
     return FwdCall(plan, tuple(q.shape), lse_shape, scratch,
-                   _launch.Launcher(launches, template, _FWD_WRITER, _VAR_WRITER))
+                   _launch.Launcher(launches, template, _FWD_WRITER, _VAR_WRITER, maps))
+
+
+def tma_maps(q, k, v, dtype_name: str, box_rows: tuple[int, int]) -> _tma.MapCache:
+    """The TMA maps of dense q, k, v (box rows ``box_rows``: Q's, K's and V's) per address."""
+    return _tma.MapCache(_tma.seq_map(dtype_name, a.shape, seq_strides(a), a.itemsize, rows)
+                         for a, rows in ((q, box_rows[0]), (k, box_rows[1]), (v, box_rows[1])))
 
 
 _VAR_WRITER = (_params.offset_of(_params.FWD_PARAMS, "var"), _variant.WRITER)

@@ -407,8 +407,10 @@ def _gpu_entry(plan, q, k_cache, v_cache, k, v, cache_batch_idx, block_table, ca
         shapes = (q.shape, (q.shape[0], q.shape[2], q.shape[1]), q.itemsize)
         if not dense:
             return _GpuDecode(call, device_id, capacity, plan.seqlen_new, *shapes, variant=bool(options))
+        # (not the warp-specialised kernel: its copies read a cache's rows past seqused_k,
+        # which may hold anything, and P·V multiplies them by 0: kernels_cu/flash_fwd_ws.cu)
         fwd = _gpu.plan_fwd(q, k_cache, v_cache, None, None, softmax_scale=plan.scale, causal=causal,
-                            dtype_name=dtype_name, device_id=device_id, options=options or None)
+                            dtype_name=dtype_name, device_id=device_id, options=options or None, ws=False)
     return _GpuChunk(call, fwd, device_id, capacity, plan.seqlen_new, *shapes, variant=bool(options))
 
 

@@ -165,11 +165,14 @@ class Launcher:
     """
 
     __slots__ = ("_buffer", "_argv", "_argv_address", "_pack_into", "_var_pack_into", "_var_offset", "_kernels",
-                 "_lock", "_launch_kernel", "launches")
+                 "_lock", "_launch_kernel", "launches", "_maps_address", "_maps")
 
-    def __init__(self, launches, template: bytes, writer, variant=None):
+    def __init__(self, launches, template: bytes, writer, variant=None, maps=None):
         """``variant``: ``(offset, writer)`` of the struct's ``var`` member and the
-        writer of its per-call fields (:mod:`._variant`), for calls with ``var``."""
+        writer of its per-call fields (:mod:`._variant`), for calls with ``var``.
+        ``maps``: ``(offset, make)`` for a struct that carries TMA maps of the first
+        three pointers (:class:`._tma.MapCache`): ``make(q, k, v)`` returns their bytes,
+        written at ``offset`` on every call."""
         import cupy  # noqa: PLC0415
 
         self._launch_kernel = cupy.cuda.driver.launchKernel
@@ -183,6 +186,8 @@ class Launcher:
         self._pack_into = writer.struct.pack_into
         self._var_offset, self._var_pack_into = (0, None) if variant is None else (variant[0],
                                                                                   variant[1].struct.pack_into)
+        self._maps_address, self._maps = (0, None) if maps is None else (
+            ctypes.addressof(self._buffer) + maps[0], maps[1])
         self._lock = threading.Lock()
 
     def __call__(self, stream: int, *pointers: int, var=None) -> None:
@@ -192,6 +197,9 @@ class Launcher:
         launch, argv = self._launch_kernel, self._argv_address
         with self._lock:
             self._pack_into(self._buffer, 0, *pointers)
+            if self._maps is not None:
+                maps = self._maps(*pointers[:3])
+                ctypes.memmove(self._maps_address, maps, len(maps))
             if var is not None:
                 self._var_pack_into(self._buffer, self._var_offset, *var)
             for func, gx, gy, gz, bx, by, bz, smem in self._kernels:

@@ -66,6 +66,27 @@ FWD_PARAMS = _struct(
     ]
 )
 
+#: kernels_cu/tma.cuh TmaDescriptor (the driver's CUtensorMap): 128 bytes, 64-byte aligned.
+TMA_DESCRIPTOR_BYTES = 128
+_TMA_ALIGN = 64
+
+
+def _tma_params():
+    """kernels_cu/params.cuh FwdTmaParams: FwdParams, then the q, k and v maps, each
+    at the next multiple of 64 bytes (numpy's align=True knows no 64-byte members)."""
+    names, formats, offsets, pos = ["fwd"], [FWD_PARAMS], [0], FWD_PARAMS.itemsize
+    for name in ("q_map", "k_map", "v_map"):
+        pos = -(-pos // _TMA_ALIGN) * _TMA_ALIGN
+        names.append(name)
+        formats.append((np.uint8, TMA_DESCRIPTOR_BYTES))
+        offsets.append(pos)
+        pos += TMA_DESCRIPTOR_BYTES
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets,
+                     "itemsize": -(-pos // _TMA_ALIGN) * _TMA_ALIGN})
+
+
+FWD_TMA_PARAMS = _tma_params()
+
 BWD_PARAMS = _struct(
     [
         ("q", _PTR), ("k", _PTR), ("v", _PTR), ("out", _PTR), ("dout", _PTR),
@@ -115,7 +136,8 @@ def size_defines() -> list[str]:
     """NVRTC ``-D`` options that let params.cuh static_assert the mirrored sizes."""
     return [f"-DCUPYFLASH_FWD_PARAMS_BYTES={FWD_PARAMS.itemsize}",
             f"-DCUPYFLASH_BWD_PARAMS_BYTES={BWD_PARAMS.itemsize}",
-            f"-DCUPYFLASH_DECODE_PARAMS_BYTES={DECODE_PARAMS.itemsize}"]
+            f"-DCUPYFLASH_DECODE_PARAMS_BYTES={DECODE_PARAMS.itemsize}",
+            f"-DCUPYFLASH_FWD_TMA_PARAMS_BYTES={FWD_TMA_PARAMS.itemsize}"]
 
 
 def pack(struct: np.dtype, **fields) -> bytes:

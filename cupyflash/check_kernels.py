@@ -28,6 +28,8 @@ def _quick_sm90(launch) -> bool:
     """The wgmma kernels (cc 9.0) in --quick: fp16, even head_dim, the variants the
     default (non-deterministic) mode launches."""
     args = launch.args
+    if launch.template.endswith("flash_fwd_ws_kernel"):  # <..., IS_CAUSAL, EVEN_K, VARIANT>
+        return args[0] == "__half" and args[5] == "true"
     if not launch.source.endswith("_sm90.cu") or args[0] != "__half":
         return False
     if launch.template.endswith("flash_bwd_dkdv_sm90_kernel"):  # <T, D, CAUSAL, EVEN_K, DETERMINISTIC, VARIANT>

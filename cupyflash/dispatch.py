@@ -4,7 +4,9 @@ Every function here is pure (shapes in, frozen plans out), needs no GPU, and is
 unit-tested in ``tests/test_dispatch.py``. The template-argument order follows
 ``kernels_cu/flash_fwd.cu``: ``<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
 IS_CAUSAL, EVEN_K, VEC, IS_SPLIT, VARIANT>``, and ``kernels_cu/flash_fwd_sm90.cu``:
-``<T, HEAD_DIM, BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K, VARIANT>``; every
+``<T, HEAD_DIM, BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K, VARIANT>``, and
+``kernels_cu/flash_fwd_ws.cu``: ``<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, EVEN_K,
+VARIANT>``; every
 attention kernel takes the variant bits (``VARIANT``, kernels_cu/variant.cuh) last.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 from dataclasses import dataclass
 
 #: C++ type for each supported storage dtype.
@@ -125,6 +128,50 @@ SM90_THREADS = 256
 SM90_STAGES = 3
 
 
+# Issue 15: the warp-specialised forward (kernels_cu/flash_fwd_ws.cu): a producer
+# warpgroup copies Q, K and V with TMA, two consumer warpgroups of 64 query rows each
+# compute, ping-ponging their GEMMs, S_{n+1} issued with P_n·V_n. Plain (VARIANT 0),
+# dense, aligned batches at these padded head_dims; (BLOCK_N, STAGES) for
+# (non-causal, causal). FA3's D=128 tile: 128 x 128, two stages (three fit: 225 KB).
+# Not yet measured: off unless switched on (FWD_WS).
+_FWD_WS = {
+    64: ((128, 2), (128, 2)),
+    128: ((128, 2), (128, 2)),
+}
+FWD_WS_BLOCK_M = 128
+FWD_WS_THREADS = 384
+#: Whether select_fwd's callers (cupyflash._gpu) ask for the warp-specialised forward:
+#: CUPYFLASH_FWD_WS=1 in the environment when cupyflash is imported (read once), or
+#: set here (then ``cupyflash._gpu.clear_plans()``).
+FWD_WS = os.environ.get("CUPYFLASH_FWD_WS", "") == "1"
+
+
+def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int = 0,
+                varlen: bool = False) -> bool:
+    """Whether the warp-specialised kernel serves this call (when asked for; before any split-KV)."""
+    return cc == (9, 0) and vec and head_dim_padded in _FWD_WS and variant == 0 and not varlen
+
+
+def fwd_ws_tile(head_dim_padded: int, causal: bool) -> tuple[int, int]:
+    """(BLOCK_N, STAGES) of the warp-specialised forward."""
+    return _FWD_WS[head_dim_padded][int(causal)]
+
+
+def fwd_ws_smem_bytes(head_dim_padded: int, block_n: int, stages: int) -> int:
+    """kernels_cu/flash_fwd_ws.cu FwdWsTraits::SMEM_BYTES: Q, STAGES x (K, V), the
+    mbarriers (full_q, full_k, full_v, empty: 8 bytes each), 1 KB of alignment."""
+    return 2 * head_dim_padded * (FWD_WS_BLOCK_M + 2 * stages * block_n) + 8 * (1 + 3 * stages) + 1024
+
+
+def fwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
+                  grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
+    """The warp-specialised forward kernel (cc 9.0) for one set of compile-time choices:
+    ``<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, EVEN_K, VARIANT>``, VARIANT 0."""
+    block_n, stages = fwd_ws_tile(head_dim_padded, causal)
+    args = (CTYPES[dtype], str(head_dim_padded), str(block_n), str(stages), _cbool(causal), _cbool(even_k), "0")
+    return Launch("flash_fwd_ws.cu", "cupyflash::flash_fwd_ws_kernel", args, grid, (FWD_WS_THREADS, 1, 1),
+                  fwd_ws_smem_bytes(head_dim_padded, block_n, stages))
+
 # Variants whose code does not fit the default tiles' registers (check-kernels,
 # NVRTC 13.0: a window's two edges, ALiBi's distances, dropout's Philox rounds) take
 # these instead: on the mma.sync kernel at D=128, 16-key tiles (D=256: 32-key tiles
@@ -188,6 +235,9 @@ class FwdPlan:
     num_m_blocks: int
     num_splits: int
     n_blocks_per_split: int
+    #: The warp-specialised kernel's TMA boxes: rows of (Q, K and V) per copy; None for
+    #: the other kernels (cupyflash/_tma.py builds the maps).
+    tma_box_rows: tuple[int, int] | None = None
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -311,7 +361,7 @@ def num_splits_heuristic(work_blocks: int, n_blocks: int, num_sms: int) -> int:
 
 def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_dim: int,
                dtype: str, causal: bool, vec: bool, num_sms: int = 132,
-               cc: tuple[int, int] = (9, 0), varlen: bool = False, variant: int = 0) -> FwdPlan:
+               cc: tuple[int, int] = (9, 0), varlen: bool = False, variant: int = 0, ws: bool = False) -> FwdPlan:
     """Choose the forward kernel, its grid and whether to split the keys.
 
     ``vec`` says 16-byte accesses are legal (data pointers 16-byte aligned,
@@ -321,12 +371,21 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     sequence and blocks past a shorter sequence return at once. Packed batches
     are never split over keys (the split-KV partials are laid out densely).
     ``variant``: the VARIANT bits (:func:`variant_bits`).
+    ``ws``: take the warp-specialised kernel where it serves the call (:data:`FWD_WS`,
+    :func:`uses_ws_fwd`) and the keys are not split.
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
     if cc < ARCHS[0]:
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
     d = padded_head_dim(head_dim)
+    if ws and uses_ws_fwd(d, vec, cc, variant, varlen):
+        block_n = fwd_ws_tile(d, causal)[0]
+        num_m_blocks = math.ceil(seqlen_q / FWD_WS_BLOCK_M)
+        n_blocks = math.ceil(seqlen_k / block_n)
+        if num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms) == 1:
+            main = fwd_ws_launch(dtype, d, causal, head_dim == d, (num_m_blocks * batch * nheads_q, 1, 1))
+            return FwdPlan(main, None, d, num_m_blocks, 1, n_blocks, (FWD_WS_BLOCK_M, block_n))
     if uses_sm90_fwd(d, vec, cc):
         block_m, block_n = SM90_BLOCK_M, fwd_sm90_tile(d, causal, variant)[0]
     else:
@@ -362,6 +421,9 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
     for dtype, d, causal, even_k in itertools.product(CTYPES, HEAD_DIMS, (False, True), (True, False)):
         if uses_sm90_fwd(d, True, cc):
             out.append(fwd_sm90_launch(dtype, d, causal, even_k))
+    for dtype, d, causal, even_k in itertools.product(CTYPES, HEAD_DIMS, (False, True), (True, False)):
+        if uses_ws_fwd(d, True, cc):
+            out.append(fwd_ws_launch(dtype, d, causal, even_k))
     # Each variant switched on alone (a bias or mask also read element by element), and
     # the combinations of a bias that users run, on the aligned kernels (one dtype: the
     # other's registers are the same).

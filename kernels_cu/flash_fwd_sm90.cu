@@ -33,6 +33,7 @@
 #include "variant.cuh"
 #include "online_softmax.cuh"
 #include "wgmma.cuh"
+#include "fwd_sm90.cuh"
 
 namespace cupyflash {
 
@@ -126,24 +127,10 @@ flash_fwd_sm90_kernel(const FwdParams p) {
 
     // ---- the two GEMMs of one key block, each its own wgmma group; the caller waits
     auto issue_s = [&](float (&s)[1][N_TILES][4], int stage) {  // S = Q·Kᵀ for this warpgroup's 64 rows
-        const uint32 sK = sK0 + stage * KVTile::BYTES;
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            Wgmma<T, BLOCK_N>::template ss<0, 0>(s[0], desc_k_major<BLOCK_M>(sQ, wg * 64, kk),
-                                                 desc_k_major<BLOCK_N>(sK, 0, kk), kk > 0);
-        }
-        wgmma_commit();
+        issue_qk<T, BLOCK_M, BLOCK_N, HEAD_DIM>(s[0], sQ, wg, sK0 + stage * KVTile::BYTES);
     };
     auto issue_pv = [&](const uint32 (&pa)[BLOCK_N / 16][4], int stage) {  // O += P·V, P in registers
-        const uint32 sV = sV0 + stage * KVTile::BYTES;
-        fence_operands(acc_o[0]);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            Wgmma<T, HEAD_DIM>::template rs<1>(acc_o[0], pa[kk], desc_mn_major<BLOCK_N>(sV, kk));
-        }
-        wgmma_commit();
+        cupyflash::issue_pv<T, BLOCK_N, HEAD_DIM>(acc_o[0], pa, sV0 + stage * KVTile::BYTES);
     };
     // Prologue: Q with the first key block, then the second key block (groups 0, 1).
     const int n_first = blocks.end - 1;
@@ -219,31 +206,7 @@ flash_fwd_sm90_kernel(const FwdParams p) {
     // ---- epilogue
     float lse[1][2];
     softmax.finalize_sums(acc_o, row_sum, lse, sink, (VARIANT & VAR_DROPOUT) ? p.var.dropout_scale : 1.f);
-    const SeqLens se = seq_lens(p, b);
-    const int rows_valid = min(BLOCK_M, se.seqlen_q - m0);
-    float* lse_rows = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + se.q_start + m0;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int row = r0 + hh * 8;
-        if (t == 0 && row < rows_valid) lse_rows[row] = lse[0][hh];
-    }
-    // Stage O through this warpgroup's own 64 rows of sQ (no other warpgroup reads
-    // them; its own last wgmma on them has completed), then 16-byte stores.
-    asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg));
-#pragma unroll
-    for (int d = 0; d < D_TILES; ++d) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const uint32 val = TypeTraits<T>::pack(acc_o[0][d][2 * hh], acc_o[0][d][2 * hh + 1]);
-            const uint32 addr = sQ + QTile::offset(r0 + hh * 8, d) + t * 4;  // n8 tile d = chunk d
-            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(addr), "r"(val));
-        }
-    }
-    asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg));
-    T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + int64(se.q_start + m0 + wg * 64) * p.o_row_stride +
-             h * p.o_head_stride;
-    store_tile<T, 64, HEAD_DIM, 128, true, EVEN_K, QTile, false>(out, p.o_row_stride, sQ + wg * 64 * 128,
-                                                          rows_valid - wg * 64, p.head_dim);
+    store_fwd_rows<T, BLOCK_M, HEAD_DIM, EVEN_K>(p, acc_o[0], lse[0], b, h, m0, r0, wg, sQ, 1 + wg);
 }
 
 }  // namespace cupyflash

@@ -78,19 +78,39 @@ struct OnlineSoftmax {
     template <int N_TILES, int D_TILES>
     __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float (&acc_o)[M_TILES][D_TILES][4],
                                            float (&row_sum)[M_TILES][2]) {
+        float alpha[M_TILES][2];
+        update_sums(s, row_sum, alpha);
+        rescale(acc_o, alpha);
+    }
+    // update in two halves, for a kernel whose previous P·V is still in flight
+    // while the next scores are turned into P (flash_fwd_ws.cu): s becomes P and the
+    // row sums are rescaled and added to; alpha returns the factors that rescale(),
+    // called once P·V has completed, applies to acc_o.
+    template <int N_TILES>
+    __device__ __forceinline__ void update_sums(float (&s)[M_TILES][N_TILES][4], float (&row_sum)[M_TILES][2],
+                                                float (&alpha)[M_TILES][2]) {
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const float alpha = exp_row(s, i, h);
+                alpha[i][h] = exp_row(s, i, h);
                 float sum = 0.f;
 #pragma unroll
                 for (int j = 0; j < N_TILES; ++j) sum += s[i][j][2 * h] + s[i][j][2 * h + 1];
-                row_sum[i][h] = fmaf(row_sum[i][h], alpha, sum);
+                row_sum[i][h] = fmaf(row_sum[i][h], alpha[i][h], sum);
+            }
+        }
+    }
+    template <int D_TILES>
+    __device__ __forceinline__ void rescale(float (&acc_o)[M_TILES][D_TILES][4], const float (&alpha)[M_TILES][2]) {
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
 #pragma unroll
                 for (int d = 0; d < D_TILES; ++d) {
-                    acc_o[i][d][2 * h] *= alpha;
-                    acc_o[i][d][2 * h + 1] *= alpha;
+                    acc_o[i][d][2 * h] *= alpha[i][h];
+                    acc_o[i][d][2 * h + 1] *= alpha[i][h];
                 }
             }
         }

@@ -5,6 +5,7 @@
 
 #include "common.cuh"
 #include "variant.cuh"
+#include "tma.cuh"
 
 namespace cupyflash {
 
@@ -41,6 +42,21 @@ struct FwdParams {
 #ifdef CUPYFLASH_FWD_PARAMS_BYTES
 static_assert(sizeof(FwdParams) == CUPYFLASH_FWD_PARAMS_BYTES,
               "FwdParams differs in size from its mirror in cupyflash/_params.py");
+#endif
+
+// The warp-specialised forward (flash_fwd_ws.cu): FwdParams and the TMA maps of
+// q, k and v, each (head_dim, seqlen, nheads, batch) innermost first with a box
+// of 64 columns (128 bytes, the swizzle's span) by the tile's rows, encoded on
+// the host per pointer (cupyflash/_tma.py). The kernel takes it __grid_constant__,
+// so the copy engine reads the maps in parameter space.
+struct FwdTmaParams {
+    FwdParams fwd;
+    TmaDescriptor q_map, k_map, v_map;
+};
+
+#ifdef CUPYFLASH_FWD_TMA_PARAMS_BYTES
+static_assert(sizeof(FwdTmaParams) == CUPYFLASH_FWD_TMA_PARAMS_BYTES,
+              "FwdTmaParams differs in size from its mirror in cupyflash/_params.py");
 #endif
 
 // The backward pass (flash_bwd.cu): preprocess, dK/dV (+ atomic dQ), dQ, convert.

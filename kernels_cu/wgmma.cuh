@@ -67,6 +67,20 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
 
+// wgmma_wait<N>() that stays after the computation of a and b. ptxas places a wait
+// just before the first instruction that needs it (one that writes an in-flight
+// wgmma's registers) and schedules such instructions as early as their inputs
+// allow, so a wait meant to follow work that overlaps the GEMM in flight can rise
+// above that work (seen in SASS: the forward's softmax ended up after the wait;
+// empty-asm fences are gone by PTX and do not help; PERF.md v14). ptxas keeps
+// shared-memory stores on their side of the wait: storing a and b (8 bytes at
+// slot, never read) pins the wait after everything they depend on.
+template <int N>
+__device__ __forceinline__ void wgmma_wait_after(uint32 slot, float a, float b) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(slot), "f"(a), "f"(b) : "memory");
+    wgmma_wait<N>();
+}
+
 // Keep the compiler from moving accesses of accumulator registers across the
 // async window (issue .. wait): the asm "reads and writes" every register.
 template <int N>

@@ -112,18 +112,15 @@ def test_the_pointer_fields_lead_both_structs():
                                           if _params.BWD_PARAMS[n] == np.uint64)
 
 
-def test_launcher_writes_the_variant_fields_of_a_call_with_var():
-    """A call with ``var`` sets VariantParams' per-call fields in the struct it launches with
-    (at the ``var`` member's offset) and nothing else of it; a plain call leaves them."""
+def _recording_launcher(template, maps=None):
+    """A Launcher with no kernels whose driver records the struct of each launch
+    (``seen``): the launcher's writes, with no GPU."""
     import ctypes
     import threading
 
     from cupyflash import _gpu, _launch, _variant
 
-    mirror = _params.FWD_PARAMS
-    fields = dict(_params.VARIANT_OFF, window_left=7, softcap_log2=2.5)
-    template = _params.pack(mirror, **{n: 3 for n in mirror.names if n != "var"}, var=fields)
-    launcher = object.__new__(_launch.Launcher)  # no kernels: a driver that records the struct
+    launcher = object.__new__(_launch.Launcher)
     seen = []
     launcher._launch_kernel = lambda *args: seen.append(bytes(launcher._buffer))
     launcher._kernels = ((None, 1, 1, 1, 1, 1, 1, 0),)
@@ -131,7 +128,21 @@ def test_launcher_writes_the_variant_fields_of_a_call_with_var():
     launcher._argv_address = 0
     launcher._pack_into = _gpu._FWD_WRITER.struct.pack_into
     launcher._var_offset, launcher._var_pack_into = _gpu._VAR_WRITER[0], _variant.WRITER.struct.pack_into
+    launcher._maps_address, launcher._maps = (0, None) if maps is None else (
+        ctypes.addressof(launcher._buffer) + maps[0], maps[1])
     launcher._lock = threading.Lock()
+    return launcher, seen
+
+
+def test_launcher_writes_the_variant_fields_of_a_call_with_var():
+    """A call with ``var`` sets VariantParams' per-call fields in the struct it launches with
+    (at the ``var`` member's offset) and nothing else of it; a plain call leaves them."""
+    from cupyflash import _gpu
+
+    mirror = _params.FWD_PARAMS
+    fields = dict(_params.VARIANT_OFF, window_left=7, softcap_log2=2.5)
+    template = _params.pack(mirror, **{n: 3 for n in mirror.names if n != "var"}, var=fields)
+    launcher, seen = _recording_launcher(template)
     pointers = tuple(range(101, 101 + len(_gpu.FWD_POINTERS)))
     var = (11, 12, 13, 14, 15, 16, 2**40 + 5, 9)
     launcher(0, *pointers, var=var)
@@ -141,3 +152,26 @@ def test_launcher_writes_the_variant_fields_of_a_call_with_var():
     assert with_var["var"]["window_left"] == 7 and with_var["var"]["softcap_log2"] == 2.5
     assert [with_var[n] for n in _gpu.FWD_POINTERS] == list(pointers) and with_var["batch"] == 3
     assert bytes(plain) == bytes(with_var)  # the last call's values stay until a call sets others
+
+
+def test_launcher_writes_the_tma_maps_of_each_call():
+    """A plan with TMA maps (FwdTmaParams) gets the maps of each call's q, k, v pointers
+    at the maps' offset, after the FwdParams the pointers are written into."""
+    from cupyflash import _gpu
+
+    mirror = _params.FWD_TMA_PARAMS
+    fwd = _params.pack(_params.FWD_PARAMS, **{n: 3 for n in _params.FWD_PARAMS.names if n != "var"},
+                       var=_params.VARIANT_OFF)
+    template = fwd + bytes(mirror.itemsize - len(fwd))
+
+    def maps(q, k, v):
+        return b"".join(bytes([x % 256]) * 128 for x in (q, k, v))
+
+    launcher, seen = _recording_launcher(template, (_params.offset_of(mirror, "q_map"), maps))
+    pointers = tuple(range(101, 101 + len(_gpu.FWD_POINTERS)))
+    launcher(0, *pointers)
+    launcher(0, 7, 8, 9, *pointers[3:])
+    first, second = (np.frombuffer(b, dtype=mirror)[0] for b in seen)
+    assert [first["fwd"][n] for n in _gpu.FWD_POINTERS] == list(pointers) and first["fwd"]["batch"] == 3
+    assert bytes(first["q_map"]) == bytes([101]) * 128 and bytes(first["v_map"]) == bytes([103]) * 128
+    assert bytes(second["k_map"]) == bytes([8]) * 128 and second["fwd"]["q"] == 7

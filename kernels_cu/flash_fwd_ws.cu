@@ -1,0 +1,259 @@
+// flash_fwd_ws.cu: the FlashAttention-2 forward (Dao 2023, Algorithm 1) on Hopper,
+// warp-specialised as FlashAttention-3 (Shah et al. 2024): a producer warpgroup
+// moves Q, K and V with the bulk tensor copy engine (TMA), two consumer
+// warpgroups only compute (wgmma, online softmax).
+//
+// One thread block owns BLOCK_M = 128 query rows of one (batch, head): consumer
+// warpgroup c (threads 128 + 128c ..) owns 64 of them. Warpgroup 0 gives its
+// registers away (setmaxnreg.dec to 24) and one of its threads issues every copy:
+// Q once, then each key block's K and V tiles into a STAGES-deep ring of
+// 128-byte-swizzled stages (the layout wgmma's descriptors read, wgmma.cuh
+// Swizzle128Tile, with no copy through registers). Each copy completes on an
+// mbarrier (full_q, full_k[s], full_v[s]: arrive.expect_tx of the tile's bytes);
+// each consumer warp arrives on empty[s] once its wgmma reads of stage s are done,
+// and the producer waits there before it refills s. Tails need no predicates: TMA
+// zero-fills rows past seqlen and columns past head_dim.
+//
+// Why this shape (the cp.async kernel, flash_fwd_sm90.cu, measured waiting on its
+// loads at D=128, PERF.md): the copies cost the consumers no instructions, no
+// registers and no block-wide barrier, so the consumers (setmaxnreg.inc to 240)
+// keep S (64 registers at BLOCK_N = 128), P (32) and O (64) live at once, and two
+// overlaps hide the softmax under the tensor cores:
+//   * within a warpgroup: S_n = Q·K_nᵀ is issued together with O += P_{n-1}·V_{n-1},
+//     and block n's softmax runs while P_{n-1}·V_{n-1} is still in flight; O is
+//     rescaled by block n's factors only after that GEMM has completed;
+//   * between the two warpgroups (ping-pong): each issues its GEMMs only between
+//     named-barrier sync (its own id) and arrive (the other's), so their GEMM
+//     phases alternate and one's softmax runs under the other's GEMMs.
+// FA3 at D=128 takes the same tile (128 x 128, two stages, both overlaps). Two
+// stages of 128-key K and V tiles are 128 KB (+32 KB Q); a third fits (224 KB) and
+// is the table's to choose (cupyflash/dispatch.py _FWD_WS).
+//
+// Template parameters, in order:
+//   T          __half or __nv_bfloat16
+//   HEAD_DIM   padded head dimension, 64 or 128; runtime head_dim <= HEAD_DIM
+//   BLOCK_N    keys per tile
+//   STAGES     K/V ring depth
+//   IS_CAUSAL  bottom-right aligned causal mask
+//   EVEN_K     head_dim == HEAD_DIM (no column predicates in the O stores)
+//   VARIANT    variant.cuh's VAR_* bits: only 0 (the plain forward) for now
+// Dense batches only (4-D tensor maps; dispatch sends packed batches to
+// flash_fwd_sm90.cu), 16-byte aligned data and strides (a TMA requirement).
+// seqused_k: keys past a sequence's count are masked in S (P = 0), but their rows
+// are still read (up to seqlen_k) and must hold finite values, as P·V multiplies them.
+#include "params.cuh"
+#include "seqlens.cuh"
+#include "query_grid.cuh"
+#include "variant.cuh"
+#include "online_softmax.cuh"
+#include "tma.cuh"
+#include "fwd_sm90.cuh"
+
+namespace cupyflash {
+
+template <typename T_, int HEAD_DIM_, int BLOCK_N_, int STAGES_>
+struct FwdWsTraits {
+    using T = T_;
+    static constexpr int HEAD_DIM = HEAD_DIM_;
+    static constexpr int BLOCK_M = 128;
+    static constexpr int BLOCK_N = BLOCK_N_;
+    static constexpr int STAGES = STAGES_;
+    static constexpr int CONSUMERS = 2;                          // consumer warpgroups, 64 rows each
+    static constexpr int NUM_THREADS = 128 * (1 + CONSUMERS);   // + the producer warpgroup
+    static constexpr int PRODUCER_REGS = 24;
+    static constexpr int CONSUMER_REGS = 240;
+    static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= 65536, "more registers than an SM has");
+    static constexpr int N_TILES = BLOCK_N / 8;
+    static constexpr int D_TILES = HEAD_DIM / 8;
+    using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;
+    using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;
+    static constexpr int BOX_COLS = 64;  // elements per TMA box row: the 128-byte swizzle span (cupyflash/_tma.py)
+    // mbarriers: full_q, full_k[STAGES], full_v[STAGES], empty[STAGES]
+    static constexpr int BARRIER_BYTES = 8 * (1 + 3 * STAGES);
+    // +1024: the window is aligned up to the swizzle atom (cupyflash/dispatch.py fwd_ws_smem_bytes)
+    static constexpr int SMEM_BYTES = QTile::BYTES + 2 * STAGES * KVTile::BYTES + BARRIER_BYTES + 1024;
+    static_assert(SMEM_BYTES <= 227 * 1024, "more shared memory than a Hopper block has");
+    // Named barriers: 1 + c, consumer c's epilogue; SCHED + c, its turn to issue GEMMs.
+    static constexpr int EPILOGUE_BAR = 1, SCHED_BAR = 1 + CONSUMERS;
+};
+
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool EVEN_K, int VARIANT>
+__global__ void __launch_bounds__(384, 1)
+flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
+    static_assert(VARIANT == 0, "flash_fwd_ws_kernel: the plain forward only (VARIANT 0) for now");
+    using Tr = FwdWsTraits<T, HEAD_DIM, BLOCK_N, STAGES>;
+    constexpr int BLOCK_M = Tr::BLOCK_M, N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES, BOX = Tr::BOX_COLS;
+    using QTile = typename Tr::QTile;
+    using KVTile = typename Tr::KVTile;
+    const FwdParams& p = tp.fwd;
+
+    extern __shared__ __align__(16) unsigned char smem[];
+    const uint32 sQ = (smem_addr(smem) + 1023u) & ~1023u;
+    const uint32 sK0 = sQ + QTile::BYTES;                // K stage s at sK0 + s * KVTile::BYTES
+    const uint32 sV0 = sK0 + STAGES * KVTile::BYTES;     // V likewise
+    const uint32 bars = sV0 + STAGES * KVTile::BYTES;
+    const uint32 full_q = bars;
+    auto full_k = [&](int s) { return bars + 8 * (1 + s); };
+    auto full_v = [&](int s) { return bars + 8 * (1 + STAGES + s); };
+    auto empty = [&](int s) { return bars + 8 * (1 + 2 * STAGES + s); };
+
+    const TileCoords tc = fwd_tile_coords<IS_CAUSAL>(p);
+    const int b = tc.b, h = tc.h, m0 = tc.m_block * BLOCK_M;
+    const SeqLens seq = seq_lens(p, b);
+    const Mask<IS_CAUSAL, VARIANT> mask(p.var, seq.seqlen_q, seq.seqlen_k);
+    const BlockRange blocks = mask.key_blocks(m0, BLOCK_M, BLOCK_N);
+
+    if (threadIdx.x == 0) {
+        mbar_init(full_q, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_k(s), 1);
+            mbar_init(full_v(s), 1);
+            mbar_init(empty(s), 4 * Tr::CONSUMERS);  // one arrival per consumer warp
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        // ================= producer: one thread issues every copy
+        setmaxnreg_dec<Tr::PRODUCER_REGS>();
+        if (threadIdx.x == 0) {
+            tma_prefetch_desc(tp.q_map);
+            tma_prefetch_desc(tp.k_map);
+            tma_prefetch_desc(tp.v_map);
+            mbar_arrive_expect_tx(full_q, QTile::BYTES);
+#pragma unroll
+            for (int c = 0; c < HEAD_DIM / BOX; ++c) {
+                tma_load_4d(sQ + c * QTile::BLOCK_BYTES, tp.q_map, full_q, c * BOX, m0, h, b);
+            }
+            int stage = 0;
+            uint32 phase = 0;
+            for (int n = blocks.end - 1; n >= blocks.begin; --n) {
+                mbar_wait(empty(stage), phase ^ 1);  // both consumers are done with the round before
+                const uint32 sK = sK0 + stage * KVTile::BYTES, sV = sV0 + stage * KVTile::BYTES;
+                mbar_arrive_expect_tx(full_k(stage), KVTile::BYTES);
+#pragma unroll
+                for (int c = 0; c < HEAD_DIM / BOX; ++c) {
+                    tma_load_4d(sK + c * KVTile::BLOCK_BYTES, tp.k_map, full_k(stage), c * BOX, n * BLOCK_N, tc.h_kv, b);
+                }
+                mbar_arrive_expect_tx(full_v(stage), KVTile::BYTES);
+#pragma unroll
+                for (int c = 0; c < HEAD_DIM / BOX; ++c) {
+                    tma_load_4d(sV + c * KVTile::BLOCK_BYTES, tp.v_map, full_v(stage), c * BOX, n * BLOCK_N, tc.h_kv, b);
+                }
+                if (++stage == STAGES) { stage = 0; phase ^= 1; }
+            }
+        }
+        return;
+    }
+
+    // ================= consumers
+    setmaxnreg_inc<Tr::CONSUMER_REGS>();
+    const int cw = wg - 1;  // consumer index: query rows 64 cw ..
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    // This thread's fragment rows within the block: r0 and r0 + 8.
+    const int r0 = cw * 64 + (threadIdx.x / 32 % 4) * 16 + g;
+    const ScoreMod<VARIANT, T> mod(p.var, p.softmax_scale_log2, b, h, seq.seqlen_q, seq.seqlen_k);
+    const float sink = sink_log2<VARIANT>(p.var, h);
+
+    float acc_o[1][D_TILES][4];
+#pragma unroll
+    for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[0][d][e] = 0.f;
+    float row_sum[1][2] = {{0.f, 0.f}};
+    OnlineSoftmax<1> softmax;
+    softmax.init(sink);
+
+    // Ping-pong: consumer cw issues GEMMs between sync on its own barrier and arrive
+    // on the other's. Each does one sync and one arrive per GEMM phase; consumer 1
+    // arrives once up front (consumer 0 goes first) and skips its last arrive, so no
+    // arrival is left over.
+    auto sched_sync = [&] { named_barrier_sync<256>(Tr::SCHED_BAR + cw); };
+    auto sched_arrive = [&] { named_barrier_arrive<256>(Tr::SCHED_BAR + (1 - cw)); };
+    // This warp's wgmma reads of a stage are done (its wait_group has returned).
+    auto release = [&](int s) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(s));
+    };
+
+    __shared__ float2 pin;  // written, never read (wgmma_wait_after)
+    const uint32 pin_slot = smem_addr(&pin);
+    mbar_wait(full_q, 0);  // also before the epilogue overwrites sQ with O
+    const int n_first = blocks.end - 1;
+    if (n_first >= blocks.begin) {
+        if (cw == 1) sched_arrive();
+        int stage = 0;  // stage and parity of block n's K (and, a step later, its V)
+        uint32 phase = 0;
+        uint32 pa[BLOCK_N / 16][4];  // P of the block before, the A operand of its P·V
+        auto scores = [&](float (&s)[1][N_TILES][4], int n, auto masked) {
+            score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
+        };
+        // ---- the first (masked, unless end == unmasked_end) block: S alone
+        {
+            float s[1][N_TILES][4];
+            mbar_wait(full_k(stage), phase);
+            sched_sync();
+            issue_qk<T, BLOCK_M, BLOCK_N, HEAD_DIM>(s[0], sQ, cw, sK0 + stage * KVTile::BYTES);
+            sched_arrive();
+            wgmma_wait<0>();
+            fence_operands(s[0]);
+            if (n_first >= blocks.unmasked_end) scores(s, n_first, Bool<true>{}); else scores(s, n_first, Bool<false>{});
+            softmax.update(s, acc_o, row_sum);
+            acc_to_a_operand<T>(s[0], pa);
+        }
+        int prev_stage = stage;
+        uint32 prev_phase = phase;
+        if (++stage == STAGES) { stage = 0; phase ^= 1; }
+
+        // ---- block n: S_n issued with P_{n-1}·V_{n-1}; softmax of S_n under that GEMM
+        auto step = [&](int n, auto masked) {
+            float s[1][N_TILES][4];
+            mbar_wait(full_k(stage), phase);
+            mbar_wait(full_v(prev_stage), prev_phase);
+            sched_sync();
+            issue_qk<T, BLOCK_M, BLOCK_N, HEAD_DIM>(s[0], sQ, cw, sK0 + stage * KVTile::BYTES);
+            issue_pv<T, BLOCK_N, HEAD_DIM>(acc_o[0], pa, sV0 + prev_stage * KVTile::BYTES);
+            sched_arrive();
+            wgmma_wait<1>();  // S_n (the older group) has completed
+            fence_operands(s[0]);
+            scores(s, n, masked);
+            float alpha[1][2];
+            softmax.update_sums(s, row_sum, alpha);
+            // P_{n-1}·V_{n-1} has completed: pa and stage prev_stage are free. (Pinned
+            // after the row sums, hence after every exp2 of the softmax: wgmma.cuh.)
+            wgmma_wait_after<0>(pin_slot, row_sum[0][0], row_sum[0][1]);
+            fence_operands(acc_o[0]);
+            fence_operands(pa);
+            release(prev_stage);
+            softmax.rescale(acc_o, alpha);
+            acc_to_a_operand<T>(s[0], pa);
+            prev_stage = stage;
+            prev_phase = phase;
+            if (++stage == STAGES) { stage = 0; phase ^= 1; }
+        };
+        // Masked blocks (key tail, causal diagonal) first, then the bulk with no mask code.
+        int n = n_first - 1;
+        for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{});
+        for (; n >= 0; --n) step(n, Bool<false>{});
+
+        // ---- the last block's P·V
+        mbar_wait(full_v(prev_stage), prev_phase);
+        sched_sync();
+        issue_pv<T, BLOCK_N, HEAD_DIM>(acc_o[0], pa, sV0 + prev_stage * KVTile::BYTES);
+        if (cw == 0) sched_arrive();
+        wgmma_wait<0>();
+        fence_operands(acc_o[0]);
+        fence_operands(pa);
+        release(prev_stage);
+    }
+
+    // ---- epilogue: a row with no key gets O = 0 and lse = -inf (finalize)
+    float lse[1][2];
+    softmax.finalize_sums(acc_o, row_sum, lse, sink);
+    store_fwd_rows<T, BLOCK_M, HEAD_DIM, EVEN_K>(p, acc_o[0], lse[0], b, h, m0, r0, cw, sQ,
+                                                 Tr::EPILOGUE_BAR + cw);
+}
+
+}  // namespace cupyflash

@@ -1,0 +1,74 @@
+"""Dispatch of the warp-specialised TMA forward (kernels_cu/flash_fwd_ws.cu): off
+unless asked for, and then only for the calls it serves."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from cupyflash import dispatch
+from cupyflash._sources import kernels_dir
+
+WS = "cupyflash::flash_fwd_ws_kernel"
+
+
+def _plan(**kw):
+    args = dict(batch=1, seqlen_q=16384, seqlen_k=16384, nheads_q=16, head_dim=128, dtype="bfloat16",
+                causal=False, vec=True, num_sms=132, cc=(9, 0))
+    args.update(kw)
+    return dispatch.select_fwd(**args)
+
+
+def test_off_by_default_and_switched_by_the_environment():
+    assert dispatch.FWD_WS == (os.environ.get("CUPYFLASH_FWD_WS", "") == "1")
+    assert _plan().main.template == "cupyflash::flash_fwd_sm90_kernel"
+    assert _plan().tma_box_rows is None
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [128, 64, 100, 40])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ws_serves_plain_dense_aligned_hopper_calls(dtype, head_dim, causal):
+    plan = _plan(dtype=dtype, head_dim=head_dim, causal=causal, ws=True)
+    d = dispatch.padded_head_dim(head_dim)
+    block_n, stages = dispatch.fwd_ws_tile(d, causal)
+    assert plan.main.template == WS and plan.combine is None and plan.num_splits == 1
+    assert plan.main.args == (dispatch.CTYPES[dtype], str(d), str(block_n), str(stages),
+                              str(causal).lower(), str(head_dim == d).lower(), "0")
+    assert plan.main.block == (384, 1, 1)
+    assert plan.main.grid == (128 * 16, 1, 1) and plan.num_m_blocks == 128
+    assert plan.n_blocks_per_split == -(-16384 // block_n)
+    assert plan.tma_box_rows == (dispatch.FWD_WS_BLOCK_M, block_n)
+    assert plan.main.smem_bytes == dispatch.fwd_ws_smem_bytes(d, block_n, stages) <= 227 * 1024
+
+
+@pytest.mark.parametrize("kw", [dict(cc=(8, 0)), dict(vec=False), dict(variant=dispatch.VAR_SOFTCAP),
+                                dict(variant=dispatch.VAR_BIAS | dispatch.VAR_BIAS_STAGED), dict(varlen=True),
+                                dict(head_dim=256), dict(head_dim=32), dict(head_dim=192)])
+def test_ws_leaves_the_rest_to_the_other_kernels(kw):
+    assert _plan(ws=True, **kw).main.template != WS
+    assert _plan(ws=True, **kw) == _plan(**kw)
+
+
+def test_ws_small_grids_still_split_on_the_mma_sync_kernel():
+    plan = _plan(ws=True, seqlen_q=1, seqlen_k=8192)
+    assert plan.num_splits > 1 and plan.main.template == "cupyflash::flash_fwd_kernel"
+
+
+def test_ws_kernels_are_checked_on_sm90_only():
+    on90 = [L for L in dispatch.all_fwd_launches((9, 0)) if L.template == WS]
+    assert {L.args[1] for L in on90} == {"64", "128"}
+    assert len(on90) == 2 * 2 * 2 * 2  # dtype x head_dim x causal x even_k
+    assert not [L for L in dispatch.all_fwd_launches((8, 0)) if L.template == WS]
+
+
+def test_ws_smem_bytes_are_the_kernel_traits():
+    """fwd_ws_smem_bytes spells out FwdWsTraits::SMEM_BYTES: Q, the K/V stages, the
+    3 STAGES + 1 mbarriers, 1 KB of alignment; BLOCK_M as the kernel's."""
+    text = (kernels_dir() / "flash_fwd_ws.cu").read_text()
+    assert re.search(rf"BLOCK_M = {dispatch.FWD_WS_BLOCK_M};", text)
+    assert "SMEM_BYTES = QTile::BYTES + 2 * STAGES * KVTile::BYTES + BARRIER_BYTES + 1024" in text
+    assert "BARRIER_BYTES = 8 * (1 + 3 * STAGES)" in text
+    assert dispatch.fwd_ws_smem_bytes(128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 56 + 1024
