@@ -187,9 +187,6 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
         int stage = 0;  // stage and parity of block n's K (and, a step later, its V)
         uint32 phase = 0;
         uint32 pa[BLOCK_N / 16][4];  // P of the block before, the A operand of its P·V
-        auto scores = [&](float (&s)[1][N_TILES][4], int n, auto masked) {
-            score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
-        };
         // ---- the first (masked, unless end == unmasked_end) block: S alone
         {
             float s[1][N_TILES][4];
@@ -199,7 +196,8 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
             sched_arrive();
             wgmma_wait<0>();
             fence_operands(s[0]);
-            if (n_first >= blocks.unmasked_end) scores(s, n_first, Bool<true>{}); else scores(s, n_first, Bool<false>{});
+            if (n_first >= blocks.unmasked_end) score_tile<true>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
+            else score_tile<false>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
             softmax.update(s, acc_o, row_sum);
             acc_to_a_operand<T>(s[0], pa);
         }
@@ -208,6 +206,8 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
         if (++stage == STAGES) { stage = 0; phase ^= 1; }
 
         // ---- block n: S_n issued with P_{n-1}·V_{n-1}; softmax of S_n under that GEMM
+        // (score_tile is called in place: a generic lambda capturing mod and mask crashes
+        // the NVRTC 13.0 / nvcc 13.0 device compiler, cicc, even when never called)
         auto step = [&](int n, auto masked) {
             float s[1][N_TILES][4];
             mbar_wait(full_k(stage), phase);
@@ -218,7 +218,7 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
             sched_arrive();
             wgmma_wait<1>();  // S_n (the older group) has completed
             fence_operands(s[0]);
-            scores(s, n, masked);
+            score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
             float alpha[1][2];
             softmax.update_sums(s, row_sum, alpha);
             // P_{n-1}·V_{n-1} has completed: pa and stage prev_stage are free. (Pinned
