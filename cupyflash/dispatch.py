@@ -906,12 +906,15 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     pass :func:`score_vec_ok`): each kernel that stages the tile keeps it where its
     stages fit the tile and stage count chosen without it (and :func:`score_stage_ok`;
     the wgmma kernels: :func:`bwd_sm90_variant`, :func:`bwd_dq_sm90_variant`), the
-    others drop it.
+    others drop it. It never holds VAR_BLOCK_MAP (the forward's: no backward kernel
+    reads the map; ``_variant.fwd_bits`` adds it, the backward takes ``staged_bits``).
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
     if cc < ARCHS[0]:
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
+    if variant & VAR_BLOCK_MAP:
+        raise ValueError("cupyflash: VAR_BLOCK_MAP is the forward's; the backward's kernels read no block map")
     if varlen and (total_q < 1 or total_k < 1):
         raise ValueError(f"cupyflash: a packed batch needs total_q and total_k >= 1; got {total_q} and {total_k}")
     # The row buffers' (batches, rows per head): a packed batch is one sequence of total rows.
