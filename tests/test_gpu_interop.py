@@ -564,8 +564,11 @@ def test_jax_flash_attention_variant_grads_match_reference(jax, rng):
     host = [np.asarray(x).astype(ml_dtypes.bfloat16) for x in (dout, q, k, v)]
     variants = dict(window_size=kw["window_size"], softcap=kw["softcap"], alibi_slopes=np.asarray(alibi),
                     sinks=np.asarray(sinks), dropout_p=kw["dropout_p"], dropout_mask=mask)
+    # dsinks against the reference of the out the backward's delta came from (given_out)
+    out = np.asarray(flash_attention(q, k, v, sinks=sinks, alibi_slopes=alibi, rng_state=key, **kw))
     testing.assert_bwd_matches_reference(*host, *(np.asarray(g).astype(ml_dtypes.bfloat16) for g in grads[:3]),
-                                         causal=True, dsinks=np.asarray(grads[3]), **variants)
+                                         causal=True, dsinks=np.asarray(grads[3]),
+                                         out=out.astype(ml_dtypes.bfloat16), **variants)
 
 
 def test_jax_and_torch_mixed_is_rejected(jax, torch, rng):
