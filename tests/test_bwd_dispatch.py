@@ -433,9 +433,10 @@ def test_wgmma_dq_variant_compiles_for_sm90a_without_spills(head_dim, causal, ev
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("bits", [dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK])
+@pytest.mark.parametrize("bits", [dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK, dispatch.VAR_BIAS])
 def test_staged_fp32_bias_or_mask_alone_at_d128_on_hopper_take_wgmma(bits, causal, deterministic):
-    """Staged, the fp32 bias alone and the mask alone fit the D=128 wgmma dK/dV kernel
+    """Staged, the fp32 bias alone and the mask alone fit the D=128 wgmma dK/dV kernel,
+    and the q-dtype bias alone takes it with its spill (faster than mma.sync: measured)
     (_BWD_SM90_STAGED_FITS): its plan stages the tile there; dQ from the wgmma dQ kernel
     (deterministic; unstaged) or by atomics in the dK/dV kernel (default at D=128)."""
     S = dispatch.VAR_BIAS_STAGED

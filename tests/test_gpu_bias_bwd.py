@@ -492,11 +492,12 @@ def test_dbias_on_wgmma(cp, rng, launches, dtype, shape, causal, bias_shape, bia
     assert "flash_bwd_dbias_sm90_kernel" in launches and "flash_bwd_dbias_kernel" not in launches
 
 
-# The staged fp32 bias alone and the mask alone at D=128 on sm_90: the wgmma dK/dV kernel
+# The staged fp32 bias alone, the q-dtype bias alone and the mask alone at D=128 on sm_90: the wgmma dK/dV kernel
 # (dispatch._BWD_SM90_STAGED_FITS), atomic dQ in it (default) or the wgmma dQ kernel
 # (deterministic). Query tails (200, 130 rows), key counts that are multiples of 8 (staged).
 D128_STAGED = {
     "bias-fp32": (lambda b, h, m, n: (1, h, m, n), None),
+    "bias-q": (lambda b, h, m, n: (b, 1, m, n), None),
     "mask": (None, lambda b, h, m, n: (b, h, m, n)),
     "mask-per-key": (None, lambda b, h, m, n: (b, 1, 1, n)),
 }
@@ -515,7 +516,7 @@ def test_staged_d128_on_wgmma(cp, rng, launches, dtype, shape, causal, kind, det
         pytest.skip("the wgmma dK/dV kernel runs on compute capability 9.0")
     bias_shape, mask_shape = D128_STAGED[kind]
     full = _score_shape(shape)
-    bias = None if bias_shape is None else bias_values(rng, bias_shape(*full), "float32")
+    bias = None if bias_shape is None else bias_values(rng, bias_shape(*full), "float32" if kind == "bias-fp32" else dtype)
     mask = None if mask_shape is None else keep_mask(rng, mask_shape(*full), 0.8)
     if mask is not None and mask.shape[2] > 1:
         mask[..., 5, :] = False  # a row that sees no key
