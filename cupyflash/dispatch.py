@@ -813,7 +813,7 @@ def bwd_dq_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: b
 #     kernels (_BWD_SM90_STAGED_FITS), the others stay on the mma.sync kernels (which
 #     stage the tile too). The staged q-dtype bias alone takes them too, spill and
 #     all: with its 24-36 bytes of spill the D=128 backward with dbias took 8.40 ms
-#     against the mma.sync plan's 12.44 (PERF.md v19, run 69, fp16, (1,H,N,N), N=4096).
+#     against the mma.sync plan's 12.44 (PERF.md v19, run 68, fp16, (1,H,N,N), N=4096).
 _BWD_SM90_VARIANT_SPILLS = {128: VAR_BIAS | VAR_BIAS_FP32 | VAR_MASK}
 _BWD_SM90_STAGED_FITS = {128: (VAR_BIAS_FP32, VAR_MASK, VAR_BIAS)}  # exactly these bits, with VAR_BIAS_STAGED
 
