@@ -91,6 +91,15 @@ def sparse_block_map(seqlen, block=SPARSE_BLOCK, empty=SPARSE_EMPTY, seed=SPARSE
     return visible
 
 
+def torch_mask_source(mask):
+    """The bool array to hand ``torch.from_dlpack`` for ours' ``mask``: a
+    :class:`cupyflash.BlockMask`'s own ``mask`` (read in place, never consumed as a
+    capsule), or the array itself."""
+    from ._blockmask import BlockMask  # noqa: PLC0415
+
+    return mask.mask if isinstance(mask, BlockMask) else mask
+
+
 def sparse_mask(seqlen, **kwargs):
     """The ``(seqlen, seqlen)`` bool mask of :func:`sparse_block_map` (blocks all True or all False)."""
     blocks = sparse_block_map(seqlen, **kwargs)
@@ -365,7 +374,9 @@ def bias_point(cupy, torch_env, flex, report, save, *, head_dim, seqlen, dtype, 
             if bias is not None:
                 tbias = bench.torch_view(torch, cupy, bias, dtype).detach().clone().requires_grad_()
             elif mask is not None:
-                tbias = torch.from_dlpack(mask)
+                # the BlockMask's bool array (a BlockMask is no DLPack producer: torch takes
+                # it for a capsule and refuses it)
+                tbias = torch.from_dlpack(torch_mask_source(mask))
             for name in SDPA_BACKENDS:
                 try:
                     impl = SdpaBias(torch_env, cupy, name, dtype=dtype, softmax_scale=scale, bias=tbias)

@@ -108,6 +108,8 @@ def plan_key(options) -> tuple:
         key += tuple(None if x is None else broadcast_strides(x)
                      for x in (options.get("attn_bias"), options.get("attn_mask")))
         key += (dbias_shape(options), _staged(options))
+    if "attn_mask" in options:  # the tile map's strides (plan_fields) follow the mask's shape, not
+        key += (tuple(options["attn_mask"].shape),)  # its strides: a stride-0 view of a batch has both
     return key
 
 

@@ -119,9 +119,10 @@ flash_fwd_sm90_kernel(const FwdParams p) {
     };
     // K, the block's bias/mask tile (staged: in K's commit group; a mask all True is not
     // copied), V.
+    // (An edge block, blocks.masked(n), always reads the mask, FULL or not: copied.)
     auto load_kv = [&](int n, int stage) {
         load_k(n, stage);
-        terms.stage_in(n, stage, map.state(n) != BLOCK_FULL);
+        terms.stage_in(n, stage, blocks.masked(n) || map.state(n) != BLOCK_FULL);
         load_v(n, stage);
     };
 
@@ -157,7 +158,10 @@ flash_fwd_sm90_kernel(const FwdParams p) {
 
     int stage = 0;  // stage of key block n; the visited block after n_next goes to stage + 2 (mod 3)
     // One key block: masked (causal/window edge), attn_masked (its mask not all True).
-    auto step = [&](int n, auto masked, auto attn_masked) {
+    // Returns the block to visit next (n_next as it was; < blocks.begin: none) and
+    // moves n_next on to the one after it, whose loads it issued. (Without a map: n - 1,
+    // and n_next is not carried.)
+    auto step = [&](int n, auto masked, auto attn_masked) -> int {
         constexpr bool MASKED = decltype(masked)::value, ATTN_MASKED = decltype(attn_masked)::value;
         cp_async_wait<1>();        // this thread's copies of block n have landed
         fence_proxy_async_smem();  // ... and are visible to wgmma
@@ -167,7 +171,8 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         // at D=64, whose S is short, before it (issued behind it, they delayed the
         // softmax: -5%).
         constexpr bool LOADS_UNDER_S = HEAD_DIM >= 128;
-        const int n_after = n_next >= blocks.begin ? map.prev(n_next, blocks.begin) : n_next;
+        const int n_after = !KeyBlockMap<VARIANT>::ON ? n - 2
+                            : n_next >= blocks.begin ? map.prev(n_next, blocks.begin) : n_next;
         auto load_next = [&] {
             const int free_stage = stage == 0 ? 2 : stage - 1;
             if (n_after >= blocks.begin) load_kv(n_after, free_stage);
@@ -203,16 +208,22 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         wgmma_wait<0>();
         fence_operands(acc_o[0]);
         stage = stage == STAGES - 1 ? 0 : stage + 1;
-        n_next = n_after;
+        if constexpr (KeyBlockMap<VARIANT>::ON) {
+            const int visit = n_next;
+            n_next = n_after;
+            return visit;
+        } else {
+            return n - 1;
+        }
     };
     // A block off the causal/window edge: with the map, mask-free where the mask keeps
     // it wholly (the edge blocks always read the mask: three steps compiled, not four).
-    auto step_bulk = [&](int n) {
+    auto step_bulk = [&](int n) -> int {
         if constexpr (KeyBlockMap<VARIANT>::ON) {
-            if (map.state(n) == BLOCK_FULL) step(n, Bool<false>{}, Bool<false>{});
-            else step(n, Bool<false>{}, Bool<true>{});
+            if (map.state(n) == BLOCK_FULL) return step(n, Bool<false>{}, Bool<false>{});
+            return step(n, Bool<false>{}, Bool<true>{});
         } else {
-            step(n, Bool<false>{}, Bool<true>{});
+            return step(n, Bool<false>{}, Bool<true>{});
         }
     };
 
@@ -220,12 +231,14 @@ flash_fwd_sm90_kernel(const FwdParams p) {
     // code; with a window, one loop that asks each block (the window's left edge is
     // masked too), so the step is compiled twice, not three times.
     if constexpr (Mask<IS_CAUSAL, VARIANT>::WINDOW) {
-        for (; n >= blocks.begin; n = n_next) {
-            if (blocks.masked(n)) step(n, Bool<true>{}, Bool<true>{}); else step_bulk(n);
+        // (n = step(n): the next visited block. Not `n = n_next` after the step: the step
+        // has moved n_next on to the block after that one.)
+        while (n >= blocks.begin) {
+            if (blocks.masked(n)) n = step(n, Bool<true>{}, Bool<true>{}); else n = step_bulk(n);
         }
     } else {
-        for (; n >= blocks.unmasked_end; n = n_next) step(n, Bool<true>{}, Bool<true>{});
-        for (; n >= 0; n = n_next) step_bulk(n);
+        while (n >= blocks.unmasked_end) n = step(n, Bool<true>{}, Bool<true>{});
+        while (n >= 0) n = step_bulk(n);
     }
 
     // ---- epilogue
