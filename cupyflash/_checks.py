@@ -534,7 +534,9 @@ def check_score_arrays(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, retu
     the GPU, in whole elements).  The bias has q's dtype (on the GPU the storage dtype of
     bfloat16 data too) or float32; the mask is bool.  The values are not read:
     NaN and ``+inf`` in a bias propagate.  Returns ``{"attn_bias": 4-D view,
-    "attn_mask": 4-D view, "return_dbias": True}``, each only when given (on)."""
+    "attn_mask": 4-D view, "return_dbias": True}``, each only when given (on).  ``attn_mask``
+    may be a :class:`cupyflash.BlockMask`: its mask is checked as a plain one, and the
+    options hold it too (``"block_mask"``), so that its block map is reused."""
     kind = _kind(q)
     if not isinstance(return_dbias, (bool, np.bool_)):
         fail(TypeError, fn, f"return_dbias must be a bool; got {_type_name(return_dbias)}.")
@@ -542,6 +544,12 @@ def check_score_arrays(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, retu
         fail(ValueError, fn, "return_dbias must be False without attn_bias (dbias is the gradient of "
                              "attn_bias); got True with attn_bias=None.")
     options = {}
+    block_mask = None
+    if attn_mask is not None and type(attn_mask).__name__ == "BlockMask":
+        from ._blockmask import BlockMask  # noqa: PLC0415
+
+        if isinstance(attn_mask, BlockMask):  # its map is reused (options["block_mask"])
+            block_mask, attn_mask = attn_mask, attn_mask.mask
     if attn_bias is None and attn_mask is None:
         return options
     if seqlens is None:
@@ -577,6 +585,8 @@ def check_score_arrays(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, retu
                      f"bytes); got strides of {tuple(x.strides)} bytes.")
             _check_device(fn, name, x, q)
         options[name] = pad4(x)
+    if block_mask is not None:
+        options["block_mask"] = block_mask
     if return_dbias:
         options["return_dbias"] = True
     return options

@@ -50,10 +50,13 @@ class FwdCall:
     memory safe to reuse afterwards).
     """
 
-    __slots__ = ("plan", "out_shape", "lse_shape", "scratch_bytes", "_accum_offsets", "_launcher")
+    __slots__ = ("plan", "out_shape", "lse_shape", "scratch_bytes", "block_map_tile", "_accum_offsets",
+                 "_launcher")
 
     def __init__(self, plan, out_shape, lse_shape, scratch, launcher):
         self.plan, self.out_shape, self.lse_shape = plan, out_shape, lse_shape
+        #: (BLOCK_M, BLOCK_N) of the mask's tile map the kernel reads (VAR_BLOCK_MAP), or None
+        self.block_map_tile = dispatch.fwd_block_map_tile(plan)
         self.scratch_bytes, self._accum_offsets = scratch
         self._launcher = launcher
 
@@ -96,7 +99,7 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, head_dim=head_dim,
         dtype=dtype_name, causal=causal, vec=vec_ok((q, k, v, out), head_dim),
         num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id), varlen=packed is not None,
-        variant=_variant.staged_bits(options) if options else 0, ws=dispatch.FWD_WS if ws is None else ws)
+        variant=_variant.fwd_bits(options) if options else 0, ws=dispatch.FWD_WS if ws is None else ws)
     scratch = (0, (0, 0))
     if plan.num_splits > 1:  # dense batches only
         rows = plan.num_splits * batch * nheads_q * seqlen_q
@@ -110,7 +113,7 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
         head_dim=head_dim, num_m_blocks=plan.num_m_blocks, num_splits=plan.num_splits,
         n_blocks_per_split=plan.n_blocks_per_split,
         softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E,
-        var=_variant.plan_fields(options or {}, softmax_scale, nheads_q))
+        var=_variant.plan_fields(options or {}, softmax_scale, nheads_q, dispatch.fwd_block_map_tile(plan)))
     launches = (plan.main,) if plan.combine is None else (plan.main, plan.combine)
     maps = None
     if plan.tma_box_rows is not None:  # FwdTmaParams: FwdParams, then the maps, rewritten per pointer
@@ -169,10 +172,14 @@ def _run_fwd(q, k, v, softmax_scale, causal, dtype, out, lse, packed, options=No
     if options:
         options = _variant.contiguous(options)
         key += (_variant.plan_key(options),)
-        var = _variant.call_values(options)
     call = PLANS.get_or_make(key, lambda: plan_fwd(
         q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal, dtype_name=dtype_name,
         device_id=device_id, packed=dims, options=options))
+    block_map = None  # the mask's tile map (kept alive until the launch is queued)
+    if options:
+        if call.block_map_tile is not None:
+            block_map = _variant.block_map(options, call.block_map_tile)
+        var = _variant.call_values(options, block_map=0 if block_map is None else block_map.data.ptr)
     if out is None:
         out = cupy.empty(call.out_shape, dtype=q.dtype)
     if lse is None:

@@ -48,6 +48,33 @@ def staged_bits(options) -> int:
     return b | dispatch.VAR_BIAS_STAGED if _staged(options) and not b & dispatch.VAR_BIAS_STRIDED else b
 
 
+def fwd_bits(options) -> int:
+    """:func:`staged_bits` for the forward: with VAR_BLOCK_MAP with a mask (``fwd_variant``
+    drops it where its kernel takes no map; the backward's kernels read none, so its plans
+    take :func:`staged_bits`)."""
+    b = staged_bits(options)
+    return b | dispatch.VAR_BLOCK_MAP if "attn_mask" in options else b
+
+
+def block_map_shape(mask, tile) -> tuple[int, int, int, int]:
+    """The shape of the mask's tile map at ``tile = (BLOCK_M, BLOCK_N)``
+    (``_blockmask.BlockMask.tiles``): the mask's batch and head dimensions, and its row
+    and key dimensions in tiles (1 where the mask's is 1)."""
+    bm, hm, rows, cols = mask.shape
+    return (bm, hm, 1 if rows == 1 else -(-rows // tile[0]), 1 if cols == 1 else -(-cols // tile[1]))
+
+
+def block_map(options, tile):
+    """The mask's tile map at ``tile`` on the GPU: the BlockMask's (``options["block_mask"]``,
+    kept there for later calls), else reduced from the mask now."""
+    from ._blockmask import BlockMask  # noqa: PLC0415
+
+    bm = options.get("block_mask")
+    if bm is None:
+        bm = BlockMask.from_mask(options["attn_mask"])
+    return bm.tiles(*tile)
+
+
 def bits(options) -> int:
     """The kernels' VARIANT template argument for ``options`` (with a bias or mask, it
     depends on their strides and on the parity of their addresses)."""
@@ -81,11 +108,14 @@ def plan_key(options) -> tuple:
         key += tuple(None if x is None else broadcast_strides(x)
                      for x in (options.get("attn_bias"), options.get("attn_mask")))
         key += (dbias_shape(options), _staged(options))
+    if "attn_mask" in options:  # the tile map's strides (plan_fields) follow the mask's shape, not
+        key += (tuple(options["attn_mask"].shape),)  # its strides: a stride-0 view of a batch has both
     return key
 
 
-def plan_fields(options, softmax_scale: float, nheads_q: int) -> dict:
-    """VariantParams with its per-plan fields set (the per-call ones 0)."""
+def plan_fields(options, softmax_scale: float, nheads_q: int, block_map_tile=None) -> dict:
+    """VariantParams with its per-plan fields set (the per-call ones 0); ``block_map_tile``:
+    the (BLOCK_M, BLOCK_N) of the mask's tile map the kernel reads (VAR_BLOCK_MAP), or None."""
     fields = dict(_params.VARIANT_OFF)
     if "window_size" in options:
         fields["window_left"], fields["window_right"] = options["window_size"]
@@ -102,6 +132,8 @@ def plan_fields(options, softmax_scale: float, nheads_q: int) -> dict:
     shape = dbias_shape(options)
     if shape is not None:  # C-contiguous in the bias's 4-D shape and dtype (the backward allocates it)
         arrays["dbias"] = Contiguous(shape, options["attn_bias"].itemsize)
+    if block_map_tile is not None:  # C-contiguous uint8 (BlockMask.tiles)
+        arrays["block_map"] = Contiguous(block_map_shape(options["attn_mask"], block_map_tile), 1)
     for name, x in arrays.items():
         if x is not None:
             for axis, stride in zip(("batch", "head", "row", "col"), broadcast_strides(x)):
@@ -124,11 +156,12 @@ def contiguous(options):
     return out
 
 
-def call_values(options, dsinks: int = 0, dbias: int = 0) -> tuple[int, ...]:
+def call_values(options, dsinks: int = 0, dbias: int = 0, block_map: int = 0) -> tuple[int, ...]:
     """VariantParams' per-call fields (``_params.VARIANT_PER_CALL``): the slopes',
     sinks', bias's and mask's pointers, ``dsinks`` and ``dbias`` (the backward's
-    output pointers, or 0), and the dropout seed and offset."""
+    output pointers, or 0), ``block_map`` (the forward's tile map, or 0), and the
+    dropout seed and offset."""
     ptr = [0 if x is None else x.data.ptr for x in (options.get(name) for name in
                                                    ("alibi_slopes", "sinks", "attn_bias", "attn_mask"))]
     seed, offset = options.get("rng_state", (0, 0))
-    return (ptr[0], ptr[1], dsinks, ptr[2], ptr[3], dbias, seed, offset)
+    return (ptr[0], ptr[1], dsinks, ptr[2], ptr[3], dbias, block_map, seed, offset)

@@ -148,6 +148,8 @@ def _sequence_options(options, b, len_q, len_k):
     local to the sequence)."""
     if not options:
         return options
+    if "block_mask" in options:  # the whole batch's map: the sequence's block is mapped anew
+        options = {name: x for name, x in options.items() if name != "block_mask"}
     slopes = options.get("alibi_slopes")
     if slopes is not None and slopes.ndim == 2:
         options = {**options, "alibi_slopes": slopes[b:b + 1]}

@@ -52,7 +52,11 @@ multiplies ``dS`` by ``1 - tanh^2``.
   reads its ``(rows, keys)`` block of them in place (a size-1 dimension is
   broadcast by NumPy, never expanded), so nothing of size ``B*H*N*N`` is made.
   A ``-inf`` bias entry or a False mask entry hides the key from that row, as
-  the causal mask does; a row that sees no key ends as above.  The backward's
+  the causal mask does; a row that sees no key ends as above.  The mask's block
+  map (:mod:`cupyflash._blockmask`, at this path's tile, over every batch and
+  head) skips the tiles it hides wholly and runs those it keeps wholly with no
+  mask: exactly the values of masking every tile, which is all the skipping
+  may change (an all-hidden tile adds ``p = 0`` to every sum).  The backward's
   ``dbias = dS`` (the gradient of the final score, dropout included, before
   softcap's ``1 - tanh^2``) is summed per tile over the bias's size-1
   dimensions into an accumulator of the bias's 4-D shape (float32; float64
@@ -82,7 +86,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _philox
+from . import _blockmask, _philox
 from ._checks import pad4
 
 __all__ = ["BLOCK_M", "BLOCK_N", "fwd", "bwd"]
@@ -248,7 +252,7 @@ class _Variants:
 
     def __init__(self, q_shape, nheads_kv, seqlen_k, softmax_scale, causal, window_size=(-1, -1),
                  softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None,
-                 batch_start=0, attn_bias=None, attn_mask=None):
+                 batch_start=0, attn_bias=None, attn_mask=None, block_mask=None):
         _, seqlen_q, nheads, _ = q_shape
         self.nheads, self.group = nheads, nheads // nheads_kv
         self.dims = (seqlen_q, seqlen_k, self.group)
@@ -271,10 +275,25 @@ class _Variants:
         # the bias and mask as 4-D views (size-1 dimensions broadcast, never expanded)
         self.bias = None if attn_bias is None else pad4(np.asarray(attn_bias))
         self.mask = None if attn_mask is None else pad4(np.asarray(attn_mask))
+        # the mask's tile map at (BLOCK_M, BLOCK_N), over every batch and head at once
+        # (a tile holds them all): EMPTY tiles are skipped, FULL ones take no mask
+        self.tile_map = None
+        if self.mask is not None:
+            tiles = (_blockmask.cell_map(self.mask, BLOCK_M, BLOCK_N) if block_mask is None
+                     else block_mask.tiles(BLOCK_M, BLOCK_N))
+            self.tile_map = _blockmask.combine_heads(tiles)
         # softcap, ALiBi and a bias: scores computed once in log2 units (exponent
         # factor 1); otherwise raw scores with softmax_scale * log2(e) folded into the exponent
         self.modified = self.softcap > 0 or self.alibi is not None or self.bias is not None
         self.score_unit = _F32(1) if self.modified else self.scale_log2
+
+    def tile_state(self, m0, n0):
+        """The mask's state (``_blockmask`` EMPTY, PARTIAL, FULL) on the tile at rows
+        ``m0`` and keys ``n0`` (multiples of BLOCK_M and BLOCK_N); FULL without a mask."""
+        if self.tile_map is None:
+            return _blockmask.FULL
+        rows, cols = self.tile_map.shape
+        return int(self.tile_map[0 if rows == 1 else m0 // BLOCK_M, 0 if cols == 1 else n0 // BLOCK_N])
 
     def sink_rows(self, rows):
         """The sink logit of each tile row, shape (1, Hkv, G*rows)."""
@@ -337,9 +356,10 @@ def _alibi_bias(var, m0, m1, n0, n1):
     return bias.reshape(bias.shape[0], bias.shape[1], group * (m1 - m0), n1 - n0)
 
 
-def _scores(q_tile, k_tile, m0, m1, n0, n1, masked, var):
+def _scores(q_tile, k_tile, m0, m1, n0, n1, masked, var, attn_masked=True):
     """One score tile, in units of ``var.score_unit`` (raw, or log2 with the
-    variants applied), masked when ``masked``; also ``tanh`` for softcap (or None)."""
+    variants applied), masked when ``masked`` (causal, window) and, with a mask,
+    ``attn_masked`` (False: the tile's mask is all True); also ``tanh`` for softcap (or None)."""
     s = q_tile @ k_tile.swapaxes(-1, -2)
     tanh = None
     if var.modified:
@@ -355,7 +375,7 @@ def _scores(q_tile, k_tile, m0, m1, n0, n1, masked, var):
             _add_bias(s, var, m0, m1, n0, n1)
     if masked:
         _apply_causal_mask(s, m0, m1, n0, n1, *var.dims, var.window)
-    if var.mask is not None:
+    if var.mask is not None and attn_masked:
         _apply_attn_mask(s, var, m0, m1, n0, n1)
     return s, tanh
 
@@ -450,7 +470,7 @@ def _finalize_with_sink(acc, row_max, row_sum, score_unit, lse_scale, sink):
 
 def fwd(q, k, v, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,
         alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None, batch_start=0,
-        attn_bias=None, attn_mask=None):
+        attn_bias=None, attn_mask=None, block_mask=None):
     """Tiled forward pass: ``(out, lse)`` for validated, non-empty inputs.
 
     Parameters
@@ -486,6 +506,10 @@ def fwd(q, k, v, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,
         after the softcap and ALiBi; ``-inf`` hides a key.
     attn_mask : numpy.ndarray of bool, optional
         Broadcastable like ``attn_bias``; False hides the key from the row.
+    block_mask : cupyflash.BlockMask, optional
+        ``attn_mask``'s BlockMask, whose map is reused (else it is computed here).
+        Key tiles the mask hides wholly are skipped, tiles it keeps wholly take no
+        mask; the results are bit for bit those of masking every tile.
 
     Returns
     -------
@@ -497,7 +521,7 @@ def fwd(q, k, v, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     var = _Variants(q.shape, nheads_kv, seqlen_k, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, sinks, dropout_p, rng_state, batch_start, attn_bias, attn_mask)
+                    alibi_slopes, sinks, dropout_p, rng_state, batch_start, attn_bias, attn_mask, block_mask)
     out = np.empty(q.shape, dtype=q.dtype)
     lse = np.empty((batch, nheads, seqlen_q), dtype=_F32)
 
@@ -512,7 +536,13 @@ def fwd(q, k, v, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,
         # --- key tiles in the window only; those every row sees fully take no mask
         key_range = _key_tiles(m0, m1, seqlen_q, seqlen_k, var.window)
         for n0, n1, masked in _tiles(*key_range, BLOCK_N):
-            s, _ = _scores(q_tile, _load_kv_rows(k, n0, n1), m0, m1, n0, n1, masked, var)
+            # --- the mask's block map: an empty tile adds nothing to the state (every
+            # p would be 0), a full one needs no mask
+            state = var.tile_state(m0, n0)
+            if state == _blockmask.EMPTY:
+                continue
+            s, _ = _scores(q_tile, _load_kv_rows(k, n0, n1), m0, m1, n0, n1, masked, var,
+                           state != _blockmask.FULL)
             keep = (_keep_tile(var, m0, m1, n0, n1, batch, nheads_kv) if var.dropout_p
                     else None)
             acc, row_max, row_sum = _online_softmax_step(
@@ -549,14 +579,15 @@ def _row_dot(dout, out):
 
 
 def _bwd_tile(k_tile, v_tile, dk_acc, dv_acc, dq_acc, q, dout, lse_log2, delta,
-              m0, m1, n0, n1, masked, var, dbias=None):
+              m0, m1, n0, n1, masked, var, dbias=None, attn_masked=True):
     """One (query tile, key tile) step of the backward pass, accumulating in place
-    (into the 4-D ``dbias`` accumulator too, when given)."""
+    (into the 4-D ``dbias`` accumulator too, when given); ``attn_masked`` as for
+    :func:`_scores`."""
     batch, nheads_kv = k_tile.shape[:2]
     q_tile = _load_q_rows(q, m0, m1, nheads_kv)
     do_tile = _load_q_rows(dout, m0, m1, nheads_kv)
     # --- recompute P from lse: p = exp2(s * scale * log2e - lse * log2e)
-    s, tanh = _scores(q_tile, k_tile, m0, m1, n0, n1, masked, var)
+    s, tanh = _scores(q_tile, k_tile, m0, m1, n0, n1, masked, var, attn_masked)
     if not var.modified:
         s *= var.scale_log2
     s -= _stats_rows(lse_log2, m0, m1, nheads_kv)
@@ -587,7 +618,7 @@ def _bwd_tile(k_tile, v_tile, dk_acc, dv_acc, dq_acc, q, dout, lse_log2, delta,
 
 def bwd(dout, q, k, v, out, lse, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,
         alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None, batch_start=0,
-        attn_bias=None, attn_mask=None, return_dbias=False):
+        attn_bias=None, attn_mask=None, return_dbias=False, block_mask=None):
     """Tiled backward pass: ``(dq, dk, dv)`` (and ``dsinks``, ``dbias``) for validated, non-empty inputs.
 
     Parameters
@@ -599,7 +630,7 @@ def bwd(dout, q, k, v, out, lse, softmax_scale, causal, *, window_size=(-1, -1),
         As returned by :func:`fwd` (with the same variants).
     softmax_scale : float
     causal : bool
-    window_size, softcap, alibi_slopes, sinks, dropout_p, rng_state, batch_start, attn_bias, attn_mask
+    window_size, softcap, alibi_slopes, sinks, dropout_p, rng_state, batch_start, attn_bias, attn_mask, block_mask
         As for :func:`fwd`; the same values as the forward that gave ``out``.
     return_dbias : bool, optional
         Also return the gradient of ``attn_bias`` (which must be given).
@@ -619,7 +650,7 @@ def bwd(dout, q, k, v, out, lse, softmax_scale, causal, *, window_size=(-1, -1),
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     var = _Variants(q.shape, nheads_kv, seqlen_k, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, sinks, dropout_p, rng_state, batch_start, attn_bias, attn_mask)
+                    alibi_slopes, sinks, dropout_p, rng_state, batch_start, attn_bias, attn_mask, block_mask)
     dbias = None
     if return_dbias:
         if var.bias is None:
@@ -644,7 +675,9 @@ def bwd(dout, q, k, v, out, lse, softmax_scale, causal, *, window_size=(-1, -1),
         # take no mask
         query_range = _query_tiles(n0, n1, seqlen_q, seqlen_k, var.window)
         for m0, m1, masked in _tiles(*query_range, BLOCK_M):
-            _bwd_tile(*tile_args, m0, m1, n0, n1, masked, var, dbias)
+            state = var.tile_state(m0, n0)  # an empty tile adds 0 to every gradient
+            if state != _blockmask.EMPTY:
+                _bwd_tile(*tile_args, m0, m1, n0, n1, masked, var, dbias, state != _blockmask.FULL)
         dk_acc *= _F32(softmax_scale)
         if var.dropout_p:
             dv_acc *= _F32(1.0 / (1.0 - var.dropout_p))

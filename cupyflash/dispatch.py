@@ -40,9 +40,16 @@ VAR_BIAS, VAR_BIAS_FP32, VAR_MASK, VAR_BIAS_STRIDED = 32, 64, 128, 256
 #: block's tile into shared memory with 16-byte cp.async (variant.cuh StagedScoreTerms)
 #: where its kernel does so and the stages fit (:func:`fwd_variant`).
 VAR_BIAS_STAGED = 512
+#: VAR_BLOCK_MAP (forward only, with VAR_MASK): the mask's tile map at the kernel's tile
+#: (cupyflash/_blockmask.py) skips the key blocks the mask hides wholly and runs those it
+#: keeps wholly with no mask code (variant.cuh KeyBlockMap); the wgmma kernel only, for
+#: now (:func:`fwd_variant` drops it elsewhere: the mma.sync kernel masks every block).
+VAR_BLOCK_MAP = 1024
 VARIANT_BITS = {"window": VAR_WINDOW, "softcap": VAR_SOFTCAP, "alibi": VAR_ALIBI, "sinks": VAR_SINKS,
                 "dropout": VAR_DROPOUT, "bias": VAR_BIAS, "bias_fp32": VAR_BIAS_FP32, "mask": VAR_MASK,
-                "bias_strided": VAR_BIAS_STRIDED, "bias_staged": VAR_BIAS_STAGED}
+                "bias_strided": VAR_BIAS_STRIDED, "bias_staged": VAR_BIAS_STAGED, "block_map": VAR_BLOCK_MAP}
+#: The bits that are not a variant of their own (each qualifies a bias or mask).
+_QUALIFIER_BITS = (VAR_BIAS_STRIDED, VAR_BIAS_STAGED, VAR_BLOCK_MAP)
 #: The bits of a bias or mask (the forward reads them a key block ahead, see _FWD_TILES_BIAS).
 _SCORE_ARRAY_BITS = VAR_BIAS | VAR_BIAS_FP32 | VAR_MASK
 
@@ -312,7 +319,10 @@ _FWD_SM90_BIAS_BLOCK_N = {64: 64, 128: 64}
 def fwd_variant(head_dim_padded: int, variant: int, sm90: bool, cc: tuple[int, int] = (9, 0)) -> int:
     """The VARIANT a forward kernel is compiled with: ``variant`` less VAR_BIAS_STAGED
     where that kernel does not stage (the mma.sync kernel, for now) or its stages do not
-    fit one block (the wgmma kernel at D=128 with an fp32 bias and a mask: 249 KB)."""
+    fit one block (the wgmma kernel at D=128 with an fp32 bias and a mask: 249 KB), and
+    less VAR_BLOCK_MAP off the wgmma kernel (or without a mask)."""
+    if not sm90 or not variant & VAR_MASK:
+        variant &= ~VAR_BLOCK_MAP
     if not variant & VAR_BIAS_STAGED:
         return variant
     if sm90:
@@ -329,11 +339,22 @@ def fwd_sm90_tile(head_dim_padded: int, causal: bool, variant: int = 0) -> tuple
     if variant & _SCORE_ARRAY_BITS:
         block_n = _FWD_SM90_BIAS_BLOCK_N[head_dim_padded]
         smem = fwd_sm90_smem_bytes(head_dim_padded, block_n, variant)
-        if not variant & VAR_BIAS_STAGED or 2 * (smem + 1024) > smem_per_sm((9, 0)):
+        # (the block map's walk at two blocks per SM: 28-88 bytes of spill at 128
+        # registers, NVRTC 13.0; one block per SM, 144-198 registers, none)
+        if not variant & VAR_BIAS_STAGED or variant & VAR_BLOCK_MAP or 2 * (smem + 1024) > smem_per_sm((9, 0)):
             return block_n, 1
     if variant & (VAR_ALIBI | VAR_DROPOUT):
         return block_n, 1
     return block_n, ctas_per_sm
+
+
+def fwd_block_map_tile(plan: FwdPlan) -> tuple[int, int] | None:
+    """(BLOCK_M, BLOCK_N) of the tile map ``plan``'s kernel reads (VAR_BLOCK_MAP: the
+    wgmma kernel with a mask), or None where its kernel takes no map."""
+    main = plan.main
+    if main.source != "flash_fwd_sm90.cu" or not int(main.args[-1]) & VAR_BLOCK_MAP:
+        return None
+    return SM90_BLOCK_M, int(main.args[2])
 
 
 def uses_sm90_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int]) -> bool:
@@ -442,15 +463,19 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
 #: The VARIANT values check-kernels compiles each forward with: each bit alone (the
 #: strided bit with each array it reads), and a bias with a mask, softcap or a window.
 FWD_CHECK_VARIANTS = (
-    *(bit for bit in VARIANT_BITS.values() if bit not in (VAR_BIAS_STRIDED, VAR_BIAS_STAGED)),
+    *(bit for bit in VARIANT_BITS.values() if bit not in _QUALIFIER_BITS),
     VAR_BIAS | VAR_BIAS_STRIDED, VAR_BIAS_FP32 | VAR_BIAS_STRIDED, VAR_MASK | VAR_BIAS_STRIDED,
     VAR_BIAS | VAR_MASK, VAR_BIAS | VAR_SOFTCAP, VAR_BIAS | VAR_WINDOW,
+    # the mask's block map (the wgmma kernel's; the mma.sync kernel drops the bit)
+    *(VAR_BLOCK_MAP | VAR_MASK | bits for bits in (0, VAR_BIAS_STRIDED, VAR_BIAS, VAR_WINDOW, VAR_SINKS)),
 )
 #: ... and staged (VAR_BIAS_STAGED): each array alone, both together, a bias with
 #: softcap, a window, ALiBi or dropout.
 FWD_STAGED_CHECK_VARIANTS = tuple(VAR_BIAS_STAGED | bits for bits in (
     VAR_BIAS, VAR_BIAS_FP32, VAR_MASK, VAR_BIAS | VAR_MASK, VAR_BIAS_FP32 | VAR_MASK,
-    VAR_BIAS | VAR_SOFTCAP, VAR_BIAS | VAR_WINDOW, VAR_BIAS | VAR_ALIBI, VAR_BIAS | VAR_DROPOUT))
+    VAR_BIAS | VAR_SOFTCAP, VAR_BIAS | VAR_WINDOW, VAR_BIAS | VAR_ALIBI, VAR_BIAS | VAR_DROPOUT,
+    VAR_BLOCK_MAP | VAR_MASK, VAR_BLOCK_MAP | VAR_MASK | VAR_BIAS, VAR_BLOCK_MAP | VAR_MASK | VAR_BIAS_FP32,
+    VAR_BLOCK_MAP | VAR_MASK | VAR_WINDOW))
 
 
 #: The backward's staged bias and mask (VAR_BIAS_STAGED) that check-kernels compiles:
@@ -989,12 +1014,15 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     pass :func:`score_vec_ok`): each kernel that stages the tile keeps it where its
     stages fit the tile and stage count chosen without it (and :func:`score_stage_ok`;
     the wgmma kernels: :func:`bwd_sm90_variant`, :func:`bwd_dq_sm90_variant`), the
-    others drop it.
+    others drop it. It never holds VAR_BLOCK_MAP (the forward's: no backward kernel
+    reads the map; ``_variant.fwd_bits`` adds it, the backward takes ``staged_bits``).
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
     if cc < ARCHS[0]:
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
+    if variant & VAR_BLOCK_MAP:
+        raise ValueError("cupyflash: VAR_BLOCK_MAP is the forward's; the backward's kernels read no block map")
     if varlen and (total_q < 1 or total_k < 1):
         raise ValueError(f"cupyflash: a packed batch needs total_q and total_k >= 1; got {total_q} and {total_k}")
     # The row buffers' (batches, rows per head): a packed batch is one sequence of total rows.
@@ -1082,8 +1110,9 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
     # (The bias with the mask, causal, is not listed: on sm_80 the mma.sync dK/dV tiles
     # D=64 64x128, D=96 64x128 and D=256 64x64 and the D=256 dQ tile spill 8-64 bytes
     # with both reads, and D=64 has no leaner tile in the table.)
-    # (VAR_BIAS_STAGED needs a bias or mask: the staged list below.)
-    alone = [bit for bit in VARIANT_BITS.values() if bit != VAR_BIAS_STAGED]
+    # (VAR_BIAS_STAGED needs a bias or mask: the staged list below; VAR_BLOCK_MAP is the
+    # forward's alone.)
+    alone = [bit for bit in VARIANT_BITS.values() if bit not in (VAR_BIAS_STAGED, VAR_BLOCK_MAP)]
     for bit, d, causal, det in itertools.product(alone, HEAD_DIMS, (False, True), (False, True)):
         for tile in _bwd_variant_tiles(d, causal, det, True, bit)[:1]:
             out.append(bwd_dkdv_launch(_VARIANT_CHECK_DTYPE, d, tile, causal, True, True, det, variant=bit))
@@ -1287,7 +1316,7 @@ def select_decode(*, batch: int, seqlen_q: int, nheads_q: int, nheads_kv: int, h
 
 #: The variant bits the decode kernel takes (select_decode): no dropout, bias or mask.
 DECODE_VARIANT_BITS = tuple(b for b in VARIANT_BITS.values()
-                            if not b & (VAR_DROPOUT | _SCORE_ARRAY_BITS | VAR_BIAS_STRIDED))
+                            if not b & (VAR_DROPOUT | _SCORE_ARRAY_BITS | VAR_BIAS_STRIDED | VAR_BLOCK_MAP))
 
 
 def decode_visible_tiles(max_seqlen_k: int, seqlen_q: int, block_n: int, window_left: int = -1) -> int:

@@ -13,6 +13,9 @@
 // A bias or mask staged through shared memory (VAR_BIAS_STAGED) has its own 3-stage
 // ring after V's, each block's tile copied with its K tile (variant.cuh
 // StagedScoreTerms); otherwise it is read into registers a block ahead (ScoreTerms).
+// With the mask's tile map (VAR_BLOCK_MAP, variant.cuh KeyBlockMap) the key loop
+// walks only the blocks whose tile the mask keeps somewhere, the ring loading the
+// next two of those, and a block the mask keeps wholly takes the mask-free scores.
 //
 // Template parameters, in order:
 //   T           __half or __nv_bfloat16
@@ -95,6 +98,7 @@ flash_fwd_sm90_kernel(const FwdParams p) {
     // This thread's fragment rows within the block: r0 and r0 + 8.
     const int r0 = wg * 64 + (warp % 4) * 16 + g;
     typename Tr::Terms terms(mod, b, h, m0, r0, sB0);  // the bias and mask of a key block
+    const KeyBlockMap<VARIANT> map(p.var, b, h, m_block);  // which blocks are visited (VAR_BLOCK_MAP)
 
     const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + int64(seq.q_start + m0) * p.q_row_stride +
                  h * p.q_head_stride;
@@ -113,8 +117,14 @@ flash_fwd_sm90_kernel(const FwdParams p) {
                                                                   v + int64(n) * BLOCK_N * p.v_row_stride,
                                                                   p.v_row_stride, seqlen_k - n * BLOCK_N, p.head_dim);
     };
-    // K, the block's bias/mask tile (staged: in K's commit group), V.
-    auto load_kv = [&](int n, int stage) { load_k(n, stage); terms.stage_in(n, stage); load_v(n, stage); };
+    // K, the block's bias/mask tile (staged: in K's commit group; a mask all True is not
+    // copied), V.
+    // (An edge block, blocks.masked(n), always reads the mask, FULL or not: copied.)
+    auto load_kv = [&](int n, int stage) {
+        load_k(n, stage);
+        terms.stage_in(n, stage, blocks.masked(n) || map.state(n) != BLOCK_FULL);
+        load_v(n, stage);
+    };
 
     float acc_o[1][D_TILES][4];
 #pragma unroll
@@ -133,18 +143,26 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         cupyflash::issue_pv<T, BLOCK_N, HEAD_DIM>(acc_o[0], pa, sV0 + stage * KVTile::BYTES);
     };
     // Prologue: Q with the first key block, then the second key block (groups 0, 1).
-    const int n_first = blocks.end - 1;
-    if (n_first >= blocks.begin) {
+    // The visited blocks, from the last down: n, then n_next (n - 1, n - 2, ... without
+    // a block map); < blocks.begin: none left.
+    int n = map.prev(blocks.end, blocks.begin);
+    int n_next = n >= blocks.begin ? map.prev(n, blocks.begin) : n;
+    if (n >= blocks.begin) {
         load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sQ, q, p.q_row_stride, seq.seqlen_q - m0,
                                                                  p.head_dim);
-        load_kv(n_first, 0);
+        load_kv(n, 0);
     }
     cp_async_commit();
-    if (n_first - 1 >= blocks.begin) load_kv(n_first - 1, 1);
+    if (n_next >= blocks.begin) load_kv(n_next, 1);
     cp_async_commit();
 
-    int stage = 0;  // stage of key block n; block n - 2 goes to stage + 2 (mod 3)
-    auto step = [&](int n, auto masked) {
+    int stage = 0;  // stage of key block n; the visited block after n_next goes to stage + 2 (mod 3)
+    // One key block: masked (causal/window edge), attn_masked (its mask not all True).
+    // Returns the block to visit next (n_next as it was; < blocks.begin: none) and
+    // moves n_next on to the one after it, whose loads it issued. (Without a map: n - 1,
+    // and n_next is not carried.)
+    auto step = [&](int n, auto masked, auto attn_masked) -> int {
+        constexpr bool MASKED = decltype(masked)::value, ATTN_MASKED = decltype(attn_masked)::value;
         cp_async_wait<1>();        // this thread's copies of block n have landed
         fence_proxy_async_smem();  // ... and are visible to wgmma
         __syncthreads();           // everyone's have; everyone is done with block n + 1
@@ -153,16 +171,18 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         // at D=64, whose S is short, before it (issued behind it, they delayed the
         // softmax: -5%).
         constexpr bool LOADS_UNDER_S = HEAD_DIM >= 128;
+        const int n_after = !KeyBlockMap<VARIANT>::ON ? n - 2
+                            : n_next >= blocks.begin ? map.prev(n_next, blocks.begin) : n_next;
         auto load_next = [&] {
             const int free_stage = stage == 0 ? 2 : stage - 1;
-            if (n - 2 >= blocks.begin) load_kv(n - 2, free_stage);
+            if (n_after >= blocks.begin) load_kv(n_after, free_stage);
             cp_async_commit();
         };
         if constexpr (!LOADS_UNDER_S) load_next();
 
         // The block's bias and mask (from global memory, or from its stage): read
         // while the tensor cores do S.
-        terms.template load<decltype(masked)::value>(n * BLOCK_N + 2 * t, stage);
+        terms.template load<MASKED, ATTN_MASKED>(n * BLOCK_N + 2 * t, stage);
         float s[1][N_TILES][4];
         issue_s(s, stage);
         if constexpr (LOADS_UNDER_S) load_next();
@@ -174,7 +194,7 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         wgmma_wait<0>();
         fence_operands(s[0]);
         // ---- scores in log2 units (the variant's), masked where the block needs it
-        score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t, terms);
+        score_tile<MASKED, ATTN_MASKED>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t, terms);
 
         // ---- online softmax: s becomes P, acc_o is rescaled
         fence_operands(acc_o[0]);
@@ -188,19 +208,37 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         wgmma_wait<0>();
         fence_operands(acc_o[0]);
         stage = stage == STAGES - 1 ? 0 : stage + 1;
+        if constexpr (KeyBlockMap<VARIANT>::ON) {
+            const int visit = n_next;
+            n_next = n_after;
+            return visit;
+        } else {
+            return n - 1;
+        }
+    };
+    // A block off the causal/window edge: with the map, mask-free where the mask keeps
+    // it wholly (the edge blocks always read the mask: three steps compiled, not four).
+    auto step_bulk = [&](int n) -> int {
+        if constexpr (KeyBlockMap<VARIANT>::ON) {
+            if (map.state(n) == BLOCK_FULL) return step(n, Bool<false>{}, Bool<false>{});
+            return step(n, Bool<false>{}, Bool<true>{});
+        } else {
+            return step(n, Bool<false>{}, Bool<true>{});
+        }
     };
 
     // Masked blocks (key tail, causal diagonal) first, then the bulk with no mask
     // code; with a window, one loop that asks each block (the window's left edge is
     // masked too), so the step is compiled twice, not three times.
     if constexpr (Mask<IS_CAUSAL, VARIANT>::WINDOW) {
-        for (int n = blocks.end - 1; n >= blocks.begin; --n) {
-            if (blocks.masked(n)) step(n, Bool<true>{}); else step(n, Bool<false>{});
+        // (n = step(n): the next visited block. Not `n = n_next` after the step: the step
+        // has moved n_next on to the block after that one.)
+        while (n >= blocks.begin) {
+            if (blocks.masked(n)) n = step(n, Bool<true>{}, Bool<true>{}); else n = step_bulk(n);
         }
     } else {
-        int n = blocks.end - 1;
-        for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{});
-        for (; n >= 0; --n) step(n, Bool<false>{});
+        while (n >= blocks.unmasked_end) n = step(n, Bool<true>{}, Bool<true>{});
+        while (n >= 0) n = step_bulk(n);
     }
 
     // ---- epilogue

@@ -39,6 +39,8 @@ constexpr int VAR_BIAS_FP32 = 64; // additive bias in float32 (not with VAR_BIAS
 constexpr int VAR_MASK = 128;    // boolean keep-mask
 constexpr int VAR_BIAS_STRIDED = 256;  // bias/mask read element by element (else: pairs, see ScoreTerms)
 constexpr int VAR_BIAS_STAGED = 512;   // forward: bias/mask tiles staged through shared memory (StagedScoreTerms)
+constexpr int VAR_BLOCK_MAP = 1024;    // forward, with VAR_MASK: the mask's tile map skips empty key blocks
+                                       // and runs full ones with no mask (KeyBlockMap)
 
 // The variants' runtime arguments, one member `var` of every params struct
 // (mirrored as VARIANT_PARAMS in cupyflash/_params.py). Fields of a variant that
@@ -53,6 +55,8 @@ struct VariantParams {
     const uint8* attn_mask;     // bool, the same form at the mask strides; 0 = masked
     void* dbias;                // backward: the bias's element type (T or fp32) at the dbias strides,
                                 // written by flash_bwd_dbias_kernel only; null otherwise
+    const uint8* block_map;     // VAR_BLOCK_MAP: the mask's state per (batch, head, query block, key block)
+                                // of the kernel's tile (0 empty, 1 partial, 2 full; cupyflash/_blockmask.py)
     uint64 dropout_seed;        // Philox key: (seed & 0xffffffff, seed >> 32)
     uint32 dropout_offset;      // Philox counter word 3
     // per plan
@@ -63,6 +67,7 @@ struct VariantParams {
     int64 bias_batch_stride, bias_head_stride, bias_row_stride, bias_col_stride;
     int64 mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
     int64 dbias_batch_stride, dbias_head_stride, dbias_row_stride, dbias_col_stride;
+    int64 block_map_batch_stride, block_map_head_stride, block_map_row_stride, block_map_col_stride;
     int32 window_left;          // keys before the diagonal a row sees; -1: unbounded
     int32 window_right;         // keys after it; -1: unbounded (causal forces 0)
     float softcap_log2;         // softcap·log2(e), softcap > 0
@@ -85,6 +90,51 @@ struct BlockRange {
         unmasked_begin = min(max(unmasked_begin, begin), unmasked_end);
     }
     __device__ __forceinline__ bool masked(int n) const { return n < unmasked_begin || n >= unmasked_end; }
+};
+
+// The mask's tile map (VAR_BLOCK_MAP) seen from one query block of one (batch, head):
+// which of its key blocks the kernel visits, and which of those need no mask. A
+// block whose tile no row of the mask keeps (EMPTY) is never visited: it would
+// add exp2(-inf) = 0 to every sum, so the online softmax is as if it had run (a
+// row whose every block is skipped ends with sum 0: out 0, lse -inf, as a row
+// that sees no key). A FULL tile keeps every element: its scores take no mask.
+// Without the bit, every block of the range is visited and masked as the variant
+// says (prev(n) = n - 1, state PARTIAL: compiled away).
+constexpr int BLOCK_EMPTY = 0, BLOCK_PARTIAL = 1, BLOCK_FULL = 2;
+template <int VARIANT>
+struct KeyBlockMap {
+    static constexpr bool ON = (VARIANT & VAR_BLOCK_MAP) != 0;
+    static_assert(!ON || (VARIANT & VAR_MASK) != 0, "a block map needs the mask");
+    const VariantParams& v;
+    const uint8* row;  // this query block's states (ON only)
+
+    __device__ __forceinline__ KeyBlockMap(const VariantParams& v_, int b, int h, int m_block)
+        : v(v_), row(ON ? v_.block_map + b * v_.block_map_batch_stride + h * v_.block_map_head_stride +
+                              int64(m_block) * v_.block_map_row_stride
+                        : nullptr) {}
+
+    __device__ __forceinline__ int state(int n) const {
+        return ON ? int(__ldg(row + int64(n) * v.block_map_col_stride)) : BLOCK_PARTIAL;
+    }
+    // The visited block below n: the largest n' in [begin, n) whose tile is not
+    // empty, or begin - 1 if none. Every lane of the warp calls it with the same
+    // arguments (the key loop is uniform): 32 blocks' states are read at once and a
+    // ballot picks the first kept one, so a run of empty blocks costs one load each
+    // 32 of them.
+    __device__ __forceinline__ int prev(int n, int begin) const {
+        if constexpr (!ON) {
+            return n - 1;
+        } else {
+            const int lane = threadIdx.x % 32;
+            for (int top = n - 1; top >= begin; top -= 32) {
+                const int c = top - lane;
+                const bool kept = c >= begin && __ldg(row + int64(c) * v.block_map_col_stride) != BLOCK_EMPTY;
+                const uint32 hits = __ballot_sync(0xffffffffu, kept);
+                if (hits) return top - (__ffs(hits) - 1);
+            }
+            return begin - 1;
+        }
+    }
 };
 
 // Which keys each query row of one sequence sees.
@@ -331,12 +381,13 @@ struct ScoreTerms {
     }
 
     // StagedScoreTerms' copy into shared memory: nothing to do here.
-    __device__ __forceinline__ void stage_in(int, int) {}
+    __device__ __forceinline__ void stage_in(int, int, bool = true) {}
 
     // Read the key block whose fragment columns start at col0 (even); (the stage: unused).
-    template <bool MASKED>
+    // ATTN_MASK false: the block's mask is all True (KeyBlockMap's FULL): not read.
+    template <bool MASKED, bool ATTN_MASK = true>
     __device__ __forceinline__ void load(int col0, int = 0) {
-        if constexpr (ANY) {
+        if constexpr (BIAS || (MASK && ATTN_MASK)) {
 #pragma unroll
             for (int i = 0; i < M_TILES; ++i)
 #pragma unroll
@@ -344,19 +395,22 @@ struct ScoreTerms {
 #pragma unroll
                     for (int j = 0; j < N_TILES; ++j) {
                         const int c = col0 + j * 8;
-                        if constexpr (PAIRED) load_pair<MASKED>(i, half, j, c);
+                        if constexpr (PAIRED) load_pair<MASKED, ATTN_MASK>(i, half, j, c);
                         else {
 #pragma unroll
-                            for (int e = 0; e < 2; ++e) load_elem(i, half, j, e, min(c + e, mod.last_col));
+                            for (int e = 0; e < 2; ++e)
+                                load_elem<ATTN_MASK>(i, half, j, e, min(c + e, mod.last_col));
                         }
                     }
         }
     }
 
-    // x (the score before the bias and mask, log2 units) with the loaded block's terms.
+    // x (the score before the bias and mask, log2 units) with the loaded block's terms
+    // (ATTN_MASK as for load()).
+    template <bool ATTN_MASK = true>
     __device__ __forceinline__ float apply(float x, int i, int half, int j, int e) const {
         if constexpr (BIAS) x = fmaf(bias(i, half, j, e), LOG2E, x);
-        if constexpr (MASK) {
+        if constexpr (MASK && ATTN_MASK) {
             const bool keep = PAIRED ? (keep_pair[i][half][j] >> (8 * e)) & 0xffu : keep_elem[i][half][j][e];
             if (!keep) x = NEG_INF;
         }
@@ -364,7 +418,7 @@ struct ScoreTerms {
     }
 
   private:
-    template <bool MASKED>
+    template <bool MASKED, bool ATTN_MASK>
     __device__ __forceinline__ void load_pair(int i, int half, int j, int c) {
         // The key tail (MASKED blocks): column c alone if it exists; c + 1 is hidden.
         const bool pair = !MASKED || c < mod.last_col;
@@ -378,15 +432,16 @@ struct ScoreTerms {
                 if (MASKED) bias_pair[i][half][j] |= ld_nc_u16(p, c == mod.last_col);
             }
         }
-        if constexpr (MASK) {
+        if constexpr (MASK && ATTN_MASK) {
             const uint8* p = keep_row[i][half] + c;
             keep_pair[i][half][j] = ld_nc_u16(p, pair);
             if (MASKED) keep_pair[i][half][j] |= ld_nc_u8(p, c == mod.last_col);
         }
     }
+    template <bool ATTN_MASK>
     __device__ __forceinline__ void load_elem(int i, int half, int j, int e, int c) {
         if (BIAS) bias_elem[i][half][j][e] = load_float(bias_row[i][half] + int64(c) * mod.v.bias_col_stride);
-        if (MASK) keep_elem[i][half][j][e] = __ldg(keep_row[i][half] + int64(c) * mod.v.mask_col_stride);
+        if (MASK && ATTN_MASK) keep_elem[i][half][j][e] = __ldg(keep_row[i][half] + int64(c) * mod.v.mask_col_stride);
     }
     __device__ __forceinline__ float bias(int i, int half, int j, int e) const {
         if constexpr (!PAIRED) return bias_elem[i][half][j][e];
@@ -396,8 +451,9 @@ struct ScoreTerms {
 };
 
 // score_tile with the bias and mask of terms (ScoreTerms or StagedScoreTerms, loaded
-// for this key block).
-template <bool MASKED, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES, typename T, typename Terms>
+// for this key block); ATTN_MASK false: the block's mask is all True (not applied).
+template <bool MASKED, bool ATTN_MASK = true, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES, typename T,
+          typename Terms>
 __device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], const ScoreMod<VARIANT, T>& mod,
                                            const Mask<IS_CAUSAL, VARIANT>& mask, int row0, int col0,
                                            const Terms& terms) {
@@ -407,7 +463,7 @@ __device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], cons
         for (int half = 0; half < 2; ++half) {
             const int row = row0 + i * 16 + half * 8;
             score_row_by<MASKED>(s[i], half, mask, row, col0, [&](float x, int j, int e) {
-                return terms.apply(mod.scaled(x, row, col0 + j * 8 + e), i, half, j, e);
+                return terms.template apply<ATTN_MASK>(mod.scaled(x, row, col0 + j * 8 + e), i, half, j, e);
             });
         }
 }
@@ -469,17 +525,21 @@ struct ScoreTileStage {
     static_assert(Mod::BIAS_OR_MASK && (VARIANT & VAR_BIAS_STRIDED) == 0, "staged: a bias or mask, in 16-byte rows");
 
     // Copy (batch b, head h)'s tile at (m0, n0) into the stage at `base`; last_row,
-    // last_col: seqlen_q - 1, seqlen_k - 1.
+    // last_col: seqlen_q - 1, seqlen_k - 1; keep false: the mask's tile is not copied
+    // (all True: its reader skips it).
     __device__ static __forceinline__ void copy(uint32 base, const VariantParams& v, int b, int h, int m0, int n0,
-                                                int last_row, int last_col) {
+                                                int last_row, int last_col, bool keep = true) {
         const int keys_valid = last_col + 1 - n0;
         if constexpr (BIAS) {
             copy_tile<BiasTile>(base, static_cast<const BiasT*>(v.attn_bias) + b * v.bias_batch_stride +
                                           h * v.bias_head_stride + n0, v.bias_row_stride, m0, last_row, keys_valid);
         }
         if constexpr (MASK) {
-            copy_tile<KeepTile>(base + KEEP_OFFSET, v.attn_mask + b * v.mask_batch_stride + h * v.mask_head_stride + n0,
-                                v.mask_row_stride, m0, last_row, keys_valid);
+            if (keep) {
+                copy_tile<KeepTile>(base + KEEP_OFFSET, v.attn_mask + b * v.mask_batch_stride +
+                                                            h * v.mask_head_stride + n0,
+                                    v.mask_row_stride, m0, last_row, keys_valid);
+            }
         }
     }
 
@@ -553,26 +613,29 @@ struct StagedScoreTerms {
                                                 int c0_ = 0)
         : mod(mod_), b(b_), h(h_), m0(m0_), r0(r0_), c0(c0_), smem(smem_) {}
 
-    // Copy key block n of rows m0 .. into stage `stage` (the forward's).
-    __device__ __forceinline__ void stage_in(int n, int stage) {
+    // Copy key block n of rows m0 .. into stage `stage` (the forward's; keep false: its
+    // mask is all True, KeyBlockMap's FULL, and not copied).
+    __device__ __forceinline__ void stage_in(int n, int stage, bool keep = true) {
         // (from the params, not ScoreMod's pointers: two registers fewer across the key loop)
-        Stage::copy(smem + uint32(stage * STAGE_BYTES), mod.v, b, h, m0, n * BLOCK_N, mod.last_row, mod.last_col);
+        Stage::copy(smem + uint32(stage * STAGE_BYTES), mod.v, b, h, m0, n * BLOCK_N, mod.last_row, mod.last_col,
+                    keep);
     }
 
     // Take the block in stage `stage` (its copies landed and are visible: the caller's
     // wait and barrier); apply() reads this lane's pairs of it as the scores need them
     // (no registers held across the S GEMM). (col0: ScoreTerms' interface.)
-    template <bool MASKED>
+    template <bool MASKED, bool ATTN_MASK = true>
     __device__ __forceinline__ void load(int, int stage) {
         int row = r0;
         asm volatile("" : "+r"(row));  // opaque: recomputed per block
         const uint32 block = smem + uint32(stage * STAGE_BYTES);
         const int t = threadIdx.x % 4;
         if constexpr (BIAS) set_rows<BiasTile>(bias_at, bias_key, mod.v.bias_row_stride == 0, row, t, block);
-        if constexpr (MASK) set_rows<KeepTile>(keep_at, keep_key, mod.v.mask_row_stride == 0, row, t, block + KEEP_OFFSET);
+        if constexpr (MASK && ATTN_MASK) set_rows<KeepTile>(keep_at, keep_key, mod.v.mask_row_stride == 0, row, t, block + KEEP_OFFSET);
     }
 
     // x (the score before the bias and mask, log2 units) with the taken block's terms.
+    template <bool ATTN_MASK = true>
     __device__ __forceinline__ float apply(float x, int i, int half, int j, int e) const {
         // (Not volatile: the two elements of a pair share one load, and the loads
         // depend on load()'s opaque values, so they stay behind the caller's barrier.)
@@ -588,7 +651,7 @@ struct StagedScoreTerms {
                 x = fmaf(pair_float<T>(u, e), LOG2E, x);
             }
         }
-        if constexpr (MASK) {
+        if constexpr (MASK && ATTN_MASK) {
             uint32 u;
             asm("ld.shared.u16 %0, [%1];\n" : "=r"(u) : "r"(keep_at[i][half] + KeepTile::column(j, keep_key)));
             if (!((u >> (8 * e)) & 0xffu)) x = NEG_INF;

@@ -69,10 +69,11 @@ def test_wgmma_variants_fit_hopper_shared_memory_and_are_checked_on_sm90_only():
     plain = [L for L in sm90 if L.args[-1] == "0"]
     assert len(plain) == 2 * 2 * 2 * 2  # dtype x head_dim (64, 128) x causal x even_k
     # bf16, head_dim x causal; the staged ones: each at D=64 and 128 x causal, but the fp32
-    # bias with a mask at D=128, whose stages do not fit (the register path's instead)
+    # bias with a mask at D=128 (with and without the block map), whose stages do not fit
+    # (the register path's instead)
     assert len(sm90) - len(plain) == (len(dispatch.FWD_CHECK_VARIANTS) + len(dispatch.FWD_STAGED_CHECK_VARIANTS)) * 4
     staged = [L for L in sm90 if int(L.args[-1]) & dispatch.VAR_BIAS_STAGED]
-    assert len(staged) == len(dispatch.FWD_STAGED_CHECK_VARIANTS) * 2 * 2 - 2
+    assert len(staged) == len(dispatch.FWD_STAGED_CHECK_VARIANTS) * 2 * 2 - 4
     assert all(L.smem_bytes <= 227 * 1024 for L in sm90)
     assert not [L for L in dispatch.all_fwd_launches((8, 0)) if L.source == "flash_fwd_sm90.cu"]
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import cupyflash
-from cupyflash import reference, testing
+from cupyflash import _params, reference, testing
 from fakes import FakeCupyArray, cpu_compute_decode, install_fake_gpu
 
 _NO_BF16 = pytest.mark.skipif(importlib.util.find_spec("ml_dtypes") is None,
@@ -922,8 +922,8 @@ def _compute_decode_with_variants(plan_kwargs, q, k_cache, v_cache, k_new, v_new
     options = dict(plan_kwargs.get("options") or {})
     assert (var is None) == (not options)
     if options:
-        alibi, sinks, dsinks, bias, mask, dbias, seed, offset = var  # _params.VARIANT_PER_CALL
-        assert (dsinks, bias, mask, dbias, seed, offset) == (0, 0, 0, 0, 0, 0)
+        alibi, sinks, dsinks, bias, mask, dbias, block_map, seed, offset = var  # _params.VARIANT_PER_CALL
+        assert (dsinks, bias, mask, dbias, block_map, seed, offset) == (0, 0, 0, 0, 0, 0, 0)
         assert (alibi != 0) == ("alibi_slopes" in options) and (sinks != 0) == ("sinks" in options)
         for name, ptr in (("alibi_slopes", alibi), ("sinks", sinks)):
             if ptr:
@@ -993,8 +993,9 @@ def test_variants_on_the_long_chunk_path_plan_the_dense_forward_with_them(monkey
     assert (k1, k2) == ("decode", "fwd")
     assert decode["append_only"] and not decode.get("options")
     assert sorted(fwd["options"]) == sorted(host_opts) and fwd["causal"]
-    assert seen == [("decode", None),
-                    ("fwd", (gpu_opts["alibi_slopes"].data.ptr, gpu_opts["sinks"].data.ptr, 0, 0, 0, 0, 0, 0))]
+    # _params.VARIANT_PER_CALL: the slopes' and sinks' pointers, every other one 0
+    rest = (0,) * (len(_params.VARIANT_PER_CALL) - 2)
+    assert seen == [("decode", None), ("fwd", (gpu_opts["alibi_slopes"].data.ptr, gpu_opts["sinks"].data.ptr, *rest))]
 
 
 def test_variants_bad_input_on_the_gpu(monkeypatch, rng):

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from cupyflash import _params
+from cupyflash import _params, _variant
 from cupyflash._sources import kernels_dir
 
 _C_TYPES = {"const void*": np.uint64, "void*": np.uint64, "float*": np.uint64, "const float*": np.uint64,
@@ -144,7 +144,7 @@ def test_launcher_writes_the_variant_fields_of_a_call_with_var():
     template = _params.pack(mirror, **{n: 3 for n in mirror.names if n != "var"}, var=fields)
     launcher, seen = _recording_launcher(template)
     pointers = tuple(range(101, 101 + len(_gpu.FWD_POINTERS)))
-    var = (11, 12, 13, 14, 15, 16, 2**40 + 5, 9)
+    var = (11, 12, 13, 14, 15, 16, 17, 2**40 + 5, 9)
     launcher(0, *pointers, var=var)
     launcher(0, *pointers)
     with_var, plain = (np.frombuffer(b[:mirror.itemsize], dtype=mirror)[0] for b in seen)
@@ -175,3 +175,20 @@ def test_launcher_writes_the_tma_maps_of_each_call():
     assert [first["fwd"][n] for n in _gpu.FWD_POINTERS] == list(pointers) and first["fwd"]["batch"] == 3
     assert bytes(first["q_map"]) == bytes([101]) * 128 and bytes(first["v_map"]) == bytes([103]) * 128
     assert bytes(second["k_map"]) == bytes([8]) * 128 and second["fwd"]["q"] == 7
+
+
+def test_block_map_is_a_per_call_pointer_with_per_plan_strides():
+    """VAR_BLOCK_MAP's fields: the map's pointer among the leading per-call ones (set by
+    ``_variant.call_values``), its (batch, head, row, col) strides per plan, 0 along the
+    mask's broadcast dimensions (``_variant.plan_fields`` with the kernel's tile)."""
+    assert "block_map" in _params.VARIANT_PER_CALL
+    assert _params.VARIANT_PER_CALL.index("block_map") < _params.VARIANT_PER_CALL.index("dropout_seed")
+    assert _params.VARIANT_PARAMS.fields["block_map"][0] == np.uint64
+    mask = np.ones((2, 1, 300, 1000), bool)  # per batch: head stride 0
+    fields = _variant.plan_fields({"attn_mask": mask}, 0.5, 4, block_map_tile=(128, 64))
+    # (2, 1, 3, 16) uint8, C-contiguous
+    assert [fields[f"block_map_{a}_stride"] for a in ("batch", "head", "row", "col")] == [48, 0, 16, 1]
+    fields = _variant.plan_fields({"attn_mask": mask[:, :, :1]}, 0.5, 4, block_map_tile=(128, 64))
+    assert [fields[f"block_map_{a}_stride"] for a in ("batch", "head", "row", "col")] == [16, 0, 0, 1]
+    assert all(_variant.plan_fields({"attn_mask": mask}, 0.5, 4)[f"block_map_{a}_stride"] == 0
+               for a in ("batch", "head", "row", "col"))
