@@ -59,6 +59,16 @@ from . import _api, _checks, _kvcache, _torch_path
 __all__ = ["FlashAttnFunc", "FlashAttnVariantFunc", "flash_attn_func", "flash_attn_with_kvcache"]
 
 
+def _check_tensors(fn, named, optional=()):
+    """Each of ``named`` (``(name, value)`` pairs) is a torch tensor; those in ``optional``
+    may also be None.  The core checks the rest (shape, dtype, device)."""
+    for name, x in named:
+        if isinstance(x, torch.Tensor) or (x is None and name in optional):
+            continue
+        rule = "None or a torch.Tensor" if name in optional else "a torch.Tensor"
+        _checks.fail(TypeError, fn, f"{name} must be {rule}; got {_checks._type_name(x)}.")  # noqa: SLF001
+
+
 def _unit_last_stride(x):
     """``x`` itself when its last stride is 1 element, else a contiguous copy (as flash-attn)."""
     return x if x.dim() == 0 or x.stride(-1) == 1 else x.contiguous()
@@ -416,6 +426,9 @@ def flash_attn_func(q, k, v, dropout_p=_NO_DROPOUT, softmax_scale=None, causal=F
     capture (where a host-side state would be baked into every replay), pass
     ``rng_state`` explicitly.
     """
+    _check_tensors(_FN, (("q", q), ("k", k), ("v", v)))
+    # the core's rules, before the operators' float()/bool() (bool("False") is True)
+    _checks.check_flags(_FN, softmax_scale, 1, causal, deterministic)
     if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
             or softcap is not _NO_SOFTCAP or sinks is not None or rng_state is not None
             or generator is not None or return_attn_probs is not False or attn_bias is not None
@@ -671,11 +684,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     (1.0, (2, 1, 4, 16))
     """
     fn = "flash_attn_with_kvcache"
+    _check_tensors(f"torch.{fn}", (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                                   ("k", k), ("v", v)), optional=("k", "v"))
     for option, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                           ("cache_leftpad", cache_leftpad), ("alibi_slopes", alibi_slopes)):
         if value is not None:
             _unsupported(option, "None", type(value).__name__, fn)
-    if tuple(window_size) != (-1, -1):
+    window = _checks._check_option_forms(f"torch.{fn}", 0.0, window_size, None, softcap)  # noqa: SLF001
+    if window != (-1, -1):
         _unsupported("window_size", "(-1, -1)", window_size, fn)
     if softcap != 0.0:
         _unsupported("softcap", "0.0", softcap, fn)

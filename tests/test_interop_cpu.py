@@ -452,6 +452,34 @@ def test_torch_malformed_variants_are_named(torch, rng, option, value, error, te
         flash_attn_func(q, k, v, **{option: value})
 
 
+# Before: a numpy array, a list or None for q/k/v raised AttributeError ('numpy.ndarray'
+# object has no attribute 'dim') from inside cupyflash.torch; causal, deterministic and
+# softmax_scale went through bool()/float() unchecked, so causal="False" ran causal and
+# softmax_scale="0.3" ran with 0.3 (the core and cupyflash.jax raise TypeError for both).
+@pytest.mark.parametrize("variant", [{}, {"softcap": 2.0}], ids=["plain", "variant"])
+@pytest.mark.parametrize("arg,value,text", [
+    ("q", "numpy", r"q must be a torch\.Tensor; got numpy\.ndarray\.$"),
+    ("k", "numpy", r"k must be a torch\.Tensor; got numpy\.ndarray\.$"),
+    ("v", None, r"v must be a torch\.Tensor; got NoneType\.$"),
+    ("q", [1.0], r"q must be a torch\.Tensor; got list\.$"),
+    ("causal", "False", r"causal must be a bool; got str\.$"),
+    ("causal", None, r"causal must be a bool; got NoneType\.$"),
+    ("deterministic", 0.5, r"deterministic must be a bool; got float\.$"),
+    ("softmax_scale", "0.3", r"softmax_scale must be a real number or None; got str\.$"),
+    ("softmax_scale", True, r"softmax_scale must be a real number or None; got bool\.$"),
+    ("softmax_scale", float("nan"), r"softmax_scale must be finite and > 0; got nan\.$"),
+])
+def test_torch_flash_attn_func_checks_its_inputs(torch, rng, variant, arg, value, text):
+    from cupyflash.torch import flash_attn_func
+
+    q, k, v = _torch_qkv(torch, rng, torch.float32)
+    args = dict(q=q, k=k, v=v, **variant)
+    args[arg] = args[arg].numpy() if value == "numpy" else value
+    with pytest.raises(TypeError if "must be a" in text else ValueError,
+                       match=r"^cupyflash\.torch\.flash_attn_func: " + text):
+        flash_attn_func(**args)
+
+
 # the variants of flash_attn_func: (kwargs without tensors, alibi shape or None, sinks)
 TORCH_VARIANTS = {
     "sinks": ({}, None, True),

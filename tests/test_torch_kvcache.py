@@ -256,3 +256,22 @@ def test_core_function_on_tensors_is_the_same(rng):
     a, b = to_torch(args), to_torch(args)
     assert torch.equal(cases.call(f, a), cases.call(cupyflash.flash_attn_with_kvcache, b))
     assert torch.equal(a["k_cache"], b["k_cache"])
+
+
+# Before: a numpy q or cache raised AttributeError ('numpy.ndarray' object has no
+# attribute 'dim'), window_size=None a bare TypeError from tuple().
+@pytest.mark.parametrize("arg,value,error,text", [
+    ("q", "numpy", TypeError, r"q must be a torch\.Tensor; got numpy\.ndarray\.$"),
+    ("k_cache", "numpy", TypeError, r"k_cache must be a torch\.Tensor; got numpy\.ndarray\.$"),
+    ("k", "numpy", TypeError, r"k must be None or a torch\.Tensor; got numpy\.ndarray\.$"),
+    ("window_size", None, TypeError, r"window_size must be a pair of ints"),
+    ("window_size", 5, TypeError, r"window_size must be a pair of ints"),
+])
+def test_non_tensors_and_malformed_options_are_named(rng, arg, value, error, text):
+    q, k_cache, v_cache = (torch.randn(2, 1, 4, 16), torch.randn(2, 8, 2, 16),
+                           torch.randn(2, 8, 2, 16))
+    k, v = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    args = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=3)
+    args[arg] = args[arg].numpy() if value == "numpy" else value
+    with pytest.raises(error, match=r"^cupyflash\.torch\.flash_attn_with_kvcache: " + text):
+        cft.flash_attn_with_kvcache(**args)
