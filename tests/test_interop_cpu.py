@@ -678,6 +678,22 @@ def test_jax_flash_attention_matches_dot_product_attention(jax, rng, causal):
             np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=0, atol=1e-4)
 
 
+# Before: a NumPy q raised AttributeError ('numpy.ndarray' object has no attribute
+# 'devices') outside jax.jit, though NumPy k and v (and a NumPy q under jit) work, as
+# they do for JAX's own functions.
+@pytest.mark.parametrize("numpy_args", ["q", "qkv"])
+def test_jax_flash_attention_takes_numpy_q_like_jax(jax, rng, numpy_args):
+    from cupyflash.jax import flash_attention
+
+    q, k, v = _jax_qkv(jax, rng)
+    expected = np.asarray(flash_attention(q, k, v, causal=True))
+    args = [np.asarray(x) if name in numpy_args else x for name, x in zip("qkv", (q, k, v))]
+    for call in (flash_attention, jax.jit(flash_attention, static_argnames="causal")):
+        out = call(*args, causal=True)
+        assert isinstance(out, jax.Array)
+        np.testing.assert_array_equal(np.asarray(out), expected)
+
+
 def test_jax_flash_attention_validates_at_trace_time(jax, rng):
     from cupyflash.jax import flash_attention
 
