@@ -51,6 +51,8 @@ Examples
 >>> flash_attn_func(q, k, v, causal=True).sum().backward()   # doctest: +SKIP
 """
 
+import numbers
+
 import numpy as np
 import torch
 
@@ -703,6 +705,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     if v is not None:
         v = _unit_last_stride(v)
     if _is_compiling():  # an opaque node in the graph, mutating k_cache and v_cache
+        # the core's rules for the scalars, before the operator's float()/bool()/int()
+        # (int(3.7) is 3, bool("no") True); the tensors are checked when the op runs
+        _checks.check_flags(fn, softmax_scale, 1, causal)
+        _checks.check_num_splits(fn, num_splits)
+        if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor) and (
+                isinstance(cache_seqlens, (bool, np.bool_)) or not isinstance(cache_seqlens, numbers.Integral)):
+            _checks.fail(TypeError, fn, f"cache_seqlens must be None, an int or an int32 array of shape "
+                                        f"(batch,) like q; got {_checks._type_name(cache_seqlens)}.")  # noqa: SLF001
         if softmax_scale is None:
             softmax_scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0  # 0: rejected later
         seqlens_tensor = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
