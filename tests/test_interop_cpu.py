@@ -166,6 +166,31 @@ def test_non_array_q_with_dlpack_k_is_rejected(rng):
         cupyflash.flash_attn([1.0], DLPackOnly(k), DLPackOnly(v))
 
 
+class OnDevice(DLPackOnly):
+    """A DLPack array that says it lives on another device type (Metal, ROCm, ...)."""
+
+    def __init__(self, array, device_type):
+        super().__init__(array)
+        self.device_type = device_type
+
+    def __dlpack_device__(self):
+        return (self.device_type, 0)
+
+
+# Before: cupy.from_dlpack was handed it and raised its own error (or, with no NVIDIA
+# driver, a CUDARuntimeError: cudaErrorInsufficientDriver) from inside cupyflash.
+@pytest.mark.parametrize("device_type,label", [(8, "Metal"), (10, "ROCm"), (4, "OpenCL"), (99, "unknown")])
+def test_dlpack_object_on_an_unsupported_device_is_named(rng, device_type, label):
+    q, k, v = _qkv(rng)
+    for arg in ("q", "k"):
+        args = {"q": DLPackOnly(q), "k": DLPackOnly(k), "v": DLPackOnly(v)}
+        args[arg] = OnDevice(args[arg].array, device_type)
+        with pytest.raises(TypeError, match=rf"^cupyflash\.flash_attn: {arg} must be in CPU or CUDA "
+                                            rf"memory \(DLPack device type 1 or 2\); got a .*OnDevice on "
+                                            rf"DLPack device type {device_type} \({label}\)\.$"):
+            cupyflash.flash_attn(args["q"], args["k"], args["v"])
+
+
 def test_opaque_object_is_rejected_by_the_checks(rng):
     _, k, v = _qkv(rng)
     with pytest.raises(TypeError, match=r"q must be a numpy\.ndarray or cupy\.ndarray; got "
