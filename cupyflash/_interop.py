@@ -64,12 +64,12 @@ from ._checks import _type_name, fail
 # DLPack constants (dlpack.h)
 DL_CPU = 1
 DL_CUDA = 2
+DL_BFLOAT = 4
 #: Device types a view is made of: CPU memory by NumPy, the CUDA ones (device, pinned
 #: host, managed) by cupy.from_dlpack; any other is named in a TypeError.
 _DL_VIEWED = frozenset((DL_CPU, DL_CUDA, 3, 13))
 _DL_DEVICE_NAMES = {4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI", 10: "ROCm", 11: "ROCm host",
                     12: "ExtDev", 14: "oneAPI", 15: "WebGPU", 16: "Hexagon", 17: "MAIA"}
-DL_BFLOAT = 4
 
 _NATIVE = frozenset(("numpy", "cupy", None))  # None: not an array; the checks say so
 _KIND_BY_TYPE: dict = {}
