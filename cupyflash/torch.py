@@ -464,6 +464,9 @@ def _variant_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_
     """:func:`flash_attn_func` with a variant argument given (any value)."""
     if return_attn_probs:
         _unsupported("return_attn_probs", "False", return_attn_probs)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        _checks.fail(TypeError, _FN, f"generator must be None or a torch.Generator; got "
+                                     f"{_checks._type_name(generator)}.")  # noqa: SLF001
     _check_tensor("attn_bias", attn_bias, "a torch.Tensor of q's dtype or float32")
     _check_tensor("attn_mask", attn_mask, "a bool torch.Tensor")
     window = _checks._check_option_forms(_FN, dropout_p, window_size, alibi_slopes, softcap)  # noqa: SLF001

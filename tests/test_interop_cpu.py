@@ -567,6 +567,25 @@ def test_torch_dropout_draws_from_torch_generator_and_keeps_it_for_backward(torc
     torch.testing.assert_close(explicit, out, rtol=0, atol=0)
 
 
+# Before: a generator that is not a torch.Generator reached torch.randint, whose TypeError
+# ("randint() received an invalid combination of arguments") named neither cupyflash nor
+# the argument.
+@pytest.mark.parametrize("generator,error,text", [
+    (5, TypeError, r"generator must be None or a torch\.Generator; got int\.$"),
+    ("rng", TypeError, r"generator must be None or a torch\.Generator; got numpy\.random\."),
+])
+def test_torch_generator_that_is_not_one_is_named(torch, rng, generator, error, text):
+    from cupyflash.torch import flash_attn_func
+
+    q, k, v = _torch_qkv(torch, rng, torch.float32)
+    generator = rng if generator == "rng" else generator
+    with pytest.raises(error, match=r"^cupyflash\.torch\.flash_attn_func: " + text):
+        flash_attn_func(q, k, v, dropout_p=0.25, generator=generator)
+    # checked with dropout off too, where nothing is drawn from it
+    with pytest.raises(error, match=r"^cupyflash\.torch\.flash_attn_func: " + text):
+        flash_attn_func(q, k, v, generator=generator)
+
+
 def test_torch_variants_off_take_the_plain_function(monkeypatch, torch, rng):
     import cupyflash.torch as cft
 
