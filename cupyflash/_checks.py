@@ -482,11 +482,14 @@ def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, si
             fail(ValueError, fn, f"{name} must be at most {VARIANT_VALUE_MAX:g} in magnitude (its value * log2(e) "
                                  f"is a float32 in the kernels); got {float(np.abs(x[np.isfinite(x)]).max())!r}.")
     if rng_state is not None:
-        try:
-            seed, offset = rng_state
-        except (TypeError, ValueError):
+        # a sequence of two, as window_size: not a dict (keys), a set (no order), a
+        # generator (consumed) or bytes/str (characters)
+        sequence = isinstance(rng_state, (tuple, list)) or (isinstance(rng_state, np.ndarray)
+                                                             and rng_state.ndim == 1)
+        if not sequence or len(rng_state) != 2:
             fail(TypeError, fn, f"rng_state must be None or a pair of ints (seed, offset); got "
-                                f"{_type_name(rng_state)}.")
+                                f"{_type_name(rng_state)}" + (f" of length {len(rng_state)}." if sequence else "."))
+        seed, offset = rng_state = tuple(rng_state)
         for part, value, bits in (("seed", seed, 64), ("offset", offset, 32)):
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
                 fail(TypeError, fn, f"rng_state's {part} must be an int; got {_type_name(value)}.")

@@ -65,6 +65,11 @@ from ._checks import _type_name, fail
 DL_CPU = 1
 DL_CUDA = 2
 DL_BFLOAT = 4
+#: Device types a view is made of: CPU memory by NumPy, the CUDA ones (device, pinned
+#: host, managed) by cupy.from_dlpack; any other is named in a TypeError.
+_DL_VIEWED = frozenset((DL_CPU, DL_CUDA, 3, 13))
+_DL_DEVICE_NAMES = {4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI", 10: "ROCm", 11: "ROCm host",
+                    12: "ExtDev", 14: "oneAPI", 15: "WebGPU", 16: "Hexagon", 17: "MAIA"}
 
 _NATIVE = frozenset(("numpy", "cupy", None))  # None: not an array; the checks say so
 _KIND_BY_TYPE: dict = {}
@@ -693,10 +698,17 @@ def _jax_to_cupy(cupy, x):
 
 def _run_other(fn_name, fn, names, arrays):
     views = []
-    for x in arrays:
+    for name, x in zip(names, arrays):
         if hasattr(x, "__cuda_array_interface__"):
             views.append(_import_cupy(fn_name, _type_name(x)).asarray(x))  # syncs on its stream
-        elif x.__dlpack_device__()[0] == DL_CPU:
+            continue
+        device_type = int(x.__dlpack_device__()[0])
+        if device_type not in _DL_VIEWED:
+            fail(TypeError, fn_name,
+                 f"{name} must be in CPU or CUDA memory (DLPack device type 1 or 2); got a "
+                 f"{_type_name(x)} on DLPack device type {device_type} "
+                 f"({_DL_DEVICE_NAMES.get(device_type, 'unknown')}).")
+        if device_type == DL_CPU:
             views.append(np.from_dlpack(x))
         else:
             views.append(_import_cupy(fn_name, _type_name(x)).from_dlpack(x))

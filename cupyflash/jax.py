@@ -101,8 +101,9 @@ def _value_spec(x):
 
 
 def _device(q):
-    """q's one device, or None for a tracer or an array over several devices."""
-    devices = None if isinstance(q, jax.core.Tracer) else q.devices()
+    """q's one device, or None for a tracer, an array over several devices or a NumPy
+    array (which JAX puts on the default device, as it does a tracer's computation)."""
+    devices = None if isinstance(q, jax.core.Tracer) or not hasattr(q, "devices") else q.devices()
     if devices is None or len(devices) != 1:
         return None
     return next(iter(devices))

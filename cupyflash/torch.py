@@ -51,12 +51,24 @@ Examples
 >>> flash_attn_func(q, k, v, causal=True).sum().backward()   # doctest: +SKIP
 """
 
+import numbers
+
 import numpy as np
 import torch
 
 from . import _api, _checks, _kvcache, _torch_path
 
 __all__ = ["FlashAttnFunc", "FlashAttnVariantFunc", "flash_attn_func", "flash_attn_with_kvcache"]
+
+
+def _check_tensors(fn, named, optional=()):
+    """Each of ``named`` (``(name, value)`` pairs) is a torch tensor; those in ``optional``
+    may also be None.  The core checks the rest (shape, dtype, device)."""
+    for name, x in named:
+        if isinstance(x, torch.Tensor) or (x is None and name in optional):
+            continue
+        rule = "None or a torch.Tensor" if name in optional else "a torch.Tensor"
+        _checks.fail(TypeError, fn, f"{name} must be {rule}; got {_checks._type_name(x)}.")  # noqa: SLF001
 
 
 def _unit_last_stride(x):
@@ -416,6 +428,9 @@ def flash_attn_func(q, k, v, dropout_p=_NO_DROPOUT, softmax_scale=None, causal=F
     capture (where a host-side state would be baked into every replay), pass
     ``rng_state`` explicitly.
     """
+    _check_tensors(_FN, (("q", q), ("k", k), ("v", v)))
+    # the core's rules, before the operators' float()/bool() (bool("False") is True)
+    _checks.check_flags(_FN, softmax_scale, 1, causal, deterministic)
     if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
             or softcap is not _NO_SOFTCAP or sinks is not None or rng_state is not None
             or generator is not None or return_attn_probs is not False or attn_bias is not None
@@ -449,6 +464,9 @@ def _variant_func(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_
     """:func:`flash_attn_func` with a variant argument given (any value)."""
     if return_attn_probs:
         _unsupported("return_attn_probs", "False", return_attn_probs)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        _checks.fail(TypeError, _FN, f"generator must be None or a torch.Generator; got "
+                                     f"{_checks._type_name(generator)}.")  # noqa: SLF001
     _check_tensor("attn_bias", attn_bias, "a torch.Tensor of q's dtype or float32")
     _check_tensor("attn_mask", attn_mask, "a bool torch.Tensor")
     window = _checks._check_option_forms(_FN, dropout_p, window_size, alibi_slopes, softcap)  # noqa: SLF001
@@ -671,11 +689,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     (1.0, (2, 1, 4, 16))
     """
     fn = "flash_attn_with_kvcache"
+    _check_tensors(f"torch.{fn}", (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                                   ("k", k), ("v", v)), optional=("k", "v"))
     for option, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                           ("cache_leftpad", cache_leftpad), ("alibi_slopes", alibi_slopes)):
         if value is not None:
             _unsupported(option, "None", type(value).__name__, fn)
-    if tuple(window_size) != (-1, -1):
+    window = _checks._check_option_forms(f"torch.{fn}", 0.0, window_size, None, softcap)  # noqa: SLF001
+    if window != (-1, -1):
         _unsupported("window_size", "(-1, -1)", window_size, fn)
     if softcap != 0.0:
         _unsupported("softcap", "0.0", softcap, fn)
@@ -687,6 +708,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     if v is not None:
         v = _unit_last_stride(v)
     if _is_compiling():  # an opaque node in the graph, mutating k_cache and v_cache
+        # the core's rules for the scalars, before the operator's float()/bool()/int()
+        # (int(3.7) is 3, bool("no") True); the tensors are checked when the op runs
+        _checks.check_flags(fn, softmax_scale, 1, causal)
+        _checks.check_num_splits(fn, num_splits)
+        if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor) and (
+                isinstance(cache_seqlens, (bool, np.bool_)) or not isinstance(cache_seqlens, numbers.Integral)):
+            _checks.fail(TypeError, fn, f"cache_seqlens must be None, an int or an int32 array of shape "
+                                        f"(batch,) like q; got {_checks._type_name(cache_seqlens)}.")  # noqa: SLF001
         if softmax_scale is None:
             softmax_scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0  # 0: rejected later
         seqlens_tensor = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None

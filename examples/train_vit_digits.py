@@ -130,8 +130,12 @@ def load_data(seed=0, test_fraction=0.2):
 
     1797 images of 8x8; with ``test_fraction=0.2``, 1437 to train and 360 held out.
     """
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError:
+        fail("the digits data set comes from scikit-learn, which is not importable; install it "
+             "with 'pip install -e \".[examples]\"' or 'pip install scikit-learn'")
 
     digits = load_digits()
     x = (digits.images / 16.0).astype(np.float32)

@@ -347,6 +347,23 @@ def test_variant_values_outside_float32_reach_are_refused(kwargs, message):
     cupyflash.flash_attn_fwd(q, q, q, sinks=np.full(2, -np.inf, np.float32))  # -inf: no sink, still taken
 
 
+# Before: a dict raised KeyError: 0 from inside check_variants, a set or a generator a
+# bare "object is not subscriptable", and bytes b"12" ran with seed 49 and offset 50.
+@pytest.mark.parametrize("rng_state", [{1: 2, 3: 4}, {1, 2}, (x for x in (1, 2)), b"12", "12",
+                                       np.array([[1, 2]]), np.array(7), (1, 2, 3)],
+                         ids=["dict", "set", "generator", "bytes", "str", "2d-array", "0d-array", "three"])
+@pytest.mark.parametrize("fn", ["flash_attn_fwd", "flash_attn", "flash_attn_bwd"])
+def test_rng_state_that_is_not_a_pair_is_named(fn, rng_state):
+    q = np.random.default_rng(0).standard_normal((1, 4, 2, 8)).astype(np.float32)
+    args = (q, q, q) if fn != "flash_attn_bwd" else (q, q, q, q, q, np.zeros((1, 2, 4), np.float32))
+    with pytest.raises(TypeError, match=re.escape(f"cupyflash.{fn}: rng_state must be None or a pair "
+                                                  f"of ints (seed, offset); got ")):
+        getattr(cupyflash, fn)(*args, dropout_p=0.25, rng_state=rng_state)
+    # the forms that are pairs: a tuple, a list, a 1-D array of two ints
+    for pair in ((3, 4), [3, 4], np.array([3, 4], np.uint64)):
+        getattr(cupyflash, fn)(*args, dropout_p=0.25, rng_state=pair)
+
+
 # ----------------------------------------------------------------------------
 # attn_bias / attn_mask / return_dbias (issue 14): bad input, the options the GPU
 # side is given, and the plain call left untouched

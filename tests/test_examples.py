@@ -451,6 +451,20 @@ def test_gpu_older_than_the_kernels_falls_back_with_the_reason(name, monkeypatch
         f"{name}: error: --device gpu, but the GPU is not usable: {reason}"]
 
 
+def test_vit_without_scikit_learn_is_one_line(vit_bare, monkeypatch, capsys):
+    """Before: ModuleNotFoundError: No module named 'sklearn', a raw traceback from load_data
+    (the MiniLM example names its missing model files in one line)."""
+    for name in ("sklearn", "sklearn.datasets", "sklearn.model_selection"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
+    with pytest.raises(SystemExit) as exc:
+        vit_bare.main(["--device", "cpu", "--steps", "1"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "train_vit_digits: error: the digits data set comes from scikit-learn, which is not "
+        "importable; install it with 'pip install -e \".[examples]\"' or "
+        "'pip install scikit-learn'"]
+
+
 def test_vit_run_prints_the_reason(vit, no_gpu, capsys):
     """What the user reads first: the device line of a (very short) run in auto mode."""
     assert vit.main(["--steps", "1", "--batch", "8"]) == 1  # far below the accuracy target

@@ -166,6 +166,31 @@ def test_non_array_q_with_dlpack_k_is_rejected(rng):
         cupyflash.flash_attn([1.0], DLPackOnly(k), DLPackOnly(v))
 
 
+class OnDevice(DLPackOnly):
+    """A DLPack array that says it lives on another device type (Metal, ROCm, ...)."""
+
+    def __init__(self, array, device_type):
+        super().__init__(array)
+        self.device_type = device_type
+
+    def __dlpack_device__(self):
+        return (self.device_type, 0)
+
+
+# Before: cupy.from_dlpack was handed it and raised its own error (or, with no NVIDIA
+# driver, a CUDARuntimeError: cudaErrorInsufficientDriver) from inside cupyflash.
+@pytest.mark.parametrize("device_type,label", [(8, "Metal"), (10, "ROCm"), (4, "OpenCL"), (99, "unknown")])
+def test_dlpack_object_on_an_unsupported_device_is_named(rng, device_type, label):
+    q, k, v = _qkv(rng)
+    for arg in ("q", "k"):
+        args = {"q": DLPackOnly(q), "k": DLPackOnly(k), "v": DLPackOnly(v)}
+        args[arg] = OnDevice(args[arg].array, device_type)
+        with pytest.raises(TypeError, match=rf"^cupyflash\.flash_attn: {arg} must be in CPU or CUDA "
+                                            rf"memory \(DLPack device type 1 or 2\); got a .*OnDevice on "
+                                            rf"DLPack device type {device_type} \({label}\)\.$"):
+            cupyflash.flash_attn(args["q"], args["k"], args["v"])
+
+
 def test_opaque_object_is_rejected_by_the_checks(rng):
     _, k, v = _qkv(rng)
     with pytest.raises(TypeError, match=r"q must be a numpy\.ndarray or cupy\.ndarray; got "
@@ -452,6 +477,34 @@ def test_torch_malformed_variants_are_named(torch, rng, option, value, error, te
         flash_attn_func(q, k, v, **{option: value})
 
 
+# Before: a numpy array, a list or None for q/k/v raised AttributeError ('numpy.ndarray'
+# object has no attribute 'dim') from inside cupyflash.torch; causal, deterministic and
+# softmax_scale went through bool()/float() unchecked, so causal="False" ran causal and
+# softmax_scale="0.3" ran with 0.3 (the core and cupyflash.jax raise TypeError for both).
+@pytest.mark.parametrize("variant", [{}, {"softcap": 2.0}], ids=["plain", "variant"])
+@pytest.mark.parametrize("arg,value,text", [
+    ("q", "numpy", r"q must be a torch\.Tensor; got numpy\.ndarray\.$"),
+    ("k", "numpy", r"k must be a torch\.Tensor; got numpy\.ndarray\.$"),
+    ("v", None, r"v must be a torch\.Tensor; got NoneType\.$"),
+    ("q", [1.0], r"q must be a torch\.Tensor; got list\.$"),
+    ("causal", "False", r"causal must be a bool; got str\.$"),
+    ("causal", None, r"causal must be a bool; got NoneType\.$"),
+    ("deterministic", 0.5, r"deterministic must be a bool; got float\.$"),
+    ("softmax_scale", "0.3", r"softmax_scale must be a real number or None; got str\.$"),
+    ("softmax_scale", True, r"softmax_scale must be a real number or None; got bool\.$"),
+    ("softmax_scale", float("nan"), r"softmax_scale must be finite and > 0; got nan\.$"),
+])
+def test_torch_flash_attn_func_checks_its_inputs(torch, rng, variant, arg, value, text):
+    from cupyflash.torch import flash_attn_func
+
+    q, k, v = _torch_qkv(torch, rng, torch.float32)
+    args = dict(q=q, k=k, v=v, **variant)
+    args[arg] = args[arg].numpy() if value == "numpy" else value
+    with pytest.raises(TypeError if "must be a" in text else ValueError,
+                       match=r"^cupyflash\.torch\.flash_attn_func: " + text):
+        flash_attn_func(**args)
+
+
 # the variants of flash_attn_func: (kwargs without tensors, alibi shape or None, sinks)
 TORCH_VARIANTS = {
     "sinks": ({}, None, True),
@@ -512,6 +565,25 @@ def test_torch_dropout_draws_from_torch_generator_and_keeps_it_for_backward(torc
     np.testing.assert_array_equal(dq.numpy(), want)
     explicit = flash_attn_func(q, k, v, dropout_p=0.3, rng_state=(seed, 0))
     torch.testing.assert_close(explicit, out, rtol=0, atol=0)
+
+
+# Before: a generator that is not a torch.Generator reached torch.randint, whose TypeError
+# ("randint() received an invalid combination of arguments") named neither cupyflash nor
+# the argument.
+@pytest.mark.parametrize("generator,error,text", [
+    (5, TypeError, r"generator must be None or a torch\.Generator; got int\.$"),
+    ("rng", TypeError, r"generator must be None or a torch\.Generator; got numpy\.random\."),
+])
+def test_torch_generator_that_is_not_one_is_named(torch, rng, generator, error, text):
+    from cupyflash.torch import flash_attn_func
+
+    q, k, v = _torch_qkv(torch, rng, torch.float32)
+    generator = rng if generator == "rng" else generator
+    with pytest.raises(error, match=r"^cupyflash\.torch\.flash_attn_func: " + text):
+        flash_attn_func(q, k, v, dropout_p=0.25, generator=generator)
+    # checked with dropout off too, where nothing is drawn from it
+    with pytest.raises(error, match=r"^cupyflash\.torch\.flash_attn_func: " + text):
+        flash_attn_func(q, k, v, generator=generator)
 
 
 def test_torch_variants_off_take_the_plain_function(monkeypatch, torch, rng):
@@ -648,6 +720,22 @@ def test_jax_flash_attention_matches_dot_product_attention(jax, rng, causal):
                  jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))):
         for g, r in zip(grad(q, k, v), ref_grads):
             np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=0, atol=1e-4)
+
+
+# Before: a NumPy q raised AttributeError ('numpy.ndarray' object has no attribute
+# 'devices') outside jax.jit, though NumPy k and v (and a NumPy q under jit) work, as
+# they do for JAX's own functions.
+@pytest.mark.parametrize("numpy_args", ["q", "qkv"])
+def test_jax_flash_attention_takes_numpy_q_like_jax(jax, rng, numpy_args):
+    from cupyflash.jax import flash_attention
+
+    q, k, v = _jax_qkv(jax, rng)
+    expected = np.asarray(flash_attention(q, k, v, causal=True))
+    args = [np.asarray(x) if name in numpy_args else x for name, x in zip("qkv", (q, k, v))]
+    for call in (flash_attention, jax.jit(flash_attention, static_argnames="causal")):
+        out = call(*args, causal=True)
+        assert isinstance(out, jax.Array)
+        np.testing.assert_array_equal(np.asarray(out), expected)
 
 
 def test_jax_flash_attention_validates_at_trace_time(jax, rng):

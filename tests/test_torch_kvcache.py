@@ -195,6 +195,30 @@ def test_torch_compile_fullgraph_keeps_the_append(rng, seqlens):
     assert np.array_equal(host(t["v_cache"]), v_cache)
 
 
+# Before: under torch.compile the scalars went through int()/bool()/float() unchecked:
+# cache_seqlens=3.7 ran as 3, causal="no" as causal, num_splits=1.5 as 1 (eager mode
+# raised the core's TypeError for each).
+@pytest.mark.parametrize("kwargs,text", [
+    ({"cache_seqlens": 3.7}, "cache_seqlens must be None, an int or an int32 array"),
+    ({"cache_seqlens": True}, "cache_seqlens must be None, an int or an int32 array"),
+    ({"causal": "no"}, "causal must be a bool; got str."),
+    ({"num_splits": 1.5}, "num_splits must be an int (0: automatic); got float."),
+    ({"softmax_scale": "0.5"}, "softmax_scale must be a real number or None; got str."),
+])
+def test_torch_compile_checks_the_scalars_like_eager(kwargs, text):
+    q, k_cache, v_cache = (torch.randn(2, 1, 4, 16), torch.randn(2, 8, 2, 16),
+                           torch.randn(2, 8, 2, 16))
+    k, v = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    kwargs = {"cache_seqlens": 3, **kwargs}
+    message = re.escape(f"cupyflash.flash_attn_with_kvcache: {text}")
+    with pytest.raises(TypeError, match="^" + message):
+        f(q, k_cache, v_cache, k, v, **kwargs)
+    compiled = torch.compile(lambda *a: f(*a, **kwargs), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception) as exc:  # noqa: PT011 (dynamo wraps the TypeError, quoting it)
+        compiled(q, k_cache, v_cache, k, v)
+    assert f"TypeError('cupyflash.flash_attn_with_kvcache: {text}" in str(exc.value), exc.value
+
+
 def test_opcheck(rng):
     """The schema (what is mutated) and the fake implementation agree with the kernel."""
     t = to_torch(cases.make("paged-shared-prefix-append", rng))
@@ -256,3 +280,22 @@ def test_core_function_on_tensors_is_the_same(rng):
     a, b = to_torch(args), to_torch(args)
     assert torch.equal(cases.call(f, a), cases.call(cupyflash.flash_attn_with_kvcache, b))
     assert torch.equal(a["k_cache"], b["k_cache"])
+
+
+# Before: a numpy q or cache raised AttributeError ('numpy.ndarray' object has no
+# attribute 'dim'), window_size=None a bare TypeError from tuple().
+@pytest.mark.parametrize("arg,value,error,text", [
+    ("q", "numpy", TypeError, r"q must be a torch\.Tensor; got numpy\.ndarray\.$"),
+    ("k_cache", "numpy", TypeError, r"k_cache must be a torch\.Tensor; got numpy\.ndarray\.$"),
+    ("k", "numpy", TypeError, r"k must be None or a torch\.Tensor; got numpy\.ndarray\.$"),
+    ("window_size", None, TypeError, r"window_size must be a pair of ints"),
+    ("window_size", 5, TypeError, r"window_size must be a pair of ints"),
+])
+def test_non_tensors_and_malformed_options_are_named(rng, arg, value, error, text):
+    q, k_cache, v_cache = (torch.randn(2, 1, 4, 16), torch.randn(2, 8, 2, 16),
+                           torch.randn(2, 8, 2, 16))
+    k, v = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    args = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=3)
+    args[arg] = args[arg].numpy() if value == "numpy" else value
+    with pytest.raises(error, match=r"^cupyflash\.torch\.flash_attn_with_kvcache: " + text):
+        cft.flash_attn_with_kvcache(**args)
