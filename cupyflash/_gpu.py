@@ -82,8 +82,9 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
     for a dense batch, else ``(batch, max_seqlen_q, max_seqlen_k)`` of a packed one.
     ``options``: the variants on (``_checks.check_variants``), or None; a plan
     made with them is run with ``FwdCall.run(..., var=_variant.call_values(...))``.
-    ``ws``: whether the warp-specialised kernel may serve the call (None: ``dispatch.FWD_WS``);
-    False for calls run with ``seqused_k`` (that kernel reads the keys past it).
+    ``ws``: where the warp-specialised kernel may serve the call (``dispatch.select_fwd``'s
+    ``ws``; None: ``dispatch.FWD_WS``); False for calls run with ``seqused_k`` (that kernel
+    reads the keys past it).
     """
     nheads_q, head_dim = q.shape[-2:]
     nheads_kv = k.shape[-2]

@@ -357,9 +357,10 @@ def _kernel_info(q, *, batch, seqlen, nheads, head_dim, dtype, causal, bwd):
         common = dict(batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, nheads_q=nheads,
                       head_dim=head_dim, dtype=dtype, causal=causal, vec=True,
                       num_sms=_launch.num_sms(device), cc=_launch.compute_capability(device))
-        main = _gpu.select_fwd(**common).main
-        wgmma = main.source == "flash_fwd_sm90.cu"
-        info = {"fwd_kernel": "wgmma" if wgmma else "mma.sync"}
+        main = _gpu.select_fwd(**common, ws=dispatch.FWD_WS).main
+        ws = main.source == "flash_fwd_ws.cu"  # the warp-specialised forward (dispatch.FWD_WS)
+        wgmma = ws or main.source == "flash_fwd_sm90.cu"
+        info = {"fwd_kernel": "ws" if ws else "wgmma" if wgmma else "mma.sync"}
         if bwd:
             dkdv = _gpu.select_bwd(nheads_kv=nheads, deterministic=False, **common).launches[1]
             info["bwd_kernel"] = "wgmma" if dkdv.source == "flash_bwd_sm90.cu" else "mma.sync"

@@ -139,18 +139,28 @@ SM90_STAGES = 3
 # warpgroup copies Q, K and V with TMA, two consumer warpgroups of 64 query rows each
 # compute, ping-ponging their GEMMs, S_{n+1} issued with P_n·V_n. Plain (VARIANT 0),
 # dense, aligned batches at these padded head_dims; (BLOCK_N, STAGES) for
-# (non-causal, causal). FA3's D=128 tile: 128 x 128, two stages (three fit: 225 KB).
-# Not yet measured: off unless switched on (FWD_WS).
+# (non-causal, causal). FA3's D=128 tile: 128 x 128. Run 64 (two stages, one release
+# of K and V together): 451-478 TFLOP/s at D=128, no gain on the cp.async kernel, and
+# 286-316 at D=64 against its 326-379 (kernels_cu/PERF.md); K and V are now released
+# apart and D=128 takes three stages (225 KB), D=64 four (145 KB).
+# Off unless switched on (FWD_WS), and then only at the head_dims of FWD_WS_HEAD_DIMS.
 _FWD_WS = {
-    64: ((128, 2), (128, 2)),
-    128: ((128, 2), (128, 2)),
+    64: ((128, 4), (128, 4)),
+    128: ((128, 3), (128, 3)),
 }
 FWD_WS_BLOCK_M = 128
 FWD_WS_THREADS = 384
-#: Whether select_fwd's callers (cupyflash._gpu) ask for the warp-specialised forward:
-#: CUPYFLASH_FWD_WS=1 in the environment when cupyflash is imported (read once), or
-#: set here (then ``cupyflash._gpu.clear_plans()``).
-FWD_WS = os.environ.get("CUPYFLASH_FWD_WS", "") == "1"
+#: The padded head_dims the switch (FWD_WS) sends to the warp-specialised forward: where
+#: it is expected to beat the wgmma kernel. D=64 is softmax-bound at this tile (run 64:
+#: 0.8x the wgmma kernel's two 64-key blocks per SM) and stays off the switch unless
+#: CUPYFLASH_FWD_WS=all.
+FWD_WS_WINS = (128,)
+#: What select_fwd's callers (cupyflash._gpu) pass as ``ws``: False (off, the default);
+#: CUPYFLASH_FWD_WS=1 in the environment when cupyflash is imported (read once):
+#: FWD_WS_WINS; CUPYFLASH_FWD_WS=all: True, every head_dim of _FWD_WS (to measure and
+#: test them). Or set here (then ``cupyflash._gpu.clear_plans()``).
+_FWD_WS_ENV = os.environ.get("CUPYFLASH_FWD_WS", "")
+FWD_WS: bool | tuple[int, ...] = True if _FWD_WS_ENV == "all" else FWD_WS_WINS if _FWD_WS_ENV == "1" else False
 
 
 def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int = 0,
@@ -166,8 +176,8 @@ def fwd_ws_tile(head_dim_padded: int, causal: bool) -> tuple[int, int]:
 
 def fwd_ws_smem_bytes(head_dim_padded: int, block_n: int, stages: int) -> int:
     """kernels_cu/flash_fwd_ws.cu FwdWsTraits::SMEM_BYTES: Q, STAGES x (K, V), the
-    mbarriers (full_q, full_k, full_v, empty: 8 bytes each), 1 KB of alignment."""
-    return 2 * head_dim_padded * (FWD_WS_BLOCK_M + 2 * stages * block_n) + 8 * (1 + 3 * stages) + 1024
+    mbarriers (full_q, full_k, full_v, empty_k, empty_v: 8 bytes each), 1 KB of alignment."""
+    return 2 * head_dim_padded * (FWD_WS_BLOCK_M + 2 * stages * block_n) + 8 * (1 + 4 * stages) + 1024
 
 
 def fwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
@@ -382,7 +392,8 @@ def num_splits_heuristic(work_blocks: int, n_blocks: int, num_sms: int) -> int:
 
 def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_dim: int,
                dtype: str, causal: bool, vec: bool, num_sms: int = 132,
-               cc: tuple[int, int] = (9, 0), varlen: bool = False, variant: int = 0, ws: bool = False) -> FwdPlan:
+               cc: tuple[int, int] = (9, 0), varlen: bool = False, variant: int = 0,
+               ws: bool | tuple[int, ...] = False) -> FwdPlan:
     """Choose the forward kernel, its grid and whether to split the keys.
 
     ``vec`` says 16-byte accesses are legal (data pointers 16-byte aligned,
@@ -392,15 +403,16 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     sequence and blocks past a shorter sequence return at once. Packed batches
     are never split over keys (the split-KV partials are laid out densely).
     ``variant``: the VARIANT bits (:func:`variant_bits`).
-    ``ws``: take the warp-specialised kernel where it serves the call (:data:`FWD_WS`,
-    :func:`uses_ws_fwd`) and the keys are not split.
+    ``ws``: take the warp-specialised kernel where it serves the call (:func:`uses_ws_fwd`)
+    and the keys are not split: True at every head_dim it has, or a tuple of the padded
+    head_dims to take it at (:data:`FWD_WS`, :data:`FWD_WS_WINS`); False or () never.
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
     if cc < ARCHS[0]:
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
     d = padded_head_dim(head_dim)
-    if ws and uses_ws_fwd(d, vec, cc, variant, varlen):
+    if (ws is True or (ws and d in ws)) and uses_ws_fwd(d, vec, cc, variant, varlen):
         block_n = fwd_ws_tile(d, causal)[0]
         num_m_blocks = math.ceil(seqlen_q / FWD_WS_BLOCK_M)
         n_blocks = math.ceil(seqlen_k / block_n)

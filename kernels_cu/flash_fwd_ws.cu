@@ -10,9 +10,15 @@
 // 128-byte-swizzled stages (the layout wgmma's descriptors read, wgmma.cuh
 // Swizzle128Tile, with no copy through registers). Each copy completes on an
 // mbarrier (full_q, full_k[s], full_v[s]: arrive.expect_tx of the tile's bytes);
-// each consumer warp arrives on empty[s] once its wgmma reads of stage s are done,
-// and the producer waits there before it refills s. Tails need no predicates: TMA
-// zero-fills rows past seqlen and columns past head_dim.
+// each consumer warp arrives on empty_k[s] once its S GEMM on stage s's K has
+// completed and on empty_v[s] once its P·V on stage s's V has, and the producer waits
+// there before it refills that tile. K and V are released apart and the producer
+// copies K_{n+1} before V_n (FA3's order): a K stage comes free as soon as S has
+// read it, about one GEMM phase after it was needed, where one shared release at the
+// end of P·V would free it only when the next key block is already due (PERF.md:
+// with two stages the next K was copied only once both consumers had finished the
+// P·V before it, and the consumers waited out the copy's latency every key block).
+// Tails need no predicates: TMA zero-fills rows past seqlen and columns past head_dim.
 //
 // Why this shape (the cp.async kernel, flash_fwd_sm90.cu, measured waiting on its
 // loads at D=128, PERF.md): the copies cost the consumers no instructions, no
@@ -27,7 +33,7 @@
 //     phases alternate and one's softmax runs under the other's GEMMs.
 // FA3 at D=128 takes the same tile (128 x 128, two stages, both overlaps). Two
 // stages of 128-key K and V tiles are 128 KB (+32 KB Q); a third fits (224 KB) and
-// is the table's to choose (cupyflash/dispatch.py _FWD_WS).
+// is the table's to choose (cupyflash/dispatch.py _FWD_WS: three at D=128).
 //
 // Template parameters, in order:
 //   T          __half or __nv_bfloat16
@@ -68,8 +74,8 @@ struct FwdWsTraits {
     using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;
     using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;
     static constexpr int BOX_COLS = 64;  // elements per TMA box row: the 128-byte swizzle span (cupyflash/_tma.py)
-    // mbarriers: full_q, full_k[STAGES], full_v[STAGES], empty[STAGES]
-    static constexpr int BARRIER_BYTES = 8 * (1 + 3 * STAGES);
+    // mbarriers: full_q, full_k[STAGES], full_v[STAGES], empty_k[STAGES], empty_v[STAGES]
+    static constexpr int BARRIER_BYTES = 8 * (1 + 4 * STAGES);
     // +1024: the window is aligned up to the swizzle atom (cupyflash/dispatch.py fwd_ws_smem_bytes)
     static constexpr int SMEM_BYTES = QTile::BYTES + 2 * STAGES * KVTile::BYTES + BARRIER_BYTES + 1024;
     static_assert(SMEM_BYTES <= 227 * 1024, "more shared memory than a Hopper block has");
@@ -95,7 +101,8 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     const uint32 full_q = bars;
     auto full_k = [&](int s) { return bars + 8 * (1 + s); };
     auto full_v = [&](int s) { return bars + 8 * (1 + STAGES + s); };
-    auto empty = [&](int s) { return bars + 8 * (1 + 2 * STAGES + s); };
+    auto empty_k = [&](int s) { return bars + 8 * (1 + 2 * STAGES + s); };
+    auto empty_v = [&](int s) { return bars + 8 * (1 + 3 * STAGES + s); };
 
     const TileCoords tc = fwd_tile_coords<IS_CAUSAL>(p);
     const int b = tc.b, h = tc.h, m0 = tc.m_block * BLOCK_M;
@@ -108,7 +115,8 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full_k(s), 1);
             mbar_init(full_v(s), 1);
-            mbar_init(empty(s), 4 * Tr::CONSUMERS);  // one arrival per consumer warp
+            mbar_init(empty_k(s), 4 * Tr::CONSUMERS);  // one arrival per consumer warp
+            mbar_init(empty_v(s), 4 * Tr::CONSUMERS);
         }
         fence_barrier_init();
     }
@@ -127,22 +135,34 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
             for (int c = 0; c < HEAD_DIM / BOX; ++c) {
                 tma_load_4d(sQ + c * QTile::BLOCK_BYTES, tp.q_map, full_q, c * BOX, m0, h, b);
             }
-            int stage = 0;
-            uint32 phase = 0;
+            // Key block n goes to stage (its position in the walk) % STAGES, K and V alike;
+            // K runs one block ahead of V: K_first, then (K_{n-1}, V_n) for each n.
+            int k_stage = 0, v_stage = 0;
+            uint32 k_phase = 0, v_phase = 0;
+            auto load_k = [&](int n) {
+                mbar_wait(empty_k(k_stage), k_phase ^ 1);  // both consumers' S GEMMs of the round before are done
+                const uint32 sK = sK0 + k_stage * KVTile::BYTES;
+                mbar_arrive_expect_tx(full_k(k_stage), KVTile::BYTES);
+#pragma unroll
+                for (int c = 0; c < HEAD_DIM / BOX; ++c) {
+                    tma_load_4d(sK + c * KVTile::BLOCK_BYTES, tp.k_map, full_k(k_stage), c * BOX, n * BLOCK_N, tc.h_kv, b);
+                }
+                if (++k_stage == STAGES) { k_stage = 0; k_phase ^= 1; }
+            };
+            auto load_v = [&](int n) {
+                mbar_wait(empty_v(v_stage), v_phase ^ 1);  // both consumers' P·V of the round before are done
+                const uint32 sV = sV0 + v_stage * KVTile::BYTES;
+                mbar_arrive_expect_tx(full_v(v_stage), KVTile::BYTES);
+#pragma unroll
+                for (int c = 0; c < HEAD_DIM / BOX; ++c) {
+                    tma_load_4d(sV + c * KVTile::BLOCK_BYTES, tp.v_map, full_v(v_stage), c * BOX, n * BLOCK_N, tc.h_kv, b);
+                }
+                if (++v_stage == STAGES) { v_stage = 0; v_phase ^= 1; }
+            };
+            if (blocks.end - 1 >= blocks.begin) load_k(blocks.end - 1);
             for (int n = blocks.end - 1; n >= blocks.begin; --n) {
-                mbar_wait(empty(stage), phase ^ 1);  // both consumers are done with the round before
-                const uint32 sK = sK0 + stage * KVTile::BYTES, sV = sV0 + stage * KVTile::BYTES;
-                mbar_arrive_expect_tx(full_k(stage), KVTile::BYTES);
-#pragma unroll
-                for (int c = 0; c < HEAD_DIM / BOX; ++c) {
-                    tma_load_4d(sK + c * KVTile::BLOCK_BYTES, tp.k_map, full_k(stage), c * BOX, n * BLOCK_N, tc.h_kv, b);
-                }
-                mbar_arrive_expect_tx(full_v(stage), KVTile::BYTES);
-#pragma unroll
-                for (int c = 0; c < HEAD_DIM / BOX; ++c) {
-                    tma_load_4d(sV + c * KVTile::BLOCK_BYTES, tp.v_map, full_v(stage), c * BOX, n * BLOCK_N, tc.h_kv, b);
-                }
-                if (++stage == STAGES) { stage = 0; phase ^= 1; }
+                if (n - 1 >= blocks.begin) load_k(n - 1);
+                load_v(n);
             }
         }
         return;
@@ -172,10 +192,14 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     // arrival is left over.
     auto sched_sync = [&] { named_barrier_sync<256>(Tr::SCHED_BAR + cw); };
     auto sched_arrive = [&] { named_barrier_arrive<256>(Tr::SCHED_BAR + (1 - cw)); };
-    // This warp's wgmma reads of a stage are done (its wait_group has returned).
-    auto release = [&](int s) {
+    // This warp's wgmma reads of a stage's K (V) are done (its wait_group has returned).
+    auto release_k = [&](int s) {
         __syncwarp();
-        if (lane == 0) mbar_arrive(empty(s));
+        if (lane == 0) mbar_arrive(empty_k(s));
+    };
+    auto release_v = [&](int s) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty_v(s));
     };
 
     __shared__ float2 pin;  // written, never read (wgmma_wait_after)
@@ -196,6 +220,7 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
             sched_arrive();
             wgmma_wait<0>();
             fence_operands(s[0]);
+            release_k(stage);
             if (n_first >= blocks.unmasked_end) score_tile<true>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
             else score_tile<false>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
             softmax.update(s, acc_o, row_sum);
@@ -218,15 +243,16 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
             sched_arrive();
             wgmma_wait<1>();  // S_n (the older group) has completed
             fence_operands(s[0]);
+            release_k(stage);  // K_n is free: the producer may copy the block STAGES on into it
             score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
             float alpha[1][2];
             softmax.update_sums(s, row_sum, alpha);
-            // P_{n-1}·V_{n-1} has completed: pa and stage prev_stage are free. (Pinned
+            // P_{n-1}·V_{n-1} has completed: pa and V stage prev_stage are free. (Pinned
             // after the row sums, hence after every exp2 of the softmax: wgmma.cuh.)
             wgmma_wait_after<0>(pin_slot, row_sum[0][0], row_sum[0][1]);
             fence_operands(acc_o[0]);
             fence_operands(pa);
-            release(prev_stage);
+            release_v(prev_stage);
             softmax.rescale(acc_o, alpha);
             acc_to_a_operand<T>(s[0], pa);
             prev_stage = stage;
@@ -246,7 +272,7 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
         wgmma_wait<0>();
         fence_operands(acc_o[0]);
         fence_operands(pa);
-        release(prev_stage);
+        release_v(prev_stage);
     }
 
     // ---- epilogue: a row with no key gets O = 0 and lse = -inf (finalize)

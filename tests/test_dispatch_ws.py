@@ -22,9 +22,33 @@ def _plan(**kw):
 
 
 def test_off_by_default_and_switched_by_the_environment():
-    assert dispatch.FWD_WS == (os.environ.get("CUPYFLASH_FWD_WS", "") == "1")
+    env = os.environ.get("CUPYFLASH_FWD_WS", "")
+    assert dispatch.FWD_WS == {"1": dispatch.FWD_WS_WINS, "all": True}.get(env, False)
     assert _plan().main.template == "cupyflash::flash_fwd_sm90_kernel"
     assert _plan().tma_box_rows is None
+
+
+@pytest.mark.parametrize("env,wins", [("", ()), ("0", ()), ("1", (128,)), ("all", (64, 128))])
+def test_the_environment_picks_the_head_dims(env, wins):
+    """CUPYFLASH_FWD_WS=1: the head_dims where the kernel is expected to win (D=128);
+    =all: every one it has (to measure and test D=64)."""
+    import subprocess
+    import sys
+
+    code = ("from cupyflash import dispatch as d; print([h for h in (64, 128) if d.select_fwd("
+            "batch=1, seqlen_q=16384, seqlen_k=16384, nheads_q=16, head_dim=h, dtype='bfloat16', causal=False,"
+            " vec=True, ws=d.FWD_WS).main.template.endswith('ws_kernel')])")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "CUPYFLASH_FWD_WS": env},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(list(wins))
+
+
+@pytest.mark.parametrize("ws,takes", [((128,), {128}), ((64,), {64}), ((), set()), (False, set()),
+                                      (True, {64, 128})])
+def test_ws_head_dims(ws, takes):
+    got = {d for d in (64, 128) if _plan(head_dim=d, ws=ws).main.template == WS}
+    assert got == takes
+    assert dispatch.FWD_WS_WINS == (128,)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -66,9 +90,31 @@ def test_ws_kernels_are_checked_on_sm90_only():
 
 def test_ws_smem_bytes_are_the_kernel_traits():
     """fwd_ws_smem_bytes spells out FwdWsTraits::SMEM_BYTES: Q, the K/V stages, the
-    3 STAGES + 1 mbarriers, 1 KB of alignment; BLOCK_M as the kernel's."""
+    4 STAGES + 1 mbarriers, 1 KB of alignment; BLOCK_M as the kernel's."""
     text = (kernels_dir() / "flash_fwd_ws.cu").read_text()
     assert re.search(rf"BLOCK_M = {dispatch.FWD_WS_BLOCK_M};", text)
     assert "SMEM_BYTES = QTile::BYTES + 2 * STAGES * KVTile::BYTES + BARRIER_BYTES + 1024" in text
-    assert "BARRIER_BYTES = 8 * (1 + 3 * STAGES)" in text
-    assert dispatch.fwd_ws_smem_bytes(128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 56 + 1024
+    assert "BARRIER_BYTES = 8 * (1 + 4 * STAGES)" in text
+    assert dispatch.fwd_ws_smem_bytes(128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 72 + 1024
+    # the table's choices fit a block's 227 KB with the kernel's 16 bytes of static shared memory
+    for d in (64, 128):
+        for causal in (False, True):
+            assert dispatch.fwd_ws_smem_bytes(d, *dispatch.fwd_ws_tile(d, causal)) + 16 <= 227 * 1024
+
+
+def test_every_gpu_test_case_plans_the_ws_kernel():
+    """tests/test_gpu_fwd_ws.py's shapes, as its fixture plans them (the switch on at every
+    head_dim, one SM: no split-KV), all take the warp-specialised kernel, alone."""
+    import test_gpu_fwd_ws as g  # sibling module; its GPU tests skip here
+
+    shapes = [(2 if sq * sk < 4_000_000 else 1, sq, sk, 2 * gqa, d, dtype, causal)
+              for dtype, d, causal, sq, sk, gqa in g._grid()]
+    shapes += [(2, 333, 517, 4, d, dtype, causal) for d in (104, 40) for dtype in ("float16", "bfloat16")
+               for causal in (False, True)]
+    shapes += [(2, 777, 777, 4, d, "float16", True) for d in (64, 128)]
+    shapes += [(1, 640, 640, 4, 128, "bfloat16", False), (1, 16384, 16384, 2, 128, "bfloat16", False)]
+    shapes += [(1, 400, 50, 2, d, "float16", True) for d in (64, 128)]
+    for batch, sq, sk, nheads, d, dtype, causal in shapes:
+        plan = dispatch.select_fwd(batch=batch, seqlen_q=sq, seqlen_k=sk, nheads_q=nheads, head_dim=d,
+                                   dtype=dtype, causal=causal, vec=d % 8 == 0, num_sms=1, cc=(9, 0), ws=True)
+        assert plan.main.template == WS and plan.combine is None, (batch, sq, sk, nheads, d)
