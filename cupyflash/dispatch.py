@@ -774,6 +774,74 @@ def bwd_dbias_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k
                   (num_warps * 32, 1, 1), bwd_dbias_sm90_smem_bytes(head_dim_padded))
 
 
+# Strips (flash_bwd_dbias_strip_sm90_kernel, the same 128 x 64 wgmma tiles): one block
+# per strip of 128 query rows of one bias (batch, head) walking every key tile, with Q,
+# dO, lse_log2 and delta of the (batch, head) pairs that broadcast onto the bias (its
+# "pairs": B with a bias batch of 1, times H with a bias head of 1) resident in shared
+# memory, K and V streamed through a two-stage ring. For a bias with whole rows and keys
+# whose pairs fit beside the ring (padded D=64: 5, D=128: 2) and whose strips fill the
+# GPU once (at least num_sms blocks x DBIAS_STRIP_MIN_WAVES); otherwise the tile kernel.
+_BWD_DBIAS_STRIP_HEAD_DIMS = (64, 128)
+#: Strips only when their grid is at least this many waves of num_sms blocks (a strip walks
+#: every key tile in one block: a short grid leaves SMs idle). Tests set 0.
+DBIAS_STRIP_MIN_WAVES = 1.0
+
+
+def dbias_strip_pairs(dbias_shape: tuple[int, int, int, int], batch: int, nheads_q: int) -> int:
+    """The (batch, head) pairs that broadcast onto one strip of dbias."""
+    return (batch if dbias_shape[0] == 1 else 1) * (nheads_q if dbias_shape[1] == 1 else 1)
+
+
+def bwd_dbias_strip_smem_bytes(head_dim_padded: int, pairs: int) -> int:
+    """dbias_strip's shared memory: 1 KB to align to the swizzle atom; two stages of K, V
+    (BLOCK_N rows); Q, dO (BLOCK_M rows) and lse_log2, delta rows of each pair."""
+    block_m, block_n, _ = BWD_DBIAS_SM90_TILE
+    return 1024 + 2 * 2 * block_n * head_dim_padded * 2 + pairs * (2 * block_m * head_dim_padded * 2 + 2 * block_m * 4)
+
+
+def bwd_dbias_strip_max_pairs(head_dim_padded: int, cc: tuple[int, int] = (9, 0)) -> int:
+    """The most pairs per strip that fit the shared memory of ``cc`` (D=64: 5, D=128: 2)."""
+    pairs = 0
+    while bwd_dbias_strip_smem_bytes(head_dim_padded, pairs + 1) <= max_smem_per_block(cc):
+        pairs += 1
+    return pairs
+
+
+def bwd_dbias_strip_grid(dbias_shape: tuple[int, int, int, int], seqlen_q: int) -> tuple[int, int, int]:
+    """One block per strip of BLOCK_M query rows of each bias (batch, head)."""
+    return (dbias_shape[0] * dbias_shape[1] * math.ceil(seqlen_q / BWD_DBIAS_SM90_TILE[0]), 1, 1)
+
+
+def uses_sm90_dbias_strips(head_dim_padded: int, vec: bool, cc: tuple[int, int],
+                           dbias_shape: tuple[int, int, int, int], batch: int, nheads_q: int, seqlen_q: int,
+                           num_sms: int) -> bool:
+    """Whether the strip kernel computes dbias: the wgmma dbias kernel's head_dims on sm_90
+    with 16-byte loads, a bias with whole rows and keys (no size-1 row or key dim), its
+    pairs fit shared memory, and the strips make DBIAS_STRIP_MIN_WAVES waves."""
+    if not uses_sm90_dbias(head_dim_padded, vec, cc) or head_dim_padded not in _BWD_DBIAS_STRIP_HEAD_DIMS:
+        return False
+    if dbias_shape[2] == 1 or dbias_shape[3] == 1:
+        return False
+    if dbias_strip_pairs(dbias_shape, batch, nheads_q) > bwd_dbias_strip_max_pairs(head_dim_padded, cc):
+        return False
+    return bwd_dbias_strip_grid(dbias_shape, seqlen_q)[0] >= DBIAS_STRIP_MIN_WAVES * num_sms
+
+
+def bwd_dbias_strip_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
+                           grid: tuple[int, int, int] = (1, 1, 1), variant: int = VAR_BIAS) -> Launch:
+    """The strip dbias kernel (cc 9.0; ``variant`` holds a bias bit). Its shared memory is
+    that of the most pairs that fit (one block per SM either way: one function attribute
+    for every launch)."""
+    if not variant & (VAR_BIAS | VAR_BIAS_FP32):
+        raise ValueError(f"cupyflash: the dbias kernel needs a bias in its variant bits; got {variant}")
+    block_m, block_n, num_warps = BWD_DBIAS_SM90_TILE
+    args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(num_warps), _cbool(causal),
+            _cbool(even_k), str(variant))
+    smem = bwd_dbias_strip_smem_bytes(head_dim_padded, bwd_dbias_strip_max_pairs(head_dim_padded))
+    return Launch("flash_bwd_dbias.cu", "cupyflash::flash_bwd_dbias_strip_sm90_kernel", args, grid,
+                  (num_warps * 32, 1, 1), smem)
+
+
 def bwd_dbias_launch(dtype: str, head_dim_padded: int, tile: tuple[int, int, int, int], stages: int,
                      causal: bool, even_k: bool, vec: bool, grid: tuple[int, int, int] = (1, 1, 1),
                      variant: int = VAR_BIAS) -> Launch:
@@ -1079,7 +1147,11 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
         launches.append(bwd_convert_launch(dtype, vec, q_rows[0] * q_rows[1] * nheads_q))
     if kv_splits > 1:
         launches.append(bwd_convert_dkv_launch(dtype, vec, k_rows[0] * k_rows[1] * nheads_kv))
-    if dbias_shape is not None and uses_sm90_dbias(d, vec, cc):
+    if dbias_shape is not None and uses_sm90_dbias_strips(d, vec, cc, dbias_shape, batch, nheads_q, seqlen_q,
+                                                          num_sms):
+        launches.append(bwd_dbias_strip_launch(dtype, d, causal, even_k, bwd_dbias_strip_grid(dbias_shape, seqlen_q),
+                                               variant))
+    elif dbias_shape is not None and uses_sm90_dbias(d, vec, cc):
         launches.append(bwd_dbias_sm90_launch(dtype, d, causal, even_k, bwd_dbias_grid(
             BWD_DBIAS_SM90_TILE, dbias_shape, seqlen_q, seqlen_k), variant))
     elif dbias_shape is not None:
@@ -1166,6 +1238,11 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
             dbias.extend(aligned(causal, variant)
                          for variant, causal in itertools.product(DBIAS_CHECK_VARIANTS, (False, True)))
             dbias.extend(aligned(False, VAR_BIAS | variant) for variant in DBIAS_CHECK_WITH)
+            if wgmma and d in _BWD_DBIAS_STRIP_HEAD_DIMS:  # the strips, where the bias has whole rows and keys
+                dbias.extend(bwd_dbias_strip_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=variant)
+                             for variant, causal in itertools.product(DBIAS_CHECK_VARIANTS, (False, True)))
+                dbias.extend(bwd_dbias_strip_launch(_VARIANT_CHECK_DTYPE, d, False, True, variant=VAR_BIAS | variant)
+                             for variant in DBIAS_CHECK_WITH)
             dbias.append(bwd_dbias_launch("float16", d, tile, stages, False, False, False))  # unaligned
     return out + list(dict.fromkeys(dbias))
 

@@ -361,6 +361,215 @@ __device__ __forceinline__ void dbias_tile(const BwdParams& p) {
     }
 }
 
+// ---------------------------------------------------------------------------
+// Strips (sm_90a, flash_bwd_dbias_strip_sm90_kernel): one block per strip of BLOCK_M
+// query rows of one bias (batch, head), for a bias with whole rows and keys (no row
+// or key broadcast) whose V = (batch visits) x (head visits) pairs broadcast onto it
+// fit shared memory side by side (dispatch.uses_sm90_dbias_strips). Q, dO, lse_log2
+// and delta of the V pairs' BLOCK_M rows load once and stay resident; the block walks
+// the key tiles n = 0, 1, .. and for each the V pairs in the tile kernel's order
+// (batch, then head), streaming each step's K and V through a two-stage cp.async ring
+// (the next step's K, V load during this one). The 128 x 64 tile's sum over its V
+// visits stays in registers (the same fp32 additions in the same order as the tile
+// kernel: bitwise the same dbias), and is stored once from the fragments, straight to
+// the dbias strides, when the walk leaves the tile; tiles no pair reaches are stored
+// as 0. The tile's bias is read into registers when the walk enters it.
+// Shared memory (from a 1024-byte boundary): K, V of stage 0 and 1; Q, dO of each
+// pair; lse_log2, delta rows of each pair (dispatch.bwd_dbias_strip_smem_bytes).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool IS_CAUSAL, bool EVEN_K,
+          int VARIANT>
+__device__ __forceinline__ void dbias_strip(const BwdParams& p) {
+    using Tr = BwdDbiasTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_WARPS, 2, true>;
+    using QTile = typename Tr::QTile;
+    using KVTile = typename Tr::KVTile;
+    using Scores = DbiasScores<IS_CAUSAL, VARIANT, T, Tr::M_TILES, Tr::N_TILES>;
+    using BiasT = typename Scores::BiasMod::BiasT;
+    constexpr int NT = Tr::NUM_THREADS;
+    constexpr int N_TILES = Tr::N_TILES;
+    static_assert(Tr::M_TILES == 1, "wgmma: each warp 16 rows");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const uint32 s_base = (smem_addr(smem_raw) + 1023) & ~1023u;
+    unsigned char* const smem = smem_raw + (s_base - smem_addr(smem_raw));
+
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t = lane % 4;
+    const int warp_row0 = warp * Tr::WARP_ROWS;  // warp_col0 = 0
+
+    // ---- which strip; the pairs that broadcast onto it: visit vi = b' · visit_h + h'
+    const VariantParams& var = p.var;
+    const bool all_b = var.dbias_batch_stride == 0, all_h = var.dbias_head_stride == 0;
+    const int m_blocks = ceil_div(p.seqlen_q, BLOCK_M), n_blocks = ceil_div(p.seqlen_k, BLOCK_N);
+    const int heads_b = all_h ? 1 : p.nheads_q;
+    // causal: the strips of most keys (the last rows) first
+    const int m_pos = blockIdx.x % m_blocks;
+    const int m_tile = IS_CAUSAL ? m_blocks - 1 - m_pos : m_pos;
+    const int bh_tile = blockIdx.x / m_blocks;
+    const int h_tile = bh_tile % heads_b, b_tile = bh_tile / heads_b;
+    const int m0 = m_tile * BLOCK_M;
+    const int visit_b = all_b ? p.batch : 1, visit_h = all_h ? p.nheads_q : 1;
+    const int nvis = visit_b * visit_h;
+    const int group = p.nheads_q / p.nheads_kv;
+
+    auto sK = [&](int stage) { return s_base + stage * 2 * KVTile::BYTES; };
+    auto sV = [&](int stage) { return sK(stage) + KVTile::BYTES; };
+    auto sQ = [&](int vi) { return s_base + 4 * KVTile::BYTES + vi * 2 * QTile::BYTES; };
+    auto sdO = [&](int vi) { return sQ(vi) + QTile::BYTES; };
+    const int rows0 = 4 * KVTile::BYTES + nvis * 2 * QTile::BYTES;  // bytes from s_base
+    auto rows_addr = [&](int vi) { return s_base + rows0 + vi * 2 * BLOCK_M * 4; };
+    auto rows_of = [&](int vi) { return reinterpret_cast<const float*>(smem + rows0 + vi * 2 * BLOCK_M * 4); };
+
+    auto pair_b = [&](int vi) { return all_b ? vi / visit_h : b_tile; };
+    auto pair_h = [&](int vi) { return all_h ? vi % visit_h : h_tile; };
+
+    // Step it = n · nvis + vi: key tile n of pair vi; whether any of its rows sees any of its keys.
+    const int num_steps = n_blocks * nvis;
+    auto step_of = [&](int it, DbiasVisit& v) {
+        const int n = it / nvis, vi = it % nvis;
+        v.b = pair_b(vi);
+        v.h = vi;  // (the pair's index; its head is pair_h(vi))
+        v.m0 = m0;
+        v.n0 = n * BLOCK_N;
+        const SeqLens seq = seq_lens(p, v.b);
+        if (m0 >= seq.seqlen_q || v.n0 >= seq.seqlen_k) return false;
+        const BlockRange r = Mask<IS_CAUSAL, VARIANT>(var, seq.seqlen_q, seq.seqlen_k).key_blocks(m0, BLOCK_M, BLOCK_N);
+        v.masked = r.masked(n);
+        return n >= r.begin && n < r.end;
+    };
+    auto next_step = [&](int it, DbiasVisit& v) {
+        while (it < num_steps && !step_of(it, v)) ++it;
+        return it;
+    };
+    auto load_kv = [&](const DbiasVisit& v, int stage) {
+        const SeqLens seq = seq_lens(p, v.b);
+        const int h_kv = pair_h(v.h) / group;
+        const T* k = static_cast<const T*>(p.k) + v.b * p.k_batch_stride + h_kv * p.k_head_stride +
+                     int64(seq.k_start + v.n0) * p.k_row_stride;
+        const T* vv = static_cast<const T*>(p.v) + v.b * p.v_batch_stride + h_kv * p.v_head_stride +
+                      int64(seq.k_start + v.n0) * p.v_row_stride;
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(sK(stage), k, p.k_row_stride, seq.seqlen_k - v.n0,
+                                                                  p.head_dim);
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(sV(stage), vv, p.v_row_stride, seq.seqlen_k - v.n0,
+                                                                  p.head_dim);
+    };
+
+    // ---- prologue: every pair's Q, dO, lse_log2, delta (pairs whose sequence has no
+    //      row here are never stepped: not loaded), and the first step's K, V
+    for (int vi = 0; vi < nvis; ++vi) {
+        const int b = pair_b(vi), h = pair_h(vi);
+        const SeqLens seq = seq_lens(p, b);
+        if (m0 >= seq.seqlen_q) continue;
+        const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+                     int64(seq.q_start + m0) * p.q_row_stride;
+        const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
+                        int64(seq.q_start + m0) * p.do_row_stride;
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sQ(vi), q, p.q_row_stride, seq.seqlen_q - m0,
+                                                                 p.head_dim);
+        load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sdO(vi), dout, p.do_row_stride, seq.seqlen_q - m0,
+                                                                 p.head_dim);
+        const int r = threadIdx.x;  // thread r loads row r of lse_log2 and delta
+        if (r < BLOCK_M) {
+            const bool valid = m0 + r < seq.seqlen_q;
+            const int64 row_index = query_row_index(p, b, h, seq, m0) + (valid ? r : 0);
+            cp_async_4(rows_addr(vi) + r * 4, p.lse_log2 + row_index, valid);
+            cp_async_4(rows_addr(vi) + (BLOCK_M + r) * 4, p.delta + row_index, valid);
+        }
+    }
+    DbiasVisit cur;
+    int it = next_step(0, cur);
+    if (it < num_steps) load_kv(cur, 0);
+    cp_async_commit();
+
+    const typename Scores::BiasMod bias_mod(var, p.softmax_scale_log2, b_tile, h_tile, p.seqlen_q, p.seqlen_k);
+    typename Scores::Terms bias(bias_mod, m0 + warp_row0 + g);
+    float acc[1][N_TILES][4];
+    clear(acc);
+
+    // Store acc as key tile n of the strip (rows and keys past dbias's are not stored).
+    BiasT* const dbias_strip_ptr = static_cast<BiasT*>(var.dbias) + b_tile * var.dbias_batch_stride +
+                                   h_tile * var.dbias_head_stride;
+    auto store_acc = [&](int n) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = m0 + warp_row0 + hh * 8 + g;
+            if (row >= p.seqlen_q) continue;
+            BiasT* out_row = dbias_strip_ptr + int64(row) * var.dbias_row_stride;
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int col = n * BLOCK_N + j * 8 + 2 * t + e;
+                    if (col >= p.seqlen_k) continue;
+                    const float x = acc[0][j][2 * hh + e];
+                    BiasT& out = out_row[int64(col) * var.dbias_col_stride];
+                    if constexpr (sizeof(BiasT) == 4) out = x;
+                    else out = TypeTraits<T>::from_float(x);
+                }
+        }
+    };
+
+    auto step = [&](auto masked, int stage, bool has_next, const DbiasVisit& next) {
+        constexpr bool MASKED = decltype(masked)::value;
+        cp_async_wait<0>();
+        fence_proxy_async_smem();  // this thread's copies, visible to wgmma
+        __syncthreads();           // this step's K, V landed; every warp is done with the last one's
+        if (has_next) load_kv(next, stage ^ 1);
+        cp_async_commit();
+
+        const int vi = cur.h;
+        const SeqLens seq = seq_lens(p, cur.b);
+        const Scores scores(var, p.softmax_scale_log2, cur.b, pair_h(vi), p.nheads_q, seq.seqlen_q, seq.seqlen_k,
+                            bias);
+        const float* s_lse = rows_of(vi);
+        const float* s_delta = s_lse + BLOCK_M;
+        auto lse2 = [&](int i, int hh) { return s_lse[warp_row0 + i * 16 + hh * 8 + g]; };
+        auto delta = [&](int i, int hh) { return s_delta[warp_row0 + i * 16 + hh * 8 + g]; };
+        float s[1][N_TILES][4], dp[1][N_TILES][4];
+        const int wg_row0 = warp / 4 * 64;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+            Wgmma<T, BLOCK_N>::template ss<0, 0>(s[0], desc_k_major<BLOCK_M>(sQ(vi), wg_row0, kk),
+                                                 desc_k_major<BLOCK_N>(sK(stage), 0, kk), kk > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+            Wgmma<T, BLOCK_N>::template ss<0, 0>(dp[0], desc_k_major<BLOCK_M>(sdO(vi), wg_row0, kk),
+                                                 desc_k_major<BLOCK_N>(sV(stage), 0, kk), kk > 0);
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_operands(s[0]);
+        scores.template probs<MASKED>(s, m0 + warp_row0 + g, cur.n0 + 2 * t, lse2);
+        wgmma_wait<0>();
+        fence_operands(dp[0]);
+        scores.accumulate(acc, s, dp, delta);
+    };
+
+    // acc_n: the key tile acc sums; bias_n: the tile whose bias is in registers.
+    int acc_n = 0, bias_n = -1;
+    for (int stage = 0;; stage ^= 1) {
+        const int target = it < num_steps ? cur.n0 / BLOCK_N : n_blocks;
+        while (acc_n < target) {  // leave tiles acc_n .. target - 1: stored once (0 where unreached)
+            store_acc(acc_n);
+            clear(acc);
+            ++acc_n;
+        }
+        if (it >= num_steps) break;
+        if (bias_n != acc_n) {
+            bias.template load<true>(acc_n * BLOCK_N + 2 * t);
+            bias_n = acc_n;
+        }
+        DbiasVisit next;
+        const int it_next = next_step(it + 1, next);
+        const bool has_next = it_next < num_steps;
+        if (cur.masked) step(Bool<true>{}, stage, has_next, next);
+        else step(Bool<false>{}, stage, has_next, next);
+        it = it_next;
+        cur = next;
+    }
+    cp_async_wait<0>();
+}
+
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int WARPS_M, int STAGES,
           bool IS_CAUSAL, bool EVEN_K, bool VEC, int VARIANT>
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
@@ -374,6 +583,14 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, boo
 __global__ void __launch_bounds__(NUM_WARPS * 32, 1)
 flash_bwd_dbias_sm90_kernel(const BwdParams p) {
     dbias_tile<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_WARPS, 2, true, IS_CAUSAL, EVEN_K, true, VARIANT>(p);
+}
+
+// sm_90a strips (dbias_strip above; dynamic shared memory sized by the pairs per strip).
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool IS_CAUSAL, bool EVEN_K,
+          int VARIANT>
+__global__ void __launch_bounds__(NUM_WARPS * 32, 1)
+flash_bwd_dbias_strip_sm90_kernel(const BwdParams p) {
+    dbias_strip<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, IS_CAUSAL, EVEN_K, VARIANT>(p);
 }
 
 }  // namespace cupyflash

@@ -506,6 +506,7 @@ def test_check_kernels_lists_bias_and_mask_in_every_backward_family(cc):
         dbias = {"cupyflash::flash_bwd_dbias_kernel"} if bit != dispatch.VAR_MASK else set()
         if dbias and cc == (9, 0):
             dbias.add("cupyflash::flash_bwd_dbias_sm90_kernel")  # D=64, 128 on aligned data
+            dbias.add("cupyflash::flash_bwd_dbias_strip_sm90_kernel")  # ... whole rows and keys, few pairs
         assert listed == families | dbias, bit
         # every plan's kernels are among them (aligned bf16, any head_dim), dbias's too
         names = {L.name_expression for L in launches}
@@ -710,3 +711,74 @@ def test_staged_d128_stays_on_mma_sync_on_hopper():
     plan = _staged_plan(64, dispatch.VAR_BIAS)
     assert plan.launches[1].template == "cupyflash::flash_bwd_dkdv_sm90_kernel"
     assert int(plan.launches[1].args[-1]) & dispatch.VAR_BIAS_STAGED
+
+
+# ----------------------------------------------------------------------------
+# The strip dbias kernel (flash_bwd_dbias_strip_sm90_kernel): one block per strip of 128
+# rows of a bias (batch, head), its pairs' Q, dO resident
+# ----------------------------------------------------------------------------
+
+
+def test_dbias_strip_smem_and_pairs():
+    # D=64: K, V two stages of 64 x 64; per pair Q, dO 128 x 64 and 2 x 128 floats
+    assert dispatch.bwd_dbias_strip_smem_bytes(64, 4) == 1024 + 4 * 64 * 64 * 2 + 4 * (2 * 128 * 64 * 2 + 1024)
+    assert dispatch.bwd_dbias_strip_max_pairs(64) == 5
+    assert dispatch.bwd_dbias_strip_max_pairs(128) == 2
+    for d in (64, 128):
+        assert dispatch.bwd_dbias_strip_smem_bytes(d, dispatch.bwd_dbias_strip_max_pairs(d)) <= 227 * 1024
+        assert dispatch.bwd_dbias_strip_smem_bytes(d, dispatch.bwd_dbias_strip_max_pairs(d) + 1) > 227 * 1024
+
+
+@pytest.mark.parametrize("shape,batch,heads,pairs", [
+    ((1, 32, 4096, 4096), 4, 32, 4),   # per head: the batch's 4 entries
+    ((4, 1, 4096, 4096), 4, 32, 32),   # per batch: every head
+    ((4, 32, 4096, 4096), 4, 32, 1),   # full
+    ((1, 1, 4096, 4096), 2, 2, 4),     # shared
+])
+def test_dbias_strip_pairs(shape, batch, heads, pairs):
+    assert dispatch.dbias_strip_pairs(shape, batch, heads) == pairs
+
+
+@pytest.mark.parametrize("d,vec,cc,shape,batch,heads,seqlen,strips", [
+    (64, True, (9, 0), (1, 32, 4096, 4096), 4, 32, 4096, True),    # the bench's D=64 per head: 4 pairs
+    (64, True, (9, 0), (4, 32, 4096, 4096), 4, 32, 4096, True),    # full: 1 pair
+    (64, True, (9, 0), (4, 1, 4096, 4096), 4, 32, 4096, False),    # per batch: 32 pairs
+    (128, True, (9, 0), (1, 16, 4096, 4096), 4, 16, 4096, False),  # D=128 per head: 4 pairs > 2
+    (128, True, (9, 0), (1, 16, 4096, 4096), 2, 16, 4096, True),   # ... of a batch of 2
+    (128, True, (9, 0), (4, 16, 4096, 4096), 4, 16, 4096, True),   # full
+    (64, True, (9, 0), (1, 32, 1, 4096), 4, 32, 4096, False),      # rows broadcast
+    (64, True, (9, 0), (1, 32, 4096, 1), 4, 32, 4096, False),      # keys broadcast
+    (64, True, (9, 0), (1, 4, 1000, 1000), 4, 4, 1000, False),     # 32 strips < 132 SMs
+    (64, True, (9, 0), (1, 4, 4224, 1000), 4, 4, 4224, True),      # 132 strips
+    (96, True, (9, 0), (1, 32, 4096, 4096), 4, 32, 4096, False),   # not a wgmma dbias head_dim
+    (64, False, (9, 0), (1, 32, 4096, 4096), 4, 32, 4096, False),  # unaligned
+    (64, True, (10, 0), (1, 32, 4096, 4096), 4, 32, 4096, False),
+    (64, True, (8, 0), (1, 32, 4096, 4096), 4, 32, 4096, False),
+])
+def test_uses_sm90_dbias_strips(d, vec, cc, shape, batch, heads, seqlen, strips):
+    assert dispatch.uses_sm90_dbias_strips(d, vec, cc, shape, batch, heads, seqlen, 132) == strips
+
+
+def test_dbias_strip_min_waves(monkeypatch):
+    args = (64, True, (9, 0), (1, 4, 257, 190), 4, 4, 257, 132)
+    assert not dispatch.uses_sm90_dbias_strips(*args)
+    monkeypatch.setattr(dispatch, "DBIAS_STRIP_MIN_WAVES", 0)
+    assert dispatch.uses_sm90_dbias_strips(*args)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 120, 128])
+def test_dbias_strip_plan(d, causal):
+    plan = dispatch.select_bwd(batch=2, seqlen_q=4096, seqlen_k=4096, nheads_q=16, nheads_kv=4, head_dim=d,
+                               dtype="bfloat16", causal=causal, deterministic=False, vec=True, cc=(9, 0),
+                               variant=dispatch.VAR_BIAS_FP32 | dispatch.VAR_MASK, dbias_shape=(1, 16, 4096, 4096))
+    dbias = plan.launches[-1]
+    assert dbias.template == "cupyflash::flash_bwd_dbias_strip_sm90_kernel"
+    # <T, D, BM, BN, WARPS, CAUSAL, EVEN_K, VARIANT>
+    assert dbias.args[1:] == (str(dispatch.padded_head_dim(d)), "128", "64", "8", "true" if causal else "false",
+                              "true" if d in (64, 128) else "false", str(dispatch.VAR_BIAS_FP32 | dispatch.VAR_MASK))
+    assert dbias.grid == (16 * 32, 1, 1)
+    assert dbias.block == (256, 1, 1)
+    assert dbias.smem_bytes <= dispatch.max_smem_per_block((9, 0))
+    if d in (64, 128):  # check-kernels compiles aligned head_dims
+        assert dbias.name_expression in {L.name_expression for L in dispatch.all_bwd_launches((9, 0))}

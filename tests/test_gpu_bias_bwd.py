@@ -524,3 +524,109 @@ def test_staged_d128_on_wgmma(cp, rng, launches, dtype, shape, causal, kind, det
     check(*run(cp, rng, dtype, shape, causal, bias=bias, mask=mask, deterministic=deterministic), causal)
     assert "flash_bwd_dkdv_sm90_kernel" in launches and "flash_bwd_dkdv_kernel" not in launches
     assert ("flash_bwd_dq_sm90_kernel" in launches) == deterministic
+
+
+# ----------------------------------------------------------------------------
+# The strip dbias kernel (flash_bwd_dbias_strip_sm90_kernel: sm_90, padded head_dim 64
+# and 128, a bias with whole rows and keys whose (batch, head) pairs per strip fit shared
+# memory: dispatch.uses_sm90_dbias_strips). DBIAS_STRIP_MIN_WAVES = 0 so that these small
+# problems take it (their strips do not fill 132 SMs); the plans are forgotten before and
+# after, so the other tests keep their kernels.
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def strips(monkeypatch):
+    from cupyflash import _gpu, dispatch
+
+    monkeypatch.setattr(dispatch, "DBIAS_STRIP_MIN_WAVES", 0)
+    _gpu.clear_plans()
+    yield
+    monkeypatch.undo()
+    _gpu.clear_plans()
+
+
+# id -> (dtype, shape, causal, bias shape, bias dtype, mask shape or None, variants): tails
+# in both axes (257 x 190, 333 x 200), per-head (the batch's pairs), per-batch (the heads'),
+# full (one pair) and shared (batch x heads pairs), q's dtype and fp32, masks with a row
+# that sees no key, GQA, causal with rows that see no key, head_dim 120, window, dropout,
+# softcap with ALiBi
+STRIP_DBIAS = {
+    "d64-per-head-gqa": ("float16", (4, 257, 190, 4, 2, 64), False, BROADCAST["per-head"], "q", None, None),
+    "d64-per-head-fp32-causal-mask": ("bfloat16", (3, 257, 190, 2, 2, 64), True, BROADCAST["per-head"], "float32",
+                                      lambda b, h, m, n: (b, h, m, n), None),
+    "d64-per-batch-mask": ("float16", (2, 190, 257, 2, 1, 64), False, BROADCAST["per-batch"], "q",
+                           lambda b, h, m, n: (1, h, m, n), None),
+    "d64-shared-window": ("float16", (1, 257, 257, 4, 4, 64), False, BROADCAST["shared"], "float32", None,
+                          {"window_size": (48, 16)}),
+    "d64-full-dropout": ("float16", (2, 200, 200, 2, 2, 64), True, BROADCAST["full"], "float32", None,
+                         {"dropout_p": 0.2, "rng_state": (SEED, OFFSET)}),
+    "d128-full-causal": ("float16", (2, 333, 200, 4, 4, 128), True, BROADCAST["full"], "q", None, None),
+    "d128-per-head-b2-fp32-mask": ("bfloat16", (2, 200, 257, 4, 2, 128), False, BROADCAST["per-head"], "float32",
+                                   lambda b, h, m, n: (b, 1, m, n), None),
+    "d120-full-softcap-alibi": ("float16", (1, 257, 190, 2, 2, 120), False, BROADCAST["full"], "q", None,
+                                {"softcap": 8.0, "alibi_slopes": np.array([0.25, 0.5], np.float32)}),
+}
+
+
+def _strip_param(name):
+    dtype, *rest = STRIP_DBIAS[name]
+    return pytest.param(dtype, *rest, id=name, marks=_NO_BF16 if dtype == "bfloat16" else ())
+
+
+@pytest.mark.parametrize("dtype,shape,causal,bias_shape,bias_dtype,mask_shape,variants",
+                         [_strip_param(n) for n in STRIP_DBIAS])
+def test_dbias_strips(cp, rng, strips, launches, dtype, shape, causal, bias_shape, bias_dtype, mask_shape,
+                      variants):
+    from cupyflash import _launch
+
+    if _launch.compute_capability(cp.cuda.Device().id) != (9, 0):
+        pytest.skip("the strip dbias kernel runs on compute capability 9.0")
+    full = _score_shape(shape)
+    bias = bias_values(rng, bias_shape(*full), dtype if bias_dtype == "q" else "float32")
+    mask = None if mask_shape is None else keep_mask(rng, mask_shape(*full), 0.8)
+    if mask is not None:
+        mask[..., 5, :] = False  # a row that sees no key: its dbias row is 0
+    check(*run(cp, rng, dtype, shape, causal, bias=bias, mask=mask, variants=variants), causal, variants)
+    assert "flash_bwd_dbias_strip_sm90_kernel" in launches
+    assert "flash_bwd_dbias_sm90_kernel" not in launches and "flash_bwd_dbias_kernel" not in launches
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dbias_strips_deterministic(cp, rng, strips, launches, head_dim, causal):
+    """The strips sum each tile's pairs in the tile kernel's order: the same bits run after
+    run, and the same bits as the tile kernel."""
+    from cupyflash import _gpu, _launch, dispatch
+
+    if _launch.compute_capability(cp.cuda.Device().id) != (9, 0):
+        pytest.skip("the strip dbias kernel runs on compute capability 9.0")
+    shape = (2, 257, 190, 4, 2, head_dim)
+    full = _score_shape(shape)
+    bias = bias_values(rng, BROADCAST["per-head"](*full), "float32")
+    inputs, fwd, grads, scores = run(cp, rng, "float16", shape, causal, bias=bias)
+    check(inputs, fwd, grads, scores, causal)
+    assert "flash_bwd_dbias_strip_sm90_kernel" in launches
+    q, k, v, dout = (dev(cp, x) for x in inputs)
+    kw = dict(causal=causal, **dtype_kw(cp, "float16"), attn_bias=cp.asarray(scores[0]))
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, **kw)
+    again = cupyflash.flash_attn_bwd(dout, q, k, v, out, lse, return_dbias=True, **kw)[-1]
+    np.testing.assert_array_equal(grads[-1].view(np.uint8), host(again).view(np.uint8))
+    dispatch.DBIAS_STRIP_MIN_WAVES = 1e9  # the tile kernel (restored by the fixture)
+    _gpu.clear_plans()
+    del launches[:]
+    tiles = cupyflash.flash_attn_bwd(dout, q, k, v, out, lse, return_dbias=True, **kw)[-1]
+    assert "flash_bwd_dbias_sm90_kernel" in launches
+    np.testing.assert_array_equal(grads[-1].view(np.uint8), host(tiles).view(np.uint8))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dbias_strips_varlen(cp, rng, strips, launches, head_dim, causal):
+    """A packed batch: sequences with no row in a strip (0 rows, 1 row) and no key (0 keys)."""
+    from cupyflash import _launch
+
+    if _launch.compute_capability(cp.cuda.Device().id) != (9, 0):
+        pytest.skip("the strip dbias kernel runs on compute capability 9.0")
+    _varlen(cp, rng, "float16", head_dim, "full", causal, max(LENS_K) + 2)
+    assert "flash_bwd_dbias_strip_sm90_kernel" in launches
