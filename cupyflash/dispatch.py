@@ -143,7 +143,7 @@ SM90_STAGES = 3
 # of K and V together): 451-478 TFLOP/s at D=128, no gain on the cp.async kernel, and
 # 286-316 at D=64 against its 326-379 (kernels_cu/PERF.md); K and V are now released
 # apart and D=128 takes three stages (225 KB), D=64 four (145 KB).
-# Off unless switched on (FWD_WS), and then only at the head_dims of FWD_WS_HEAD_DIMS.
+# On at the head_dims of FWD_WS_WINS (FWD_WS; CUPYFLASH_FWD_WS=0 turns it off).
 _FWD_WS = {
     64: ((128, 4), (128, 4)),
     128: ((128, 3), (128, 3)),
@@ -155,12 +155,13 @@ FWD_WS_THREADS = 384
 #: 0.8x the wgmma kernel's two 64-key blocks per SM) and stays off the switch unless
 #: CUPYFLASH_FWD_WS=all.
 FWD_WS_WINS = (128,)
-#: What select_fwd's callers (cupyflash._gpu) pass as ``ws``: False (off, the default);
-#: CUPYFLASH_FWD_WS=1 in the environment when cupyflash is imported (read once):
-#: FWD_WS_WINS; CUPYFLASH_FWD_WS=all: True, every head_dim of _FWD_WS (to measure and
-#: test them). Or set here (then ``cupyflash._gpu.clear_plans()``).
+#: What select_fwd's callers (cupyflash._gpu) pass as ``ws``: FWD_WS_WINS (the default:
+#: run 70 measured D=128 at 1.20-1.23x the cp.async kernel, PERF.md v19); from the
+#: environment when cupyflash is imported (read once): CUPYFLASH_FWD_WS=0: False (off);
+#: =all: True, every head_dim of _FWD_WS (to measure and test them). Or set here (then
+#: ``cupyflash._gpu.clear_plans()``).
 _FWD_WS_ENV = os.environ.get("CUPYFLASH_FWD_WS", "")
-FWD_WS: bool | tuple[int, ...] = True if _FWD_WS_ENV == "all" else FWD_WS_WINS if _FWD_WS_ENV == "1" else False
+FWD_WS: bool | tuple[int, ...] = {"all": True, "0": False}.get(_FWD_WS_ENV, FWD_WS_WINS)
 
 
 def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int = 0,

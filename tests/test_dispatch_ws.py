@@ -21,17 +21,17 @@ def _plan(**kw):
     return dispatch.select_fwd(**args)
 
 
-def test_off_by_default_and_switched_by_the_environment():
+def test_on_where_it_wins_by_default_and_switched_by_the_environment():
     env = os.environ.get("CUPYFLASH_FWD_WS", "")
-    assert dispatch.FWD_WS == {"1": dispatch.FWD_WS_WINS, "all": True}.get(env, False)
-    assert _plan().main.template == "cupyflash::flash_fwd_sm90_kernel"
-    assert _plan().tma_box_rows is None
+    assert dispatch.FWD_WS == {"0": False, "all": True}.get(env, dispatch.FWD_WS_WINS)
+    assert _plan(ws=False).main.template == "cupyflash::flash_fwd_sm90_kernel"
+    assert _plan(ws=False).tma_box_rows is None
 
 
-@pytest.mark.parametrize("env,wins", [("", ()), ("0", ()), ("1", (128,)), ("all", (64, 128))])
+@pytest.mark.parametrize("env,wins", [("", (128,)), ("0", ()), ("1", (128,)), ("all", (64, 128))])
 def test_the_environment_picks_the_head_dims(env, wins):
-    """CUPYFLASH_FWD_WS=1: the head_dims where the kernel is expected to win (D=128);
-    =all: every one it has (to measure and test D=64)."""
+    """By default (and CUPYFLASH_FWD_WS=1): the head_dims where the kernel wins (D=128);
+    =0: none; =all: every one it has (to measure and test D=64)."""
     import subprocess
     import sys
 

@@ -105,12 +105,15 @@ def _cc():
 @pytest.mark.parametrize("head_dim", [64, 128, 100])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(384, 384), (1000, 1500), (1500, 1000), (129, 257), (640, 8)])
-def test_fwd_wgmma_kernel(rng, dtype, head_dim, causal, seqlen_q, seqlen_k):
-    """Hopper's wgmma kernel over several key blocks, tails, bottom-right causal, GQA."""
-    from cupyflash import dispatch
+def test_fwd_wgmma_kernel(rng, monkeypatch, dtype, head_dim, causal, seqlen_q, seqlen_k):
+    """Hopper's cp.async wgmma kernel over several key blocks, tails, bottom-right causal,
+    GQA (the warp-specialised forward, D=128's default, off: tests/test_gpu_fwd_ws.py)."""
+    from cupyflash import _gpu, dispatch
 
     if _cc() != (9, 0):
         pytest.skip(f"the wgmma kernel runs on compute capability 9.0; this GPU is {_cc()}")
+    monkeypatch.setattr(dispatch, "FWD_WS", False)
+    _gpu.clear_plans()
     plan = dispatch.select_fwd(batch=4, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=16, head_dim=head_dim,
                                dtype=dtype, causal=causal, vec=True, num_sms=132, cc=(9, 0))
     assert plan.main.template == "cupyflash::flash_fwd_sm90_kernel"  # (no split-KV at these sizes)
