@@ -156,7 +156,7 @@ FWD_WS_THREADS = 384
 #: CUPYFLASH_FWD_WS=all.
 FWD_WS_WINS = (128,)
 #: What select_fwd's callers (cupyflash._gpu) pass as ``ws``: FWD_WS_WINS (the default:
-#: run 70 measured D=128 at 1.20-1.23x the cp.async kernel, PERF.md v19); from the
+#: run 69 measured D=128 at 1.20-1.23x the cp.async kernel, PERF.md v19); from the
 #: environment when cupyflash is imported (read once): CUPYFLASH_FWD_WS=0: False (off);
 #: =all: True, every head_dim of _FWD_WS (to measure and test them). Or set here (then
 #: ``cupyflash._gpu.clear_plans()``).
