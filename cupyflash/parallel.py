@@ -467,7 +467,8 @@ class NcclComm:
     rank, size : int
         This process's rank and the number of processes (GPUs).
     unique_id
-        ``cupy.cuda.nccl.get_unique_id()`` of rank 0, the same on every rank.
+        ``cupy.cuda.nccl.get_unique_id()`` of rank 0 (a tuple or bytes, by CuPy
+        version), the same on every rank; passed to NCCL as it is.
 
     The current CUDA device must be this rank's GPU when it is built.
     ``sendrecv_next`` issues both transfers in one NCCL group on the current
