@@ -105,7 +105,7 @@ def _cc():
 @pytest.mark.parametrize("head_dim", [64, 128, 100])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(384, 384), (1000, 1500), (1500, 1000), (129, 257), (640, 8)])
-def test_fwd_wgmma_kernel(rng, monkeypatch, dtype, head_dim, causal, seqlen_q, seqlen_k):
+def test_fwd_wgmma_kernel(rng, monkeypatch, launches, dtype, head_dim, causal, seqlen_q, seqlen_k):
     """Hopper's cp.async wgmma kernel over several key blocks, tails, bottom-right causal,
     GQA (the warp-specialised forward, D=128's default, off: tests/test_gpu_fwd_ws.py)."""
     from cupyflash import _gpu, dispatch
@@ -120,6 +120,7 @@ def test_fwd_wgmma_kernel(rng, monkeypatch, dtype, head_dim, causal, seqlen_q, s
     host, dev = make_inputs(rng, dtype, 4, seqlen_q, seqlen_k, 16, 4, head_dim)
     scale = 1.0 / math.sqrt(head_dim)
     out, lse = run_fwd(dev, dtype, scale, causal)
+    assert launches == ["flash_fwd_sm90_kernel"]  # the plan above ran, not the ws kernel
     check(host, out, lse, dtype, scale, causal)
 
 
