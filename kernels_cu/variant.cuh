@@ -896,6 +896,25 @@ struct ElementTerms {
 template <typename A, typename B> struct IsSame { static constexpr bool value = false; };
 template <typename A> struct IsSame<A, A> { static constexpr bool value = true; };
 
+// The backward's P of one fragment row (half) of an m16 tile in score_tile's layout:
+// log2 scores -> prob(x, l), l = lse·log2(e) of row `row`, columns col0 + 8 j + e; with
+// dropout the sign bit is set where the keep bit drops the element (dS reads P and
+// the bit from it).
+template <bool DROPOUT, int N_TILES>
+__device__ __forceinline__ void probs_row(float (&s)[N_TILES][4], int half, float l, const Dropout& drop, int row,
+                                          int col0) {
+#pragma unroll
+    for (int j = 0; j < N_TILES; ++j) {
+        const uint32 bits = DROPOUT ? drop.keep_pair(row, col0 + j * 8) : 3u;  // columns col, col + 1
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float& x = s[j][half * 2 + e];
+            x = prob(x, l);
+            if (DROPOUT && !((bits >> e) & 1u)) x = __uint_as_float(__float_as_uint(x) | 0x80000000u);
+        }
+    }
+}
+
 template <bool IS_CAUSAL, int VARIANT, typename T>
 struct BwdScores {
     static constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0;
@@ -940,18 +959,7 @@ struct BwdScores {
             for (int half = 0; half < 2; ++half) {
                 const int row = row0 + i * 16 + half * 8;
                 const float l = lse2(i, half);
-#pragma unroll
-                for (int j = 0; j < N_TILES; ++j) {
-                    const int col = col0 + j * 8;
-                    // keep bits of columns col, col + 1 (col is even)
-                    const uint32 bits = DROPOUT ? drop.keep_pair(row, col) : 3u;
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float& x = s[i][j][half * 2 + e];
-                        x = prob(x, l);
-                        if (DROPOUT && !((bits >> e) & 1u)) x = __uint_as_float(__float_as_uint(x) | 0x80000000u);
-                    }
-                }
+                probs_row<DROPOUT>(s[i], half, l, drop, row, col0);
             }
         }
     }
@@ -1058,17 +1066,7 @@ struct DbiasScores {
                     return mod.keep_masked(bias.apply(mod.scaled(x, row, col), i, half, j, e), row, col);
                 });
                 const float l = lse2(i, half);
-#pragma unroll
-                for (int j = 0; j < N_TILES; ++j) {
-                    const int col = col0 + j * 8;
-                    const uint32 bits = DROPOUT ? drop.keep_pair(row, col) : 3u;
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float& x = s[i][j][half * 2 + e];
-                        x = prob(x, l);
-                        if (DROPOUT && !((bits >> e) & 1u)) x = __uint_as_float(__float_as_uint(x) | 0x80000000u);
-                    }
-                }
+                probs_row<DROPOUT>(s[i], half, l, drop, row, col0);
             }
         }
     }
