@@ -113,7 +113,6 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
         batch=batch, nheads_q=nheads_q, nheads_kv=nheads_kv, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         head_dim=head_dim, num_m_blocks=plan.num_m_blocks, num_splits=plan.num_splits,
         n_blocks_per_split=plan.n_blocks_per_split,
-        section_heads=dispatch.causal_section_heads(batch * nheads_q, seqlen_k, plan.head_dim_padded),
         softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E,
         var=_variant.plan_fields(options or {}, softmax_scale, nheads_q, dispatch.fwd_block_map_tile(plan)))
     launches = (plan.main,) if plan.combine is None else (plan.main, plan.combine)

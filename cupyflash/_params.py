@@ -62,7 +62,7 @@ FWD_PARAMS = _struct(
         ("batch", _I32), ("nheads_q", _I32), ("nheads_kv", _I32),
         ("seqlen_q", _I32), ("seqlen_k", _I32), ("head_dim", _I32),
         ("num_m_blocks", _I32), ("num_splits", _I32), ("n_blocks_per_split", _I32),
-        ("section_heads", _I32), ("softmax_scale", _F32), ("softmax_scale_log2", _F32),
+        ("softmax_scale", _F32), ("softmax_scale_log2", _F32),
         ("var", VARIANT_PARAMS),
     ]
 )

@@ -359,24 +359,6 @@ def fwd_sm90_tile(head_dim_padded: int, causal: bool, variant: int = 0) -> tuple
     return block_n, ctas_per_sm
 
 
-#: The causal forwards' tile order runs in sections whose K and V (per query head, all
-#: keys) take at most this many bytes, about two thirds of the H200's 50 MB L2 (see
-#: :func:`causal_section_heads`).
-CAUSAL_SECTION_L2_BYTES = 32 << 20
-
-
-def causal_section_heads(batch_heads: int, seqlen_k: int, head_dim_padded: int, elem_bytes: int = 2) -> int:
-    """The (batch, query head) pairs per section of the causal forwards' tile order
-    (``FwdParams.section_heads``, kernels_cu/query_grid.cuh): as many as whose keys and
-    values (``seqlen_k`` rows of ``head_dim_padded`` elements each) fit in
-    :data:`CAUSAL_SECTION_L2_BYTES`, at least 1 and at most ``batch_heads``. Within a
-    section every head's heaviest query block runs first, then the next heaviest, so the
-    grid's last blocks are its lightest; the section bounds the K/V the blocks running at
-    once read, so that they still share it in L2."""
-    per_head = 2 * max(seqlen_k, 1) * head_dim_padded * elem_bytes
-    return max(1, min(batch_heads, CAUSAL_SECTION_L2_BYTES // per_head))
-
-
 def fwd_block_map_tile(plan: FwdPlan) -> tuple[int, int] | None:
     """(BLOCK_M, BLOCK_N) of the tile map ``plan``'s kernel reads (VAR_BLOCK_MAP: the
     wgmma kernel with a mask), or None where its kernel takes no map."""

@@ -34,7 +34,6 @@ struct FwdParams {
     int32 num_m_blocks;        // ceil(seqlen_q / BLOCK_M)
     int32 num_splits;          // 1 unless split-KV
     int32 n_blocks_per_split;  // key blocks each split visits
-    int32 section_heads;       // causal: (batch, head) pairs per section of the tile order (query_grid.cuh)
     float softmax_scale;       // multiplies q.k
     float softmax_scale_log2;  // softmax_scale * log2(e), for exp2
     VariantParams var;         // window, softcap, ALiBi, sinks, dropout (variant.cuh)

@@ -609,15 +609,3 @@ def test_staged_needs_a_bias_or_mask_and_not_strided():
         dispatch.variant_bits(staged=True)
     with pytest.raises(ValueError, match="not staged"):
         dispatch.variant_bits(mask=True, strided=True, staged=True)
-
-
-def test_causal_section_heads():
-    """Sections of the causal forwards' tile order: as many (batch, head) pairs as
-    whose K and V fit the L2 budget, at least 1, at most all of them."""
-    budget = dispatch.CAUSAL_SECTION_L2_BYTES
-    per_head = 2 * 4096 * 128 * 2
-    assert dispatch.causal_section_heads(64, 4096, 128) == budget // per_head == 16
-    assert dispatch.causal_section_heads(16, 16384, 128) == 4
-    assert dispatch.causal_section_heads(8, 4096, 128) == 8  # all fit: one section
-    assert dispatch.causal_section_heads(64, 1 << 20, 256) == 1  # one head over budget: one per section
-    assert dispatch.causal_section_heads(3, 0, 64) == 3

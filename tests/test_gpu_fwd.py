@@ -124,28 +124,6 @@ def test_fwd_wgmma_kernel(rng, monkeypatch, launches, dtype, head_dim, causal, s
     check(host, out, lse, dtype, scale, causal)
 
 
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_fwd_causal_sections(rng, monkeypatch, dtype, head_dim):
-    """The causal forwards' tile order in several sections, the last one short
-    (query_grid.cuh causal_section_tile_coords): 16 (batch, head) pairs in sections of
-    3, bottom-right causal over several query blocks; every block written once. (16
-    pairs over 9 query blocks fill the 132 SMs: no split-KV, so D=128 runs the
-    warp-specialised kernel and D=64 the cp.async wgmma one on Hopper.)"""
-    from cupyflash import _gpu, dispatch
-
-    seqlen_q, seqlen_k = 1100, 1031
-    per_head = 2 * seqlen_k * dispatch.padded_head_dim(head_dim) * 2
-    monkeypatch.setattr(dispatch, "CAUSAL_SECTION_L2_BYTES", 3 * per_head)
-    assert dispatch.causal_section_heads(16, seqlen_k, dispatch.padded_head_dim(head_dim)) == 3
-    _gpu.clear_plans()
-    host, dev = make_inputs(rng, dtype, 4, seqlen_q, seqlen_k, 4, 2, head_dim)
-    scale = 1.0 / math.sqrt(head_dim)
-    out, lse = run_fwd(dev, dtype, scale, True)
-    check(host, out, lse, dtype, scale, True)
-    _gpu.clear_plans()
-
-
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_fwd_fully_masked_rows(rng, head_dim):
     """causal with seqlen_q > seqlen_k: rows that see no key give out 0 and lse -inf, no

@@ -60,7 +60,7 @@ def test_c_struct_parser_sees_a_swap():
     fields = _c_fields("FwdParams")
     assert fields[10] == ("q_batch_stride", np.dtype(np.int64))
     assert fields[11] == ("q_row_stride", np.dtype(np.int64))
-    assert len(fields) == len(_params.FWD_PARAMS.names) == 37
+    assert len(fields) == len(_params.FWD_PARAMS.names) == 36
     assert fields[-1][0] == "var" and len(fields[-1][1]) == len(_params.VARIANT_PARAMS.names)
 
 
