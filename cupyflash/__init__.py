@@ -13,10 +13,11 @@ from . import reference, testing
 from ._api import flash_attn, flash_attn_bwd, flash_attn_fwd
 from ._blockmask import BlockMask
 from ._kvcache import flash_attn_with_kvcache
+from ._launch import release_graph_scratch
 from ._varlen import flash_attn_varlen, flash_attn_varlen_bwd, flash_attn_varlen_fwd
 
 __version__ = "0.1.0"
 
 __all__ = ["BlockMask", "flash_attn_fwd", "flash_attn_bwd", "flash_attn", "flash_attn_varlen_fwd",
-           "flash_attn_varlen_bwd", "flash_attn_varlen", "flash_attn_with_kvcache", "reference",
+           "flash_attn_varlen_bwd", "flash_attn_varlen", "flash_attn_with_kvcache", "release_graph_scratch", "reference",
            "testing", "__version__"]

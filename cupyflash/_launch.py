@@ -139,12 +139,28 @@ class PlanCache(dict):
         return plan if plan is not None else self.put(key, make())
 
 
+#: Scratch allocated while the current stream captured a CUDA graph. The graph's
+#: replays write into it after the call has returned, so it must outlive the call:
+#: back in CuPy's pool, its block would be handed to the next array allocated.
+#: Kept until :func:`release_graph_scratch`.
+GRAPH_SCRATCH: list = []
+
+
 def cupy_alloc(nbytes: int):
-    """``(owner, pointer)`` of ``nbytes`` from CuPy's memory pool on the current device."""
+    """``(owner, pointer)`` of ``nbytes`` from CuPy's memory pool on the current device
+    (kept in :data:`GRAPH_SCRATCH` when the current stream is capturing a graph)."""
     import cupy  # noqa: PLC0415
 
     memory = cupy.cuda.alloc(nbytes)
+    if cupy.cuda.get_current_stream().is_capturing():
+        GRAPH_SCRATCH.append(memory)
     return memory, memory.ptr
+
+
+def release_graph_scratch() -> None:
+    """Return the scratch of the CUDA graphs captured so far to CuPy's pool: call it
+    once those graphs will not be replayed again."""
+    GRAPH_SCRATCH.clear()
 
 
 # ----------------------------------------------------------------------------

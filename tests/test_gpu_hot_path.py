@@ -122,6 +122,67 @@ def test_cupy_graph_capture_and_replay_on_new_data(rng, causal):
     _check_fwd_bwd(q, k, v, dout, out, lse, dq, dk, dv, causal)
 
 
+def test_cupy_graph_of_decode_steps(rng):
+    """Generation's loop: one decode step (append the new key and value, attend, advance
+    the device lengths) captured once in a CUDA graph, then replayed step after step on
+    new queries. The split-KV scratch the capture allocated stays the graph's
+    (``_launch.GRAPH_SCRATCH``): arrays allocated after the capture are not written by
+    the replays. Checked per step against the float64 reference of the cache so far."""
+    cp = _cp()
+    from cupyflash import _launch
+    from test_kvcache import assert_matches_reference
+
+    batch, hq, hkv, d, capacity = 3, 8, 2, 64, 256
+    host_k, host_v = (testing.random_normal(rng, (batch, capacity, hkv, d), "float16") for _ in range(2))
+    lengths = np.array([5, 100, 0], dtype=np.int32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        k_cache, v_cache = cp.asarray(host_k), cp.asarray(host_v)
+        q_in, k_in, v_in = (cp.empty((batch, 1, h, d), cp.float16) for h in (hq, hkv, hkv))
+        seqlens = cp.asarray(lengths)
+
+        def step():
+            out, lse = cupyflash.flash_attn_with_kvcache(q_in, k_cache, v_cache, k_in, v_in, cache_seqlens=seqlens,
+                                                         num_splits=3, return_lse=True)
+            cp.add(seqlens, 1, out=seqlens)  # the next step's lengths, on the device
+            return out, lse
+
+        def new_inputs():
+            new = [testing.random_normal(rng, x.shape, "float16") for x in (q_in, k_in, v_in)]
+            for dst, src in zip((q_in, k_in, v_in), new):
+                dst[...] = cp.asarray(src)
+            return new
+
+        def check(new, out, lse):
+            nonlocal host_k, host_v, lengths
+            stream.synchronize()
+            ref_k, ref_v = assert_matches_reference(new[0], host_k, host_v, new[1], new[2],
+                                                    out.get().astype(np.float32), lse.get(), cache_seqlens=lengths)
+            host_k, host_v = ref_k.astype(np.float16), ref_v.astype(np.float16)
+            assert np.array_equal(k_cache.get(), host_k) and np.array_equal(v_cache.get(), host_v)
+            lengths = lengths + 1
+            assert np.array_equal(seqlens.get(), lengths)
+
+        new = new_inputs()
+        check(new, *step())  # eager: plans, compiles, fills the pool the capture draws from
+        kept = len(_launch.GRAPH_SCRATCH)
+        new = new_inputs()
+        stream.begin_capture()
+        out, lse = step()
+        graph = stream.end_capture()
+        assert len(_launch.GRAPH_SCRATCH) == kept + 1  # the split-KV scratch, kept for the replays
+        guards = [cp.full(512 << i, 0x5A, dtype=cp.uint8) for i in range(12) for _ in range(2)]
+        for _ in range(3):
+            out.fill(np.nan)
+            lse.fill(np.nan)
+            graph.launch(stream)
+            check(new, out, lse)
+            new = new_inputs()
+        assert all(bool((g == 0x5A).all()) for g in guards)
+    del graph
+    _launch.release_graph_scratch()
+
+
 # ----------------------------------------------------------------------------
 # torch
 # ----------------------------------------------------------------------------
