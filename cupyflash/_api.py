@@ -718,22 +718,13 @@ class _EmptyBwd:
 
 
 class _GpuEntry:
-    """What the GPU entries share: the device, the streams, and graph capture."""
+    """What the GPU entries share: the device (CUDA graph capture: _launch.keep_for_graph)."""
 
     __slots__ = ("call", "device_id", "_cupy")
 
     def __init__(self, call, device_id):
         self.call, self.device_id = call, device_id
         self._cupy = sys.modules["cupy"]
-
-    def _keep_if_captured(self, stream, owner):
-        """Scratch memory a CUDA graph being captured on ``stream`` will use on every
-        replay: never handed back to the pool (one allocation per capture)."""
-        if owner is not None and stream.is_capturing():
-            _CAPTURED_SCRATCH.append(owner)
-
-
-_CAPTURED_SCRATCH: list = []
 
 
 class _GpuFwd(_GpuEntry):
@@ -750,11 +741,8 @@ class _GpuFwd(_GpuEntry):
             out = cupy.ndarray(call.out_shape, q.dtype)
         if lse is None:
             lse = cupy.ndarray(call.lse_shape, _FLOAT32)
-        stream = cupy.cuda.get_current_stream()
-        owner = call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k.data.ptr, v.data.ptr,
-                         out.data.ptr, lse.data.ptr)
-        if owner is not None:  # split-KV: the partials' scratch
-            self._keep_if_captured(stream, owner)
+        call.run(cupy.cuda.get_current_stream().ptr, _launch.cupy_alloc, q.data.ptr, k.data.ptr, v.data.ptr,
+                 out.data.ptr, lse.data.ptr)  # (split-KV scratch: kept by cupy_alloc while capturing)
         return out, lse
 
 
@@ -776,11 +764,8 @@ class _GpuBwd(_GpuEntry):
             dq = ndarray(q.shape, q.dtype) if dq is None else dq
             dk = ndarray(k.shape, k.dtype) if dk is None else dk
             dv = ndarray(v.shape, v.dtype) if dv is None else dv
-        stream = self._cupy.cuda.get_current_stream()
-        owner = self.call.run(stream.ptr, _launch.cupy_alloc, dout.data.ptr, q.data.ptr, k.data.ptr,
-                              v.data.ptr, out.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr,
-                              dv.data.ptr)
-        self._keep_if_captured(stream, owner)
+        self.call.run(self._cupy.cuda.get_current_stream().ptr, _launch.cupy_alloc, dout.data.ptr, q.data.ptr,
+                      k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr)
         return dq, dk, dv
 
 

@@ -278,8 +278,8 @@ class _GpuCacheEntry:
         # _variant.call_values (_params.VARIANT_PER_CALL): no dsinks, bias, mask, dbias, block map or dropout
         var = (_ptr(alibi_slopes), _ptr(sinks), 0, 0, 0, 0, 0, 0, 0)
         result = self._run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, var)
-        if any(c is not None for c in copies) and self._cupy.cuda.get_current_stream().is_capturing():
-            _api._CAPTURED_SCRATCH.extend(c for c in copies if c is not None)
+        if any(c is not None for c in copies):
+            _launch.keep_for_graph(*copies)
         return result
 
     def _lengths(self, cache_seqlens):
@@ -322,11 +322,9 @@ class _GpuDecode(_GpuCacheEntry):
         out, lse = self._allocate(q.dtype)
         lengths, cache_len = self._lengths(cache_seqlens)
         stream = cupy.cuda.get_current_stream()
-        owner = call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
-                         _ptr(k), _ptr(v), out.data.ptr, lse.data.ptr, lengths, _ptr(cache_batch_idx),
-                         _ptr(block_table), cache_len, var=var)
-        if owner is not None and stream.is_capturing():
-            _api._CAPTURED_SCRATCH.append(owner)  # a captured graph replays into it
+        call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
+                 _ptr(k), _ptr(v), out.data.ptr, lse.data.ptr, lengths, _ptr(cache_batch_idx),
+                 _ptr(block_table), cache_len, var=var)  # (split scratch: kept by cupy_alloc while capturing)
         return out, lse
 
 
@@ -359,10 +357,10 @@ class _GpuChunk(_GpuCacheEntry):
             lengths, cache_len = self._lengths(cache_seqlens)
             self.call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
                           _ptr(k), _ptr(v), 0, 0, lengths, 0, 0, cache_len, seqused)
-        owner = fwd.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
-                        out.data.ptr, lse.data.ptr, 0, 0, seqused, var=var)
-        if stream.is_capturing():
-            _api._CAPTURED_SCRATCH.extend(x for x in (used, owner) if x is not None)
+        fwd.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
+                out.data.ptr, lse.data.ptr, 0, 0, seqused, var=var)
+        if used is not None:
+            _launch.keep_for_graph(used)  # the counts a captured forward replays reading
         return out, lse
 
 

@@ -139,21 +139,30 @@ class PlanCache(dict):
         return plan if plan is not None else self.put(key, make())
 
 
-#: Scratch allocated while the current stream captured a CUDA graph. The graph's
-#: replays write into it after the call has returned, so it must outlive the call:
-#: back in CuPy's pool, its block would be handed to the next array allocated.
-#: Kept until :func:`release_graph_scratch`.
+#: Buffers a CUDA graph captured on the current stream reads or writes on its
+#: replays, after the call that made them has returned: the scratch allocated while
+#: the stream captured (back in CuPy's pool, its block would be handed to the next
+#: array allocated), and the copies a call makes of strided inputs. Kept until
+#: :func:`release_graph_scratch`.
 GRAPH_SCRATCH: list = []
+
+
+def keep_for_graph(*buffers) -> None:
+    """Keep ``buffers`` (None entries skipped) in :data:`GRAPH_SCRATCH` when the current
+    stream is capturing a CUDA graph."""
+    import cupy  # noqa: PLC0415
+
+    if cupy.cuda.get_current_stream().is_capturing():
+        GRAPH_SCRATCH.extend(b for b in buffers if b is not None)
 
 
 def cupy_alloc(nbytes: int):
     """``(owner, pointer)`` of ``nbytes`` from CuPy's memory pool on the current device
-    (kept in :data:`GRAPH_SCRATCH` when the current stream is capturing a graph)."""
+    (kept for the graph's replays when the current stream is capturing one)."""
     import cupy  # noqa: PLC0415
 
     memory = cupy.cuda.alloc(nbytes)
-    if cupy.cuda.get_current_stream().is_capturing():
-        GRAPH_SCRATCH.append(memory)
+    keep_for_graph(memory)
     return memory, memory.ptr
 
 

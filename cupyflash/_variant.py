@@ -10,7 +10,7 @@ the arrays' pointers and the dropout state change per call
 
 from __future__ import annotations
 
-from . import _params, dispatch
+from . import _launch, _params, dispatch
 from ._launch import LOG2E, Contiguous
 from ._philox import dropout_threshold
 
@@ -71,7 +71,9 @@ def block_map(options, tile):
 
     bm = options.get("block_mask")
     if bm is None:
-        bm = BlockMask.from_mask(options["attn_mask"])
+        tiles = BlockMask.from_mask(options["attn_mask"]).tiles(*tile)
+        _launch.keep_for_graph(tiles)  # a graph being captured replays reading it
+        return tiles
     return bm.tiles(*tile)
 
 
@@ -153,6 +155,7 @@ def contiguous(options):
         x = options.get(name)
         if x is not None and not x.flags.c_contiguous:
             out = {**out, name: cupy.ascontiguousarray(x)}
+            _launch.keep_for_graph(out[name])  # a graph being captured replays reading it
     return out
 
 
