@@ -2,7 +2,7 @@
 
     python .ci/profile_decode.py BATCH SEQLEN_K [HEADS_KV [HEAD_DIM]]
 
-Sq=1, 32 query heads, bf16, a dense cache of SEQLEN_K valid keys. E.g.
+Sq=1, 32 query heads, fp16, a dense cache of SEQLEN_K valid keys. E.g.
 ``ncu --clock-control none -k regex:flash_decode --launch-skip 2 python .ci/profile_decode.py 1 131072``.
 """
 import sys
