@@ -898,12 +898,26 @@ def bwd_dq_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: b
                        grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0) -> Launch:
     """The wgmma deterministic dQ kernel (cc 9.0)."""
     d = head_dim_padded
-    block_n, ctas_per_sm = next((table[d] for bit, table in _BWD_DQ_SM90_VARIANT.items()
-                                 if variant & bit and d in table), _BWD_DQ_SM90[d])
-    # BwdDqSm90Traits::SMEM_BYTES: Q, dO, 3 stages of (K, V), 1 KB to align.
-    smem = 2 * BWD_DQ_SM90_BLOCK_M * d * 2 + 2 * 3 * block_n * d * 2 + 1024
+    block_n, ctas_per_sm = bwd_dq_sm90_tile(d, variant)
     args = (CTYPES[dtype], str(d), str(block_n), str(ctas_per_sm), _cbool(causal), _cbool(even_k), str(variant))
-    return Launch("flash_bwd_sm90.cu", "cupyflash::flash_bwd_dq_sm90_kernel", args, grid, (256, 1, 1), smem)
+    return Launch("flash_bwd_sm90.cu", "cupyflash::flash_bwd_dq_sm90_kernel", args, grid, (256, 1, 1),
+                  bwd_dq_sm90_smem_bytes(d, block_n, variant))
+
+
+def bwd_dq_sm90_tile(head_dim_padded: int, variant: int = 0) -> tuple[int, int]:
+    """(BLOCK_N, CTAS_PER_SM) of the wgmma dQ kernel (_BWD_DQ_SM90, _BWD_DQ_SM90_VARIANT)."""
+    d = head_dim_padded
+    return next((table[d] for bit, table in _BWD_DQ_SM90_VARIANT.items() if variant & bit and d in table),
+                _BWD_DQ_SM90[d])
+
+
+def bwd_dq_sm90_smem_bytes(head_dim_padded: int, block_n: int, variant: int = 0) -> int:
+    """kernels_cu/flash_bwd_sm90.cu BwdDqSm90Traits::SMEM_BYTES (the kernel traps on less
+    when staged): Q, dO, 3 stages of (K, V and, staged, the key block's bias and mask
+    tiles), 1 KB to align."""
+    d = head_dim_padded
+    return (2 * BWD_DQ_SM90_BLOCK_M * d * 2
+            + 3 * (2 * block_n * d * 2 + _score_stage_bytes(BWD_DQ_SM90_BLOCK_M, block_n, variant)) + 1024)
 
 
 # Variant bits whose wgmma backward spills, per padded head_dim (check-kernels, NVRTC
@@ -934,8 +948,16 @@ def bwd_sm90_variant(head_dim_padded: int, variant: int, cc: tuple[int, int] = (
 
 
 def bwd_dq_sm90_variant(head_dim_padded: int, variant: int, cc: tuple[int, int] = (9, 0)) -> int:
-    """The VARIANT the wgmma dQ kernel is compiled with (VAR_BIAS_STAGED dropped: not staged yet)."""
-    return variant & ~VAR_BIAS_STAGED
+    """The VARIANT the wgmma dQ kernel is compiled with: ``variant`` less VAR_BIAS_STAGED
+    with softcap (its per-element path reads the bias itself) or where three stages of
+    the key block's tiles do not fit one block beside the K/V ring."""
+    if not variant & VAR_BIAS_STAGED:
+        return variant
+    block_n, ctas_per_sm = bwd_dq_sm90_tile(head_dim_padded, variant)
+    smem = bwd_dq_sm90_smem_bytes(head_dim_padded, block_n, variant)
+    fits = (not variant & VAR_SOFTCAP and ctas_per_sm * (smem + 1024) <= smem_per_sm(cc)
+            and smem <= max_smem_per_block(cc))
+    return _unstaged(variant, fits)
 
 
 def uses_sm90_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int = 0) -> bool:

@@ -480,7 +480,8 @@ namespace cupyflash {
 // (one barrier per key block); P and dS never leave registers:
 //   S = Q·Kᵀ, dP = dO·Vᵀ (both operands from shared memory),
 //   dS = P∘(dP − delta), dQ += dS·K (dS from registers, K read MN-major);
-// with variants as the dK/dV kernel (above), key blocks as the forward's (Mask::key_blocks).
+// with variants as the dK/dV kernel (above), key blocks as the forward's (Mask::key_blocks);
+// a staged bias/mask (VAR_BIAS_STAGED) streams beside K and V as in the forward.
 // Key blocks are summed in a fixed order, so dq is bitwise reproducible.
 // Template parameters: T, HEAD_DIM (64 or 128), BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K, VARIANT.
 // ---------------------------------------------------------------------------
@@ -500,7 +501,7 @@ __device__ __forceinline__ void mask_tile(float (&s)[1][N_TILES][4], const Mask<
     }
 }
 
-template <typename T_, int HEAD_DIM_, int BLOCK_N_>
+template <typename T_, int HEAD_DIM_, int BLOCK_N_, int VARIANT_>
 struct BwdDqSm90Traits {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
@@ -510,24 +511,38 @@ struct BwdDqSm90Traits {
     static constexpr int STAGES = 3;
     using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;   // Q and dO (and the dQ staging, in sQ)
     using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;  // K and V, STAGES of each
-    static constexpr int SMEM_BYTES = 2 * QTile::BYTES + 2 * STAGES * KVTile::BYTES + 1024;
+    // (VAR_BIAS_STAGED) the key block's bias/mask tile, a stage beside each K/V stage, as
+    // the forward's; else ScoreMod reads them element by element (ElementTerms)
+    static constexpr bool STAGED = (VARIANT_ & VAR_BIAS_STAGED) != 0;
+    using Terms = typename Select<STAGED, StagedScoreTerms<VARIANT_, T, 1, BLOCK_N / 8, BLOCK_M, NUM_THREADS>,
+                                  ElementTerms>::type;
+    static constexpr int STAGE_BYTES = ScoreStageBytes<STAGED, VARIANT_, T, BLOCK_M, BLOCK_N, NUM_THREADS>::value;
+    static constexpr int SMEM_BYTES = 2 * QTile::BYTES + STAGES * (2 * KVTile::BYTES + STAGE_BYTES) + 1024;
+    static_assert(SMEM_BYTES <= 227 * 1024, "more shared memory than a Hopper block has");
 };
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int CTAS_PER_SM, bool IS_CAUSAL, bool EVEN_K, int VARIANT>
 __global__ void __launch_bounds__(256, CTAS_PER_SM)
 flash_bwd_dq_sm90_kernel(const BwdParams p) {
-    using Tr = BwdDqSm90Traits<T, HEAD_DIM, BLOCK_N>;
+    using Tr = BwdDqSm90Traits<T, HEAD_DIM, BLOCK_N, VARIANT>;
     constexpr int BLOCK_M = Tr::BLOCK_M, NT = Tr::NUM_THREADS, STAGES = Tr::STAGES;
     constexpr int N_TILES = BLOCK_N / 8, D_TILES = HEAD_DIM / 8;
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0, DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
+    static_assert(!(Tr::STAGED && SOFTCAP), "softcap's per-element path reads its bias itself (not staged)");
 
     extern __shared__ __align__(16) unsigned char smem[];
     const uint32 sQ = (smem_addr(smem) + 1023u) & ~1023u;
     const uint32 sdO = sQ + QTile::BYTES;
     const uint32 sK0 = sdO + QTile::BYTES;           // K stage s at sK0 + s * KVTile::BYTES
     const uint32 sV0 = sK0 + STAGES * KVTile::BYTES;  // V likewise
+    const uint32 sB0 = sV0 + STAGES * KVTile::BYTES;  // bias/mask stages (staged only)
+    // The launch's dynamic shared memory is dispatch's (bwd_dq_sm90_smem_bytes): it must
+    // cover this kernel's (checked where the staged tiles' size is new).
+    if constexpr (Tr::STAGED) {
+        if (threadIdx.x == 0 && dynamic_smem_bytes() < uint32(Tr::SMEM_BYTES)) __trap();
+    }
 
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int wg = warp / 4;
@@ -567,6 +582,7 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
         lse2[hh] = r < rows_valid ? p.lse_log2[row_index0 + r] : 0.f;
         delta[hh] = r < rows_valid ? p.delta[row_index0 + r] : 0.f;
     }
+    typename Tr::Terms terms(mod, b, h, m0, r0, sB0);  // (staged) the bias and mask of a key block
 
     float acc_dq[D_TILES][4];
 #pragma unroll
@@ -580,6 +596,7 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
             sK0 + stage * KVTile::BYTES, k + int64(n) * BLOCK_N * p.k_row_stride, p.k_row_stride, rows, p.head_dim);
         load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(
             sV0 + stage * KVTile::BYTES, v + int64(n) * BLOCK_N * p.v_row_stride, p.v_row_stride, rows, p.head_dim);
+        if constexpr (Tr::STAGED) terms.stage_in(n, stage);  // in the group of K and V
     };
 
     // Prologue: Q, dO with the first key block, then the second (groups 0, 1).
@@ -642,7 +659,14 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
             SeqLens sl{};
             if constexpr (MASKED) sl = seq_lens(p, b);
             const Mask<IS_CAUSAL, VARIANT> mask(p.var, sl.seqlen_q, sl.seqlen_k);
-            if constexpr (!SOFTCAP) {  // as the forward: scores in log2 units, masked to -inf
+            if constexpr (Tr::STAGED) {  // the block's bias and mask from its stage (no softcap)
+                terms.template load<MASKED>(n * BLOCK_N + 2 * t, stage);
+                score_tile<MASKED>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t, terms);
+#pragma unroll
+                for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[0][j][e] = prob(s[0][j][e], lse2[e / 2]);
+            } else if constexpr (!SOFTCAP) {  // as the forward: scores in log2 units, masked to -inf
                 score_tile<MASKED>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
 #pragma unroll
                 for (int j = 0; j < N_TILES; ++j)

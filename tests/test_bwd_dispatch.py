@@ -439,7 +439,8 @@ def test_staged_fp32_bias_or_mask_alone_at_d128_on_hopper_take_wgmma(bits, causa
     """Staged, the fp32 bias alone and the mask alone fit the D=128 wgmma dK/dV kernel,
     and the q-dtype bias alone takes it with its spill (faster than mma.sync: measured)
     (_BWD_SM90_STAGED_FITS): its plan stages the tile there; dQ from the wgmma dQ kernel
-    (deterministic; unstaged) or by atomics in the dK/dV kernel (default at D=128)."""
+    (deterministic; staged where its three stages fit: not the fp32 bias) or by atomics in
+    the dK/dV kernel (default at D=128)."""
     S = dispatch.VAR_BIAS_STAGED
     plan = dispatch.select_bwd(batch=2, seqlen_q=1000, seqlen_k=1000, nheads_q=8, nheads_kv=8, head_dim=128,
                                dtype="bfloat16", causal=causal, deterministic=deterministic, vec=True, cc=(9, 0),
@@ -450,7 +451,7 @@ def test_staged_fp32_bias_or_mask_alone_at_d128_on_hopper_take_wgmma(bits, causa
     assert plan.dq_accum == (not deterministic)
     if deterministic:
         assert plan.launches[2].template == "cupyflash::flash_bwd_dq_sm90_kernel"
-        assert plan.launches[2].args[-1] == str(bits)
+        assert plan.launches[2].args[-1] == str(bits if bits == dispatch.VAR_BIAS_FP32 else bits | S)
     names = {L.name_expression for L in dispatch.all_bwd_launches((9, 0))}
     assert all(L.name_expression in names for L in plan.launches[1:])
     # unstaged (rows not 16-byte aligned), on unaligned data, and before sm_90: mma.sync
@@ -782,3 +783,30 @@ def test_dbias_strip_plan(d, causal):
     assert dbias.smem_bytes <= dispatch.max_smem_per_block((9, 0))
     if d in (64, 128):  # check-kernels compiles aligned head_dims
         assert dbias.name_expression in {L.name_expression for L in dispatch.all_bwd_launches((9, 0))}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("bits", [dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK,
+                                  dispatch.VAR_BIAS | dispatch.VAR_MASK, dispatch.VAR_BIAS | dispatch.VAR_SOFTCAP])
+def test_wgmma_dq_kernel_stages_the_tile_where_it_fits(head_dim, bits):
+    """The wgmma dQ kernel streams the key block's bias/mask tile beside K and V (three
+    stages, as the forward) where they fit one block with its tile; not with softcap
+    (its per-element path reads the bias itself); its shared memory covers the stages."""
+    S = dispatch.VAR_BIAS_STAGED
+    block_n, ctas = dispatch.bwd_dq_sm90_tile(head_dim, bits)
+    plain = dispatch.bwd_dq_sm90_smem_bytes(head_dim, block_n, bits)
+    assert plain == 2 * 128 * head_dim * 2 + 3 * 2 * block_n * head_dim * 2 + 1024
+    staged = dispatch.bwd_dq_sm90_smem_bytes(head_dim, block_n, bits | S)
+    tile = 128 * block_n * ((4 if bits & dispatch.VAR_BIAS_FP32 else 2 if bits & dispatch.VAR_BIAS else 0)
+                            + (1 if bits & dispatch.VAR_MASK else 0))
+    assert staged == plain + 3 * tile
+    fits = not bits & dispatch.VAR_SOFTCAP and ctas * (staged + 1024) <= dispatch.smem_per_sm((9, 0))
+    assert dispatch.bwd_dq_sm90_variant(head_dim, bits | S) == (bits | S if fits else bits)
+    assert dispatch.bwd_dq_sm90_variant(head_dim, bits) == bits
+    launch = dispatch.bwd_dq_sm90_launch("bfloat16", head_dim, False, True, variant=bits | S)
+    assert launch.smem_bytes == staged
+    expect = {(64, dispatch.VAR_BIAS): True, (64, dispatch.VAR_BIAS_FP32): True, (64, dispatch.VAR_MASK): True,
+              (64, dispatch.VAR_BIAS | dispatch.VAR_MASK): True, (128, dispatch.VAR_BIAS): True,
+              (128, dispatch.VAR_BIAS_FP32): False, (128, dispatch.VAR_MASK): True,
+              (128, dispatch.VAR_BIAS | dispatch.VAR_MASK): False}
+    assert fits == expect.get((head_dim, bits), False)
