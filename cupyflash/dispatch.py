@@ -905,10 +905,22 @@ def bwd_dq_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: b
 
 
 def bwd_dq_sm90_tile(head_dim_padded: int, variant: int = 0) -> tuple[int, int]:
-    """(BLOCK_N, CTAS_PER_SM) of the wgmma dQ kernel (_BWD_DQ_SM90, _BWD_DQ_SM90_VARIANT)."""
+    """(BLOCK_N, CTAS_PER_SM) of the wgmma dQ kernel: _BWD_DQ_SM90, or _BWD_DQ_SM90_VARIANT's
+    for a bias or mask read element by element; staged (VAR_BIAS_STAGED), the plain
+    kernel's tile where its stages fit (D=64, (1, H, N, N) bf16 bias with dbias, N=4096:
+    the backward 11.11 ms at 128 keys against 11.81 at 64; PERF.md v20, run 75)."""
     d = head_dim_padded
+    if variant & VAR_BIAS_STAGED and _dq_stages_fit(d, _BWD_DQ_SM90[d], variant):
+        return _BWD_DQ_SM90[d]
     return next((table[d] for bit, table in _BWD_DQ_SM90_VARIANT.items() if variant & bit and d in table),
                 _BWD_DQ_SM90[d])
+
+
+def _dq_stages_fit(head_dim_padded: int, tile: tuple[int, int], variant: int, cc: tuple[int, int] = (9, 0)) -> bool:
+    """Whether the wgmma dQ kernel's blocks of ``tile`` (BLOCK_N, CTAS_PER_SM) fit an SM with
+    ``variant``'s stages."""
+    smem = bwd_dq_sm90_smem_bytes(head_dim_padded, tile[0], variant)
+    return tile[1] * (smem + 1024) <= smem_per_sm(cc) and smem <= max_smem_per_block(cc)
 
 
 def bwd_dq_sm90_smem_bytes(head_dim_padded: int, block_n: int, variant: int = 0) -> int:
@@ -950,13 +962,12 @@ def bwd_sm90_variant(head_dim_padded: int, variant: int, cc: tuple[int, int] = (
 def bwd_dq_sm90_variant(head_dim_padded: int, variant: int, cc: tuple[int, int] = (9, 0)) -> int:
     """The VARIANT the wgmma dQ kernel is compiled with: ``variant`` less VAR_BIAS_STAGED
     with softcap (its per-element path reads the bias itself) or where three stages of
-    the key block's tiles do not fit one block beside the K/V ring."""
+    the key block's tiles do not fit one block beside the K/V ring
+    (:func:`bwd_dq_sm90_tile`)."""
     if not variant & VAR_BIAS_STAGED:
         return variant
-    block_n, ctas_per_sm = bwd_dq_sm90_tile(head_dim_padded, variant)
-    smem = bwd_dq_sm90_smem_bytes(head_dim_padded, block_n, variant)
-    fits = (not variant & VAR_SOFTCAP and ctas_per_sm * (smem + 1024) <= smem_per_sm(cc)
-            and smem <= max_smem_per_block(cc))
+    fits = not variant & VAR_SOFTCAP and _dq_stages_fit(head_dim_padded, bwd_dq_sm90_tile(head_dim_padded, variant),
+                                                        variant, cc)
     return _unstaged(variant, fits)
 
 

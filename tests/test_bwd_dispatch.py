@@ -658,7 +658,9 @@ def _staged_plan(head_dim, bits, cc=(9, 0), deterministic=False):
 def test_staged_backward_keeps_its_tile_and_stages(cc, head_dim, bits):
     """VAR_BIAS_STAGED on the backward: the dK/dV and dQ kernels that stage the tile keep
     the tile and stage count of the unstaged plan (the bit dropped where the stages do
-    not fit), their shared memory covers the stages, and the dbias kernel never has it.
+    not fit; the wgmma dQ kernel takes the plain kernel's tile where it fits:
+    bwd_dq_sm90_tile), their shared memory covers the stages, and the dbias kernel never
+    has it.
     (The D=128 plans that fit the wgmma kernels only staged change family: tested above.)"""
     S = dispatch.VAR_BIAS_STAGED
     if dispatch.uses_sm90_bwd(head_dim, True, cc, bits | S) != dispatch.uses_sm90_bwd(head_dim, True, cc, bits):
@@ -674,7 +676,14 @@ def test_staged_backward_keeps_its_tile_and_stages(cc, head_dim, bits):
             if not staged.args[-1].isdigit() or not int(staged.args[-1]) & S:
                 assert staged == unstaged
                 continue
-            assert staged.args[:-1] == unstaged.args[:-1] and int(staged.args[-1]) == int(unstaged.args[-1]) | S
+            assert int(staged.args[-1]) == int(unstaged.args[-1]) | S
+            if staged.template.endswith("flash_bwd_dq_sm90_kernel"):  # staged: the plain kernel's tile where it fits
+                d, block_n = int(staged.args[1]), int(staged.args[2])
+                assert (block_n, int(staged.args[3])) == dispatch.bwd_dq_sm90_tile(d, int(staged.args[-1]))
+                assert staged.args[:2] + staged.args[3:-1] == unstaged.args[:2] + unstaged.args[3:-1]
+                assert staged.smem_bytes == dispatch.bwd_dq_sm90_smem_bytes(d, block_n, int(staged.args[-1]))
+            else:
+                assert staged.args[:-1] == unstaged.args[:-1]
             assert staged.smem_bytes > unstaged.smem_bytes
             assert staged.smem_bytes <= dispatch.max_smem_per_block(cc)
 
@@ -790,23 +799,27 @@ def test_dbias_strip_plan(d, causal):
                                   dispatch.VAR_BIAS | dispatch.VAR_MASK, dispatch.VAR_BIAS | dispatch.VAR_SOFTCAP])
 def test_wgmma_dq_kernel_stages_the_tile_where_it_fits(head_dim, bits):
     """The wgmma dQ kernel streams the key block's bias/mask tile beside K and V (three
-    stages, as the forward) where they fit one block with its tile; not with softcap
-    (its per-element path reads the bias itself); its shared memory covers the stages."""
+    stages, as the forward) where they fit one block with its tile, at the plain kernel's
+    128 keys at D=64 where they fit there, else the element-wise path's 64; not with
+    softcap (its per-element path reads the bias itself); its shared memory covers the
+    stages."""
     S = dispatch.VAR_BIAS_STAGED
-    block_n, ctas = dispatch.bwd_dq_sm90_tile(head_dim, bits)
-    plain = dispatch.bwd_dq_sm90_smem_bytes(head_dim, block_n, bits)
-    assert plain == 2 * 128 * head_dim * 2 + 3 * 2 * block_n * head_dim * 2 + 1024
-    staged = dispatch.bwd_dq_sm90_smem_bytes(head_dim, block_n, bits | S)
+    expect = {(64, dispatch.VAR_BIAS): 128, (64, dispatch.VAR_BIAS_FP32): 64, (64, dispatch.VAR_MASK): 128,
+              (64, dispatch.VAR_BIAS | dispatch.VAR_MASK): 64, (128, dispatch.VAR_BIAS): 64,
+              (128, dispatch.VAR_MASK): 64}
+    staged_bits = dispatch.bwd_dq_sm90_variant(head_dim, bits | S)
+    assert dispatch.bwd_dq_sm90_variant(head_dim, bits) == bits
+    if (head_dim, bits) not in expect:  # softcap, or the stages do not fit: unstaged
+        assert staged_bits == bits
+        return
+    assert staged_bits == bits | S
+    block_n, ctas = dispatch.bwd_dq_sm90_tile(head_dim, bits | S)
+    assert (block_n, ctas) == (expect[head_dim, bits], 1)
     tile = 128 * block_n * ((4 if bits & dispatch.VAR_BIAS_FP32 else 2 if bits & dispatch.VAR_BIAS else 0)
                             + (1 if bits & dispatch.VAR_MASK else 0))
-    assert staged == plain + 3 * tile
-    fits = not bits & dispatch.VAR_SOFTCAP and ctas * (staged + 1024) <= dispatch.smem_per_sm((9, 0))
-    assert dispatch.bwd_dq_sm90_variant(head_dim, bits | S) == (bits | S if fits else bits)
-    assert dispatch.bwd_dq_sm90_variant(head_dim, bits) == bits
+    staged = dispatch.bwd_dq_sm90_smem_bytes(head_dim, block_n, bits | S)
+    assert staged == 2 * 128 * head_dim * 2 + 3 * (2 * block_n * head_dim * 2 + tile) + 1024 <= 227 * 1024
     launch = dispatch.bwd_dq_sm90_launch("bfloat16", head_dim, False, True, variant=bits | S)
-    assert launch.smem_bytes == staged
-    expect = {(64, dispatch.VAR_BIAS): True, (64, dispatch.VAR_BIAS_FP32): True, (64, dispatch.VAR_MASK): True,
-              (64, dispatch.VAR_BIAS | dispatch.VAR_MASK): True, (128, dispatch.VAR_BIAS): True,
-              (128, dispatch.VAR_BIAS_FP32): False, (128, dispatch.VAR_MASK): True,
-              (128, dispatch.VAR_BIAS | dispatch.VAR_MASK): False}
-    assert fits == expect.get((head_dim, bits), False)
+    assert launch.smem_bytes == staged and launch.args[2] == str(block_n)
+    # unstaged, the element-wise path's tile
+    assert dispatch.bwd_dq_sm90_tile(head_dim, bits) == ((64, 1) if bits & ~dispatch.VAR_SOFTCAP else (128, 1))
