@@ -300,7 +300,7 @@ def test_ws_window_rows_that_see_no_key(ws_on, rng, case, with_sinks):
     assert (out[:, empty] == 0).all()
     if with_sinks:
         np.testing.assert_allclose(lse[:, :, empty], np.broadcast_to(variants["sinks"][None, :, None],
-                                                                     lse[:, :, empty].shape), rtol=1e-6)
+                                                                     lse[:, :, empty].shape), rtol=1e-5, atol=1e-5)
     else:
         assert (lse[:, :, empty] == -np.inf).all()
     check_variant(inputs, (out, lse), causal, variants)
