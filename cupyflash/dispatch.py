@@ -137,8 +137,10 @@ SM90_STAGES = 3
 
 # Issue 15: the warp-specialised forward (kernels_cu/flash_fwd_ws.cu): a producer
 # warpgroup copies Q, K and V with TMA, two consumer warpgroups of 64 query rows each
-# compute, ping-ponging their GEMMs, S_{n+1} issued with P_n·V_n. Plain (VARIANT 0),
-# dense, aligned batches at these padded head_dims; (BLOCK_N, STAGES) for
+# compute, ping-ponging their GEMMs, S_{n+1} issued with P_n·V_n. Dense, aligned
+# batches with no variant or those of FWD_WS_VARIANTS at these padded head_dims (the
+# variants take the plain kernel's tile: their code fits the consumers' 240 registers
+# with no spill, nvcc 13.0, and adds no shared memory); (BLOCK_N, STAGES) for
 # (non-causal, causal). FA3's D=128 tile: 128 x 128. Run 64 (two stages, one release
 # of K and V together): 451-478 TFLOP/s at D=128, no gain on the cp.async kernel, and
 # 286-316 at D=64 against its 326-379 (kernels_cu/PERF.md); K and V are now released
@@ -150,6 +152,10 @@ _FWD_WS = {
 }
 FWD_WS_BLOCK_M = 128
 FWD_WS_THREADS = 384
+#: The variant bits the warp-specialised forward takes (kernels_cu/flash_fwd_ws.cu
+#: WS_VARIANTS): those whose code is all in the scores and the softmax. A bias or mask
+#: (staged tiles, a block map) stays on the cp.async wgmma kernel.
+FWD_WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT
 #: The padded head_dims the switch (FWD_WS) sends to the warp-specialised forward: where
 #: it is expected to beat the wgmma kernel. D=64 is softmax-bound at this tile (run 64:
 #: 0.8x the wgmma kernel's two 64-key blocks per SM) and stays off the switch unless
@@ -166,8 +172,10 @@ FWD_WS: bool | tuple[int, ...] = {"all": True, "0": False}.get(_FWD_WS_ENV, FWD_
 
 def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int = 0,
                 varlen: bool = False) -> bool:
-    """Whether the warp-specialised kernel serves this call (when asked for; before any split-KV)."""
-    return cc == (9, 0) and vec and head_dim_padded in _FWD_WS and variant == 0 and not varlen
+    """Whether the warp-specialised kernel serves this call (when asked for; before any
+    split-KV): dense, aligned, on cc 9.0, with no variant outside FWD_WS_VARIANTS."""
+    return (cc == (9, 0) and vec and head_dim_padded in _FWD_WS and not variant & ~FWD_WS_VARIANTS
+            and not varlen)
 
 
 def fwd_ws_tile(head_dim_padded: int, causal: bool) -> tuple[int, int]:
@@ -182,11 +190,16 @@ def fwd_ws_smem_bytes(head_dim_padded: int, block_n: int, stages: int) -> int:
 
 
 def fwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
-                  grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
+                  grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0) -> Launch:
     """The warp-specialised forward kernel (cc 9.0) for one set of compile-time choices:
-    ``<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, EVEN_K, VARIANT>``, VARIANT 0."""
+    ``<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, EVEN_K, VARIANT>``; ``variant``: bits of
+    FWD_WS_VARIANTS (:func:`uses_ws_fwd`)."""
+    if variant & ~FWD_WS_VARIANTS:
+        raise ValueError(f"cupyflash: the warp-specialised forward takes the variant bits {FWD_WS_VARIANTS} "
+                         f"only; got {variant}")
     block_n, stages = fwd_ws_tile(head_dim_padded, causal)
-    args = (CTYPES[dtype], str(head_dim_padded), str(block_n), str(stages), _cbool(causal), _cbool(even_k), "0")
+    args = (CTYPES[dtype], str(head_dim_padded), str(block_n), str(stages), _cbool(causal), _cbool(even_k),
+            str(variant))
     return Launch("flash_fwd_ws.cu", "cupyflash::flash_fwd_ws_kernel", args, grid, (FWD_WS_THREADS, 1, 1),
                   fwd_ws_smem_bytes(head_dim_padded, block_n, stages))
 
@@ -418,7 +431,8 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
         num_m_blocks = math.ceil(seqlen_q / FWD_WS_BLOCK_M)
         n_blocks = math.ceil(seqlen_k / block_n)
         if num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms) == 1:
-            main = fwd_ws_launch(dtype, d, causal, head_dim == d, (num_m_blocks * batch * nheads_q, 1, 1))
+            main = fwd_ws_launch(dtype, d, causal, head_dim == d, (num_m_blocks * batch * nheads_q, 1, 1),
+                                 variant)
             return FwdPlan(main, None, d, num_m_blocks, 1, n_blocks, (FWD_WS_BLOCK_M, block_n))
     if uses_sm90_fwd(d, vec, cc):
         block_m, block_n = SM90_BLOCK_M, fwd_sm90_tile(d, causal, variant)[0]
@@ -465,6 +479,10 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
         out.append(fwd_launch(_VARIANT_CHECK_DTYPE, d, causal, True, True, split, cc=cc, variant=bit))
         if uses_sm90_fwd(d, True, cc) and not split:
             out.append(fwd_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bit))
+    # The warp-specialised forward's variants (FWD_WS_CHECK_VARIANTS) at each head_dim it has.
+    for bits, d, causal in itertools.product(FWD_WS_CHECK_VARIANTS, HEAD_DIMS, (False, True)):
+        if uses_ws_fwd(d, True, cc, bits):
+            out.append(fwd_ws_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bits))
     # The staged bias and mask (the wgmma kernel; where the stages do not fit, the
     # register path it takes instead).
     for bit, d, causal in itertools.product(FWD_STAGED_CHECK_VARIANTS, HEAD_DIMS, (False, True)):
@@ -490,6 +508,12 @@ FWD_STAGED_CHECK_VARIANTS = tuple(VAR_BIAS_STAGED | bits for bits in (
     VAR_BLOCK_MAP | VAR_MASK, VAR_BLOCK_MAP | VAR_MASK | VAR_BIAS, VAR_BLOCK_MAP | VAR_MASK | VAR_BIAS_FP32,
     VAR_BLOCK_MAP | VAR_MASK | VAR_WINDOW))
 
+
+#: ... and the warp-specialised forward's: each of its variants alone, softcap with
+#: ALiBi, and a window with sinks, with dropout (the combination that came closest to
+#: spilling: kernels_cu/flash_fwd_ws.cu KEEP_UNDER_S) and with all the others.
+FWD_WS_CHECK_VARIANTS = (VAR_WINDOW, VAR_SOFTCAP, VAR_ALIBI, VAR_SINKS, VAR_DROPOUT, VAR_SOFTCAP | VAR_ALIBI,
+                         VAR_WINDOW | VAR_SINKS, VAR_WINDOW | VAR_DROPOUT, FWD_WS_VARIANTS)
 
 #: The backward's staged bias and mask (VAR_BIAS_STAGED) that check-kernels compiles:
 #: each array alone, both, and a bias with softcap (whose dS recomputes the score).

@@ -42,11 +42,22 @@
 //   STAGES     K/V ring depth
 //   IS_CAUSAL  bottom-right aligned causal mask
 //   EVEN_K     head_dim == HEAD_DIM (no column predicates in the O stores)
-//   VARIANT    variant.cuh's VAR_* bits: only 0 (the plain forward) for now
+//   VARIANT    variant.cuh's VAR_* bits: WS_VARIANTS (softcap, ALiBi, a window, sinks,
+//              dropout) or none; a bias or mask goes to flash_fwd_sm90.cu
 // Dense batches only (4-D tensor maps; dispatch sends packed batches to
 // flash_fwd_sm90.cu), 16-byte aligned data and strides (a TMA requirement).
 // seqused_k: keys past a sequence's count are masked in S (P = 0), but their rows
 // are still read (up to seqlen_k) and must hold finite values, as P·V multiplies them.
+//
+// Variants (variant.cuh, as flash_fwd_sm90.cu takes them): both warpgroups ask Mask for
+// the key blocks the query block sees (a window's range); the producer copies exactly
+// those, from the last down, and the consumers walk the same blocks in the same order,
+// the masked ones (key tail, causal diagonal, a window's edges) with mask code, the
+// rest without. A query block that sees no key block copies nothing but Q and goes
+// straight to the epilogue (O = 0, lse = -inf; the sink's lse with sinks). softcap and
+// ALiBi are score_tile's (ScoreMod); sinks start the running max and join the sums in
+// finalize; dropout's keep bits (they depend on no score) are drawn while the S GEMM
+// runs (KEEP_UNDER_S) and zero P after the row sums took it, before P·V.
 #include "params.cuh"
 #include "seqlens.cuh"
 #include "query_grid.cuh"
@@ -83,10 +94,19 @@ struct FwdWsTraits {
     static constexpr int EPILOGUE_BAR = 1, SCHED_BAR = 1 + CONSUMERS;
 };
 
+// The variants this kernel takes (cupyflash/dispatch.py FWD_WS_VARIANTS): those whose
+// code lives in the scores and the softmax, not in extra shared-memory streams.
+constexpr int WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT;
+
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool EVEN_K, int VARIANT>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
-    static_assert(VARIANT == 0, "flash_fwd_ws_kernel: the plain forward only (VARIANT 0) for now");
+    static_assert((VARIANT & ~WS_VARIANTS) == 0, "flash_fwd_ws_kernel: no bias, mask or block map");
+    constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
+    // Dropout's keep bits depend on no score: drawn while the consumer waits for its S
+    // GEMM; with a window, whose edges leave no room for the Philox rounds next to S's
+    // accumulators (20 bytes of spill, nvcc 13.0), before the GEMMs are issued.
+    constexpr bool KEEP_UNDER_S = !Mask<IS_CAUSAL, VARIANT>::WINDOW;
     using Tr = FwdWsTraits<T, HEAD_DIM, BLOCK_N, STAGES>;
     constexpr int BLOCK_M = Tr::BLOCK_M, N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES, BOX = Tr::BOX_COLS;
     using QTile = typename Tr::QTile;
@@ -211,19 +231,24 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
         int stage = 0;  // stage and parity of block n's K (and, a step later, its V)
         uint32 phase = 0;
         uint32 pa[BLOCK_N / 16][4];  // P of the block before, the A operand of its P·V
-        // ---- the first (masked, unless end == unmasked_end) block: S alone
+        // ---- the first block (masked, unless the range has no masked block): S alone
         {
             float s[1][N_TILES][4];
+            [[maybe_unused]] DropoutBits<1, N_TILES> keep;
+            const Dropout drop(p.var, b, h, p.nheads_q);  // (read only with dropout)
+            if constexpr (DROPOUT && !KEEP_UNDER_S) keep.draw(drop, m0 + r0, n_first * BLOCK_N + 2 * t);
             mbar_wait(full_k(stage), phase);
             sched_sync();
             issue_qk<T, BLOCK_M, BLOCK_N, HEAD_DIM>(s[0], sQ, cw, sK0 + stage * KVTile::BYTES);
             sched_arrive();
+            if constexpr (DROPOUT && KEEP_UNDER_S) keep.draw(drop, m0 + r0, n_first * BLOCK_N + 2 * t);
             wgmma_wait<0>();
             fence_operands(s[0]);
             release_k(stage);
-            if (n_first >= blocks.unmasked_end) score_tile<true>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
+            if (blocks.masked(n_first)) score_tile<true>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
             else score_tile<false>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
             softmax.update(s, acc_o, row_sum);
+            if constexpr (DROPOUT) keep.zero_dropped(s);  // the row sums keep the undropped P
             acc_to_a_operand<T>(s[0], pa);
         }
         int prev_stage = stage;
@@ -235,12 +260,16 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
         // the NVRTC 13.0 / nvcc 13.0 device compiler, cicc, even when never called)
         auto step = [&](int n, auto masked) {
             float s[1][N_TILES][4];
+            [[maybe_unused]] DropoutBits<1, N_TILES> keep;
+            const Dropout drop(p.var, b, h, p.nheads_q);
+            if constexpr (DROPOUT && !KEEP_UNDER_S) keep.draw(drop, m0 + r0, n * BLOCK_N + 2 * t);
             mbar_wait(full_k(stage), phase);
             mbar_wait(full_v(prev_stage), prev_phase);
             sched_sync();
             issue_qk<T, BLOCK_M, BLOCK_N, HEAD_DIM>(s[0], sQ, cw, sK0 + stage * KVTile::BYTES);
             issue_pv<T, BLOCK_N, HEAD_DIM>(acc_o[0], pa, sV0 + prev_stage * KVTile::BYTES);
             sched_arrive();
+            if constexpr (DROPOUT && KEEP_UNDER_S) keep.draw(drop, m0 + r0, n * BLOCK_N + 2 * t);
             wgmma_wait<1>();  // S_n (the older group) has completed
             fence_operands(s[0]);
             release_k(stage);  // K_n is free: the producer may copy the block STAGES on into it
@@ -254,15 +283,24 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
             fence_operands(pa);
             release_v(prev_stage);
             softmax.rescale(acc_o, alpha);
+            if constexpr (DROPOUT) keep.zero_dropped(s);  // the row sums keep the undropped P
             acc_to_a_operand<T>(s[0], pa);
             prev_stage = stage;
             prev_phase = phase;
             if (++stage == STAGES) { stage = 0; phase ^= 1; }
         };
-        // Masked blocks (key tail, causal diagonal) first, then the bulk with no mask code.
+        // Masked blocks (key tail, causal diagonal) first, then the bulk with no mask
+        // code; with a window, one loop that asks each block (its left edge is masked
+        // too), so the step is compiled twice, not three times (as flash_fwd_sm90.cu).
         int n = n_first - 1;
-        for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{});
-        for (; n >= 0; --n) step(n, Bool<false>{});
+        if constexpr (Mask<IS_CAUSAL, VARIANT>::WINDOW) {
+            for (; n >= blocks.begin; --n) {
+                if (blocks.masked(n)) step(n, Bool<true>{}); else step(n, Bool<false>{});
+            }
+        } else {
+            for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{});
+            for (; n >= 0; --n) step(n, Bool<false>{});
+        }
 
         // ---- the last block's P·V
         mbar_wait(full_v(prev_stage), prev_phase);
@@ -277,7 +315,7 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
 
     // ---- epilogue: a row with no key gets O = 0 and lse = -inf (finalize)
     float lse[1][2];
-    softmax.finalize_sums(acc_o, row_sum, lse, sink);
+    softmax.finalize_sums(acc_o, row_sum, lse, sink, DROPOUT ? p.var.dropout_scale : 1.f);
     store_fwd_rows<T, BLOCK_M, HEAD_DIM, EVEN_K>(p, acc_o[0], lse[0], b, h, m0, r0, cw, sQ,
                                                  Tr::EPILOGUE_BAR + cw);
 }

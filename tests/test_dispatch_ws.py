@@ -3,6 +3,7 @@ unless asked for, and then only for the calls it serves."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -68,8 +69,38 @@ def test_ws_serves_plain_dense_aligned_hopper_calls(dtype, head_dim, causal):
     assert plan.main.smem_bytes == dispatch.fwd_ws_smem_bytes(d, block_n, stages) <= 227 * 1024
 
 
-@pytest.mark.parametrize("kw", [dict(cc=(8, 0)), dict(vec=False), dict(variant=dispatch.VAR_SOFTCAP),
-                                dict(variant=dispatch.VAR_BIAS | dispatch.VAR_BIAS_STAGED), dict(varlen=True),
+_WS_BITS = (dispatch.VAR_WINDOW, dispatch.VAR_SOFTCAP, dispatch.VAR_ALIBI, dispatch.VAR_SINKS, dispatch.VAR_DROPOUT)
+
+
+@pytest.mark.parametrize("variant", [*_WS_BITS, dispatch.VAR_SOFTCAP | dispatch.VAR_ALIBI,
+                                     dispatch.VAR_WINDOW | dispatch.VAR_SINKS, dispatch.FWD_WS_VARIANTS])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ws_takes_the_score_and_softmax_variants(variant, causal):
+    """softcap, ALiBi, a window, sinks and dropout, alone or together, take the plain
+    call's kernel and tile, compiled with their bits."""
+    plain = _plan(ws=True, causal=causal)
+    plan = _plan(ws=True, causal=causal, variant=variant)
+    assert plan.main.template == WS and plan.main.args == (*plain.main.args[:-1], str(variant))
+    assert dataclasses.replace(plan, main=plain.main) == plain  # grid, smem, boxes: the plain call's
+    assert dispatch.uses_ws_fwd(128, True, (9, 0), variant)
+
+
+def test_ws_variants_are_the_kernels():
+    """FWD_WS_VARIANTS is flash_fwd_ws.cu's WS_VARIANTS, and every bit of it is one the
+    kernel's own static_assert lets through."""
+    text = (kernels_dir() / "flash_fwd_ws.cu").read_text()
+    assert "constexpr int WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT;" in text
+    assert dispatch.FWD_WS_VARIANTS == sum(_WS_BITS)
+    with pytest.raises(ValueError, match="variant bits"):
+        dispatch.fwd_ws_launch("float16", 128, False, True, variant=dispatch.VAR_MASK)
+
+
+@pytest.mark.parametrize("kw", [dict(cc=(8, 0)), dict(vec=False),
+                                dict(variant=dispatch.VAR_BIAS | dispatch.VAR_BIAS_STAGED),
+                                dict(variant=dispatch.VAR_MASK | dispatch.VAR_BLOCK_MAP),
+                                dict(variant=dispatch.VAR_SOFTCAP | dispatch.VAR_BIAS),
+                                dict(variant=dispatch.VAR_WINDOW | dispatch.VAR_MASK),
+                                dict(variant=dispatch.VAR_SOFTCAP, varlen=True), dict(varlen=True),
                                 dict(head_dim=256), dict(head_dim=32), dict(head_dim=192)])
 def test_ws_leaves_the_rest_to_the_other_kernels(kw):
     assert _plan(ws=True, **kw).main.template != WS
@@ -84,7 +115,13 @@ def test_ws_small_grids_still_split_on_the_mma_sync_kernel():
 def test_ws_kernels_are_checked_on_sm90_only():
     on90 = [L for L in dispatch.all_fwd_launches((9, 0)) if L.template == WS]
     assert {L.args[1] for L in on90} == {"64", "128"}
-    assert len(on90) == 2 * 2 * 2 * 2  # dtype x head_dim x causal x even_k
+    plain = [L for L in on90 if L.args[-1] == "0"]
+    assert len(plain) == 2 * 2 * 2 * 2  # dtype x head_dim x causal x even_k
+    variants = {(L.args[1], L.args[4], int(L.args[-1])) for L in on90 if L.args[-1] != "0"}
+    assert variants == {(d, c, bits) for d in ("64", "128") for c in ("false", "true")
+                        for bits in dispatch.FWD_WS_CHECK_VARIANTS}
+    # each bit alone, and all of them together
+    assert set(_WS_BITS) | {dispatch.FWD_WS_VARIANTS} <= set(dispatch.FWD_WS_CHECK_VARIANTS)
     assert not [L for L in dispatch.all_fwd_launches((8, 0)) if L.template == WS]
 
 
@@ -118,3 +155,27 @@ def test_every_gpu_test_case_plans_the_ws_kernel():
         plan = dispatch.select_fwd(batch=batch, seqlen_q=sq, seqlen_k=sk, nheads_q=nheads, head_dim=d,
                                    dtype=dtype, causal=causal, vec=d % 8 == 0, num_sms=1, cc=(9, 0), ws=True)
         assert plan.main.template == WS and plan.combine is None, (batch, sq, sk, nheads, d)
+
+
+def test_every_gpu_variant_case_plans_the_ws_kernel():
+    """... and its variant cases, with the variant bits their options give (_variant.bits)."""
+    import numpy as np
+    import test_gpu_fwd_ws as g
+
+    from cupyflash import _variant
+
+    rng = np.random.default_rng(0)
+    configs = [g.VARIANT_CONFIGS[c][1:] for c in g.VARIANT_CONFIGS]  # (shape, causal)
+    cases = [(shape, causal, make(rng, shape)) for shape, causal in configs for make, _ in g.VARIANTS_ALONE.values()]
+    cases += [(shape, causal if forced is None else forced, make(rng, shape))
+              for shape, causal in configs for forced, make in g.VARIANT_COMBOS.values()]
+    cases += [(shape, causal, make(rng)) for shape, causal, make, _ in g.WS_EMPTY_ROWS.values()]
+    cases += [((1, 16384, 16384, 2, 2, 128), causal, g.long_variants(rng, window)) for causal, window in g.LONG_WINDOWS]
+    for shape, causal, variants in cases:
+        batch, sq, sk, nheads, _, d = shape
+        bits = _variant.bits(variants)
+        assert bits and not bits & ~dispatch.FWD_WS_VARIANTS
+        plan = dispatch.select_fwd(batch=batch, seqlen_q=sq, seqlen_k=sk, nheads_q=nheads, head_dim=d,
+                                   dtype="float16", causal=causal, vec=True, num_sms=1, cc=(9, 0), variant=bits,
+                                   ws=True)
+        assert plan.main.template == WS and plan.main.args[-1] == str(bits), (shape, sorted(variants))

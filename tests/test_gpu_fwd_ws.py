@@ -5,7 +5,12 @@ test; skipped without a GPU, and off compute capability 9.0.
 Every case must run that kernel: the fixture reports one SM, so the split-KV heuristic
 (which the warp-specialised kernel does not serve) never splits the small grids here,
 and each test asserts the launch. Results are held to the naive rule with the naive
-implementation in the inputs' dtype (test_gpu_fwd.check)."""
+implementation in the inputs' dtype (test_gpu_fwd.check).
+
+The variants it takes (dispatch.FWD_WS_VARIANTS: softcap, ALiBi, a window, sinks,
+dropout) run through the public forward into NaN-poisoned outputs, alone and
+combined, and are checked against the reference with the same variants
+(test_gpu_variants' helpers; dropout with the Philox keep mask of its rng_state)."""
 
 from __future__ import annotations
 
@@ -14,8 +19,11 @@ import math
 import numpy as np
 import pytest
 
-from test_gpu_fwd import check, make_inputs  # sibling module
+from test_gpu_fwd import check, make_inputs  # sibling modules
+from test_gpu_variants import (_NO_BF16, OFFSET, SEED, alibi_batch_heads, alibi_heads, dev, for_reference, host,
+                               poisoned, sink_logits)
 
+import cupyflash
 from cupyflash import testing
 from cupyflash.testing import from_bf16_bits
 
@@ -163,5 +171,182 @@ def test_ws_fwd_long(ws_on, rng, causal):
         for n, i in enumerate(rows):
             o, l_ = reference.attention_fwd(q[:, i:i + 1], k[:, :i + 1], v[:, :i + 1], 128 ** -0.5, False)
             ref_out[:, n], ref_lse[:, :, n] = o[:, 0], l_[:, :, 0]
+    np.testing.assert_allclose(out[:, rows], ref_out, atol=2e-2, rtol=0)
+    np.testing.assert_allclose(lse[:, :, rows], ref_lse, atol=1e-3, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------
+# Variants: softcap, ALiBi, a window, sinks, dropout (dispatch.FWD_WS_VARIANTS)
+# ----------------------------------------------------------------------------
+
+# id -> (dtype, (batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim), causal); no
+# length a multiple of the 128-row / 128-key tiles
+VARIANT_CONFIGS = {
+    "bf16-d128-1000x1000-gqa": ("bfloat16", (2, 1000, 1000, 8, 2, 128), False),
+    "f16-d128-777x1333-causal": ("float16", (1, 777, 1333, 4, 4, 128), True),
+    "f16-d128-1000x300-mqa-causal": ("float16", (1, 1000, 300, 4, 1, 128), True),  # top 700 rows see no key
+    "bf16-d64-333x517-gqa": ("bfloat16", (2, 333, 517, 4, 2, 64), False),
+}
+
+# id -> (the variants given rng and the shape, softmax_scale as a multiple of 1/sqrt(head_dim))
+VARIANTS_ALONE = {
+    "softcap": (lambda rng, s: {"softcap": 5.0}, 2.0),
+    "alibi": (lambda rng, s: {"alibi_slopes": alibi_batch_heads(rng, s[0], s[3])}, 1.0),
+    "sinks": (lambda rng, s: {"sinks": sink_logits(rng, s[3])}, 1.0),
+    # masked blocks at both edges and unmasked ones between them, at 128-row blocks
+    "window-300-200": (lambda rng, s: {"window_size": (300, 200)}, 1.0),
+    "window-64-0": (lambda rng, s: {"window_size": (64, 0)}, 1.0),
+    "window-0-64": (lambda rng, s: {"window_size": (0, 64)}, 1.0),
+    "window-32-8": (lambda rng, s: {"window_size": (32, 8)}, 1.0),  # q > k: rows i < sq - sk - 8 see none
+    "dropout": (lambda rng, s: {"dropout_p": 0.17, "rng_state": (SEED, OFFSET)}, 1.0),
+}
+
+# id -> (causal: forced, or None for the config's; the variants given rng and the shape)
+VARIANT_COMBOS = {
+    "softcap+alibi": (None, lambda rng, s: {"softcap": 5.0, "alibi_slopes": alibi_heads(s[3])}),
+    "window+causal": (True, lambda rng, s: {"window_size": (200, -1)}),
+    "sinks+window": (None, lambda rng, s: {"window_size": (150, 40), "sinks": sink_logits(rng, s[3])}),
+    "window+dropout": (None, lambda rng, s: {"window_size": (256, 64), "dropout_p": 0.3,
+                                             "rng_state": (SEED, OFFSET)}),
+    "all": (True, lambda rng, s: {"window_size": (256, 0), "softcap": 8.0,
+                                  "alibi_slopes": alibi_batch_heads(rng, s[0], s[3]),
+                                  "sinks": sink_logits(rng, s[3]), "dropout_p": 0.25,
+                                  "rng_state": (SEED, OFFSET)}),
+}
+
+
+def _on_gpu(variants):
+    """The variants as the public forward takes them on the GPU (arrays moved there)."""
+    import cupy
+
+    return {name: cupy.asarray(x) if isinstance(x, np.ndarray) else x for name, x in variants.items()}
+
+
+def run_variant(ws_on, rng, dtype, shape, causal, variants, softmax_scale=None):
+    """Fresh inputs; the public forward with ``variants`` into poisoned outputs, asserted to
+    run the warp-specialised kernel alone. Returns the host ``(q, k, v)`` and ``(out, lse)``."""
+    import cupy
+
+    batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim = shape
+    q, k, v = testing.random_qkv(rng, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim, dtype)
+    dtype_kw = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+    with testing.poisoned_allocations(cupy):
+        out, lse = cupyflash.flash_attn_fwd(
+            dev(cupy, q), dev(cupy, k), dev(cupy, v), softmax_scale=softmax_scale, causal=causal,
+            out=poisoned(cupy, q.shape, dtype), lse=poisoned(cupy, (batch, nheads_q, seqlen_q), np.float32),
+            **dtype_kw, **_on_gpu(variants))
+        out, lse = host(out, dtype), host(lse)
+    assert ws_on == [WS_KERNEL]
+    return (q, k, v), (out, lse)
+
+
+def check_variant(inputs, fwd, causal, variants, softmax_scale=None):
+    q, k, v = inputs
+    ref_kw = for_reference(variants, q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    testing.assert_fwd_matches_reference(q, k, v, *fwd, softmax_scale=softmax_scale, causal=causal, floor=1e-3,
+                                         **ref_kw)
+
+
+def _variant_configs(names):
+    return [pytest.param(n, marks=_NO_BF16 if VARIANT_CONFIGS[n][0] == "bfloat16" else (), id=n) for n in names]
+
+
+@pytest.mark.parametrize("config", _variant_configs(VARIANT_CONFIGS))
+@pytest.mark.parametrize("variant", list(VARIANTS_ALONE))
+def test_ws_variant_alone(ws_on, rng, variant, config):
+    dtype, shape, causal = VARIANT_CONFIGS[config]
+    make, scale_mult = VARIANTS_ALONE[variant]
+    variants = make(rng, shape)
+    scale = scale_mult / math.sqrt(shape[-1])
+    inputs, fwd = run_variant(ws_on, rng, dtype, shape, causal, variants, scale)
+    check_variant(inputs, fwd, causal, variants, scale)
+
+
+@pytest.mark.parametrize("config", _variant_configs(["bf16-d128-1000x1000-gqa", "f16-d128-777x1333-causal",
+                                                    "bf16-d64-333x517-gqa"]))
+@pytest.mark.parametrize("combo", list(VARIANT_COMBOS))
+def test_ws_variant_combination(ws_on, rng, combo, config):
+    dtype, shape, causal = VARIANT_CONFIGS[config]
+    forced, make = VARIANT_COMBOS[combo]
+    causal = causal if forced is None else forced
+    variants = make(rng, shape)
+    inputs, fwd = run_variant(ws_on, rng, dtype, shape, causal, variants)
+    check_variant(inputs, fwd, causal, variants)
+
+
+# id -> (shape, causal, the variants given rng, the rows that see no key)
+WS_EMPTY_ROWS = {
+    # off = -900: row i sees keys up to i - 892; query blocks 0-5 see no key block at all
+    "window-32-8": ((2, 1000, 100, 4, 2, 128), False, lambda rng: {"window_size": (32, 8)}, np.s_[:892]),
+    # causal with a left edge: rows i < 700 see none (blocks 0-4 wholly)
+    "causal+window+softcap+alibi": ((1, 1000, 300, 4, 1, 128), True,
+                                    lambda rng: {"window_size": (40, -1), "softcap": 5.0,
+                                                 "alibi_slopes": alibi_heads(4)}, np.s_[:700]),
+}
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+@pytest.mark.parametrize("case", list(WS_EMPTY_ROWS))
+def test_ws_window_rows_that_see_no_key(ws_on, rng, case, with_sinks):
+    """A query block whose window holds no key block copies none (the producer and both
+    consumers skip the key loop) and still writes out 0 and lse -inf (with sinks: the
+    sink's, as the reference defines); the rows around it within the rule; no NaN."""
+    shape, causal, make, empty = WS_EMPTY_ROWS[case]
+    variants = make(rng)
+    if with_sinks:
+        variants["sinks"] = rng.uniform(-2.0, 2.0, shape[3]).astype(np.float32)
+    inputs, (out, lse) = run_variant(ws_on, rng, "float16", shape, causal, variants)
+    assert not np.isnan(out.astype(np.float32)).any() and not np.isnan(lse).any()
+    assert (out[:, empty] == 0).all()
+    if with_sinks:
+        np.testing.assert_allclose(lse[:, :, empty], np.broadcast_to(variants["sinks"][None, :, None],
+                                                                     lse[:, :, empty].shape), rtol=1e-5, atol=1e-5)
+    else:
+        assert (lse[:, :, empty] == -np.inf).all()
+    check_variant(inputs, (out, lse), causal, variants)
+
+
+# (causal, window_size or None) of test_ws_variant_long
+LONG_WINDOWS = [(False, None), (True, (1000, -1)), (False, (2048, 512))]
+
+
+def long_variants(rng, window):
+    """test_ws_variant_long's variants: softcap and sinks (neither depends on a position),
+    and the window if any."""
+    variants = {"softcap": 10.0, "sinks": sink_logits(rng, 2)}
+    return variants if window is None else {**variants, "window_size": window}
+
+
+@_NO_BF16
+@pytest.mark.parametrize("causal,window", LONG_WINDOWS)
+def test_ws_variant_long(ws_on, rng, causal, window):
+    """16k tokens at D=128 with softcap, sinks and (here) a window: many unmasked blocks
+    between the masked edges, the shape the window bar is measured at; checked on a row
+    subset, each row against the reference of the keys it sees."""
+    import cupy
+
+    from cupyflash import reference
+
+    seqlen = 16384
+    variants = long_variants(rng, window)
+    q, k, v = testing.random_qkv(rng, 1, seqlen, seqlen, 2, 2, 128, "bfloat16")
+    with testing.poisoned_allocations(cupy):
+        out, lse = cupyflash.flash_attn_fwd(dev(cupy, q), dev(cupy, k), dev(cupy, v), causal=causal,
+                                            dtype="bfloat16", **_on_gpu(variants))
+        out, lse = host(out, "bfloat16").astype(np.float32), host(lse)
+    assert ws_on == [WS_KERNEL]
+    left, right = window if window is not None else (-1, -1)
+    right = 0 if causal else right
+    position_free = {name: x for name, x in variants.items() if name != "window_size"}
+    rows = np.r_[0:130, 8100:8230, 16254:16384]
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    ref_out = np.empty((1, len(rows), 2, 128))
+    ref_lse = np.empty((1, 2, len(rows)))
+    for n, i in enumerate(rows):  # row i (seqlen_q == seqlen_k) sees keys lo..hi
+        lo = 0 if left < 0 else max(0, i - left)
+        hi = seqlen - 1 if right < 0 else min(seqlen - 1, i + right)
+        o, l_ = reference.attention_fwd(q64[:, i:i + 1], k64[:, lo:hi + 1], v64[:, lo:hi + 1], 128 ** -0.5, False,
+                                        **position_free)
+        ref_out[:, n], ref_lse[:, :, n] = o[:, 0], l_[:, :, 0]
     np.testing.assert_allclose(out[:, rows], ref_out, atol=2e-2, rtol=0)
     np.testing.assert_allclose(lse[:, :, rows], ref_lse, atol=1e-3, rtol=1e-4)
