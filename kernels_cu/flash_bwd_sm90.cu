@@ -124,7 +124,6 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     using DSTile = typename Tr::DSTile;
     constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0, ALIBI = (VARIANT & VAR_ALIBI) != 0;
     constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
-    constexpr bool BIAS_OR_MASK = ScoreMod<VARIANT, T>::BIAS_OR_MASK;
     constexpr bool STAGED = Tr::STAGED;  // the bias/mask tile through shared memory (else ScoreMod's reads)
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -670,7 +669,8 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
 
         // ---- P = prob(score, lse) (times 1 − tanh² with softcap: dS's factor), masked
         //      scores 0; element (j, 2 hh + e) is row m0 + r0 + 8 hh, column n·BLOCK_N + 8 j + 2 t + e
-        constexpr bool MASKED = decltype(masked)::value, ATTN_MASKED = decltype(attn_masked)::value;
+        constexpr bool MASKED = decltype(masked)::value;
+        [[maybe_unused]] constexpr bool ATTN_MASKED = decltype(attn_masked)::value;  // (VARIANT 0: no mask)
         if constexpr (VARIANT == 0) {
             if constexpr (MASKED) {
                 const SeqLens sl = seq_lens(p, b);
