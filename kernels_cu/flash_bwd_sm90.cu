@@ -237,6 +237,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     auto edge = [&](int m_block) { return WINDOW ? blocks.masked(m_block) : m_block < m_masked_end; };
     auto full = [&](int h, int m_block) { return MAP && !edge(m_block) && map.state(h, m_block) == BLOCK_FULL; };
     int h = h_first, m_block = m_begin;
+    // (guarded: the no-op call of a map that is off changed the default kernels' code)
     if constexpr (MAP) map.seek(h, m_block, h_end, m_begin, m_end);
     if (MAP ? h < h_end : num_iters > 0) load_query_block(h, m_block, 0, seq, full(h, m_block));
     cp_async_commit();
@@ -275,7 +276,9 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         wgmma_commit();
         // The next step's loads, issued while the tensor cores work on Sᵀ and dPᵀ
         // (their address arithmetic would otherwise sit on this step's critical path).
-        if (MAP ? h_next < h_end : it + 1 < num_iters) load_query_block(h_next, m_next, stage ^ 1, seq_slot.load(), full(h_next, m_next));
+        if (MAP ? h_next < h_end : it + 1 < num_iters) {
+            load_query_block(h_next, m_next, stage ^ 1, seq_slot.load(), full(h_next, m_next));
+        }
         cp_async_commit();
         wgmma_wait<1>();
         fence_operands(st);
