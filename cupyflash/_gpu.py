@@ -100,7 +100,7 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, head_dim=head_dim,
         dtype=dtype_name, causal=causal, vec=vec_ok((q, k, v, out), head_dim),
         num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id), varlen=packed is not None,
-        variant=_variant.fwd_bits(options) if options else 0, ws=dispatch.FWD_WS if ws is None else ws)
+        variant=_variant.plan_bits(options) if options else 0, ws=dispatch.FWD_WS if ws is None else ws)
     scratch = (0, (0, 0))
     if plan.num_splits > 1:  # dense batches only
         rows = plan.num_splits * batch * nheads_q * seqlen_q
@@ -179,7 +179,7 @@ def _run_fwd(q, k, v, softmax_scale, causal, dtype, out, lse, packed, options=No
     block_map = None  # the mask's tile map (kept alive until the launch is queued)
     if options:
         if call.block_map_tile is not None:
-            block_map = _variant.block_map(options, call.block_map_tile)
+            block_map, = _variant.block_maps(options, (call.block_map_tile,))
         var = _variant.call_values(options, block_map=0 if block_map is None else block_map.data.ptr)
     if out is None:
         out = cupy.empty(call.out_shape, dtype=q.dtype)

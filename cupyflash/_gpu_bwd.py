@@ -52,11 +52,14 @@ class BwdCall:
     order).  Returns the scratch's owner.
     """
 
-    __slots__ = ("plan", "grads_bytes", "grads_offsets", "scratch_bytes", "_offsets", "_has_dq_accum",
-                 "_has_dkv_accum", "_launcher")
+    __slots__ = ("plan", "grads_bytes", "grads_offsets", "scratch_bytes", "block_map_tiles", "_offsets",
+                 "_has_dq_accum", "_has_dkv_accum", "_launcher")
 
     def __init__(self, plan, grad_sizes, scratch, launcher):
         self.plan = plan
+        #: (BLOCK_M, BLOCK_N) of the mask's tile maps the dK/dV and the dQ kernel read
+        #: (VAR_BLOCK_MAP: VariantParams' kv_block_map, block_map), each None if not read
+        self.block_map_tiles = dispatch.bwd_block_map_tiles(plan)
         # dq, dk and dv in one allocation, when the caller allocates them together
         self.grads_bytes, self.grads_offsets = _launch.scratch_layout(grad_sizes)
         self.scratch_bytes, self._offsets = scratch
@@ -102,8 +105,9 @@ def plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causa
         head_dim=head_dim, dtype=dtype_name, causal=causal, deterministic=deterministic,
         vec=vec_ok((q, k, v, out, dout, dq, dk, dv), head_dim),
         num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id), varlen=packed is not None,
-        total_q=packed_totals[0], total_k=packed_totals[1], variant=_variant.staged_bits(options) if options else 0,
+        total_q=packed_totals[0], total_k=packed_totals[1], variant=_variant.plan_bits(options) if options else 0,
         dbias_shape=_variant.dbias_shape(options) if options else None)
+    kv_tile, q_tile = dispatch.bwd_block_map_tiles(plan)  # VAR_BLOCK_MAP: the dK/dV and dQ kernels' maps
     rows_q = nheads_q * total_q  # the row buffers: one row per query (key) row, per head
     scratch = _launch.scratch_layout((
         rows_q * 4, rows_q * 4,
@@ -118,7 +122,8 @@ def plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causa
         total_q=packed_totals[0], total_k=packed_totals[1], head_dim=head_dim,
         head_dim_padded=plan.head_dim_padded, num_stages=plan.num_stages, kv_splits=plan.kv_splits,
         softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E,
-        var=_variant.plan_fields(options or {}, softmax_scale, nheads_q))
+        var=_variant.plan_fields(options or {}, softmax_scale, nheads_q, block_map_tile=q_tile,
+                                 kv_block_map_tile=kv_tile))
     grad_sizes = tuple(math.prod(x.shape) * x.itemsize for x in (q, k, v))
     return BwdCall(plan, grad_sizes, scratch, _launch.Launcher(plan.launches, template, _BWD_WRITER, _VAR_WRITER))
 
@@ -209,10 +214,13 @@ def _run_bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dtyp
             dsinks = cupy.zeros(q.shape[-2], dtype=cupy.float32)
         if _variant.dbias_shape(options) is not None:  # every element written by the dbias kernel
             dbias = cupy.empty(_variant.dbias_shape(options), dtype=options["attn_bias"].dtype)
-        var = _variant.call_values(options, *(0 if x is None else x.data.ptr for x in (dsinks, dbias)))
     call = PLANS.get_or_make(key, lambda: plan_bwd(
         dout, q, k, v, out, lse, dq, dk, dv, softmax_scale=softmax_scale, causal=causal,
         deterministic=deterministic, dtype_name=dtype_name, device_id=device_id, packed=dims, options=options))
+    if options:  # with the mask's tile maps of the kernels that read one (kept until the launches are queued)
+        kv_tile, q_tile = call.block_map_tiles
+        maps = _variant.block_maps(options, (q_tile, kv_tile))
+        var = _variant.call_values(options, *(0 if x is None else x.data.ptr for x in (dsinks, dbias, *maps)))
     dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
     dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
     dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv

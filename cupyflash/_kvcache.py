@@ -275,8 +275,8 @@ class _GpuCacheEntry:
         copies = tuple(None if x is None or _c_contiguous(x) else self._cupy.ascontiguousarray(x)
                        for x in (alibi_slopes, sinks))
         alibi_slopes, sinks = (x if c is None else c for x, c in zip((alibi_slopes, sinks), copies))
-        # _variant.call_values (_params.VARIANT_PER_CALL): no dsinks, bias, mask, dbias, block map or dropout
-        var = (_ptr(alibi_slopes), _ptr(sinks), 0, 0, 0, 0, 0, 0, 0)
+        # _variant.call_values (_params.VARIANT_PER_CALL): no dsinks, bias, mask, dbias, block maps or dropout
+        var = (_ptr(alibi_slopes), _ptr(sinks), 0, 0, 0, 0, 0, 0, 0, 0)
         result = self._run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, var)
         if any(c is not None for c in copies):
             _launch.keep_for_graph(*copies)

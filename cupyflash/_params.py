@@ -32,18 +32,19 @@ def _struct(fields):
 VARIANT_PARAMS = _struct(
     [
         ("alibi_slopes", _PTR), ("sinks", _PTR), ("dsinks", _PTR), ("attn_bias", _PTR), ("attn_mask", _PTR),
-        ("dbias", _PTR), ("block_map", _PTR), ("dropout_seed", _U64),
+        ("dbias", _PTR), ("block_map", _PTR), ("kv_block_map", _PTR), ("dropout_seed", _U64),
         ("dropout_offset", _U32), ("dropout_threshold", _U32), ("alibi_batch_stride", _I64),
         *((f"{name}_{axis}_stride", _I64) for name in ("bias", "mask", "dbias")
           for axis in ("batch", "head", "row", "col")),
-        *((f"block_map_{axis}_stride", _I64) for axis in ("batch", "head", "row", "col")),
+        *((f"{name}_{axis}_stride", _I64) for name in ("block_map", "kv_block_map")
+          for axis in ("batch", "head", "row", "col")),
         ("window_left", _I32), ("window_right", _I32),
         ("softcap_log2", _F32), ("softcap_scale", _F32), ("dropout_scale", _F32),
     ]
 )
 #: VariantParams' fields set on every call (its first ones, in order).
 VARIANT_PER_CALL = ("alibi_slopes", "sinks", "dsinks", "attn_bias", "attn_mask", "dbias", "block_map",
-                    "dropout_seed", "dropout_offset")
+                    "kv_block_map", "dropout_seed", "dropout_offset")
 #: Every variant off.
 VARIANT_OFF = {**{name: 0 for name in VARIANT_PARAMS.names},
                "window_left": -1, "window_right": -1, "dropout_scale": 1.0}

@@ -48,10 +48,10 @@ def staged_bits(options) -> int:
     return b | dispatch.VAR_BIAS_STAGED if _staged(options) and not b & dispatch.VAR_BIAS_STRIDED else b
 
 
-def fwd_bits(options) -> int:
-    """:func:`staged_bits` for the forward: with VAR_BLOCK_MAP with a mask (``fwd_variant``
-    drops it where its kernel takes no map; the backward's kernels read none, so its plans
-    take :func:`staged_bits`)."""
+def plan_bits(options) -> int:
+    """:func:`staged_bits` with VAR_BLOCK_MAP with a mask: the VARIANT a plan (forward or
+    backward) is selected with (``fwd_variant`` and ``select_bwd`` drop the map's bit
+    for each kernel that takes no map)."""
     b = staged_bits(options)
     return b | dispatch.VAR_BLOCK_MAP if "attn_mask" in options else b
 
@@ -64,17 +64,22 @@ def block_map_shape(mask, tile) -> tuple[int, int, int, int]:
     return (bm, hm, 1 if rows == 1 else -(-rows // tile[0]), 1 if cols == 1 else -(-cols // tile[1]))
 
 
-def block_map(options, tile):
-    """The mask's tile map at ``tile`` on the GPU: the BlockMask's (``options["block_mask"]``,
-    kept there for later calls), else reduced from the mask now."""
+def block_maps(options, tiles):
+    """The mask's tile maps on the GPU at each of ``tiles`` (``(BLOCK_M, BLOCK_N)``, or None:
+    no map): the BlockMask's (``options["block_mask"]``, kept there for later calls), else
+    reduced from the mask now, once for all of them."""
     from ._blockmask import BlockMask  # noqa: PLC0415
 
+    if all(tile is None for tile in tiles):
+        return (None,) * len(tiles)
     bm = options.get("block_mask")
-    if bm is None:
-        tiles = BlockMask.from_mask(options["attn_mask"]).tiles(*tile)
-        _launch.keep_for_graph(tiles)  # a graph being captured replays reading it
-        return tiles
-    return bm.tiles(*tile)
+    fresh = bm is None
+    if fresh:
+        bm = BlockMask.from_mask(options["attn_mask"])
+    maps = tuple(None if tile is None else bm.tiles(*tile) for tile in tiles)
+    if fresh:
+        _launch.keep_for_graph(*maps)  # a graph being captured replays reading them
+    return maps
 
 
 def bits(options) -> int:
@@ -115,9 +120,11 @@ def plan_key(options) -> tuple:
     return key
 
 
-def plan_fields(options, softmax_scale: float, nheads_q: int, block_map_tile=None) -> dict:
+def plan_fields(options, softmax_scale: float, nheads_q: int, block_map_tile=None, kv_block_map_tile=None) -> dict:
     """VariantParams with its per-plan fields set (the per-call ones 0); ``block_map_tile``:
-    the (BLOCK_M, BLOCK_N) of the mask's tile map the kernel reads (VAR_BLOCK_MAP), or None."""
+    the (BLOCK_M, BLOCK_N) of the mask's tile map the kernels that walk key blocks read
+    (VAR_BLOCK_MAP: the forward, the backward's dQ kernel), or None; ``kv_block_map_tile``:
+    that of the backward's dK/dV kernel (``dispatch.bwd_block_map_tiles``), or None."""
     fields = dict(_params.VARIANT_OFF)
     if "window_size" in options:
         fields["window_left"], fields["window_right"] = options["window_size"]
@@ -134,8 +141,9 @@ def plan_fields(options, softmax_scale: float, nheads_q: int, block_map_tile=Non
     shape = dbias_shape(options)
     if shape is not None:  # C-contiguous in the bias's 4-D shape and dtype (the backward allocates it)
         arrays["dbias"] = Contiguous(shape, options["attn_bias"].itemsize)
-    if block_map_tile is not None:  # C-contiguous uint8 (BlockMask.tiles)
-        arrays["block_map"] = Contiguous(block_map_shape(options["attn_mask"], block_map_tile), 1)
+    for name, tile in (("block_map", block_map_tile), ("kv_block_map", kv_block_map_tile)):
+        if tile is not None:  # C-contiguous uint8 (BlockMask.tiles)
+            arrays[name] = Contiguous(block_map_shape(options["attn_mask"], tile), 1)
     for name, x in arrays.items():
         if x is not None:
             for axis, stride in zip(("batch", "head", "row", "col"), broadcast_strides(x)):
@@ -159,12 +167,13 @@ def contiguous(options):
     return out
 
 
-def call_values(options, dsinks: int = 0, dbias: int = 0, block_map: int = 0) -> tuple[int, ...]:
+def call_values(options, dsinks: int = 0, dbias: int = 0, block_map: int = 0,
+                kv_block_map: int = 0) -> tuple[int, ...]:
     """VariantParams' per-call fields (``_params.VARIANT_PER_CALL``): the slopes',
     sinks', bias's and mask's pointers, ``dsinks`` and ``dbias`` (the backward's
-    output pointers, or 0), ``block_map`` (the forward's tile map, or 0), and the
-    dropout seed and offset."""
+    output pointers, or 0), ``block_map`` and ``kv_block_map`` (the mask's tile maps,
+    :func:`plan_fields`', or 0), and the dropout seed and offset."""
     ptr = [0 if x is None else x.data.ptr for x in (options.get(name) for name in
                                                    ("alibi_slopes", "sinks", "attn_bias", "attn_mask"))]
     seed, offset = options.get("rng_state", (0, 0))
-    return (ptr[0], ptr[1], dsinks, ptr[2], ptr[3], dbias, block_map, seed, offset)
+    return (ptr[0], ptr[1], dsinks, ptr[2], ptr[3], dbias, block_map, kv_block_map, seed, offset)

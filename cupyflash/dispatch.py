@@ -40,10 +40,12 @@ VAR_BIAS, VAR_BIAS_FP32, VAR_MASK, VAR_BIAS_STRIDED = 32, 64, 128, 256
 #: block's tile into shared memory with 16-byte cp.async (variant.cuh StagedScoreTerms)
 #: where its kernel does so and the stages fit (:func:`fwd_variant`).
 VAR_BIAS_STAGED = 512
-#: VAR_BLOCK_MAP (forward only, with VAR_MASK): the mask's tile map at the kernel's tile
-#: (cupyflash/_blockmask.py) skips the key blocks the mask hides wholly and runs those it
-#: keeps wholly with no mask code (variant.cuh KeyBlockMap); the wgmma kernel only, for
-#: now (:func:`fwd_variant` drops it elsewhere: the mma.sync kernel masks every block).
+#: VAR_BLOCK_MAP (with VAR_MASK): the mask's tile map at the kernel's tile
+#: (cupyflash/_blockmask.py) skips the tiles the mask hides wholly and runs those it
+#: keeps wholly with no mask code (variant.cuh KeyBlockMap, QueryBlockMap); the wgmma
+#: kernels only, for now: the forward's and the backward's dK/dV and dQ kernels
+#: (:func:`fwd_variant`, :func:`select_bwd` drop it elsewhere: the mma.sync kernels mask
+#: every block).
 VAR_BLOCK_MAP = 1024
 VARIANT_BITS = {"window": VAR_WINDOW, "softcap": VAR_SOFTCAP, "alibi": VAR_ALIBI, "sinks": VAR_SINKS,
                 "dropout": VAR_DROPOUT, "bias": VAR_BIAS, "bias_fp32": VAR_BIAS_FP32, "mask": VAR_MASK,
@@ -983,6 +985,14 @@ def bwd_sm90_variant(head_dim_padded: int, variant: int, cc: tuple[int, int] = (
     return _unstaged(variant, fits)
 
 
+# Variant bits beside which the backward takes no block map (its wgmma kernels visit and
+# mask every tile, as without one): a bias with the mask sits at 255 registers in both
+# already at D=64 (nvcc 13.0: dK/dV 44-52 bytes of spill read element-wise, dQ 0-24),
+# and the map's mask-free step compiled beside the two masked ones spills more (dK/dV
+# 44-132 bytes, dQ 108-136 causal; the staged dK/dV kernel alone fits, 211-213 registers).
+_BWD_SM90_MAP_DROPS = VAR_BIAS | VAR_BIAS_FP32
+
+
 def bwd_dq_sm90_variant(head_dim_padded: int, variant: int, cc: tuple[int, int] = (9, 0)) -> int:
     """The VARIANT the wgmma dQ kernel is compiled with: ``variant`` less VAR_BIAS_STAGED
     with softcap (its per-element path reads the bias itself) or where three stages of
@@ -1152,15 +1162,19 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     pass :func:`score_vec_ok`): each kernel that stages the tile keeps it where its
     stages fit the tile and stage count chosen without it (and :func:`score_stage_ok`;
     the wgmma kernels: :func:`bwd_sm90_variant`, :func:`bwd_dq_sm90_variant`), the
-    others drop it. It never holds VAR_BLOCK_MAP (the forward's: no backward kernel
-    reads the map; ``_variant.fwd_bits`` adds it, the backward takes ``staged_bits``).
+    others drop it. It may hold VAR_BLOCK_MAP (``_variant.plan_bits``, with a mask): the
+    wgmma dK/dV and dQ kernels keep it (each reads the map at its own tile:
+    :func:`bwd_block_map_tiles`) unless a bias is on too (_BWD_SM90_MAP_DROPS), the others
+    drop it (the mma.sync kernels mask every block; the dbias kernels visit every tile
+    of dbias); it changes no other choice.
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
     if cc < ARCHS[0]:
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
-    if variant & VAR_BLOCK_MAP:
-        raise ValueError("cupyflash: VAR_BLOCK_MAP is the forward's; the backward's kernels read no block map")
+    # the map's bit, for the kernels that read it (with a mask, no bias); every other choice without it
+    block_map = variant & VAR_BLOCK_MAP if variant & VAR_MASK and not variant & _BWD_SM90_MAP_DROPS else 0
+    variant &= ~VAR_BLOCK_MAP
     if varlen and (total_q < 1 or total_k < 1):
         raise ValueError(f"cupyflash: a packed batch needs total_q and total_k >= 1; got {total_q} and {total_k}")
     # The row buffers' (batches, rows per head): a packed batch is one sequence of total rows.
@@ -1185,7 +1199,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     dkdv_grid = (kv_blocks * kv_splits, 1, 1)
     if sm90:
         launches.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, separate_dq, dkdv_grid,
-                                             bwd_sm90_variant(d, variant | staged, cc)))
+                                             bwd_sm90_variant(d, variant | staged, cc) | block_map))
     else:
         dkdv_variant = _unstaged(variant | staged, bool(staged) and score_stage_ok(tile[1], variant)
                                  and bwd_smem_bytes(d, tile, stages, variant | staged) <= smem_limit)
@@ -1194,7 +1208,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     if separate_dq and sm90 and BWD_DQ_SM90:
         dq_grid = (math.ceil(seqlen_q / BWD_DQ_SM90_BLOCK_M) * batch * nheads_q, 1, 1)
         launches.append(bwd_dq_sm90_launch(dtype, d, causal, even_k, dq_grid,
-                                           bwd_dq_sm90_variant(d, variant | staged, cc)))
+                                           bwd_dq_sm90_variant(d, variant | staged, cc) | block_map))
     elif deterministic:
         dq_tile = _pick_bwd_dq_tile(d, smem_limit, variant)
         dq_grid = (math.ceil(seqlen_q / dq_tile[0]) * batch * nheads_q, 1, 1)
@@ -1217,6 +1231,33 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
         launches.append(bwd_dbias_launch(dtype, d, dbias_tile, dbias_stages, causal, even_k, vec,
                                          bwd_dbias_grid(dbias_tile, dbias_shape, seqlen_q, seqlen_k), variant))
     return BwdPlan(tuple(launches), d, stages, not separate_dq, kv_splits)
+
+
+def bwd_block_map_tiles(plan: BwdPlan) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """(BLOCK_M, BLOCK_N) of the mask's tile maps ``plan``'s kernels read (VAR_BLOCK_MAP):
+    the dK/dV kernel's (VariantParams ``kv_block_map``, read down a key block's column)
+    and the dQ kernel's (``block_map``, read along a query block's row), each None where
+    that kernel takes no map (or the plan has no dQ kernel: dQ by atomics)."""
+    kv_tile = q_tile = None
+    for launch in plan.launches:
+        if launch.template not in _BWD_BLOCK_MAP_KERNELS or not int(launch.args[-1]) & VAR_BLOCK_MAP:
+            continue
+        if launch.template == "cupyflash::flash_bwd_dkdv_sm90_kernel":
+            kv_tile = (BWD_SM90_BLOCK_M, BWD_SM90_BLOCK_N)
+        else:
+            q_tile = (BWD_DQ_SM90_BLOCK_M, int(launch.args[2]))
+    return kv_tile, q_tile
+
+
+#: The backward's kernels that read the block map (their VARIANT is their last template argument).
+_BWD_BLOCK_MAP_KERNELS = ("cupyflash::flash_bwd_dkdv_sm90_kernel", "cupyflash::flash_bwd_dq_sm90_kernel")
+
+
+#: The variants with the mask's block map whose wgmma backward kernels check-kernels
+#: compiles (those select_bwd plans, from aligned data of 1024 x 1024): the mask read
+#: element by element and staged, with a window, with softcap, with sinks.
+BWD_BLOCK_MAP_CHECK_VARIANTS = tuple(VAR_BLOCK_MAP | VAR_MASK | bits for bits in (
+    0, VAR_BIAS_STAGED, VAR_WINDOW, VAR_SOFTCAP, VAR_SINKS))
 
 
 def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
@@ -1281,6 +1322,17 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
                           if L.template in _BWD_STAGED_KERNELS and (int(L.args[-1]) & VAR_BIAS_STAGED
                                                                     or L.template.endswith("dq_sm90_kernel")))
     out.extend(dict.fromkeys(staged))
+    # The block map's wgmma kernels, in the plans that take them (cc 9.0).
+    if cc is not None:
+        mapped = []
+        for bit, d, causal, det in itertools.product(BWD_BLOCK_MAP_CHECK_VARIANTS, (64, 128), (False, True),
+                                                     (False, True)):
+            plan = select_bwd(batch=1, seqlen_q=1024, seqlen_k=1024, nheads_q=16, nheads_kv=16, head_dim=d,
+                              dtype=_VARIANT_CHECK_DTYPE, causal=causal, deterministic=det, vec=True, cc=cc,
+                              variant=bit)
+            mapped.extend(dataclasses.replace(L, grid=(1, 1, 1)) for L in plan.launches
+                          if L.template in _BWD_BLOCK_MAP_KERNELS and int(L.args[-1]) & VAR_BLOCK_MAP)
+        out.extend(dict.fromkeys(mapped))
     # The dbias kernel: its tile (and stages) depend on the shared memory of cc; aligned
     # data at D=64 and 128 on cc 9.0 takes the wgmma kernel (cc None: the mma.sync kernels).
     dbias = []

@@ -15,6 +15,11 @@
 // Philox counters, rp = 1/(1-p):
 //   dV += (P∘Z·rp)ᵀ·dO,  dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap)
 // (dbias is flash_bwd_dbias.cu's kernel).
+// With the mask's tile map (VAR_BLOCK_MAP, variant.cuh KeyBlockMap / QueryBlockMap, each
+// kernel's map at its own tile) both kernels visit only the tiles the mask keeps
+// somewhere (a skipped tile's P, so its dV, dS, dK and dQ terms, are 0: with atomic dQ
+// it adds nothing either), and run those it keeps wholly with no mask reads (staged:
+// with no mask copy).
 //
 // One block owns BLOCK_N = 128 keys of one (batch, KV head); each of its two
 // warpgroups owns 64 of them and loops over the query blocks (BLOCK_M = 64) of
@@ -119,7 +124,6 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     using DSTile = typename Tr::DSTile;
     constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0, ALIBI = (VARIANT & VAR_ALIBI) != 0;
     constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
-    constexpr bool BIAS_OR_MASK = ScoreMod<VARIANT, T>::BIAS_OR_MASK;
     constexpr bool STAGED = Tr::STAGED;  // the bias/mask tile through shared memory (else ScoreMod's reads)
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -178,6 +182,11 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     const int m_masked_end = blocks.unmasked_end == m_end ? blocks.unmasked_begin : m_end;
     const int nm = m_end - m_begin;
     const int num_iters = heads * nm;
+    // With the mask's tile map (VAR_BLOCK_MAP) the steps are the (head, query block)
+    // pairs whose tile the mask keeps somewhere; those it keeps wholly take no mask.
+    const QueryBlockMap<VARIANT> map(p.var, b, n_block);
+    constexpr bool MAP = QueryBlockMap<VARIANT>::ON;
+    const int h_end = h_first + heads;
 
     const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
                  int64(seq.k_start + n0) * p.k_row_stride;
@@ -185,8 +194,9 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
                  int64(seq.k_start + n0) * p.v_row_stride;
 
     // Q, dO, lse_log2, delta of query block m_block of head h, zero-filled past
-    // seqlen_q (and head_dim).
-    auto load_query_block = [&](int h, int m_block, int stage, const SeqLens& seq) {
+    // seqlen_q (and head_dim); staged, its bias/mask tile (the mask's unless its map says
+    // it keeps the whole tile: full).
+    auto load_query_block = [&](int h, int m_block, int stage, const SeqLens& seq, bool full) {
         const int m0 = m_block * BLOCK_M;
         const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
                      int64(seq.q_start + m0) * p.q_row_stride;
@@ -208,7 +218,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         // the (query block, key block)'s bias/mask tile, in the group of Q and dO
         if constexpr (STAGED) {
             ScoreTileStage<VARIANT, T, BLOCK_M, BLOCK_N, NT>::copy(sScore(stage), p.var, b, h, m0, n0,
-                                                                   seq.seqlen_q - 1, seq.seqlen_k - 1);
+                                                                   seq.seqlen_q - 1, seq.seqlen_k - 1, !full);
         }
     };
 
@@ -220,11 +230,21 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
 
     load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(sK, k, p.k_row_stride, keys_valid, p.head_dim);
     load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(sV, v, p.v_row_stride, keys_valid, p.head_dim);
-    if (num_iters > 0) load_query_block(h_first, m_begin, 0, seq);
+    // The steps' (head, query block) pairs: heads h_first .. h_end - 1, each its query
+    // blocks m_begin .. m_end - 1 (with the map, those it keeps), in that order. A block
+    // masked for the causal/window edge or the key tail reads the mask whatever its map
+    // says (three steps compiled, not four).
+    auto edge = [&](int m_block) { return WINDOW ? blocks.masked(m_block) : m_block < m_masked_end; };
+    auto full = [&](int h, int m_block) { return MAP && !edge(m_block) && map.state(h, m_block) == BLOCK_FULL; };
+    int h = h_first, m_block = m_begin;
+    // (guarded: the no-op call of a map that is off changed the default kernels' code)
+    if constexpr (MAP) map.seek(h, m_block, h_end, m_begin, m_end);
+    if (MAP ? h < h_end : num_iters > 0) load_query_block(h, m_block, 0, seq, full(h, m_block));
     cp_async_commit();
 
-    // Step it: query block m_block of head h; the next step's is (h_next, m_next).
-    auto step = [&](int it, int h, int m_block, int h_next, int m_next, auto masked) {
+    // Step it: query block m_block of head h; the next step's is (h_next, m_next), if
+    // any. attn_masked: its mask is read (false: the map's full tile).
+    auto step = [&](int it, int h, int m_block, int h_next, int m_next, auto masked, auto attn_masked) {
         const int stage = it & 1;
         const int m0 = m_block * BLOCK_M;
         const float* s_lse = stage_floats(stage);
@@ -256,7 +276,9 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         wgmma_commit();
         // The next step's loads, issued while the tensor cores work on Sᵀ and dPᵀ
         // (their address arithmetic would otherwise sit on this step's critical path).
-        if (it + 1 < num_iters) load_query_block(h_next, m_next, stage ^ 1, seq_slot.load());
+        if (MAP ? h_next < h_end : it + 1 < num_iters) {
+            load_query_block(h_next, m_next, stage ^ 1, seq_slot.load(), full(h_next, m_next));
+        }
         cp_async_commit();
         wgmma_wait<1>();
         fence_operands(st);
@@ -265,15 +287,16 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         //      m0 + 8 j + 2 t + (e & 1) (in the sequence); masked scores give P = 0. The
         //      sequence's lengths are read back only where used (the mask, ALiBi's offset,
         //      the bias's and mask's clamped reads).
-        constexpr bool MASKED = decltype(masked)::value;
+        constexpr bool MASKED = decltype(masked)::value, ATTN_MASKED = decltype(attn_masked)::value;
+        constexpr bool READS = ScoreMod<VARIANT, T>::BIAS || (ScoreMod<VARIANT, T>::MASK && ATTN_MASKED);
         SeqLens sl{};
-        if constexpr (MASKED || ALIBI || (BIAS_OR_MASK && !STAGED)) sl = seq_slot.load();
+        if constexpr (MASKED || ALIBI || (READS && !STAGED)) sl = seq_slot.load();
         const Mask<IS_CAUSAL, VARIANT> mask(p.var, sl.seqlen_q, sl.seqlen_k);
         const ScoreMod<VARIANT, T> mod(p.var, p.softmax_scale_log2, b, h, sl.seqlen_q, sl.seqlen_k);
         // staged: this stage's tile, read transposed (the warp's keys from wg·64 + 16 (warp % 4))
         [[maybe_unused]] typename Select<STAGED, StagedScoreTermsT<VARIANT, T, BLOCK_M, BLOCK_N, NT>,
                                          ElementTerms>::type terms;
-        if constexpr (STAGED) terms.load(p.var, sScore(stage), key_row0 - g);
+        if constexpr (STAGED) terms.template load<ATTN_MASKED>(p.var, sScore(stage), key_row0 - g);
         KeyRows<IS_CAUSAL, VARIANT> key_rows[2] = {{mask, n0 + key_row0}, {mask, n0 + key_row0 + 8}};
         [[maybe_unused]] float pd[M_TILES][4];  // softcap: P·(1 − tanh²), dS's factor in place of P
 #pragma unroll
@@ -287,9 +310,9 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
                 if constexpr (VARIANT == 0) {
                     x = fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -lse));
                 } else if constexpr (STAGED) {
-                    x = prob(terms.apply(mod.scaled(st[j][e], query, key), j, e), lse);
+                    x = prob(terms.template apply<ATTN_MASKED>(mod.scaled(st[j][e], query, key), j, e), lse);
                 } else {
-                    x = prob(mod(st[j][e], query, key), lse);
+                    x = prob(mod.template score<ATTN_MASKED>(st[j][e], query, key), lse);
                 }
                 if (MASKED && !key_rows[e / 2].sees(query)) x = 0.f;  // Mask::visible(query, key)
                 if constexpr (SOFTCAP) pd[j][e] = x * mod.dscore(st[j][e]);
@@ -398,16 +421,25 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         fence_operands(acc_dv);
         fence_operands(acc_dk);
     };
+    // A block off the edges: with the map, mask-free where the mask keeps it wholly.
+    auto step_bulk = [&](int it, int h, int m_block, int h_next, int m_next) {
+        if constexpr (MAP) {
+            if (map.state(h, m_block) == BLOCK_FULL) {
+                return step(it, h, m_block, h_next, m_next, Bool<false>{}, Bool<false>{});
+            }
+        }
+        step(it, h, m_block, h_next, m_next, Bool<false>{}, Bool<true>{});
+    };
 
-    // Query blocks m_begin .. m_end - 1 of each head of the group, in that order.
-    int h = h_first, m_block = m_begin;
-    for (int it = 0; it < num_iters; ++it) {
+    for (int it = 0; MAP ? h < h_end : it < num_iters; ++it) {
         int h_next = h, m_next = m_block + 1;
         if (m_next == m_end) { m_next = m_begin; ++h_next; }
+        map.seek(h_next, m_next, h_end, m_begin, m_end);
+        // (edge(m_block) written out: called here, the lambda changed the default kernels' code)
         if (WINDOW ? blocks.masked(m_block) : m_block < m_masked_end) {
-            step(it, h, m_block, h_next, m_next, Bool<true>{});
+            step(it, h, m_block, h_next, m_next, Bool<true>{}, Bool<true>{});
         } else {
-            step(it, h, m_block, h_next, m_next, Bool<false>{});
+            step_bulk(it, h, m_block, h_next, m_next);
         }
         h = h_next;
         m_block = m_next;
@@ -570,6 +602,8 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
     const BlockRange blocks =
         Mask<IS_CAUSAL, VARIANT>(p.var, seq.seqlen_q, seq.seqlen_k).key_blocks(m0, BLOCK_M, BLOCK_N);
     const ScoreMod<VARIANT, T> mod(p.var, p.softmax_scale_log2, b, h, seq.seqlen_q, seq.seqlen_k);
+    const KeyBlockMap<VARIANT> map(p.var, b, h, m_block);  // which blocks are visited (VAR_BLOCK_MAP)
+    constexpr bool MAP = KeyBlockMap<VARIANT>::ON;
 
     // This thread's fragment rows r0, r0 + 8 of the block; their lse_log2 and
     // delta (0 past seqlen_q, like Q and dO: see flash_bwd.cu).
@@ -596,28 +630,39 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
             sK0 + stage * KVTile::BYTES, k + int64(n) * BLOCK_N * p.k_row_stride, p.k_row_stride, rows, p.head_dim);
         load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(
             sV0 + stage * KVTile::BYTES, v + int64(n) * BLOCK_N * p.v_row_stride, p.v_row_stride, rows, p.head_dim);
-        if constexpr (Tr::STAGED) terms.stage_in(n, stage);  // in the group of K and V
+        // in the group of K and V; a mask all True (the map's FULL, off the edges) is not copied
+        if constexpr (Tr::STAGED) terms.stage_in(n, stage, !MAP || blocks.masked(n) || map.state(n) != BLOCK_FULL);
     };
 
-    // Prologue: Q, dO with the first key block, then the second (groups 0, 1).
-    const int n_first = blocks.end - 1;
+    // Prologue: Q, dO with the first key block, then the second (groups 0, 1). The
+    // visited blocks, from the last down (as the forward's): n, then n_next (n - 1, n - 2,
+    // ... without a block map); < blocks.begin: none left.
+    int n_first = blocks.end - 1, n_next = n_first - 1;
+    if constexpr (MAP) {
+        n_first = map.prev(blocks.end, blocks.begin);
+        n_next = n_first >= blocks.begin ? map.prev(n_first, blocks.begin) : n_first;
+    }
     if (n_first >= blocks.begin) {
         load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sQ, q, p.q_row_stride, rows_valid, p.head_dim);
         load_tile<T, BLOCK_M, HEAD_DIM, NT, true, EVEN_K, QTile>(sdO, dout, p.do_row_stride, rows_valid, p.head_dim);
         load_kv(n_first, 0);
     }
     cp_async_commit();
-    if (n_first - 1 >= blocks.begin) load_kv(n_first - 1, 1);
+    if (n_next >= blocks.begin) load_kv(n_next, 1);
     cp_async_commit();
 
-    int stage = 0;  // stage of key block n; block n - 2 goes to stage + 2 (mod 3)
-    auto step = [&](int n, auto masked) {
+    int stage = 0;  // stage of key block n; the visited block after n_next goes to stage + 2 (mod 3)
+    // One key block: masked (key tail, causal/window edge), attn_masked (its mask not all
+    // True). Returns the block to visit next (< blocks.begin: none) and, with the map,
+    // moves n_next on to the one after it, whose loads it issued.
+    auto step = [&](int n, auto masked, auto attn_masked) -> int {
         cp_async_wait<1>();        // this thread's copies of block n have landed
         fence_proxy_async_smem();  // ... and are visible to wgmma
         __syncthreads();           // everyone's have; everyone is done with block n + 1
+        const int n_after = !MAP ? n - 2 : n_next >= blocks.begin ? map.prev(n_next, blocks.begin) : n_next;
         {
             const int free_stage = stage == 0 ? STAGES - 1 : stage - 1;
-            if (n - 2 >= blocks.begin) load_kv(n - 2, free_stage);
+            if (n_after >= blocks.begin) load_kv(n_after, free_stage);
             cp_async_commit();
         }
         const uint32 sK = sK0 + stage * KVTile::BYTES, sV = sV0 + stage * KVTile::BYTES;
@@ -646,6 +691,7 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
         // ---- P = prob(score, lse) (times 1 − tanh² with softcap: dS's factor), masked
         //      scores 0; element (j, 2 hh + e) is row m0 + r0 + 8 hh, column n·BLOCK_N + 8 j + 2 t + e
         constexpr bool MASKED = decltype(masked)::value;
+        [[maybe_unused]] constexpr bool ATTN_MASKED = decltype(attn_masked)::value;  // (VARIANT 0: no mask)
         if constexpr (VARIANT == 0) {
             if constexpr (MASKED) {
                 const SeqLens sl = seq_lens(p, b);
@@ -660,14 +706,14 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
             if constexpr (MASKED) sl = seq_lens(p, b);
             const Mask<IS_CAUSAL, VARIANT> mask(p.var, sl.seqlen_q, sl.seqlen_k);
             if constexpr (Tr::STAGED) {  // the block's bias and mask from its stage (no softcap)
-                terms.template load<MASKED>(n * BLOCK_N + 2 * t, stage);
-                score_tile<MASKED>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t, terms);
+                terms.template load<MASKED, ATTN_MASKED>(n * BLOCK_N + 2 * t, stage);
+                score_tile<MASKED, ATTN_MASKED>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t, terms);
 #pragma unroll
                 for (int j = 0; j < N_TILES; ++j)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) s[0][j][e] = prob(s[0][j][e], lse2[e / 2]);
             } else if constexpr (!SOFTCAP) {  // as the forward: scores in log2 units, masked to -inf
-                score_tile<MASKED>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
+                score_tile<MASKED, ATTN_MASKED>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
 #pragma unroll
                 for (int j = 0; j < N_TILES; ++j)
 #pragma unroll
@@ -682,7 +728,7 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
                         for (int e = 0; e < 2; ++e) {
                             const int col = n * BLOCK_N + j * 8 + 2 * t + e;
                             float& x = s[0][j][2 * hh + e];
-                            float pr = prob(mod(x, row, col), lse2[hh]);
+                            float pr = prob(mod.template score<ATTN_MASKED>(x, row, col), lse2[hh]);
                             if (MASKED && !mask.visible(row, col)) pr = 0.f;
                             x = pr * mod.dscore(x);
                         }
@@ -717,15 +763,37 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
         wgmma_wait<0>();
         fence_operands(acc_dq);
         stage = stage == STAGES - 1 ? 0 : stage + 1;
+        if constexpr (MAP) {
+            const int visit = n_next;
+            n_next = n_after;
+            return visit;
+        } else {
+            return n - 1;
+        }
     };
-
     // Masked key blocks (key tail, causal diagonal) first, then the bulk with no mask
-    // code, then the masked blocks of the window's left edge.
-    int n = blocks.end - 1;
-    for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{});
-    for (; n >= blocks.unmasked_begin; --n) step(n, Bool<false>{});
-    if constexpr (Mask<IS_CAUSAL, VARIANT>::WINDOW) {
-        for (; n >= blocks.begin; --n) step(n, Bool<true>{});
+    // code, then the masked blocks of the window's left edge. With the map, the visited
+    // blocks only (n = step(n): the next one), those the mask keeps wholly mask-free;
+    // without, each block in turn (the loops written as they were: the map's form, with
+    // no map, changed the default kernels' code).
+    if constexpr (MAP) {
+        auto step_bulk = [&](int n) -> int {
+            if (map.state(n) == BLOCK_FULL) return step(n, Bool<false>{}, Bool<false>{});
+            return step(n, Bool<false>{}, Bool<true>{});
+        };
+        int n = n_first;
+        while (n >= blocks.unmasked_end) n = step(n, Bool<true>{}, Bool<true>{});
+        while (n >= blocks.unmasked_begin) n = step_bulk(n);
+        if constexpr (Mask<IS_CAUSAL, VARIANT>::WINDOW) {
+            while (n >= blocks.begin) n = step(n, Bool<true>{}, Bool<true>{});
+        }
+    } else {
+        int n = blocks.end - 1;
+        for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{}, Bool<true>{});
+        for (; n >= blocks.unmasked_begin; --n) step(n, Bool<false>{}, Bool<true>{});
+        if constexpr (Mask<IS_CAUSAL, VARIANT>::WINDOW) {
+            for (; n >= blocks.begin; --n) step(n, Bool<true>{}, Bool<true>{});
+        }
     }
 
     // ---- epilogue: dq = scale·dQ in T, staged through this warpgroup's own 64 rows

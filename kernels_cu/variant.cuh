@@ -56,7 +56,11 @@ struct VariantParams {
     void* dbias;                // backward: the bias's element type (T or fp32) at the dbias strides,
                                 // written by flash_bwd_dbias_kernel only; null otherwise
     const uint8* block_map;     // VAR_BLOCK_MAP: the mask's state per (batch, head, query block, key block)
-                                // of the kernel's tile (0 empty, 1 partial, 2 full; cupyflash/_blockmask.py)
+                                // of the kernel's tile (0 empty, 1 partial, 2 full; cupyflash/_blockmask.py),
+                                // for the kernels that walk key blocks (KeyBlockMap: the forward, the
+                                // backward's dQ kernel)
+    const uint8* kv_block_map;  // the same at the tile of the backward's dK/dV kernel, which walks query
+                                // blocks (QueryBlockMap; its tile is not the dQ kernel's)
     uint64 dropout_seed;        // Philox key: (seed & 0xffffffff, seed >> 32)
     uint32 dropout_offset;      // Philox counter word 3
     // per plan
@@ -68,6 +72,7 @@ struct VariantParams {
     int64 mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
     int64 dbias_batch_stride, dbias_head_stride, dbias_row_stride, dbias_col_stride;
     int64 block_map_batch_stride, block_map_head_stride, block_map_row_stride, block_map_col_stride;
+    int64 kv_block_map_batch_stride, kv_block_map_head_stride, kv_block_map_row_stride, kv_block_map_col_stride;
     int32 window_left;          // keys before the diagonal a row sees; -1: unbounded
     int32 window_right;         // keys after it; -1: unbounded (causal forces 0)
     float softcap_log2;         // softcap·log2(e), softcap > 0
@@ -92,15 +97,34 @@ struct BlockRange {
     __device__ __forceinline__ bool masked(int n) const { return n < unmasked_begin || n >= unmasked_end; }
 };
 
+// The last (DIR = -1) or first (DIR = +1) block c of [lo, hi) whose state states[c ·
+// stride] is not EMPTY; lo - 1 (down) or hi (up) if none. Every lane of the warp calls
+// it with the same arguments (the block loops are uniform): 32 blocks' states are read
+// at once and a ballot picks the first kept one, so a run of empty blocks costs one
+// load each 32 of them. (stride: the params' field itself, a constant-bank operand, not
+// a register pair held across the loop.)
+constexpr int BLOCK_EMPTY = 0, BLOCK_PARTIAL = 1, BLOCK_FULL = 2;
+template <int DIR>
+__device__ __forceinline__ int first_kept_block(const uint8* states, const int64& stride, int lo, int hi) {
+    const int lane = threadIdx.x % 32;
+    for (int top = DIR < 0 ? hi - 1 : lo; DIR < 0 ? top >= lo : top < hi; top += 32 * DIR) {
+        const int c = top + DIR * lane;
+        const bool kept = (DIR < 0 ? c >= lo : c < hi) && __ldg(states + int64(c) * stride) != BLOCK_EMPTY;
+        const uint32 hits = __ballot_sync(0xffffffffu, kept);
+        if (hits) return top + DIR * (__ffs(hits) - 1);
+    }
+    return DIR < 0 ? lo - 1 : hi;
+}
+
 // The mask's tile map (VAR_BLOCK_MAP) seen from one query block of one (batch, head):
 // which of its key blocks the kernel visits, and which of those need no mask. A
 // block whose tile no row of the mask keeps (EMPTY) is never visited: it would
 // add exp2(-inf) = 0 to every sum, so the online softmax is as if it had run (a
 // row whose every block is skipped ends with sum 0: out 0, lse -inf, as a row
-// that sees no key). A FULL tile keeps every element: its scores take no mask.
+// that sees no key); in the backward its P, and so its dS, is 0. A FULL tile keeps
+// every element: its scores take no mask.
 // Without the bit, every block of the range is visited and masked as the variant
 // says (prev(n) = n - 1, state PARTIAL: compiled away).
-constexpr int BLOCK_EMPTY = 0, BLOCK_PARTIAL = 1, BLOCK_FULL = 2;
 template <int VARIANT>
 struct KeyBlockMap {
     static constexpr bool ON = (VARIANT & VAR_BLOCK_MAP) != 0;
@@ -117,22 +141,42 @@ struct KeyBlockMap {
         return ON ? int(__ldg(row + int64(n) * v.block_map_col_stride)) : BLOCK_PARTIAL;
     }
     // The visited block below n: the largest n' in [begin, n) whose tile is not
-    // empty, or begin - 1 if none. Every lane of the warp calls it with the same
-    // arguments (the key loop is uniform): 32 blocks' states are read at once and a
-    // ballot picks the first kept one, so a run of empty blocks costs one load each
-    // 32 of them.
+    // empty, or begin - 1 if none (warp-uniform: first_kept_block).
     __device__ __forceinline__ int prev(int n, int begin) const {
-        if constexpr (!ON) {
-            return n - 1;
-        } else {
-            const int lane = threadIdx.x % 32;
-            for (int top = n - 1; top >= begin; top -= 32) {
-                const int c = top - lane;
-                const bool kept = c >= begin && __ldg(row + int64(c) * v.block_map_col_stride) != BLOCK_EMPTY;
-                const uint32 hits = __ballot_sync(0xffffffffu, kept);
-                if (hits) return top - (__ffs(hits) - 1);
+        if constexpr (!ON) return n - 1;
+        else return first_kept_block<-1>(row, v.block_map_col_stride, begin, n);
+    }
+};
+
+// The same map seen from one key block of one batch entry (the backward's dK/dV
+// kernel, whose block loops over the query blocks of several query heads): the map at
+// that kernel's tile (kv_block_map), read down a column.
+template <int VARIANT>
+struct QueryBlockMap {
+    static constexpr bool ON = (VARIANT & VAR_BLOCK_MAP) != 0;
+    static_assert(!ON || (VARIANT & VAR_MASK) != 0, "a block map needs the mask");
+    const VariantParams& v;
+    const uint8* col;  // this key block's states of head 0 (ON only)
+
+    __device__ __forceinline__ QueryBlockMap(const VariantParams& v_, int b, int n_block)
+        : v(v_), col(ON ? v_.kv_block_map + b * v_.kv_block_map_batch_stride +
+                              int64(n_block) * v_.kv_block_map_col_stride
+                        : nullptr) {}
+
+    __device__ __forceinline__ const uint8* head(int h) const { return col + h * v.kv_block_map_head_stride; }
+    __device__ __forceinline__ int state(int h, int m) const {
+        return ON ? int(__ldg(head(h) + int64(m) * v.kv_block_map_row_stride)) : BLOCK_PARTIAL;
+    }
+    // (h, m) moved on to the first visited (head, query block) at or after it, in the
+    // order heads h .. h_end - 1, each its blocks [begin, end) (m < end or m = begin on
+    // a new head): the first whose tile is not empty; h = h_end if none is left.
+    // Without the bit every block is visited: (h, m) stays. Warp-uniform (first_kept_block).
+    __device__ __forceinline__ void seek(int& h, int& m, int h_end, int begin, int end) const {
+        if constexpr (ON) {
+            for (; h < h_end; ++h, m = begin) {
+                m = first_kept_block<1>(head(h), v.kv_block_map_row_stride, m, end);
+                if (m < end) return;
             }
-            return begin - 1;
         }
     }
 };
@@ -263,15 +307,18 @@ struct ScoreMod {
         return ALIBI ? fmaf(-slope_log2, float(abs(row + off - col)), x) : x;
     }
     // The whole score, the bias and mask read here element by element (the forward
-    // reads them a key block ahead instead: ScoreTerms).
-    __device__ __forceinline__ float operator()(float s, int row, int col) const {
+    // reads them a key block ahead instead: ScoreTerms). ATTN_MASK false: the mask
+    // keeps the whole tile (the block map's FULL) and is not read.
+    template <bool ATTN_MASK = true>
+    __device__ __forceinline__ float score(float s, int row, int col) const {
         float x = scaled(s, row, col);
         if constexpr (BIAS) {
             const int64 r = min(row, last_row), c = min(col, last_col);
             x = fmaf(load_float(bias + r * v.bias_row_stride + c * v.bias_col_stride), LOG2E, x);
         }
-        return keep_masked(x, row, col);
+        return ATTN_MASK ? keep_masked(x, row, col) : x;
     }
+    __device__ __forceinline__ float operator()(float s, int row, int col) const { return score(s, row, col); }
     // d(score)/d(softmax_scale·s) relative to the plain one: 1 - tanh² with softcap
     // (the kernels multiply dS by softmax_scale at the end, as without variants).
     __device__ __forceinline__ float dscore(float s) const {
@@ -313,24 +360,26 @@ __device__ __forceinline__ void score_row_by(float (&s)[N_TILES][4], int half, c
     }
 }
 
-template <bool MASKED, bool IS_CAUSAL, int VARIANT, int N_TILES, typename T>
+template <bool MASKED, bool ATTN_MASK = true, bool IS_CAUSAL, int VARIANT, int N_TILES, typename T>
 __device__ __forceinline__ void score_row(float (&s)[N_TILES][4], int half, const ScoreMod<VARIANT, T>& mod,
                                           const Mask<IS_CAUSAL, VARIANT>& mask, int row, int col0) {
-    score_row_by<MASKED>(s, half, mask, row, col0,
-                         [&](float x, int j, int e) { return mod(x, row, col0 + j * 8 + e); });
+    score_row_by<MASKED>(s, half, mask, row, col0, [&](float x, int j, int e) {
+        return mod.template score<ATTN_MASK>(x, row, col0 + j * 8 + e);
+    });
 }
 
 // Scores of an mma accumulator tile set -> log2 units, masked (MASKED: the block
 // needs it). s[i][j][e]: m-tile i, n-tile j, element e (rows row0 + 16 i (+ 8 for
 // e >= 2), columns col0 + 8 j + (e & 1)); row0, col0 are this lane's in the sequence.
-template <bool MASKED, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES, typename T>
+// ATTN_MASK false: the block's mask is all True (not read).
+template <bool MASKED, bool ATTN_MASK = true, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES, typename T>
 __device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], const ScoreMod<VARIANT, T>& mod,
                                            const Mask<IS_CAUSAL, VARIANT>& mask, int row0, int col0) {
 #pragma unroll
     for (int i = 0; i < M_TILES; ++i)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
-            score_row<MASKED>(s[i], half, mod, mask, row0 + i * 16 + half * 8, col0);
+            score_row<MASKED, ATTN_MASK>(s[i], half, mod, mask, row0 + i * 16 + half * 8, col0);
 }
 
 // The bias and mask of one key block at a thread's fragment rows (score_tile's layout:
@@ -698,15 +747,21 @@ struct StagedScoreTermsT {
     uint32 bias_step, keep_step;          // bytes from row j to row j + 1 (8 query rows)
 
     // The stage at `tile` (its copies landed and are visible); k0: the warp's first key.
+    // ATTN_MASK false: the tile's mask is all True (the block map's FULL; not copied, not read).
+    template <bool ATTN_MASK = true>
     __device__ __forceinline__ void load(const VariantParams& v, uint32 tile, int k0) {
         int lane = threadIdx.x % 32;
         asm volatile("" : "+r"(lane));  // opaque: recomputed per block
         const int g = lane / 4, t = lane % 4;
         if constexpr (BIAS) set<BiasTile>(bias_at, bias_step, v.bias_row_stride == 0, tile, k0, g, t);
-        if constexpr (MASK) set<KeepTile>(keep_at, keep_step, v.mask_row_stride == 0, tile + Stage::KEEP_OFFSET, k0, g, t);
+        if constexpr (MASK && ATTN_MASK) {
+            set<KeepTile>(keep_at, keep_step, v.mask_row_stride == 0, tile + Stage::KEEP_OFFSET, k0, g, t);
+        }
     }
 
-    // x (the score before the bias and mask, log2 units) with element (j, e)'s terms.
+    // x (the score before the bias and mask, log2 units) with element (j, e)'s terms
+    // (ATTN_MASK as for load()).
+    template <bool ATTN_MASK = true>
     __device__ __forceinline__ float apply(float x, int j, int e) const {
         if constexpr (BIAS) {
             const uint32 a = bias_at[e & 1][e / 2] + uint32(j) * bias_step;
@@ -720,7 +775,7 @@ struct StagedScoreTermsT {
                 x = fmaf(pair_float<T>(u, 0), LOG2E, x);
             }
         }
-        if constexpr (MASK) {
+        if constexpr (MASK && ATTN_MASK) {
             uint32 u;
             asm("ld.shared.u8 %0, [%1];\n" : "=r"(u) : "r"(keep_at[e & 1][e / 2] + uint32(j) * keep_step));
             if (!u) x = NEG_INF;

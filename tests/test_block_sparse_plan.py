@@ -53,10 +53,11 @@ def test_call_values_are_in_the_per_call_fields_order():
     options = {"alibi_slopes": slopes, "sinks": sinks, "attn_bias": bias, "attn_mask": mask,
                "rng_state": (0x5000, 77)}
     values = dict(zip(_params.VARIANT_PER_CALL,
-                      _variant.call_values(options, dsinks=0x6000, dbias=0x7000, block_map=0x8000), strict=True))
+                      _variant.call_values(options, dsinks=0x6000, dbias=0x7000, block_map=0x8000,
+                                           kv_block_map=0x9000), strict=True))
     assert values == {"alibi_slopes": 0x1000, "sinks": 0x2000, "dsinks": 0x6000, "attn_bias": 0x3000,
-                      "attn_mask": 0x4000, "dbias": 0x7000, "block_map": 0x8000, "dropout_seed": 0x5000,
-                      "dropout_offset": 77}
+                      "attn_mask": 0x4000, "dbias": 0x7000, "block_map": 0x8000, "kv_block_map": 0x9000,
+                      "dropout_seed": 0x5000, "dropout_offset": 77}
 
 
 @pytest.mark.parametrize("bias_shape", [(2, 4, 257, 190), (1, 4, 257, 190), (2, 1, 1, 190), (257, 190)])

@@ -362,10 +362,11 @@ def test_every_wgmma_dkdv_variant_is_listed_for_check_kernels():
     sm90 = [L for L in dispatch.all_bwd_launches((9, 0)) if L.template.endswith("flash_bwd_dkdv_sm90_kernel")]
     plain = {L.args for L in sm90 if L.args[-1] == "0"}
     assert len(plain) == 2 * 2 * 2 * 2 * 2  # dtype, head_dim, causal, even_k, det
-    variants = {L.args for L in sm90 if L.args[-1] != "0" and not int(L.args[-1]) & dispatch.VAR_BIAS_STAGED}
+    variants = {L.args for L in sm90 if L.args[-1] != "0"
+                and not int(L.args[-1]) & (dispatch.VAR_BIAS_STAGED | dispatch.VAR_BLOCK_MAP)}
     # each alone: head_dim, causal, and whether dQ comes from its own kernel; not where
     # the wgmma kernel spills (those plans take mma.sync); the staged bit needs a bias or
-    # mask (BWD_STAGED_CHECK_VARIANTS)
+    # mask (BWD_STAGED_CHECK_VARIANTS), the map's bit a mask (BWD_BLOCK_MAP_CHECK_VARIANTS)
     want = {("__nv_bfloat16", str(d), causal, "true", str(det or dispatch._bwd_sm90_separate_dq(d)).lower(),
              str(bit)) for d in (64, 128) for causal in ("false", "true") for det in (False, True)
             for bit in dispatch.VARIANT_BITS.values()

@@ -9,7 +9,8 @@ outputs NaN-poisoned, ``-inf`` in lse exact. Rows that see no key (every tile
 of their query block skipped, or hidden in partial tiles) give out 0 and lse
 -inf. Causal and window combinations, fp16 and bf16, D=64 and 128 (wgmma, which
 skips) and D=96 (mma.sync, which masks every tile: the same results), varlen.
-The backward takes the mask unskipped (correct, not faster): checked once here.
+The backward with a BlockMask gives the plain mask's gradients bit for bit (checked
+here); its own tile maps: tests/test_gpu_block_sparse_bwd.py.
 """
 
 from __future__ import annotations

@@ -922,8 +922,8 @@ def _compute_decode_with_variants(plan_kwargs, q, k_cache, v_cache, k_new, v_new
     options = dict(plan_kwargs.get("options") or {})
     assert (var is None) == (not options)
     if options:
-        alibi, sinks, dsinks, bias, mask, dbias, block_map, seed, offset = var  # _params.VARIANT_PER_CALL
-        assert (dsinks, bias, mask, dbias, block_map, seed, offset) == (0, 0, 0, 0, 0, 0, 0)
+        alibi, sinks, dsinks, bias, mask, dbias, block_map, kv_block_map, seed, offset = var  # VARIANT_PER_CALL
+        assert (dsinks, bias, mask, dbias, block_map, kv_block_map, seed, offset) == (0,) * 8
         assert (alibi != 0) == ("alibi_slopes" in options) and (sinks != 0) == ("sinks" in options)
         for name, ptr in (("alibi_slopes", alibi), ("sinks", sinks)):
             if ptr:

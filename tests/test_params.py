@@ -144,7 +144,7 @@ def test_launcher_writes_the_variant_fields_of_a_call_with_var():
     template = _params.pack(mirror, **{n: 3 for n in mirror.names if n != "var"}, var=fields)
     launcher, seen = _recording_launcher(template)
     pointers = tuple(range(101, 101 + len(_gpu.FWD_POINTERS)))
-    var = (11, 12, 13, 14, 15, 16, 17, 2**40 + 5, 9)
+    var = (11, 12, 13, 14, 15, 16, 17, 18, 2**40 + 5, 9)
     launcher(0, *pointers, var=var)
     launcher(0, *pointers)
     with_var, plain = (np.frombuffer(b[:mirror.itemsize], dtype=mirror)[0] for b in seen)
@@ -192,3 +192,16 @@ def test_block_map_is_a_per_call_pointer_with_per_plan_strides():
     assert [fields[f"block_map_{a}_stride"] for a in ("batch", "head", "row", "col")] == [16, 0, 0, 1]
     assert all(_variant.plan_fields({"attn_mask": mask}, 0.5, 4)[f"block_map_{a}_stride"] == 0
                for a in ("batch", "head", "row", "col"))
+
+
+def test_the_backward_s_two_maps_have_their_own_tiles():
+    """The dK/dV kernel's map (``kv_block_map``, a per-call pointer beside ``block_map``) at
+    its own tile: ``plan_fields`` sets each map's strides from its tile alone."""
+    assert _params.VARIANT_PER_CALL.index("kv_block_map") == _params.VARIANT_PER_CALL.index("block_map") + 1
+    mask = np.ones((2, 1, 300, 1000), bool)
+    fields = _variant.plan_fields({"attn_mask": mask}, 0.5, 4, block_map_tile=(128, 64), kv_block_map_tile=(64, 128))
+    # (2, 1, 3, 16) and (2, 1, 5, 8) uint8, C-contiguous
+    assert [fields[f"block_map_{a}_stride"] for a in ("batch", "head", "row", "col")] == [48, 0, 16, 1]
+    assert [fields[f"kv_block_map_{a}_stride"] for a in ("batch", "head", "row", "col")] == [40, 0, 8, 1]
+    fields = _variant.plan_fields({"attn_mask": mask}, 0.5, 4, kv_block_map_tile=(64, 128))
+    assert all(fields[f"block_map_{a}_stride"] == 0 for a in ("batch", "head", "row", "col"))

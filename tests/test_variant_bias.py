@@ -80,19 +80,13 @@ def test_contiguous_never_copies_the_bias_or_mask():
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["register", "staged"])
-def test_the_forward_takes_the_block_map_and_the_backward_does_not(staged):
-    """``fwd_bits``: ``staged_bits`` with VAR_BLOCK_MAP where a mask is given; the
-    backward's plans take ``staged_bits`` (its kernels read no map; select_bwd refuses
-    the bit)."""
+def test_plans_take_the_block_map_with_a_mask(staged):
+    """``plan_bits``: ``staged_bits`` with VAR_BLOCK_MAP where a mask is given (forward and
+    backward plans alike: each kernel that reads no map drops the bit); none without."""
     mask = array((B, 1, M, N), np.bool_, ptr=(1 << 20) + (0 if staged else 2))
     for options in ({"attn_mask": mask}, {"attn_mask": mask, "attn_bias": array((1, H, M, N), np.float16)}):
         both = _variant.staged_bits(options)
         assert bool(both & dispatch.VAR_BIAS_STAGED) == staged and not both & dispatch.VAR_BLOCK_MAP
-        assert _variant.fwd_bits(options) == both | dispatch.VAR_BLOCK_MAP
+        assert _variant.plan_bits(options) == both | dispatch.VAR_BLOCK_MAP
     bias_only = {"attn_bias": array((1, H, M, N), np.float16)}
-    assert _variant.fwd_bits(bias_only) == _variant.staged_bits(bias_only)
-    kw = dict(batch=1, seqlen_q=1024, seqlen_k=1024, nheads_q=16, nheads_kv=16, head_dim=64, dtype="bfloat16",
-              causal=False, deterministic=False, vec=True)
-    dispatch.select_bwd(**kw, variant=_variant.staged_bits({"attn_mask": mask}))
-    with pytest.raises(ValueError, match="VAR_BLOCK_MAP"):
-        dispatch.select_bwd(**kw, variant=_variant.fwd_bits({"attn_mask": mask}))
+    assert _variant.plan_bits(bias_only) == _variant.staged_bits(bias_only)
