@@ -8,6 +8,7 @@ with that kernel off), then each step of the hot path alone: the device check, t
 stream, the plan key, the cache lookup, the output allocations, the params write and
 the raw launch of the same kernel, and a do-nothing kernel's launch.
 """
+import ctypes
 import statistics
 import time
 
@@ -55,7 +56,6 @@ _gpu.clear_plans()
 cupyflash.flash_attn_fwd(qs, ks, vs)
 
 # The pieces, at the small shape
-dev = cupy.cuda.Device()
 rows.append(("getDevice()", us(lambda: cupy.cuda.runtime.getDevice())))
 rows.append(("with q.device", us(lambda: q.device.__enter__() and q.device.__exit__(None, None, None))))
 rows.append(("get_current_stream().ptr", us(lambda: cupy.cuda.get_current_stream().ptr)))
@@ -76,8 +76,6 @@ stream = cupy.cuda.get_current_stream().ptr
 rows.append(("Launcher(...) (params + launch)", us(lambda: launcher(stream, *ptrs))))
 noop = cupy.RawKernel(r'extern "C" __global__ void noop(const long long* p) {}', "noop")
 noop((1,), (32,), (cupy.int64(0),))
-fptr = noop.kernel.ptr if hasattr(noop, "kernel") else None
-import ctypes
 buf = ctypes.create_string_buffer(8)
 argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
 launch = cupy.cuda.driver.launchKernel
