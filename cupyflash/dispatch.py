@@ -805,9 +805,11 @@ def bwd_dbias_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k
 # per strip of 128 query rows of one bias (batch, head) walking every key tile, with Q,
 # dO, lse_log2 and delta of the (batch, head) pairs that broadcast onto the bias (its
 # "pairs": B with a bias batch of 1, times H with a bias head of 1) resident in shared
-# memory, K and V streamed through a two-stage ring. For a bias with whole rows and keys
-# whose pairs fit beside the ring (padded D=64: 5, D=128: 2) and whose strips fill the
-# GPU once (at least num_sms blocks x DBIAS_STRIP_MIN_WAVES); otherwise the tile kernel.
+# memory, K and V streamed through a three-stage ring (the kernel computes step i+1's S
+# and dP while it does step i's elementwise work). For a bias with whole rows and keys
+# whose pairs fit beside the ring (padded D=64: 5, D=128: 2, which fill 227 KB exactly)
+# and whose strips fill the GPU once (at least num_sms blocks x DBIAS_STRIP_MIN_WAVES);
+# otherwise the tile kernel.
 _BWD_DBIAS_STRIP_HEAD_DIMS = (64, 128)
 #: Strips only when their grid is at least this many waves of num_sms blocks (a strip walks
 #: every key tile in one block: a short grid leaves SMs idle). Tests set 0.
@@ -820,10 +822,10 @@ def dbias_strip_pairs(dbias_shape: tuple[int, int, int, int], batch: int, nheads
 
 
 def bwd_dbias_strip_smem_bytes(head_dim_padded: int, pairs: int) -> int:
-    """dbias_strip's shared memory: 1 KB to align to the swizzle atom; two stages of K, V
+    """dbias_strip's shared memory: 1 KB to align to the swizzle atom; three stages of K, V
     (BLOCK_N rows); Q, dO (BLOCK_M rows) and lse_log2, delta rows of each pair."""
     block_m, block_n, _ = BWD_DBIAS_SM90_TILE
-    return 1024 + 2 * 2 * block_n * head_dim_padded * 2 + pairs * (2 * block_m * head_dim_padded * 2 + 2 * block_m * 4)
+    return 1024 + 3 * 2 * block_n * head_dim_padded * 2 + pairs * (2 * block_m * head_dim_padded * 2 + 2 * block_m * 4)
 
 
 def bwd_dbias_strip_max_pairs(head_dim_padded: int, cc: tuple[int, int] = (9, 0)) -> int:

@@ -368,25 +368,41 @@ __device__ __forceinline__ void dbias_tile(const BwdParams& p) {
 // fit shared memory side by side (dispatch.uses_sm90_dbias_strips). Q, dO, lse_log2
 // and delta of the V pairs' BLOCK_M rows load once and stay resident; the block walks
 // the key tiles n = 0, 1, .. and for each the V pairs in the tile kernel's order
-// (batch, then head), streaming each step's K and V through a two-stage cp.async ring
-// (the next step's K, V load during this one). The 128 x 64 tile's sum over its V
-// visits stays in registers (the same fp32 additions in the same order as the tile
-// kernel: bitwise the same dbias), and is stored once from the fragments, straight to
-// the dbias strides, when the walk leaves the tile; tiles no pair reaches are stored
-// as 0. The tile's bias is read into registers when the walk enters it.
-// Shared memory (from a 1024-byte boundary): K, V of stage 0 and 1; Q, dO of each
+// (batch, then head), streaming each step's K and V through a three-stage cp.async
+// ring. The 128 x 64 tile's sum over its V visits stays in registers (the same fp32
+// additions in the same order as the tile kernel: bitwise the same dbias), and is
+// stored once from the fragments, straight to the dbias strides, when the walk leaves
+// the tile; tiles no pair reaches are stored as 0. The tile's bias is read into
+// registers when the walk enters it.
+// Software pipelined (PIPELINED below): step i's elementwise work (P, then acc +=
+// P∘(dP − delta)) runs while the tensor cores compute step i+1's S and dP, issued just
+// before it into the other of two sets of accumulators (the sets alternate: the loop is
+// unrolled by two steps) and waited for at the step's end. (Issued a step earlier and
+// left in flight across the loop's back edge and its branches, ptxas serializes every
+// wgmma: C7514.) Unpipelined, each warpgroup's tensor cores idled through its
+// elementwise work, most of a step (ncu: issue slots 40% busy, the tensor pipe low).
+// The ring, at step i's barrier: pipelined, step i+1's K, V (landed; read by the GEMMs
+// issued now), i+2's (landing), and i+3's loading into step i's stage (its GEMMs were
+// waited for in step i-1); else step i's (landed), i+1's (landing), i+2's loading.
+// Shared memory (from a 1024-byte boundary): K, V of the ring's 3 stages; Q, dO of each
 // pair; lse_log2, delta rows of each pair (dispatch.bwd_dbias_strip_smem_bytes).
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool IS_CAUSAL, bool EVEN_K,
           int VARIANT>
 __device__ __forceinline__ void dbias_strip(const BwdParams& p) {
-    using Tr = BwdDbiasTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_WARPS, 2, true>;
+    using Tr = BwdDbiasTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, NUM_WARPS, 2, true>;  // (its tiles)
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Scores = DbiasScores<IS_CAUSAL, VARIANT, T, Tr::M_TILES, Tr::N_TILES>;
     using BiasT = typename Scores::BiasMod::BiasT;
     constexpr int NT = Tr::NUM_THREADS;
     constexpr int N_TILES = Tr::N_TILES;
+    constexpr int RING = 3;  // stages of K, V
     static_assert(Tr::M_TILES == 1, "wgmma: each warp 16 rows");
+    // The second set of S, dP accumulators is BLOCK_N registers more per thread (plain
+    // bias, D=64: 163 -> 237 under nvcc 13.0). With the boolean mask's reads or dropout's
+    // Philox rounds (205-250 registers unpipelined) they spill (2-384 bytes, nvcc 13.0):
+    // those variants keep one set, S and dP of step i issued in step i, P computed under dP.
+    constexpr bool PIPELINED = (VARIANT & (VAR_MASK | VAR_DROPOUT)) == 0;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const uint32 s_base = (smem_addr(smem_raw) + 1023) & ~1023u;
@@ -395,6 +411,7 @@ __device__ __forceinline__ void dbias_strip(const BwdParams& p) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, t = lane % 4;
     const int warp_row0 = warp * Tr::WARP_ROWS;  // warp_col0 = 0
+    const int wg_row0 = warp / 4 * 64;           // this warpgroup's rows
 
     // ---- which strip; the pairs that broadcast onto it: visit vi = b' · visit_h + h'
     const VariantParams& var = p.var;
@@ -413,48 +430,54 @@ __device__ __forceinline__ void dbias_strip(const BwdParams& p) {
 
     auto sK = [&](int stage) { return s_base + stage * 2 * KVTile::BYTES; };
     auto sV = [&](int stage) { return sK(stage) + KVTile::BYTES; };
-    auto sQ = [&](int vi) { return s_base + 4 * KVTile::BYTES + vi * 2 * QTile::BYTES; };
+    auto sQ = [&](int vi) { return s_base + RING * 2 * KVTile::BYTES + vi * 2 * QTile::BYTES; };
     auto sdO = [&](int vi) { return sQ(vi) + QTile::BYTES; };
-    const int rows0 = 4 * KVTile::BYTES + nvis * 2 * QTile::BYTES;  // bytes from s_base
+    const int rows0 = RING * 2 * KVTile::BYTES + nvis * 2 * QTile::BYTES;  // bytes from s_base
     auto rows_addr = [&](int vi) { return s_base + rows0 + vi * 2 * BLOCK_M * 4; };
     auto rows_of = [&](int vi) { return reinterpret_cast<const float*>(smem + rows0 + vi * 2 * BLOCK_M * 4); };
 
     auto pair_b = [&](int vi) { return all_b ? vi / visit_h : b_tile; };
     auto pair_h = [&](int vi) { return all_h ? vi % visit_h : h_tile; };
 
-    // Step it = n · nvis + vi: key tile n of pair vi; whether any of its rows sees any of its keys.
-    const int num_steps = n_blocks * nvis;
-    auto step_of = [&](int it, DbiasVisit& v) {
-        const int n = it / nvis, vi = it % nvis;
-        v.b = pair_b(vi);
-        v.h = vi;  // (the pair's index; its head is pair_h(vi))
-        v.m0 = m0;
-        v.n0 = n * BLOCK_N;
-        const SeqLens seq = seq_lens(p, v.b);
-        if (m0 >= seq.seqlen_q || v.n0 >= seq.seqlen_k) return false;
-        const BlockRange r = Mask<IS_CAUSAL, VARIANT>(var, seq.seqlen_q, seq.seqlen_k).key_blocks(m0, BLOCK_M, BLOCK_N);
-        v.masked = r.masked(n);
-        return n >= r.begin && n < r.end;
+    // A step: key tile n of pair vi (batch b); n = n_blocks: past the walk's end.
+    struct Step {
+        int n, vi, b;
+        bool masked;  // the step needs mask code (key tail, causal diagonal, window edge)
     };
-    auto next_step = [&](int it, DbiasVisit& v) {
-        while (it < num_steps && !step_of(it, v)) ++it;
-        return it;
+    // The first step at or after (n, vi) (vi <= nvis) that some (query, key) pair reaches.
+    // (The walk's position as two counters: no division of a step index per step.)
+    auto next_step = [&](int n, int vi) {
+        Step v;
+        for (;; ++vi) {
+            if (vi == nvis) vi = 0, ++n;
+            v.n = n, v.vi = vi;
+            if (n >= n_blocks) return v;
+            v.b = pair_b(vi);
+            const SeqLens seq = seq_lens(p, v.b);
+            if (m0 < seq.seqlen_q && n * BLOCK_N < seq.seqlen_k) {
+                const BlockRange r =
+                    Mask<IS_CAUSAL, VARIANT>(var, seq.seqlen_q, seq.seqlen_k).key_blocks(m0, BLOCK_M, BLOCK_N);
+                v.masked = r.masked(n);
+                if (n >= r.begin && n < r.end) return v;
+            }
+        }
     };
-    auto load_kv = [&](const DbiasVisit& v, int stage) {
+    auto load_kv = [&](const Step& v, int stage) {
         const SeqLens seq = seq_lens(p, v.b);
-        const int h_kv = pair_h(v.h) / group;
+        const int h_kv = pair_h(v.vi) / group, n0 = v.n * BLOCK_N;
         const T* k = static_cast<const T*>(p.k) + v.b * p.k_batch_stride + h_kv * p.k_head_stride +
-                     int64(seq.k_start + v.n0) * p.k_row_stride;
+                     int64(seq.k_start + n0) * p.k_row_stride;
         const T* vv = static_cast<const T*>(p.v) + v.b * p.v_batch_stride + h_kv * p.v_head_stride +
-                      int64(seq.k_start + v.n0) * p.v_row_stride;
-        load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(sK(stage), k, p.k_row_stride, seq.seqlen_k - v.n0,
+                      int64(seq.k_start + n0) * p.v_row_stride;
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(sK(stage), k, p.k_row_stride, seq.seqlen_k - n0,
                                                                   p.head_dim);
-        load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(sV(stage), vv, p.v_row_stride, seq.seqlen_k - v.n0,
+        load_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(sV(stage), vv, p.v_row_stride, seq.seqlen_k - n0,
                                                                   p.head_dim);
     };
 
     // ---- prologue: every pair's Q, dO, lse_log2, delta (pairs whose sequence has no
-    //      row here are never stepped: not loaded), and the first step's K, V
+    //      row here are never stepped: not loaded) with the first step's K, V; then the
+    //      second step's K, V
     for (int vi = 0; vi < nvis; ++vi) {
         const int b = pair_b(vi), h = pair_h(vi);
         const SeqLens seq = seq_lens(p, b);
@@ -475,10 +498,20 @@ __device__ __forceinline__ void dbias_strip(const BwdParams& p) {
             cp_async_4(rows_addr(vi) + (BLOCK_M + r) * 4, p.delta + row_index, valid);
         }
     }
-    DbiasVisit cur;
-    int it = next_step(0, cur);
-    if (it < num_steps) load_kv(cur, 0);
+    // The walk's next steps, each with its K, V in the ring (n = n_blocks: no step): cur
+    // (step i), nxt (i + 1) and, pipelined, aft (i + 2).
+    Step cur = next_step(0, 0);
+    if (cur.n < n_blocks) load_kv(cur, 0);
     cp_async_commit();
+    Step nxt = cur.n < n_blocks ? next_step(cur.n, cur.vi + 1) : cur;
+    if (nxt.n < n_blocks) load_kv(nxt, 1);
+    cp_async_commit();
+    Step aft = nxt;
+    if constexpr (PIPELINED) {
+        if (nxt.n < n_blocks) aft = next_step(nxt.n, nxt.vi + 1);
+        if (aft.n < n_blocks) load_kv(aft, 2);
+        cp_async_commit();
+    }
 
     const typename Scores::BiasMod bias_mod(var, p.softmax_scale_log2, b_tile, h_tile, p.seqlen_q, p.seqlen_k);
     typename Scores::Terms bias(bias_mod, m0 + warp_row0 + g);
@@ -508,15 +541,28 @@ __device__ __forceinline__ void dbias_strip(const BwdParams& p) {
         }
     };
 
-    auto step = [&](auto masked, int stage, bool has_next, const DbiasVisit& next) {
+    using Acc = float[1][N_TILES][4];
+    // S = Q·Kᵀ, then dP = dO·Vᵀ of step v (K, V at stage) for this warpgroup's 64 rows:
+    // two commit groups. Pipelined, issued also past the walk's end (on whatever stage and
+    // pair v names; never read): a branch around them costs 17 registers (ptxas, D=64).
+    auto issue = [&](const Step& v, int stage, Acc& s, Acc& dp) {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+            Wgmma<T, BLOCK_N>::template ss<0, 0>(s[0], desc_k_major<BLOCK_M>(sQ(v.vi), wg_row0, kk),
+                                                 desc_k_major<BLOCK_N>(sK(stage), 0, kk), kk > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+            Wgmma<T, BLOCK_N>::template ss<0, 0>(dp[0], desc_k_major<BLOCK_M>(sdO(v.vi), wg_row0, kk),
+                                                 desc_k_major<BLOCK_N>(sV(stage), 0, kk), kk > 0);
+        wgmma_commit();
+    };
+    // Step cur's elementwise work, its S, dP in (s, dp): waited for here (pipelined:
+    // complete, waited for at the end of the last step).
+    auto finish = [&](auto masked, Acc& s, Acc& dp) {
         constexpr bool MASKED = decltype(masked)::value;
-        cp_async_wait<0>();
-        fence_proxy_async_smem();  // this thread's copies, visible to wgmma
-        __syncthreads();           // this step's K, V landed; every warp is done with the last one's
-        if (has_next) load_kv(next, stage ^ 1);
-        cp_async_commit();
-
-        const int vi = cur.h;
+        const int vi = cur.vi;
         const SeqLens seq = seq_lens(p, cur.b);
         const Scores scores(var, p.softmax_scale_log2, cur.b, pair_h(vi), p.nheads_q, seq.seqlen_q, seq.seqlen_k,
                             bias);
@@ -524,49 +570,79 @@ __device__ __forceinline__ void dbias_strip(const BwdParams& p) {
         const float* s_delta = s_lse + BLOCK_M;
         auto lse2 = [&](int i, int hh) { return s_lse[warp_row0 + i * 16 + hh * 8 + g]; };
         auto delta = [&](int i, int hh) { return s_delta[warp_row0 + i * 16 + hh * 8 + g]; };
-        float s[1][N_TILES][4], dp[1][N_TILES][4];
-        const int wg_row0 = warp / 4 * 64;
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-            Wgmma<T, BLOCK_N>::template ss<0, 0>(s[0], desc_k_major<BLOCK_M>(sQ(vi), wg_row0, kk),
-                                                 desc_k_major<BLOCK_N>(sK(stage), 0, kk), kk > 0);
-        wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-            Wgmma<T, BLOCK_N>::template ss<0, 0>(dp[0], desc_k_major<BLOCK_M>(sdO(vi), wg_row0, kk),
-                                                 desc_k_major<BLOCK_N>(sV(stage), 0, kk), kk > 0);
-        wgmma_commit();
-        wgmma_wait<1>();
-        fence_operands(s[0]);
-        scores.template probs<MASKED>(s, m0 + warp_row0 + g, cur.n0 + 2 * t, lse2);
-        wgmma_wait<0>();
-        fence_operands(dp[0]);
+        // ---- P = prob(x, lse·log2e), x the pair's masked score with the tile's bias
+        if constexpr (!PIPELINED) {
+            wgmma_wait<1>();
+            fence_operands(s[0]);
+        }
+        scores.template probs<MASKED>(s, m0 + warp_row0 + g, cur.n * BLOCK_N + 2 * t, lse2);
+        // ---- dbias += P∘(dP∘Z·rp − delta)
+        if constexpr (!PIPELINED) {
+            wgmma_wait<0>();
+            fence_operands(dp[0]);
+        }
         scores.accumulate(acc, s, dp, delta);
     };
 
+    // One step of the walk, its S, dP in (s, dp); the next step's go to (s_next,
+    // dp_next) (pipelined: the other set; else the same). False past the walk's end.
     // acc_n: the key tile acc sums; bias_n: the tile whose bias is in registers.
-    int acc_n = 0, bias_n = -1;
-    for (int stage = 0;; stage ^= 1) {
-        const int target = it < num_steps ? cur.n0 / BLOCK_N : n_blocks;
-        while (acc_n < target) {  // leave tiles acc_n .. target - 1: stored once (0 where unreached)
+    int stage = 0, acc_n = 0, bias_n = -1;  // stage: step cur's K, V
+    auto walk = [&](Acc& s, Acc& dp, Acc& s_next, Acc& dp_next) {
+        while (acc_n < cur.n) {  // leave tiles acc_n .. cur.n - 1: stored once (0 where unreached)
             store_acc(acc_n);
             clear(acc);
             ++acc_n;
         }
-        if (it >= num_steps) break;
+        if (cur.n >= n_blocks) return false;
         if (bias_n != acc_n) {
             bias.template load<true>(acc_n * BLOCK_N + 2 * t);
             bias_n = acc_n;
         }
-        DbiasVisit next;
-        const int it_next = next_step(it + 1, next);
-        const bool has_next = it_next < num_steps;
-        if (cur.masked) step(Bool<true>{}, stage, has_next, next);
-        else step(Bool<false>{}, stage, has_next, next);
-        it = it_next;
-        cur = next;
+        // the step after the last one loaded: pipelined i + 3, into cur's stage (its GEMMs
+        // are done); else i + 2, into step i-1's
+        const Step last = PIPELINED ? aft : nxt;
+        const Step fresh = last.n < n_blocks ? next_step(last.n, last.vi + 1) : last;
+        const int stage1 = stage == RING - 1 ? 0 : stage + 1, stage2 = stage1 == RING - 1 ? 0 : stage1 + 1;
+        cp_async_wait<1>();        // pipelined: step i+1's K, V landed (its GEMMs issue now); else step i's
+        fence_proxy_async_smem();  // this thread's copies, visible to wgmma
+        __syncthreads();           // everyone's have; every warp is done with the stage loaded next
+        if (fresh.n < n_blocks) load_kv(fresh, PIPELINED ? stage : stage2);
+        cp_async_commit();
+        if constexpr (PIPELINED) issue(nxt, stage1, s_next, dp_next);
+        else issue(cur, stage, s, dp);
+        if (cur.masked) finish(Bool<true>{}, s, dp);
+        else finish(Bool<false>{}, s, dp);
+        if constexpr (PIPELINED) {
+            wgmma_wait<0>();
+            fence_operands(s_next[0]);
+            fence_operands(dp_next[0]);
+        }
+        cur = nxt;
+        if constexpr (PIPELINED) nxt = aft, aft = fresh;
+        else nxt = fresh;
+        stage = stage1;
+        return true;
+    };
+
+    float s0[1][N_TILES][4], dp0[1][N_TILES][4];
+    if constexpr (PIPELINED) {
+        // the first step's GEMMs, then two steps per trip: the sets alternate
+        float s1[1][N_TILES][4], dp1[1][N_TILES][4];
+        cp_async_wait<2>();
+        fence_proxy_async_smem();
+        __syncthreads();
+        issue(cur, 0, s0, dp0);
+        wgmma_wait<0>();
+        fence_operands(s0[0]);
+        fence_operands(dp0[0]);
+        while (walk(s0, dp0, s1, dp1) && walk(s1, dp1, s0, dp0)) {
+        }
+    } else {
+        while (walk(s0, dp0, s0, dp0)) {
+        }
     }
+    wgmma_wait<0>();  // (pipelined: the GEMMs issued past the end)
     cp_async_wait<0>();
 }
 

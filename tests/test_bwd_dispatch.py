@@ -731,10 +731,12 @@ def test_staged_d128_stays_on_mma_sync_on_hopper():
 
 
 def test_dbias_strip_smem_and_pairs():
-    # D=64: K, V two stages of 64 x 64; per pair Q, dO 128 x 64 and 2 x 128 floats
-    assert dispatch.bwd_dbias_strip_smem_bytes(64, 4) == 1024 + 4 * 64 * 64 * 2 + 4 * (2 * 128 * 64 * 2 + 1024)
+    # D=64: K, V three stages of 64 x 64; per pair Q, dO 128 x 64 and 2 x 128 floats
+    assert dispatch.bwd_dbias_strip_smem_bytes(64, 4) == 1024 + 6 * 64 * 64 * 2 + 4 * (2 * 128 * 64 * 2 + 1024)
     assert dispatch.bwd_dbias_strip_max_pairs(64) == 5
     assert dispatch.bwd_dbias_strip_max_pairs(128) == 2
+    # D=128: the third stage and 2 pairs fill the opt-in limit exactly
+    assert dispatch.bwd_dbias_strip_smem_bytes(128, 2) == 227 * 1024
     for d in (64, 128):
         assert dispatch.bwd_dbias_strip_smem_bytes(d, dispatch.bwd_dbias_strip_max_pairs(d)) <= 227 * 1024
         assert dispatch.bwd_dbias_strip_smem_bytes(d, dispatch.bwd_dbias_strip_max_pairs(d) + 1) > 227 * 1024
