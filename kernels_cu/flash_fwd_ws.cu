@@ -290,15 +290,13 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
             if (++stage == STAGES) { stage = 0; phase ^= 1; }
         };
         // Masked blocks (key tail, causal diagonal) first, then the bulk with no mask
-        // code; with a window, one loop that asks each block (its left edge is masked
-        // too), so the step is compiled twice, not three times (as flash_fwd_sm90.cu).
+        // code, then (a window's) masked left edge.
         int n = n_first - 1;
+        for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{});
         if constexpr (Mask<IS_CAUSAL, VARIANT>::WINDOW) {
-            for (; n >= blocks.begin; --n) {
-                if (blocks.masked(n)) step(n, Bool<true>{}); else step(n, Bool<false>{});
-            }
+            for (; n >= blocks.unmasked_begin; --n) step(n, Bool<false>{});
+            for (; n >= blocks.begin; --n) step(n, Bool<true>{});
         } else {
-            for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{});
             for (; n >= 0; --n) step(n, Bool<false>{});
         }
 
