@@ -635,23 +635,13 @@ flash_bwd_dq_kernel(const BwdParams p) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, t = lane % 4;
 
-    // ---- which tile (query_grid.cuh)
-    const TileCoords tc = query_tile_coords<IS_CAUSAL>(blockIdx.x, ceil_div(p.seqlen_q, BLOCK_M), p.nheads_q,
-                                                       p.nheads_kv);
-    const int b = tc.b, h = tc.h, h_kv = tc.h_kv, m_block = tc.m_block;
-    const SeqLens seq = seq_lens(p, b);
-    const int m0 = m_block * BLOCK_M;
-    if (m0 >= seq.seqlen_q) return;  // past the end of a shorter sequence of a packed batch
-    const int rows_valid = min(BLOCK_M, seq.seqlen_q - m0);
-
-    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
-                 int64(seq.q_start + m0) * p.q_row_stride;
-    const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
-                    int64(seq.q_start + m0) * p.do_row_stride;
-    const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride +
-                 int64(seq.k_start) * p.k_row_stride;
-    const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride +
-                 int64(seq.k_start) * p.v_row_stride;
+    // ---- which tile, its sequence and rows (query_grid.cuh)
+    const DqBlock blk = dq_block<IS_CAUSAL>(p, BLOCK_M);
+    if (blk.m0 >= blk.seq.seqlen_q) return;  // past the end of a shorter sequence of a packed batch
+    const int b = blk.b, h = blk.h, m0 = blk.m0, rows_valid = blk.rows_valid;
+    const SeqLens seq = blk.seq;
+    const DqRows<T> rows = dq_rows<T>(p, blk);
+    const T *q = rows.q, *dout = rows.dout, *k = rows.k, *v = rows.v;
 
     // The variant's mask, scores and dropout for (b, h) (variant.cuh), and the key blocks
     // these rows see: [blocks.begin, blocks.end), those outside [blocks.unmasked_begin,

@@ -1,10 +1,11 @@
 // query_grid.cuh: which (batch, head, query block) a thread block owns in the
-// kernels parallel over query blocks: both forwards (flash_fwd.cu,
-// flash_fwd_sm90.cu) and both deterministic dQ kernels (flash_bwd.cu,
-// flash_bwd_sm90.cu).
+// kernels parallel over query blocks: the forwards (flash_fwd.cu, flash_fwd_sm90.cu,
+// flash_fwd_ws.cu) and both deterministic dQ kernels (flash_bwd.cu,
+// flash_bwd_sm90.cu), whose block's rows dq_block() finds.
 #pragma once
 
 #include "params.cuh"
+#include "seqlens.cuh"
 
 namespace cupyflash {
 
@@ -34,4 +35,35 @@ __device__ __forceinline__ TileCoords fwd_tile_coords(const FwdParams& p) {
     return query_tile_coords<IS_CAUSAL>(int(x), p.num_m_blocks, p.nheads_q, p.nheads_kv);
 }
 
+// A dQ kernel's block (flash_bwd.cu, flash_bwd_sm90.cu: one block per query block of
+// one (batch, head)): its tile and its sequence; the caller returns at once when m0 >=
+// seq.seqlen_q (a block past the end of a shorter sequence of a packed batch), then
+// takes its rows of Q and dO and the start of its KV head's K and V (dq_rows).
+struct DqBlock {
+    int b, h, h_kv, m_block, m0, rows_valid;
+    SeqLens seq;
+};
+template <bool IS_CAUSAL>
+__device__ __forceinline__ DqBlock dq_block(const BwdParams& p, int block_m) {
+    const TileCoords tc = query_tile_coords<IS_CAUSAL>(blockIdx.x, ceil_div(p.seqlen_q, block_m), p.nheads_q,
+                                                       p.nheads_kv);
+    const SeqLens seq = seq_lens(p, tc.b);
+    const int m0 = tc.m_block * block_m;
+    return {tc.b, tc.h, tc.h_kv, tc.m_block, m0, min(block_m, seq.seqlen_q - m0), seq};
+}
+template <typename T>
+struct DqRows {
+    const T *q, *dout, *k, *v;
+};
+template <typename T>
+__device__ __forceinline__ DqRows<T> dq_rows(const BwdParams& p, const DqBlock& d) {
+    return {static_cast<const T*>(p.q) + d.b * p.q_batch_stride + d.h * p.q_head_stride +
+                int64(d.seq.q_start + d.m0) * p.q_row_stride,
+            static_cast<const T*>(p.dout) + d.b * p.do_batch_stride + d.h * p.do_head_stride +
+                int64(d.seq.q_start + d.m0) * p.do_row_stride,
+            static_cast<const T*>(p.k) + d.b * p.k_batch_stride + d.h_kv * p.k_head_stride +
+                int64(d.seq.k_start) * p.k_row_stride,
+            static_cast<const T*>(p.v) + d.b * p.v_batch_stride + d.h_kv * p.v_head_stride +
+                int64(d.seq.k_start) * p.v_row_stride};
+}
 }  // namespace cupyflash
