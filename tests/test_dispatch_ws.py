@@ -207,3 +207,24 @@ def test_every_gpu_variant_case_plans_the_ws_kernel():
                                    dtype="float16", causal=causal, vec=True, num_sms=1, cc=(9, 0), variant=bits,
                                    ws=True)
         assert plan.main.template == WS and plan.main.args[-1] == str(bits), (shape, sorted(variants))
+
+
+def test_every_gpu_varlen_case_plans_the_ws_kernel():
+    """tests/test_gpu_varlen_ws.py's packed batches (the switch on at every head_dim) all
+    take the warp-specialised kernel, alone, with the variant bits their options give."""
+    import numpy as np
+    import test_gpu_varlen_ws as g
+
+    from cupyflash import _variant
+
+    rng = np.random.default_rng(0)
+    cases = [(p.values[0], p.values[1], p.values[2], p.values[3], p.values[4], 2 * p.values[5], 0)
+             for p in g._cases()]
+    lens_q, lens_k = g.LAYOUTS["ragged"]
+    cases += [(lens_q, lens_k, 128, "float16", causal, 8, _variant.bits(make(rng, len(lens_q), 8)))
+              for causal, make in g.VARLEN_VARIANTS.values()]
+    for lens_q, lens_k, d, dtype, causal, nheads, bits in cases:
+        plan = dispatch.select_fwd(batch=len(lens_q), seqlen_q=max(lens_q), seqlen_k=max(lens_k), nheads_q=nheads,
+                                   head_dim=d, dtype=dtype, causal=causal, vec=True, cc=(9, 0), varlen=True,
+                                   variant=bits, ws=True)
+        assert plan.main.template == WS and plan.combine is None and plan.main.args[-1] == str(bits)
