@@ -139,8 +139,8 @@ SM90_STAGES = 3
 
 # Issue 15: the warp-specialised forward (kernels_cu/flash_fwd_ws.cu): a producer
 # warpgroup copies Q, K and V with TMA, two consumer warpgroups of 64 query rows each
-# compute, ping-ponging their GEMMs, S_{n+1} issued with P_n·V_n. Dense, aligned
-# batches with no variant or those of FWD_WS_VARIANTS at these padded head_dims (the
+# compute, ping-ponging their GEMMs, S_{n+1} issued with P_n·V_n. Dense and packed
+# (varlen: never split, as on the other kernels), aligned batches with no variant or those of FWD_WS_VARIANTS at these padded head_dims (the
 # variants take the plain kernel's tile: their code fits the consumers' 240 registers
 # with no spill, nvcc 13.0, and adds no shared memory); (BLOCK_N, STAGES) for
 # (non-causal, causal). FA3's D=128 tile: 128 x 128. Run 64 (two stages, one release
@@ -175,9 +175,12 @@ FWD_WS: bool | tuple[int, ...] = {"all": True, "0": False}.get(_FWD_WS_ENV, FWD_
 def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int = 0,
                 varlen: bool = False) -> bool:
     """Whether the warp-specialised kernel serves this call (when asked for; before any
-    split-KV): dense, aligned, on cc 9.0, with no variant outside FWD_WS_VARIANTS."""
-    return (cc == (9, 0) and vec and head_dim_padded in _FWD_WS and not variant & ~FWD_WS_VARIANTS
-            and not varlen)
+    split-KV): dense or packed (``varlen``: every variant of FWD_WS_VARIANTS carries over,
+    the consumers asking seqlens.cuh for each sequence's lengths as flash_fwd_sm90.cu
+    does; the same instantiations serve both, the kernel branching on cu_seqlens),
+    aligned, on cc 9.0, with no variant outside FWD_WS_VARIANTS."""
+    del varlen  # packed batches are served too (kept in the signature for the callers)
+    return cc == (9, 0) and vec and head_dim_padded in _FWD_WS and not variant & ~FWD_WS_VARIANTS
 
 
 def fwd_ws_tile(head_dim_padded: int, causal: bool) -> tuple[int, int]:
@@ -432,7 +435,7 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
         block_n = fwd_ws_tile(d, causal)[0]
         num_m_blocks = math.ceil(seqlen_q / FWD_WS_BLOCK_M)
         n_blocks = math.ceil(seqlen_k / block_n)
-        if num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms) == 1:
+        if varlen or num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms) == 1:
             main = fwd_ws_launch(dtype, d, causal, head_dim == d, (num_m_blocks * batch * nheads_q, 1, 1),
                                  variant)
             return FwdPlan(main, None, d, num_m_blocks, 1, n_blocks, (FWD_WS_BLOCK_M, block_n))

@@ -18,7 +18,8 @@
 // end of P·V would free it only when the next key block is already due (PERF.md:
 // with two stages the next K was copied only once both consumers had finished the
 // P·V before it, and the consumers waited out the copy's latency every key block).
-// Tails need no predicates: TMA zero-fills rows past seqlen and columns past head_dim.
+// Tails need no predicates: TMA zero-fills rows past seqlen (a packed batch's: past
+// total) and columns past head_dim; the key tail is masked in S.
 //
 // Why this shape (the cp.async kernel, flash_fwd_sm90.cu, measured waiting on its
 // loads at D=128, PERF.md): the copies cost the consumers no instructions, no
@@ -44,8 +45,16 @@
 //   EVEN_K     head_dim == HEAD_DIM (no column predicates in the O stores)
 //   VARIANT    variant.cuh's VAR_* bits: WS_VARIANTS (softcap, ALiBi, a window, sinks,
 //              dropout) or none; a bias or mask goes to flash_fwd_sm90.cu
-// Dense batches only (4-D tensor maps; dispatch sends packed batches to
-// flash_fwd_sm90.cu), 16-byte aligned data and strides (a TMA requirement).
+// Dense and packed (varlen) batches alike (seqlens.cuh), 16-byte aligned data and
+// strides (a TMA requirement). A packed batch's maps describe its (total, nheads,
+// head_dim) tensors as one sequence of a batch of 1 (cupyflash/_gpu.py tma_maps):
+// the copies start at the sequence's first row (q_start + m0, k_start + n BLOCK_N) of
+// batch 0, as FA3 does. Rows past a sequence's end then come from the next sequence
+// (past the last, the map's bound: zeros): its keys are masked as the dense key tail
+// is (Mask asks the sequence's seqlen_k; P = 0 on them, and P·V multiplies that with
+// the next sequence's finite V rows), its queries are computed and never stored (the
+// epilogue's stores are masked to the sequence's rows, store_fwd_rows). A block past
+// the end of a shorter sequence returns at once, as in flash_fwd_sm90.cu.
 // seqused_k: keys past a sequence's count are masked in S (P = 0), but their rows
 // are still read (up to seqlen_k) and must hold finite values, as P·V multiplies them.
 //
@@ -127,6 +136,7 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     const TileCoords tc = fwd_tile_coords<IS_CAUSAL>(p);
     const int b = tc.b, h = tc.h, m0 = tc.m_block * BLOCK_M;
     const SeqLens seq = seq_lens(p, b);
+    if (m0 >= seq.seqlen_q) return;  // past the end of a shorter sequence of a packed batch (uniform)
     const Mask<IS_CAUSAL, VARIANT> mask(p.var, seq.seqlen_q, seq.seqlen_k);
     const BlockRange blocks = mask.key_blocks(m0, BLOCK_M, BLOCK_N);
 
@@ -147,13 +157,16 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
         // ================= producer: one thread issues every copy
         setmaxnreg_dec<Tr::PRODUCER_REGS>();
         if (threadIdx.x == 0) {
+            // The maps' (row, batch) coordinates of the sequence: (start row, 0) packed, (0, b) dense.
+            const bool packed = p.cu_seqlens_q != nullptr;
+            const int map_b = packed ? 0 : b, q_row0 = seq.q_start + m0, k_row0 = seq.k_start;
             tma_prefetch_desc(tp.q_map);
             tma_prefetch_desc(tp.k_map);
             tma_prefetch_desc(tp.v_map);
             mbar_arrive_expect_tx(full_q, QTile::BYTES);
 #pragma unroll
             for (int c = 0; c < HEAD_DIM / BOX; ++c) {
-                tma_load_4d(sQ + c * QTile::BLOCK_BYTES, tp.q_map, full_q, c * BOX, m0, h, b);
+                tma_load_4d(sQ + c * QTile::BLOCK_BYTES, tp.q_map, full_q, c * BOX, q_row0, h, map_b);
             }
             // Key block n goes to stage (its position in the walk) % STAGES, K and V alike;
             // K runs one block ahead of V: K_first, then (K_{n-1}, V_n) for each n.
@@ -165,7 +178,8 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                 mbar_arrive_expect_tx(full_k(k_stage), KVTile::BYTES);
 #pragma unroll
                 for (int c = 0; c < HEAD_DIM / BOX; ++c) {
-                    tma_load_4d(sK + c * KVTile::BLOCK_BYTES, tp.k_map, full_k(k_stage), c * BOX, n * BLOCK_N, tc.h_kv, b);
+                    tma_load_4d(sK + c * KVTile::BLOCK_BYTES, tp.k_map, full_k(k_stage), c * BOX, k_row0 + n * BLOCK_N,
+                                tc.h_kv, map_b);
                 }
                 if (++k_stage == STAGES) { k_stage = 0; k_phase ^= 1; }
             };
@@ -175,7 +189,8 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                 mbar_arrive_expect_tx(full_v(v_stage), KVTile::BYTES);
 #pragma unroll
                 for (int c = 0; c < HEAD_DIM / BOX; ++c) {
-                    tma_load_4d(sV + c * KVTile::BLOCK_BYTES, tp.v_map, full_v(v_stage), c * BOX, n * BLOCK_N, tc.h_kv, b);
+                    tma_load_4d(sV + c * KVTile::BLOCK_BYTES, tp.v_map, full_v(v_stage), c * BOX, k_row0 + n * BLOCK_N,
+                                tc.h_kv, map_b);
                 }
                 if (++v_stage == STAGES) { v_stage = 0; v_phase ^= 1; }
             };

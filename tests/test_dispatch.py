@@ -233,6 +233,8 @@ def test_varlen_forward_never_splits_and_grids_over_the_longest_sequence():
     kw["cc"] = (9, 0)  # Hopper: the wgmma kernel, which has no split-KV
     plan = dispatch.select_fwd(**kw, varlen=True)
     assert plan.num_splits == 1 and plan.main.template == "cupyflash::flash_fwd_sm90_kernel"
+    plan = dispatch.select_fwd(**kw, varlen=True, ws=dispatch.FWD_WS_WINS)  # the TMA kernel at D=128
+    assert plan.num_splits == 1 and plan.main.template == "cupyflash::flash_fwd_ws_kernel"
     plan = dispatch.select_fwd(batch=5, seqlen_q=300, seqlen_k=70, nheads_q=4, head_dim=64,
                                dtype="bfloat16", causal=True, vec=True, varlen=True, cc=(8, 0))
     block_m = dispatch.fwd_tiles(64, True, True, (8, 0))[0]
@@ -243,10 +245,10 @@ def test_varlen_forward_never_splits_and_grids_over_the_longest_sequence():
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
 def test_varlen_plans_use_checked_variants(cc):
     every = {L.name_expression for L in dispatch.all_fwd_launches(cc) + dispatch.all_bwd_launches(cc)}
-    for head_dim, causal, vec, deterministic in itertools.product(
-            (40, 64, 128, 256), (False, True), (False, True), (False, True)):
+    for head_dim, causal, vec, deterministic, ws in itertools.product(
+            (40, 64, 128, 256), (False, True), (False, True), (False, True), (False, True)):
         fwd = dispatch.select_fwd(batch=3, seqlen_q=500, seqlen_k=9000, nheads_q=8, head_dim=head_dim,
-                                  dtype="float16", causal=causal, vec=vec, cc=cc, varlen=True)
+                                  dtype="float16", causal=causal, vec=vec, cc=cc, varlen=True, ws=ws)
         bwd = dispatch.select_bwd(batch=3, seqlen_q=500, seqlen_k=9000, nheads_q=8, nheads_kv=2,
                                   head_dim=head_dim, dtype="float16", causal=causal,
                                   deterministic=deterministic, vec=vec, cc=cc, varlen=True,

@@ -100,11 +100,39 @@ def test_ws_variants_are_the_kernels():
                                 dict(variant=dispatch.VAR_MASK | dispatch.VAR_BLOCK_MAP),
                                 dict(variant=dispatch.VAR_SOFTCAP | dispatch.VAR_BIAS),
                                 dict(variant=dispatch.VAR_WINDOW | dispatch.VAR_MASK),
-                                dict(variant=dispatch.VAR_SOFTCAP, varlen=True), dict(varlen=True),
+                                dict(variant=dispatch.VAR_SOFTCAP | dispatch.VAR_BIAS, varlen=True),
+                                dict(varlen=True, vec=False), dict(varlen=True, head_dim=256),
                                 dict(head_dim=256), dict(head_dim=32), dict(head_dim=192)])
 def test_ws_leaves_the_rest_to_the_other_kernels(kw):
     assert _plan(ws=True, **kw).main.template != WS
     assert _plan(ws=True, **kw) == _plan(**kw)
+
+
+@pytest.mark.parametrize("variant", [0, *_WS_BITS, dispatch.FWD_WS_VARIANTS])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [128, 64, 100])
+def test_ws_serves_packed_batches_with_the_dense_instantiations(variant, causal, head_dim):
+    """A packed (varlen) batch takes the dense call's kernel, template arguments and tile
+    (the kernel branches on cu_seqlens at run time), its grid over the longest sequence."""
+    kw = dict(batch=5, seqlen_q=3000, seqlen_k=700, head_dim=head_dim, causal=causal, variant=variant, ws=True)
+    dense, packed = _plan(**kw), _plan(**kw, varlen=True)
+    assert packed.main.template == WS and packed == dense
+    d = dispatch.padded_head_dim(head_dim)
+    assert packed.num_m_blocks == -(-3000 // 128) and packed.main.grid == (24 * 5 * 16, 1, 1)
+    assert packed.tma_box_rows == (128, dispatch.fwd_ws_tile(d, causal)[0])
+    assert dispatch.uses_ws_fwd(d, True, (9, 0), variant, varlen=True)
+    assert not dispatch.uses_ws_fwd(d, True, (9, 0), variant | dispatch.VAR_MASK, varlen=True)
+
+
+def test_ws_packed_batches_are_never_split():
+    """The dense decode shape leaves the ws kernel for split-KV; a packed one (never split,
+    as on every kernel) stays on it."""
+    kw = dict(seqlen_q=1, seqlen_k=65536, nheads_q=8, ws=True)
+    assert _plan(**kw).num_splits > 1 and _plan(**kw).main.template != WS
+    plan = _plan(**kw, varlen=True)
+    assert plan.main.template == WS and plan.num_splits == 1 and plan.combine is None
+    assert plan.main.grid == (8, 1, 1)
+    assert _plan(**{**kw, "ws": False}, varlen=True).main.template == "cupyflash::flash_fwd_sm90_kernel"
 
 
 def test_ws_small_grids_still_split_on_the_mma_sync_kernel():
@@ -179,3 +207,24 @@ def test_every_gpu_variant_case_plans_the_ws_kernel():
                                    dtype="float16", causal=causal, vec=True, num_sms=1, cc=(9, 0), variant=bits,
                                    ws=True)
         assert plan.main.template == WS and plan.main.args[-1] == str(bits), (shape, sorted(variants))
+
+
+def test_every_gpu_varlen_case_plans_the_ws_kernel():
+    """tests/test_gpu_varlen_ws.py's packed batches (the switch on at every head_dim) all
+    take the warp-specialised kernel, alone, with the variant bits their options give."""
+    import numpy as np
+    import test_gpu_varlen_ws as g
+
+    from cupyflash import _variant
+
+    rng = np.random.default_rng(0)
+    cases = [(p.values[0], p.values[1], p.values[2], p.values[3], p.values[4], 2 * p.values[5], 0)
+             for p in g._cases()]
+    lens_q, lens_k = g.LAYOUTS["ragged"]
+    cases += [(lens_q, lens_k, 128, "float16", causal, 8, _variant.bits(make(rng, len(lens_q), 8)))
+              for causal, make in g.VARLEN_VARIANTS.values()]
+    for lens_q, lens_k, d, dtype, causal, nheads, bits in cases:
+        plan = dispatch.select_fwd(batch=len(lens_q), seqlen_q=max(lens_q), seqlen_k=max(lens_k), nheads_q=nheads,
+                                   head_dim=d, dtype=dtype, causal=causal, vec=True, cc=(9, 0), varlen=True,
+                                   variant=bits, ws=True)
+        assert plan.main.template == WS and plan.combine is None and plan.main.args[-1] == str(bits)
