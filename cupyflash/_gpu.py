@@ -213,8 +213,10 @@ PLANS = _launch.PlanCache()
 
 
 def clear_plans() -> None:
-    """Forget every cached plan (after a dispatch table changed: bench's experiment switches)."""
-    PLANS.clear()
+    """Forget every cached plan (after a dispatch table changed: bench's experiment
+    switches): the planners' and the entry points' (``_launch.clear_plan_caches``) and
+    the memoised dispatch choices."""
+    _launch.clear_plan_caches()
     _gpu_bwd.clear_plans()
     select_fwd.cache_clear()
 

@@ -120,11 +120,13 @@ def geometry(*arrays) -> tuple:
 
 
 class PlanCache(dict):
-    """Plans by call signature, dropped all at once past ``limit`` entries."""
+    """Plans by call signature, dropped all at once past ``limit`` entries. Every cache
+    made is listed in :data:`PLAN_CACHES` (:func:`clear_plan_caches` empties them all)."""
 
     def __init__(self, limit: int = 4096):
         super().__init__()
         self.limit = limit
+        PLAN_CACHES.append(self)
 
     def put(self, key, plan):
         """Cache ``plan`` under ``key`` (not when ``key`` is None); return it."""
@@ -137,6 +139,18 @@ class PlanCache(dict):
     def get_or_make(self, key, make):
         plan = self.get(key)
         return plan if plan is not None else self.put(key, make())
+
+
+#: Every PlanCache: the planners' (``_gpu``, ``_gpu_bwd``) and the public entry points'
+#: per-signature ones (``_api``, ``_torch_path``, ``_kvcache``), which hold plans too.
+PLAN_CACHES: list = []
+
+
+def clear_plan_caches() -> None:
+    """Empty every PlanCache (after a dispatch table changed: a plan cached anywhere
+    would otherwise keep running the old choice)."""
+    for cache in PLAN_CACHES:
+        cache.clear()
 
 
 #: Buffers a CUDA graph captured on the current stream reads or writes on its

@@ -303,3 +303,17 @@ def test_a_minus_inf_sink_is_no_sink(rng):
     want_out, want_lse = cupyflash.flash_attn_fwd(q, k, v)
     np.testing.assert_array_equal(out, want_out)
     np.testing.assert_array_equal(lse, want_lse)
+
+
+def test_clear_plans_empties_every_plan_cache():
+    """_gpu.clear_plans (a dispatch switch changed) empties the entry points' caches too:
+    a per-signature entry kept would go on running the old plan (session 10: a bench A/B
+    of FWD_WS timed the same kernel twice)."""
+    from cupyflash import _gpu, _kvcache, _launch  # noqa: PLC0415 (_torch_path's need torch)
+
+    caches = (_api._FWD_ENTRIES, _api._BWD_ENTRIES, _kvcache._ENTRIES, _gpu.PLANS)
+    assert all(any(c is listed for listed in _launch.PLAN_CACHES) for c in caches)
+    for i, cache in enumerate(caches):
+        cache.put(("test", i), object())
+    _gpu.clear_plans()
+    assert not any(len(c) for c in _launch.PLAN_CACHES)
