@@ -76,7 +76,7 @@ def _cases():
     cases = []
     for i, (name, (lens_q, lens_k)) in enumerate(LAYOUTS.items()):
         for causal in (False, True):
-            for j, head_dim in enumerate((128, 64, 100)):
+            for j, head_dim in enumerate((128, 64, 104)):  # 104: 100 is never 16-byte aligned
                 gqa = (1, 4)[(i + j) % 2]
                 dtype = ("float16", "bfloat16")[(i + j + causal) % 2]
                 cases.append(pytest.param(lens_q, lens_k, head_dim, dtype, causal, gqa,
