@@ -30,7 +30,7 @@ _NO_DROPOUT, _NO_WINDOW, _NO_SOFTCAP = _OFF["dropout_p"], _OFF["window_size"], _
 @_interop.accepts_foreign("q", "k", "v")
 def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out=None, lse=None,
                    dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None, softcap=_NO_SOFTCAP,
-                   sinks=None, rng_state=None, attn_bias=None, attn_mask=None):
+                   sinks=None, rng_state=None, attn_bias=None, attn_mask=None, return_rng_state=False):
     """Exact attention forward pass, ``softmax(q @ k.T * softmax_scale) @ v``.
 
     Computed tile by tile with an online softmax (FlashAttention-2), so the
@@ -103,12 +103,17 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
         left <= j <= i + seqlen_k - seqlen_q + right`` (``causal`` sets right
         to 0).  ``sinks`` (float32, (nheads_q,)): a logit per head that joins
         every row's softmax denominator with no value (``lse`` includes it).
-        ``dropout_p`` (in [0, 1)) with ``rng_state=(seed, offset)`` (a 64-bit
-        and a 32-bit int, required): probabilities are kept with probability
+        ``dropout_p`` (in [0, 1)): probabilities are kept with probability
         ``1 - p`` and scaled by ``1 / (1 - p)``, the keep mask drawn by
         :mod:`cupyflash._philox` from ``(seed, offset, batch, head, row,
-        column)`` alone; ``lse`` is that of the undropped softmax.  The
-        semantics are :func:`cupyflash.reference.attention_fwd`'s.
+        column)`` alone; ``lse`` is that of the undropped softmax.
+        ``rng_state=(seed, offset)`` (a 64-bit and a 32-bit int, optional) is
+        the mask's state: the same state gives bitwise the same result, a
+        different seed a different mask.  Left out (None) with ``dropout_p >
+        0``, a fresh state is drawn from cupyflash's generator (see
+        ``return_rng_state`` and :func:`cupyflash.manual_seed`); it is
+        ignored without dropout.  The semantics are
+        :func:`cupyflash.reference.attention_fwd`'s.
     attn_bias : array, optional
         An additive bias on the scores (issue 14), broadcastable by NumPy's
         rules to ``(batch, nheads_q, seqlen_q, seqlen_k)``: rank at most 4,
@@ -138,6 +143,11 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
         and ``-inf`` biases).  dtype bool: a float mask belongs in ``attn_bias``.
         A row that sees no key, whatever hides them, gets output 0, lse ``-inf``
         (``sinks[h]`` with sinks) and zero gradients; nothing is NaN.
+    return_rng_state : bool, optional
+        Also return the dropout state used, third: the ``rng_state`` given,
+        or the one drawn when none was (None without dropout).  Pass it to
+        :func:`flash_attn_bwd`, which draws the same mask from it.  Default
+        False: ``(out, lse)`` alone.
 
     Returns
     -------
@@ -149,6 +159,9 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
         ``log(sum_j exp(s_ij))`` with ``s_ij = softmax_scale * q_i . k_j``
         modified by the variants (softcap, ALiBi, ``attn_bias``; with sinks
         ``+ exp(sinks[h])`` inside the sum); the backward pass needs it.
+    rng_state : tuple of two ints, or None
+        Only with ``return_rng_state=True``: ``(seed, offset)`` of the
+        dropout mask, None when ``dropout_p`` is 0.
 
     Raises
     ------
@@ -170,7 +183,8 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
         A variant option is malformed: ``dropout_p`` outside [0, 1),
         ``softcap`` negative or not finite, ``window_size`` not two ints >= -1,
         ``alibi_slopes``/``sinks`` of the wrong shape or dtype, ``rng_state``
-        missing with ``dropout_p > 0`` or out of range.  ``attn_bias`` or
+        out of range (not a pair of ints, or ``return_rng_state`` not a
+        bool: a TypeError).  ``attn_bias`` or
         ``attn_mask`` has more than 4 dimensions or one that is neither 1 nor
         full, or is on another device (their wrong array type or dtype, a
         non-bool mask included, is a TypeError).
@@ -221,13 +235,23 @@ def flash_attn_fwd(q, k, v, *, softmax_scale=None, causal=False, dtype=None, out
     ...                                              attn_bias=bias, attn_mask=keep, return_dbias=True)
     >>> dbias.shape, float(np.abs(dbias[..., 3]).max())
     ((1, 2, 4, 4), 0.0)
+
+    Dropout: the forward draws its state when given none, and returns it
+    for the backward (the same state, the same mask):
+
+    >>> out, lse, state = cupyflash.flash_attn_fwd(q, q, q, dropout_p=0.1, return_rng_state=True)
+    >>> again, _ = cupyflash.flash_attn_fwd(q, q, q, dropout_p=0.1, rng_state=state)
+    >>> bool((again == out).all())
+    True
+    >>> dq, dk, dv = cupyflash.flash_attn_bwd(np.ones_like(out), q, q, q, out, lse, dropout_p=0.1,
+    ...                                       rng_state=state)
     """
     if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
             or softcap is not _NO_SOFTCAP or sinks is not None or rng_state is not None
-            or attn_bias is not None or attn_mask is not None):
+            or attn_bias is not None or attn_mask is not None or return_rng_state is not False):
         return _variant_fwd("flash_attn_fwd", q, k, v, softmax_scale, causal, dtype, out, lse,
                             (dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state),
-                            (attn_bias, attn_mask))
+                            (attn_bias, attn_mask), return_rng_state)
     return _fwd("flash_attn_fwd", q, k, v, softmax_scale, causal, dtype, out, lse)
 
 
@@ -275,7 +299,10 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
         returned.
     dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state
         As in :func:`flash_attn_fwd`, and the same as the forward was given
-        (the dropout mask is drawn again from ``rng_state``).
+        (the dropout mask is drawn again from ``rng_state``).  With
+        ``dropout_p > 0``, ``rng_state`` is required: the state the forward
+        used (its own, or the one it drew, returned with
+        ``return_rng_state=True``).
     attn_bias, attn_mask : array, optional
         As in :func:`flash_attn_fwd`, and the same as the forward was given.
     return_dbias : bool, optional
@@ -313,8 +340,8 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
     ------
     TypeError
         As for :func:`flash_attn_fwd`; also when ``dout`` or ``out`` differ
-        from ``q`` in dtype, ``lse`` is not float32, or ``deterministic`` is
-        not a bool; ``dq``/``dk``/``dv`` as ``out`` in :func:`flash_attn_fwd`.
+        from ``q`` in dtype, ``lse`` is not float32, ``deterministic`` is
+        not a bool, or ``rng_state`` is missing with ``dropout_p > 0``; ``dq``/``dk``/``dv`` as ``out`` in :func:`flash_attn_fwd`.
     ValueError
         As for :func:`flash_attn_fwd`; also when ``dout`` or ``out`` differ
         from ``q`` in shape, or ``lse`` is not (batch, nheads_q, seqlen_q);
@@ -340,7 +367,7 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
 @_interop.accepts_foreign("q", "k", "v")
 def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
                dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None, softcap=_NO_SOFTCAP,
-               sinks=None, rng_state=None, attn_bias=None, attn_mask=None):
+               sinks=None, rng_state=None, attn_bias=None, attn_mask=None, return_rng_state=False):
     """Exact attention, ``softmax(q @ k.T * softmax_scale) @ v``: the output alone.
 
     The same as ``flash_attn_fwd(q, k, v, ...)[0]``; see :func:`flash_attn_fwd`
@@ -357,14 +384,20 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
     dtype : str, optional
         ``"bfloat16"`` for cupy arrays of raw bfloat16 bits (uint16/int16).
     dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state
-        Attention variants, as in :func:`flash_attn_fwd`.
+        Attention variants, as in :func:`flash_attn_fwd` (``rng_state``
+        optional: drawn from cupyflash's generator when left out).
     attn_bias, attn_mask : array, optional
         An additive bias and a boolean keep-mask broadcastable to
         ``(batch, nheads_q, seqlen_q, seqlen_k)``, as in :func:`flash_attn_fwd`.
+    return_rng_state : bool, optional
+        Also return the dropout state used (None without dropout), as in
+        :func:`flash_attn_fwd`: ``(out, rng_state)``.
 
     Returns
     -------
     out : array, shape (batch, seqlen_q, nheads_q, head_dim), dtype of ``q``
+    rng_state : tuple of two ints, or None
+        Only with ``return_rng_state=True``.
 
     Raises
     ------
@@ -378,10 +411,11 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
     """
     if (dropout_p is not _NO_DROPOUT or window_size is not _NO_WINDOW or alibi_slopes is not None
             or softcap is not _NO_SOFTCAP or sinks is not None or rng_state is not None
-            or attn_bias is not None or attn_mask is not None):
-        return _variant_fwd("flash_attn", q, k, v, softmax_scale, causal, dtype, None, None,
-                            (dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state),
-                            (attn_bias, attn_mask))[0]
+            or attn_bias is not None or attn_mask is not None or return_rng_state is not False):
+        result = _variant_fwd("flash_attn", q, k, v, softmax_scale, causal, dtype, None, None,
+                              (dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state),
+                              (attn_bias, attn_mask), return_rng_state)
+        return (result[0], result[2]) if len(result) == 3 else result[0]
     return _fwd("flash_attn", q, k, v, softmax_scale, causal, dtype, None, None)[0]
 
 
@@ -390,22 +424,33 @@ def flash_attn(q, k, v, *, softmax_scale=None, causal=False, dtype=None,
 # ----------------------------------------------------------------------------
 
 
-def _variant_fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse, variants, scores=(None, None)):
+def _variant_fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse, variants, scores=(None, None),
+                 return_rng_state=False):
     """A forward with variant options given: the plain validation, the options',
     then the GPU kernels or the CPU path; all options off: the hot path.
 
     ``variants`` are issue 13's options in :func:`._checks.check_variants`' order,
-    ``scores`` is ``(attn_bias, attn_mask)`` (issue 14)."""
+    ``scores`` is ``(attn_bias, attn_mask)`` (issue 14).  With dropout and no
+    ``rng_state`` the state is drawn from the library generator; with
+    ``return_rng_state`` the state used (None without dropout) ends the result."""
+    if return_rng_state is not False:
+        return_rng_state = _checks.check_return_rng_state(fn, return_rng_state)
+    result, options = _variant_fwd_run(fn, q, k, v, softmax_scale, causal, dtype, out, lse, variants, scores)
+    return tuple(result) + (options.get("rng_state"),) if return_rng_state else result
+
+
+def _variant_fwd_run(fn, q, k, v, softmax_scale, causal, dtype, out, lse, variants, scores):
+    """``((out, lse), options)`` of :func:`_variant_fwd`."""
     gpu = _checks.check_qkv(fn, q, k, v, dtype)
     scale = _checks.check_flags(fn, softmax_scale, q.shape[3], causal)
     _checks.check_outputs(fn, q, {"out": (out, q), "lse": (lse, None)})
     attn_bias, attn_mask = scores
     options = _checks.check_variants(fn, q, gpu, *variants, softmax_scale=scale, attn_bias=attn_bias,
-                                     attn_mask=attn_mask, seqlens=(q.shape[1], k.shape[1]))
+                                     attn_mask=attn_mask, seqlens=(q.shape[1], k.shape[1]), draw_rng=True)
     if not options:
-        return _fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse)
+        return _fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse), options
     if gpu:
-        return _variant_fwd_gpu(fn, q, k, v, scale, causal, dtype, out, lse, options)
+        return _variant_fwd_gpu(fn, q, k, v, scale, causal, dtype, out, lse, options), options
     if out is not None or lse is not None:
         _checks.check_numpy_outputs(fn, (("out", out), ("lse", lse)))
     if q.size == 0 or k.shape[1] == 0:  # no query, or no key: out 0, lse -inf (the sink with sinks)
@@ -415,7 +460,7 @@ def _variant_fwd(fn, q, k, v, softmax_scale, causal, dtype, out, lse, variants, 
             l[...] = options["sinks"][None, :, None]
     else:
         o, l = cpu.fwd(q, k, v, scale, bool(causal), **options)
-    return _into(out, o), _into(lse, l)
+    return (_into(out, o), _into(lse, l)), options
 
 
 def _variant_fwd_gpu(fn, q, k, v, scale, causal, dtype, out, lse, options):

@@ -19,6 +19,8 @@ import sys
 
 import numpy as np
 
+from . import _rng
+
 #: dtypes the NumPy (CPU) path takes, by ``dtype.name``.  "bfloat16" is ml_dtypes'
 #: (an array can only have it when ml_dtypes is importable).
 CPU_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -438,7 +440,7 @@ def _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap):
 
 def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state, *,
                    batch=None, softmax_scale=None, attn_bias=None, attn_mask=None, return_dbias=False,
-                   seqlens=None):
+                   seqlens=None, draw_rng=False, rng_rule=None):
     """The variant options of a validated call (issues 13 and 14): their forms, and the
     arrays against ``q``.  Returns the keyword arguments of the options that are on
     (those of ``cupyflash.cpu.fwd``/``bwd``; the GPU path takes the same), empty
@@ -454,7 +456,12 @@ def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, si
     ``max_seqlen_q``, ``max_seqlen_k``), which must then be given; the options hold
     them as 4-D views (``options["attn_bias"]``, ``options["attn_mask"]``).
     ``return_dbias`` (the backward's) must be a bool, and True only with
-    ``attn_bias``: ``options["return_dbias"] = True`` then."""
+    ``attn_bias``: ``options["return_dbias"] = True`` then.
+
+    ``rng_state`` None with ``dropout_p > 0``: with ``draw_rng`` (a forward) a
+    state is drawn from the library generator (:func:`._rng.next_rng_state`,
+    once every other check has passed), otherwise (a backward) a TypeError
+    naming ``rng_state``, whose reason is ``rng_rule`` when given."""
     window = _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap)
     if softmax_scale is not None and float(softcap) > 0 and not float(softmax_scale) / float(softcap) < F32_MAX:
         fail(ValueError, fn, f"softmax_scale / softcap must be finite in float32 (below {F32_MAX:.3g}); got "
@@ -495,11 +502,13 @@ def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, si
                 fail(TypeError, fn, f"rng_state's {part} must be an int; got {_type_name(value)}.")
             if not 0 <= int(value) < 2**bits:
                 fail(ValueError, fn, f"rng_state's {part} must be in [0, 2**{bits}); got {int(value)}.")
-    if float(dropout_p) > 0 and rng_state is None:
-        fail(ValueError, fn, "rng_state=(seed, offset) must be given with dropout_p > 0 (the dropout mask "
-                             "is drawn from it, and the backward must be given the same); got None.")
+    dropout = float(dropout_p) > 0
+    if dropout and rng_state is None and not draw_rng:
+        fail(TypeError, fn, "rng_state=(seed, offset) must be given with dropout_p > 0 (" + (rng_rule or (
+            "the state the forward used, which draws the mask again: pass return_rng_state=True to the "
+            "forward to get it")) + "); got None.")
     options = {}
-    if float(dropout_p) > 0:
+    if dropout and rng_state is not None:
         options.update(dropout_p=float(dropout_p), rng_state=(int(rng_state[0]), int(rng_state[1])))
     if window != (-1, -1):
         options["window_size"] = window
@@ -512,7 +521,16 @@ def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, si
     if attn_bias is not None or attn_mask is not None or return_dbias is not False:
         options.update(check_score_arrays(fn, q, nheads=nheads, batch=batch, seqlens=seqlens, attn_bias=attn_bias,
                                           attn_mask=attn_mask, return_dbias=return_dbias, packed=packed))
+    if dropout and rng_state is None:  # a forward's own state: drawn last, once the call is known good
+        options = dict(dropout_p=float(dropout_p), rng_state=_rng.next_rng_state(), **options)
     return options
+
+
+def check_return_rng_state(fn, return_rng_state):
+    """``return_rng_state`` (the forwards') is a bool."""
+    if not isinstance(return_rng_state, (bool, np.bool_)):
+        fail(TypeError, fn, f"return_rng_state must be a bool; got {_type_name(return_rng_state)}.")
+    return bool(return_rng_state)
 
 
 #: The shape a bias or mask broadcasts to, as its messages name it: dense, and varlen.

@@ -322,8 +322,10 @@ _RESULT_SLOTS = {"flash_attn_fwd": ("out", "lse"), "flash_attn_bwd": ("dq", "dk"
 
 
 def _map(result, convert):
+    """``result`` (an array, or a tuple of them) converted; a dropout ``rng_state``
+    in it (a tuple of ints, or None) is handed back as it is."""
     if isinstance(result, tuple):
-        return tuple(convert(a) for a in result)
+        return tuple(a if a is None or isinstance(a, tuple) else convert(a) for a in result)
     return convert(result)
 
 

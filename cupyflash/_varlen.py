@@ -257,7 +257,7 @@ def _scores(attn_bias=None, attn_mask=None, return_dbias=False):
     return attn_bias, attn_mask, return_dbias
 
 
-def _variants(fn, q, gpu, cu_q, variants, scale, scores=None, max_seqlens=None):
+def _variants(fn, q, gpu, cu_q, variants, scale, scores=None, max_seqlens=None, draw_rng=False):
     """The variant options that are on (``cupyflash.cpu``'s keywords), checked against
     q's heads, the number of sequences and the scale; the bias and mask (``scores``,
     from :func:`_scores`) against ``(batch, nheads_q, max_seqlen_q, max_seqlen_k)``."""
@@ -267,17 +267,31 @@ def _variants(fn, q, gpu, cu_q, variants, scale, scores=None, max_seqlens=None):
     return _checks.check_variants(fn, q, gpu, *(_OFF if variants is None else variants),
                                   batch=cu_q.shape[0] - 1, softmax_scale=scale, attn_bias=attn_bias,
                                   attn_mask=attn_mask, return_dbias=return_dbias,
-                                  seqlens=None if max_seqlens is None else tuple(int(n) for n in max_seqlens))
+                                  seqlens=None if max_seqlens is None else tuple(int(n) for n in max_seqlens),
+                                  draw_rng=draw_rng)
 
 
 def _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-         causal, dtype, variants=None, scores=None):
-    """Validate, then run the forward on the CPU, the GPU varlen kernels, or the GPU loop."""
+         causal, dtype, variants=None, scores=None, return_rng_state=False):
+    """Validate, then run the forward on the CPU, the GPU varlen kernels, or the GPU loop;
+    with ``return_rng_state``, the dropout state used (None without dropout) ends the result."""
+    if return_rng_state is not False:
+        return_rng_state = _checks.check_return_rng_state(fn, return_rng_state)
+    options = {}
+    result = _fwd_run(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                      causal, dtype, variants, scores, options)
+    return tuple(result) + (options.get("rng_state"),) if return_rng_state else result
+
+
+def _fwd_run(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+             causal, dtype, variants, scores, used):
+    """:func:`_fwd`'s ``(out, lse)``; the options it ran with are put in ``used``."""
     gpu, cu_q, cu_k = _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, dtype)
     scale = _checks.check_flags(fn, softmax_scale, q.shape[2], causal)
     causal = bool(causal)
-    options = _variants(fn, q, gpu, cu_q, variants, scale, scores, (max_seqlen_q, max_seqlen_k))
+    options = _variants(fn, q, gpu, cu_q, variants, scale, scores, (max_seqlen_q, max_seqlen_k), draw_rng=True)
+    used.update(options)
     sinks = options.get("sinks")
     if not gpu:
         if _nothing_to_compute(q, k):
@@ -366,7 +380,8 @@ def _bwd(fn, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                           softmax_scale=None, causal=False, dtype=None,
                           dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None,
-                          softcap=_NO_SOFTCAP, sinks=None, rng_state=None, attn_bias=None, attn_mask=None):
+                          softcap=_NO_SOFTCAP, sinks=None, rng_state=None, attn_bias=None, attn_mask=None,
+                          return_rng_state=False):
     """Exact attention forward pass over a packed batch of variable-length sequences.
 
     Sequence ``b`` owns query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key
@@ -434,11 +449,13 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         ``-slope * |i + len_k - len_q - j|``.  ``alibi_slopes`` is float32 of
         shape (nheads_q,) or (batch, nheads_q), row ``b`` for sequence ``b``;
         ``sinks`` float32 (nheads_q,) (a row that sees no key then has lse
-        ``sinks[h]``).  ``dropout_p`` needs ``rng_state=(seed, offset)``; the
-        keep mask of sequence ``b`` is drawn by :mod:`cupyflash._philox` at
-        batch index ``b`` with rows and columns counted within the sequence,
-        so it is the mask :func:`cupyflash.flash_attn_fwd` draws for batch
-        element ``b`` of a dense batch holding the same sequence.
+        ``sinks[h]``).  ``dropout_p`` takes an optional ``rng_state=(seed,
+        offset)`` (left out: drawn from cupyflash's generator, see
+        :func:`cupyflash.manual_seed`); the keep mask of sequence ``b`` is
+        drawn by :mod:`cupyflash._philox` at batch index ``b`` with rows and
+        columns counted within the sequence, so it is the mask
+        :func:`cupyflash.flash_attn_fwd` draws for batch element ``b`` of a
+        dense batch holding the same sequence.
     attn_bias, attn_mask : array, optional
         The additive bias and the boolean keep-mask of
         :func:`cupyflash.flash_attn_fwd` (issue 14: same dtypes, strides, order
@@ -447,6 +464,9 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         (each dimension, left-padded to 4, 1 or full), indexed by positions
         local to each sequence: query ``i`` and key ``j`` of sequence ``b`` get
         ``attn_bias[b, h, i, j]``.  Entries past a sequence's lengths are not read.
+    return_rng_state : bool, optional
+        Also return the dropout state used, third (the one given or drawn;
+        None without dropout), for :func:`flash_attn_varlen_bwd`.  Default False.
 
     Returns
     -------
@@ -456,6 +476,8 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     lse : array, shape (nheads_q, total_q), float32
         The natural-log logsumexp of each row of scaled, masked scores (and of
         the sink with ``sinks``; before dropout).
+    rng_state : tuple of two ints, or None
+        Only with ``return_rng_state=True``: the dropout ``(seed, offset)``.
 
     Raises
     ------
@@ -503,7 +525,7 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     return _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, causal, dtype,
                 _given(dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state),
-                _scores(attn_bias, attn_mask))
+                _scores(attn_bias, attn_mask), return_rng_state)
 
 
 @_interop.accepts_foreign(*_BWD_NAMES)
@@ -542,7 +564,8 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
         raw bfloat16 bits (dout, q, k, v and out alike).
     dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state
         As in :func:`flash_attn_varlen_fwd`, and the same as the forward was
-        given (the dropout mask is drawn again from ``rng_state``).
+        given (the dropout mask is drawn again from ``rng_state``, required
+        with ``dropout_p > 0``: a TypeError names it when missing).
     attn_bias, attn_mask : array, optional
         As in :func:`flash_attn_varlen_fwd`, and the same as the forward was given.
     return_dbias : bool, optional
@@ -580,7 +603,8 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, m
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                       softmax_scale=None, causal=False, dtype=None,
                       dropout_p=_NO_DROPOUT, window_size=_NO_WINDOW, alibi_slopes=None,
-                      softcap=_NO_SOFTCAP, sinks=None, rng_state=None, attn_bias=None, attn_mask=None):
+                      softcap=_NO_SOFTCAP, sinks=None, rng_state=None, attn_bias=None, attn_mask=None,
+                      return_rng_state=False):
     """Exact attention over a packed batch of variable-length sequences: the output alone.
 
     The same as ``flash_attn_varlen_fwd(...)[0]``; see
@@ -601,13 +625,18 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         As in :func:`flash_attn_varlen_fwd`.
     attn_bias, attn_mask : array, optional
         As in :func:`flash_attn_varlen_fwd`.
+    return_rng_state : bool, optional
+        Also return the dropout state used: ``(out, rng_state)``.
 
     Returns
     -------
     out : array, shape (total_q, nheads_q, head_dim), dtype of ``q``
+    rng_state : tuple of two ints, or None
+        Only with ``return_rng_state=True``.
     """
     fn = "flash_attn_varlen"
-    return _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, causal, dtype,
-                _given(dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state),
-                _scores(attn_bias, attn_mask))[0]
+    result = _fwd(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  softmax_scale, causal, dtype,
+                  _given(dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state),
+                  _scores(attn_bias, attn_mask), return_rng_state)
+    return (result[0], result[2]) if len(result) == 3 else result[0]

@@ -634,6 +634,12 @@ def _optional_array(name, x):
     return x
 
 
+#: Why the JAX wrapper draws no state of its own (the missing rng_state's TypeError says it).
+_RNG_RULE = ("JAX's randomness is explicit: pass a jax.random key, split per step, or a (seed, offset) "
+             "pair; a state drawn on the host would be fixed at trace time and replayed by every call "
+             "of a jitted function")
+
+
 def _variant_call(q, k, v, scale, causal, deterministic, dropout_p, window_size, softcap, alibi_slopes,
                   sinks, rng_state, attn_bias=None, attn_mask=None):
     """:func:`flash_attention` with a variant argument given: validated at trace time
@@ -645,7 +651,7 @@ def _variant_call(q, k, v, scale, causal, deterministic, dropout_p, window_size,
     options = _checks.check_variants(
         _FN, _spec(q), False, dropout_p, window_size, specs["alibi_slopes"], softcap, specs["sinks"],
         (0, 0) if key is not None else rng_state, attn_bias=specs["attn_bias"], attn_mask=specs["attn_mask"],
-        seqlens=(q.shape[1], k.shape[1]))
+        seqlens=(q.shape[1], k.shape[1]), rng_rule=_RNG_RULE)
     if not options:
         return _attention(q, k, v, scale, causal, deterministic)
     bias_dtype = None if attn_bias is None else np.dtype(arrays["attn_bias"].dtype).name
@@ -696,7 +702,8 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, deterministic=
     dropout_p : float, optional
         Dropout probability in [0, 1) (0: off): each attention probability
         is kept with probability ``1 - dropout_p`` and scaled by ``1 / (1 -
-        dropout_p)``; the backward uses the same mask.  Needs ``rng_state``.
+        dropout_p)``; the backward uses the same mask (the state is kept with
+        the residuals: nothing to pass to ``jax.grad``).  Needs ``rng_state``.
     window_size : (int, int), optional
         Sliding window ``(left, right)``, -1 for unbounded (see
         :func:`cupyflash.flash_attn_fwd`); combines with ``causal``.
@@ -721,7 +728,11 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, deterministic=
         kernels are launched (on a GPU a 12-byte copy that waits for XLA's
         stream).  Split the key per step and per layer, as for any JAX
         randomness.  The same state gives the same mask, here and in
-        :func:`cupyflash.flash_attn_fwd`.
+        :func:`cupyflash.flash_attn_fwd`.  Unlike the core functions, which
+        draw a state from cupyflash's generator when given none, this
+        wrapper refuses a missing state with dropout (a TypeError naming
+        ``rng_state``): under ``jax.jit`` a state drawn on the host would be a
+        trace-time constant, the same mask at every step.
     attn_bias : jax.Array, optional
         An additive bias on the scores, broadcastable to ``(batch, nheads_q,
         seqlen_q, seqlen_k)``: rank at most 4, each dimension (left-padded
@@ -748,7 +759,7 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, deterministic=
         At trace time, with the rules of :func:`cupyflash.flash_attn_fwd`
         (the variants' too: shapes and dtypes of the slopes, sinks, bias and
         mask, a non-bool mask included; their values are not read at trace
-        time).
+        time); a TypeError when ``dropout_p > 0`` without ``rng_state``.
     ImportError
         At trace time on a GPU when CuPy cannot be imported.
     RuntimeError

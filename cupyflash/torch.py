@@ -262,7 +262,9 @@ class FlashAttnVariantFunc(torch.autograd.Function):
     The autograd.Function that eager :func:`flash_attn_func` runs when an
     attention variant is on (the first twelve arguments required;
     ``alibi_slopes`` and ``sinks`` may be None, ``rng_state`` is a ``(seed,
-    offset)`` pair or None without dropout; ``attn_bias`` and ``attn_mask``
+    offset)`` pair, or None (without dropout; with dropout, a state drawn by
+    :func:`cupyflash.flash_attn_fwd` from cupyflash's generator and kept for
+    the backward); ``attn_bias`` and ``attn_mask``
     default to None).  Differentiable in q, k, v, sinks (dsinks from
     :func:`cupyflash.flash_attn_bwd`) and attn_bias (dbias, asked of the
     backward only when the bias requires grad); alibi_slopes are constants
@@ -276,9 +278,10 @@ class FlashAttnVariantFunc(torch.autograd.Function):
                 softcap, dropout_p, rng_state, attn_bias=None, attn_mask=None):
         variants = dict(window_size=window_size, softcap=softcap, dropout_p=dropout_p,
                         rng_state=rng_state if dropout_p > 0 else None)
-        out, lse = _api.flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                       alibi_slopes=alibi_slopes, sinks=sinks, attn_bias=attn_bias,
-                                       attn_mask=attn_mask, **variants)
+        # the state used (rng_state None with dropout: the core draws one) is the backward's
+        out, lse, variants["rng_state"] = _api.flash_attn_fwd(
+            q, k, v, softmax_scale=softmax_scale, causal=causal, alibi_slopes=alibi_slopes, sinks=sinks,
+            attn_bias=attn_bias, attn_mask=attn_mask, return_rng_state=True, **variants)
         ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks, attn_bias, attn_mask)
         ctx.softmax_scale, ctx.causal, ctx.deterministic, ctx.variants = (
             softmax_scale, causal, deterministic, variants)

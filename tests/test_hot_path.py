@@ -257,7 +257,7 @@ def test_variants_run_on_the_cpu_path(rng, option, value):
     ("sinks", np.ones((2, 4), np.float32), ValueError, "sinks must have shape (4,)"),
     ("rng_state", (1, 2**32), ValueError, "rng_state's offset must be in [0, 2**32)"),
     ("rng_state", 5, TypeError, "rng_state must be None or a pair of ints"),
-    ("dropout_p", 0.2, ValueError, "rng_state=(seed, offset) must be given with dropout_p > 0"),
+    ("return_rng_state", 1, TypeError, "return_rng_state must be a bool; got int."),
 ])
 def test_variant_arguments_are_checked(rng, option, value, cls, message):
     q, k, v = _qkv(rng)  # (2, seqlen, 4, d)

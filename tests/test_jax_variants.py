@@ -138,7 +138,8 @@ def test_variants_are_checked_at_trace_time(rng):
         jax.jit(lambda q, s: flash_attention(q, k, v, sinks=s))(q, jnp.zeros(3, jnp.float32))
     with pytest.raises(TypeError, match=r"^cupyflash\.jax\.flash_attention: alibi_slopes must have dtype float32"):
         flash_attention(q, k, v, alibi_slopes=jnp.zeros(4, jnp.float16))
-    with pytest.raises(ValueError, match=r"rng_state=\(seed, offset\) must be given with dropout_p > 0"):
+    with pytest.raises(TypeError, match=r"^cupyflash\.jax\.flash_attention: rng_state=\(seed, offset\) must be "
+                                        r"given with dropout_p > 0 \(JAX's randomness is explicit"):
         flash_attention(q, k, v, dropout_p=0.1)
     with pytest.raises(ValueError, match=r"^cupyflash\.jax\.flash_attention: softcap must be finite"):
         flash_attention(q, k, v, softcap=-1.0)
