@@ -580,12 +580,15 @@ flash_decode_kernel(const DecodeParams p) {
         if (threadIdx.x == 0) {
             int* counter = p.split_counters + (int64(b) * p.nheads_kv + h_kv) * p.num_m_blocks + m_block;
             const int last = atomicAdd(counter, 1) == p.num_splits - 1;
-            if (last) atomicExch(counter, 0);  // zero again for the next launch (and graph replay)
+            if (last) {
+                __threadfence();  // acquire: the count observed, then the block's reads (via the barrier)
+                atomicExch(counter, 0);  // zero again for the next launch (and graph replay)
+            }
             *s_last = last;
         }
         __syncthreads();
         if (*s_last == 0) return;
-        __threadfence();  // acquire: the other blocks' partials, counted before ours, are read after
+        __threadfence();  // (and in every reading thread) the partials of the blocks counted before ours
         float* s_weight = reinterpret_cast<float*>(smem) + 4 + warp * DECODE_MAX_SPLITS;
         for (int r = m0 + warp; r < min(rows, m0 + BLOCK_M); r += Tr::NUM_THREADS / 32) {
             const int q_row = r / p.group, head = h_kv * p.group + r % p.group;
