@@ -74,7 +74,7 @@ def split_counters(stream: int, count: int, in_scratch: int) -> int:
 
 
 class DecodeCall:
-    """One planned decode call: its kernels, packed params and output shapes.
+    """One planned decode call: its kernel, packed params and output shapes.
 
     ``run(stream, alloc, q, k_cache, v_cache, k_new, v_new, out, lse,
     cache_seqlens, cache_batch_idx, block_table, cache_seqlen, seqused_k_out=0, var=None)``
