@@ -195,16 +195,16 @@ def fwd_ws_smem_bytes(head_dim_padded: int, block_n: int, stages: int) -> int:
 
 
 def fwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
-                  grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0) -> Launch:
+                  grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0, varlen: bool = False) -> Launch:
     """The warp-specialised forward kernel (cc 9.0) for one set of compile-time choices:
-    ``<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, EVEN_K, VARIANT>``; ``variant``: bits of
-    FWD_WS_VARIANTS (:func:`uses_ws_fwd`)."""
+    ``<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, EVEN_K, VARIANT, VARLEN>``; ``variant``: bits
+    of FWD_WS_VARIANTS (:func:`uses_ws_fwd`); ``varlen``: a packed batch."""
     if variant & ~FWD_WS_VARIANTS:
         raise ValueError(f"cupyflash: the warp-specialised forward takes the variant bits {FWD_WS_VARIANTS} "
                          f"only; got {variant}")
     block_n, stages = fwd_ws_tile(head_dim_padded, causal)
     args = (CTYPES[dtype], str(head_dim_padded), str(block_n), str(stages), _cbool(causal), _cbool(even_k),
-            str(variant))
+            str(variant), _cbool(varlen))
     return Launch("flash_fwd_ws.cu", "cupyflash::flash_fwd_ws_kernel", args, grid, (FWD_WS_THREADS, 1, 1),
                   fwd_ws_smem_bytes(head_dim_padded, block_n, stages))
 
@@ -437,7 +437,7 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
         n_blocks = math.ceil(seqlen_k / block_n)
         if varlen or num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms) == 1:
             main = fwd_ws_launch(dtype, d, causal, head_dim == d, (num_m_blocks * batch * nheads_q, 1, 1),
-                                 variant)
+                                 variant, varlen)
             return FwdPlan(main, None, d, num_m_blocks, 1, n_blocks, (FWD_WS_BLOCK_M, block_n))
     if uses_sm90_fwd(d, vec, cc):
         block_m, block_n = SM90_BLOCK_M, fwd_sm90_tile(d, causal, variant)[0]
@@ -474,9 +474,10 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
     for dtype, d, causal, even_k in itertools.product(CTYPES, HEAD_DIMS, (False, True), (True, False)):
         if uses_sm90_fwd(d, True, cc):
             out.append(fwd_sm90_launch(dtype, d, causal, even_k))
-    for dtype, d, causal, even_k in itertools.product(CTYPES, HEAD_DIMS, (False, True), (True, False)):
+    for dtype, d, causal, even_k, varlen in itertools.product(CTYPES, HEAD_DIMS, (False, True), (True, False),
+                                                              (False, True)):
         if uses_ws_fwd(d, True, cc):
-            out.append(fwd_ws_launch(dtype, d, causal, even_k))
+            out.append(fwd_ws_launch(dtype, d, causal, even_k, varlen=varlen))
     # Each variant switched on alone (a bias or mask also read element by element), and
     # the combinations of a bias that users run, on the aligned kernels (one dtype: the
     # other's registers are the same).
@@ -485,9 +486,9 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
         if uses_sm90_fwd(d, True, cc) and not split:
             out.append(fwd_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bit))
     # The warp-specialised forward's variants (FWD_WS_CHECK_VARIANTS) at each head_dim it has.
-    for bits, d, causal in itertools.product(FWD_WS_CHECK_VARIANTS, HEAD_DIMS, (False, True)):
+    for bits, d, causal, varlen in itertools.product(FWD_WS_CHECK_VARIANTS, HEAD_DIMS, (False, True), (False, True)):
         if uses_ws_fwd(d, True, cc, bits):
-            out.append(fwd_ws_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bits))
+            out.append(fwd_ws_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bits, varlen=varlen))
     # The staged bias and mask (the wgmma kernel; where the stages do not fit, the
     # register path it takes instead).
     for bit, d, causal in itertools.product(FWD_STAGED_CHECK_VARIANTS, HEAD_DIMS, (False, True)):

@@ -45,6 +45,8 @@
 //   EVEN_K     head_dim == HEAD_DIM (no column predicates in the O stores)
 //   VARIANT    variant.cuh's VAR_* bits: WS_VARIANTS (softcap, ALiBi, a window, sinks,
 //              dropout) or none; a bias or mask goes to flash_fwd_sm90.cu
+//   VARLEN     a packed batch (cu_seqlens); false: dense (its code as if packing did
+//              not exist: the runtime branch cost the dense kernel 4-13%, run 86)
 // Dense and packed (varlen) batches alike (seqlens.cuh), 16-byte aligned data and
 // strides (a TMA requirement). A packed batch's maps describe its (total, nheads,
 // head_dim) tensors as one sequence of a batch of 1 (cupyflash/_gpu.py tma_maps):
@@ -107,7 +109,7 @@ struct FwdWsTraits {
 // code lives in the scores and the softmax, not in extra shared-memory streams.
 constexpr int WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT;
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool EVEN_K, int VARIANT>
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool EVEN_K, int VARIANT, bool VARLEN>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     static_assert((VARIANT & ~WS_VARIANTS) == 0, "flash_fwd_ws_kernel: no bias, mask or block map");
@@ -136,7 +138,9 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     const TileCoords tc = fwd_tile_coords<IS_CAUSAL>(p);
     const int b = tc.b, h = tc.h, m0 = tc.m_block * BLOCK_M;
     const SeqLens seq = seq_lens(p, b);
-    if (m0 >= seq.seqlen_q) return;  // past the end of a shorter sequence of a packed batch (uniform)
+    if constexpr (VARLEN) {
+        if (m0 >= seq.seqlen_q) return;  // past the end of a shorter sequence (uniform)
+    }
     const Mask<IS_CAUSAL, VARIANT> mask(p.var, seq.seqlen_q, seq.seqlen_k);
     const BlockRange blocks = mask.key_blocks(m0, BLOCK_M, BLOCK_N);
 
@@ -158,8 +162,8 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
         setmaxnreg_dec<Tr::PRODUCER_REGS>();
         if (threadIdx.x == 0) {
             // The maps' (row, batch) coordinates of the sequence: (start row, 0) packed, (0, b) dense.
-            const bool packed = p.cu_seqlens_q != nullptr;
-            const int map_b = packed ? 0 : b, q_row0 = seq.q_start + m0, k_row0 = seq.k_start;
+            const int map_b = VARLEN ? 0 : b, q_row0 = VARLEN ? seq.q_start + m0 : m0;
+            const int k_row0 = VARLEN ? seq.k_start : 0;
             tma_prefetch_desc(tp.q_map);
             tma_prefetch_desc(tp.k_map);
             tma_prefetch_desc(tp.v_map);

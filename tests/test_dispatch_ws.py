@@ -61,7 +61,7 @@ def test_ws_serves_plain_dense_aligned_hopper_calls(dtype, head_dim, causal):
     block_n, stages = dispatch.fwd_ws_tile(d, causal)
     assert plan.main.template == WS and plan.combine is None and plan.num_splits == 1
     assert plan.main.args == (dispatch.CTYPES[dtype], str(d), str(block_n), str(stages),
-                              str(causal).lower(), str(head_dim == d).lower(), "0")
+                              str(causal).lower(), str(head_dim == d).lower(), "0", "false")
     assert plan.main.block == (384, 1, 1)
     assert plan.main.grid == (128 * 16, 1, 1) and plan.num_m_blocks == 128
     assert plan.n_blocks_per_split == -(-16384 // block_n)
@@ -80,7 +80,7 @@ def test_ws_takes_the_score_and_softmax_variants(variant, causal):
     call's kernel and tile, compiled with their bits."""
     plain = _plan(ws=True, causal=causal)
     plan = _plan(ws=True, causal=causal, variant=variant)
-    assert plan.main.template == WS and plan.main.args == (*plain.main.args[:-1], str(variant))
+    assert plan.main.template == WS and plan.main.args == (*plain.main.args[:-2], str(variant), "false")
     assert dataclasses.replace(plan, main=plain.main) == plain  # grid, smem, boxes: the plain call's
     assert dispatch.uses_ws_fwd(128, True, (9, 0), variant)
 
@@ -116,7 +116,9 @@ def test_ws_serves_packed_batches_with_the_dense_instantiations(variant, causal,
     (the kernel branches on cu_seqlens at run time), its grid over the longest sequence."""
     kw = dict(batch=5, seqlen_q=3000, seqlen_k=700, head_dim=head_dim, causal=causal, variant=variant, ws=True)
     dense, packed = _plan(**kw), _plan(**kw, varlen=True)
-    assert packed.main.template == WS and packed == dense
+    assert packed.main.template == WS and packed.main.args == (*dense.main.args[:-1], "true")
+    assert dataclasses.replace(packed, main=dense.main) == dense
+    assert dataclasses.replace(packed.main, args=dense.main.args) == dense.main
     d = dispatch.padded_head_dim(head_dim)
     assert packed.num_m_blocks == -(-3000 // 128) and packed.main.grid == (24 * 5 * 16, 1, 1)
     assert packed.tma_box_rows == (128, dispatch.fwd_ws_tile(d, causal)[0])
@@ -143,9 +145,10 @@ def test_ws_small_grids_still_split_on_the_mma_sync_kernel():
 def test_ws_kernels_are_checked_on_sm90_only():
     on90 = [L for L in dispatch.all_fwd_launches((9, 0)) if L.template == WS]
     assert {L.args[1] for L in on90} == {"64", "128"}
-    plain = [L for L in on90 if L.args[-1] == "0"]
-    assert len(plain) == 2 * 2 * 2 * 2  # dtype x head_dim x causal x even_k
-    variants = {(L.args[1], L.args[4], int(L.args[-1])) for L in on90 if L.args[-1] != "0"}
+    plain = [L for L in on90 if L.args[6] == "0"]
+    assert len(plain) == 2 * 2 * 2 * 2 * 2  # dtype x head_dim x causal x even_k x varlen
+    assert {L.args[7] for L in on90 if L.args[6] != "0"} == {"false", "true"}
+    variants = {(L.args[1], L.args[4], int(L.args[6])) for L in on90 if L.args[6] != "0"}
     assert variants == {(d, c, bits) for d in ("64", "128") for c in ("false", "true")
                         for bits in dispatch.FWD_WS_CHECK_VARIANTS}
     # each bit alone, and all of them together
@@ -206,7 +209,7 @@ def test_every_gpu_variant_case_plans_the_ws_kernel():
         plan = dispatch.select_fwd(batch=batch, seqlen_q=sq, seqlen_k=sk, nheads_q=nheads, head_dim=d,
                                    dtype="float16", causal=causal, vec=True, num_sms=1, cc=(9, 0), variant=bits,
                                    ws=True)
-        assert plan.main.template == WS and plan.main.args[-1] == str(bits), (shape, sorted(variants))
+        assert plan.main.template == WS and plan.main.args[6] == str(bits), (shape, sorted(variants))
 
 
 def test_every_gpu_varlen_case_plans_the_ws_kernel():
@@ -227,4 +230,4 @@ def test_every_gpu_varlen_case_plans_the_ws_kernel():
         plan = dispatch.select_fwd(batch=len(lens_q), seqlen_q=max(lens_q), seqlen_k=max(lens_k), nheads_q=nheads,
                                    head_dim=d, dtype=dtype, causal=causal, vec=True, cc=(9, 0), varlen=True,
                                    variant=bits, ws=True)
-        assert plan.main.template == WS and plan.combine is None and plan.main.args[-1] == str(bits)
+        assert plan.main.template == WS and plan.combine is None and plan.main.args[6:] == (str(bits), "true")
