@@ -6,8 +6,7 @@ Arrays are cupy ndarrays (or anything with their geometry: ``shape``,
 ``strides`` in bytes, ``itemsize``, ``data.ptr``).
 
 :func:`plan_decode` returns a :class:`DecodeCall` (kernels_cu/flash_decode.cu:
-the decode kernel, one launch; with split keys its last split block of each
-(sequence, KV head, row block) combines, counting in on :func:`split_counters`), which
+the decode kernel, and the combine kernel when the keys are split), which
 ``_kvcache`` caches per call signature (its ``_ENTRIES``); :meth:`DecodeCall.run` only writes
 pointers and launches.
 """
@@ -15,7 +14,6 @@ pointers and launches.
 from __future__ import annotations
 
 import functools
-import threading
 
 from . import _launch, _params, _variant, dispatch
 from ._launch import LOG2E, Contiguous, vec_ok
@@ -26,55 +24,13 @@ select_decode = functools.lru_cache(maxsize=4096)(dispatch.select_decode)
 #: and the cache length that an int ``cache_seqlens`` gives (a decode loop
 #: advances it every step; it must not make a new plan).
 DECODE_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "out_accum", "lse_accum",
-                   "split_counters", "cache_seqlens", "cache_batch_idx", "block_table", "seqused_k_out", "cache_seqlen")
+                   "cache_seqlens", "cache_batch_idx", "block_table", "seqused_k_out", "cache_seqlen")
 _DECODE_WRITER = _params.FieldWriter(_params.DECODE_PARAMS, DECODE_POINTERS)
 _VAR_WRITER = (_params.offset_of(_params.DECODE_PARAMS, "var"), _variant.WRITER)
 
-#: The split counters of each (device, stream): ``(count, memory)``, zeroed once and
-#: kept zero by the kernel (the last split block of each counter sets it back), so
-#: calls queued on one stream share them and calls on two streams never do.
-_COUNTERS: dict = {}
-#: Counter buffers outgrown: kept, as a launch still queued may count on them.
-_RETIRED: list = []
-_COUNTERS_LOCK = threading.Lock()
-
-
-def split_counters(stream: int, count: int, in_scratch: int) -> int:
-    """A device pointer to ``count`` int32 split counters, zero when ``stream`` reaches
-    the launch that uses them (``in_scratch``: room for them in the call's scratch).
-
-    Outside a CUDA graph capture: the current device's buffer for ``stream``, allocated
-    (in CuPy's pool, in ``stream``'s order) and zeroed on ``stream`` once, grown
-    (doubled) when a call needs more.  While ``stream`` captures: ``in_scratch``,
-    which the allocator keeps for the graph's replays as it keeps the partials,
-    zeroed by a memset captured before the launch, so each replay starts from zero
-    and shares its counters with no other work.
-    """
-    import cupy  # noqa: PLC0415
-
-    runtime = cupy.cuda.runtime
-    if runtime.streamIsCapturing(stream):
-        runtime.memsetAsync(in_scratch, 0, 4 * count, stream)
-        return in_scratch
-    key = (runtime.getDevice(), stream)
-    entry = _COUNTERS.get(key)
-    if entry is not None and entry[0] >= count:
-        return entry[1].ptr
-    with _COUNTERS_LOCK:
-        entry = _COUNTERS.get(key)
-        if entry is None or entry[0] < count:
-            if entry is not None:
-                _RETIRED.append(entry[1])
-                count = max(count, 2 * entry[0])
-            with cupy.cuda.ExternalStream(stream):
-                memory = cupy.cuda.alloc(4 * count)
-            runtime.memsetAsync(memory.ptr, 0, 4 * count, stream)
-            entry = _COUNTERS[key] = (count, memory)
-        return entry[1].ptr
-
 
 class DecodeCall:
-    """One planned decode call: its kernel, packed params and output shapes.
+    """One planned decode call: its kernels, packed params and output shapes.
 
     ``run(stream, alloc, q, k_cache, v_cache, k_new, v_new, out, lse,
     cache_seqlens, cache_batch_idx, block_table, cache_seqlen, seqused_k_out=0, var=None)``
@@ -86,24 +42,22 @@ class DecodeCall:
     variants, else None.
     """
 
-    __slots__ = ("plan", "out_shape", "lse_shape", "scratch_bytes", "_accum_offsets", "_counters", "_launcher")
+    __slots__ = ("plan", "out_shape", "lse_shape", "scratch_bytes", "_accum_offsets", "_launcher")
 
     def __init__(self, plan, out_shape, lse_shape, scratch, launcher):
         self.plan, self.out_shape, self.lse_shape = plan, out_shape, lse_shape
         self.scratch_bytes, self._accum_offsets = scratch
-        self._counters = plan.num_counters
         self._launcher = launcher
 
     def run(self, stream, alloc, q, k_cache, v_cache, k_new, v_new, out, lse, cache_seqlens, cache_batch_idx,
             block_table, cache_seqlen, seqused_k_out=0, var=None):
         owner = None
-        out_accum = lse_accum = counters = 0
+        out_accum = lse_accum = 0
         if self.scratch_bytes:
             owner, base = alloc(self.scratch_bytes)
-            out_accum, lse_accum, in_scratch = (base + o for o in self._accum_offsets)
-            counters = split_counters(stream, self._counters, in_scratch)
-        self._launcher(stream, q, k_cache, v_cache, k_new, v_new, out, lse, out_accum, lse_accum, counters,
-                       cache_seqlens, cache_batch_idx, block_table, seqused_k_out, cache_seqlen, var=var)
+            out_accum, lse_accum = (base + o for o in self._accum_offsets)
+        self._launcher(stream, q, k_cache, v_cache, k_new, v_new, out, lse, out_accum, lse_accum, cache_seqlens,
+                       cache_batch_idx, block_table, seqused_k_out, cache_seqlen, var=var)
         return owner
 
 
@@ -140,10 +94,10 @@ def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k:
         variant=_variant.bits(options), window_left=options.get("window_size", (-1, -1))[0])
     lse_shape = (batch, nheads_q, q.shape[1])
     page_size = k_cache.shape[1] if block_table is not None else 0
-    scratch = (0, (0, 0, 0))
-    if plan.num_splits > 1:  # the partials, and room for the counters (used while capturing: split_counters)
+    scratch = (0, (0, 0))
+    if plan.num_splits > 1:
         rows = plan.num_splits * batch * nheads_q * seqlen_q
-        scratch = _launch.scratch_layout((rows * plan.head_dim_padded * 4, rows * 4, plan.num_counters * 4))
+        scratch = _launch.scratch_layout((rows * plan.head_dim_padded * 4, rows * 4))
     strides = _launch.stride_fields(q=q, k=k_cache, v=v_cache, knew=k_new, vnew=v_new, o=out)
     template = _params.pack(
         _params.DECODE_PARAMS, **dict.fromkeys(DECODE_POINTERS, 0), **strides,
@@ -156,8 +110,9 @@ def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k:
         group=nheads_q // nheads_kv, num_m_blocks=plan.num_m_blocks, num_splits=plan.num_splits,
         softmax_scale=softmax_scale, softmax_scale_log2=softmax_scale * LOG2E,
         var=_variant.plan_fields(options, softmax_scale, nheads_q))
+    launches = (plan.main,) if plan.combine is None else (plan.main, plan.combine)
     return DecodeCall(plan, tuple(q.shape), lse_shape, scratch,
-                      _launch.Launcher((plan.main,), template, _DECODE_WRITER, _VAR_WRITER))
+                      _launch.Launcher(launches, template, _DECODE_WRITER, _VAR_WRITER))
 
 
 def clear_plans() -> None:

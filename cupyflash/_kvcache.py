@@ -313,7 +313,7 @@ def _c_contiguous(x) -> bool:
 
 
 class _GpuDecode(_GpuCacheEntry):
-    """The decode kernel: append, attention and (split) the combine in one launch."""
+    """The decode kernel: append and attention in one launch (plus the combine when split)."""
 
     __slots__ = ()
 

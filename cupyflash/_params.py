@@ -115,7 +115,7 @@ BWD_PARAMS = _struct(
 DECODE_PARAMS = _struct(
     [
         ("q", _PTR), ("k_cache", _PTR), ("v_cache", _PTR), ("k_new", _PTR), ("v_new", _PTR),
-        ("out", _PTR), ("lse", _PTR), ("out_accum", _PTR), ("lse_accum", _PTR), ("split_counters", _PTR),
+        ("out", _PTR), ("lse", _PTR), ("out_accum", _PTR), ("lse_accum", _PTR),
         ("cache_seqlens", _PTR), ("cache_batch_idx", _PTR), ("block_table", _PTR),
         ("seqused_k_out", _PTR), ("cache_seqlen", _I64),
         ("q_batch_stride", _I64), ("q_row_stride", _I64), ("q_head_stride", _I64),

@@ -1374,8 +1374,9 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
 _DECODE_TILES = {32: (64, 4), 64: (64, 4), 96: (64, 3), 128: (64, 3), 192: (64, 2), 256: (64, 2)}
 #: Warps per decode block (kernels_cu/flash_decode.cu: WARPS_M x WARPS_N).
 DECODE_WARPS = 4
-#: The most key splits (flash_decode.cu's DECODE_MAX_SPLITS: the combine's weights per warp).
+#: The most key splits (the combine kernel's DECODE_MAX_SPLITS).
 DECODE_MAX_SPLITS = 128
+_DECODE_COMBINE_SPLIT_GROUPS = 8  # flash_decode.cu DECODE_COMBINE_SPLIT_GROUPS
 
 
 def decode_warps(rows: int) -> tuple[int, int]:
@@ -1406,12 +1407,12 @@ def smem_per_sm(cc: tuple[int, int]) -> int:
 
 @dataclass(frozen=True)
 class DecodePlan:
-    main: Launch                # the one launch: with split keys, the last split block combines
+    main: Launch
+    combine: Launch | None      # set when the keys are split
     head_dim_padded: int
     block_m: int                # packed rows per block
     num_m_blocks: int
     num_splits: int
-    num_counters: int = 0       # split: int32 counters (DecodeParams::split_counters), zero between calls
 
 
 def decode_tile(head_dim_padded: int, warps: tuple[int, int], cc: tuple[int, int] = (9, 0)
@@ -1440,15 +1441,15 @@ def decode_launch(dtype: str, head_dim_padded: int, warps: tuple[int, int], caus
     return Launch("flash_decode.cu", "cupyflash::flash_decode_kernel", args, grid, (DECODE_WARPS * 32, 1, 1), smem)
 
 
-def decode_num_counters(batch: int, nheads_kv: int, num_m_blocks: int, num_splits: int) -> int:
-    """The split counters a decode launch needs: one per (sequence, KV head, row block),
-    on which its num_splits blocks count in (the last combines); none unsplit."""
-    return batch * nheads_kv * num_m_blocks if num_splits > 1 else 0
+def decode_combine_launch(dtype: str, head_dim_padded: int, rows: int = 1) -> Launch:
+    """The decode combine kernel: one block per (sequence, query head, query row)."""
+    threads = head_dim_padded // 4 * _DECODE_COMBINE_SPLIT_GROUPS
+    return Launch("flash_decode.cu", "cupyflash::flash_decode_combine_kernel", (CTYPES[dtype], str(head_dim_padded)),
+                  (max(1, rows), 1, 1), (threads, 1, 1), 0)
 
 
 #: The split-count model (decode_num_splits): each block also costs this many
-#: tiles' time (the ring's first loads, the epilogue), and so does the combine
-#: (now in the last split block: kernels_cu/PERF.md, session 10; not refitted).
+#: tiles' time (the ring's first loads, the epilogue), and so does the combine.
 DECODE_BLOCK_OVERHEAD_TILES = 2
 #: Blocks per SM the split count aims at: two blocks (8 warps, 2 x 2 tiles of
 #: K/V in flight at D=128) are needed to hide a paged cache's scattered loads.
@@ -1514,8 +1515,8 @@ def select_decode(*, batch: int, seqlen_q: int, nheads_q: int, nheads_kv: int, h
         splits = decode_num_splits(blocks, n_tiles, num_sms)
     main = decode_launch(dtype, d, warps, causal, paged, vec, (num_m_blocks * splits, nheads_kv, batch), cc,
                          variant)
-    return DecodePlan(main, d, block_m, num_m_blocks, splits,
-                      decode_num_counters(batch, nheads_kv, num_m_blocks, splits))
+    combine = decode_combine_launch(dtype, d, batch * nheads_q * seqlen_q) if splits > 1 else None
+    return DecodePlan(main, combine, d, block_m, num_m_blocks, splits)
 
 
 #: The variant bits the decode kernel takes (select_decode): no dropout, bias or mask.
@@ -1560,6 +1561,7 @@ def all_decode_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
         for warps, causal, paged, vec in itertools.product(((1, 4), (2, 2), (4, 1)), (False, True),
                                                            (False, True), (True, False)):
             out.append(decode_launch(dtype, d, warps, causal, paged, vec, cc=cc))
+        out.append(decode_combine_launch(dtype, d))
     # Each variant but dropout, the bias and the mask switched on alone (aligned,
     # contiguous and paged).
     for bit, d, warps, causal, paged in itertools.product(

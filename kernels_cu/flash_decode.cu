@@ -8,11 +8,8 @@
 //     read from memory once per KV head, not once per query head.
 //   * Split over the keys: each block takes 1/num_splits of its sequence's key
 //     tiles (computed on the device from the sequence's own length), so small
-//     batches still fill the SMs. Each split block writes its fp32 partial
-//     (o, lse) and counts in on a per-(sequence, KV head, row block) counter;
-//     the last of the num_splits blocks to count in merges the partials by their
-//     lse (decode_combine_row) and sets the counter back to 0, so a split call
-//     is one launch (the "serial split-K" semaphore; no block waits on another).
+//     batches still fill the SMs; flash_decode_combine_kernel merges the fp32
+//     partials by their lse.
 //   * Warps split the keys, not the rows, when there are few rows: the
 //     WARPS_M x WARPS_N warps of a block each own 16 packed rows and
 //     BLOCK_N / WARPS_N keys of every tile, with their own online softmax, and
@@ -71,10 +68,6 @@ struct DecodeTraits {
     static constexpr int O_STRIDE = HEAD_DIM + 8;
     static constexpr int MERGE_BYTES = WARPS_N * BLOCK_M * 4 + (WARPS_N - 1) * BLOCK_M * O_STRIDE * 4;
     static constexpr int SMEM_BYTES = QTile::BYTES + STAGES * STAGE_BYTES;
-    // The combine's flag and per-warp split weights (decode_combine_row: DECODE_MAX_SPLITS
-    // floats a warp), from the start of shared memory.
-    static constexpr int COMBINE_BYTES = 16 + NUM_THREADS / 32 * 128 * 4;
-    static_assert(COMBINE_BYTES <= SMEM_BYTES, "the combine's weights fit in shared memory");
 
     static_assert(WARP_KEYS % 16 == 0, "each warp takes whole k16 steps of P·V");
     static_assert(HEAD_DIM % 16 == 0, "k16 steps of Q·Kᵀ");
@@ -135,77 +128,6 @@ __device__ __forceinline__ T* cache_slot(T* base, const KvSource<T, PAGED>& src,
     } else {
         return base + int64(j) * row_stride;
     }
-}
-
-// Merge the split partials of one (sequence, query head, query row) -- `row`, in
-// lse order -- with one warp: lse = logsumexp_s lse_s, out = sum_s exp(lse_s -
-// lse) out_s. The lanes turn the split lses into weights (s_weight: this warp's
-// DECODE_MAX_SPLITS floats of shared memory), then each lane adds a float4 column
-// over the splits in DECODE_COMBINE_SPLIT_GROUPS interleaved sums (split s into
-// sum s % GROUPS, in order of s) and adds the sums in order: the arithmetic, and
-// so the bits, of the combine kernel this replaces. Empty splits (lse -inf) weigh
-// 0 and are not read. The partials were written by other blocks of this launch:
-// they are read with ld.global.cg (L2), never through L1.
-constexpr int DECODE_MAX_SPLITS = 128;
-constexpr int DECODE_COMBINE_SPLIT_GROUPS = 8;
-
-template <typename T, int HEAD_DIM>
-__device__ __forceinline__ void decode_combine_row(const DecodeParams& p, int64 row, float* s_weight, int lane) {
-    constexpr int COLS = HEAD_DIM / 4;  // float4 columns
-    constexpr int GROUPS = DECODE_COMBINE_SPLIT_GROUPS;
-    const int64 rows = int64(p.batch) * p.nheads_q * p.seqlen_q;
-    const int splits = p.num_splits;
-    float m = NEG_INF;
-    for (int s = lane; s < splits; s += 32) m = fmaxf(m, __ldcg(p.lse_accum + s * rows + row));
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float sum = 0.f;
-    if (m != NEG_INF) {
-        for (int s = lane; s < splits; s += 32) sum += __expf(__ldcg(p.lse_accum + s * rows + row) - m);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float lse = sum > 0.f ? m + __logf(sum) : NEG_INF;
-    for (int s = lane; s < splits; s += 32) {
-        const float l = __ldcg(p.lse_accum + s * rows + row);
-        s_weight[s] = l == NEG_INF ? 0.f : __expf(l - lse);
-    }
-    __syncwarp();
-
-    const int q_row = int(row % p.seqlen_q);
-    const int bh = int(row / p.seqlen_q);
-    const int b = bh / p.nheads_q, head = bh % p.nheads_q;
-    T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + q_row * p.o_row_stride + head * p.o_head_stride;
-    const float4* o = reinterpret_cast<const float4*>(p.out_accum + row * HEAD_DIM);
-#pragma unroll
-    for (int col = lane; col < COLS; col += 32) {
-        float4 acc[GROUPS];
-#pragma unroll
-        for (int g = 0; g < GROUPS; ++g) acc[g] = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int s0 = 0; s0 < splits; s0 += GROUPS) {
-#pragma unroll
-            for (int g = 0; g < GROUPS; ++g) {
-                const int s = s0 + g;
-                if (s >= splits) continue;
-                const float w = s_weight[s];
-                if (w == 0.f) continue;
-                const float4 x = __ldcg(o + int64(s) * rows * COLS + col);
-                acc[g].x += w * x.x; acc[g].y += w * x.y; acc[g].z += w * x.z; acc[g].w += w * x.w;
-            }
-        }
-        float4 total = acc[0];
-#pragma unroll
-        for (int g = 1; g < GROUPS; ++g) {
-            total.x += acc[g].x; total.y += acc[g].y; total.z += acc[g].z; total.w += acc[g].w;
-        }
-        const float vals[4] = {total.x, total.y, total.z, total.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            if (col * 4 + e < p.head_dim) out[col * 4 + e] = TypeTraits<T>::from_float(vals[e]);
-        }
-    }
-    if (lane == 0) p.lse[row] = lse;
-    __syncwarp();  // s_weight is read before the warp's next row writes it
 }
 
 template <typename T, int HEAD_DIM, int BLOCK_N, int WARPS_M, int WARPS_N, int STAGES,
@@ -518,8 +440,7 @@ flash_decode_kernel(const DecodeParams p) {
             }
         }
         __syncthreads();
-        // (warps of columns wn > 0 are done with their rows; they stay for the combine)
-        if (wn == 0) {
+        if (wn > 0) return;
 #pragma unroll
         for (int w = 1; w < WARPS_N; ++w) {
 #pragma unroll
@@ -533,13 +454,12 @@ flash_decode_kernel(const DecodeParams p) {
                 }
             }
         }
-        }
     }
 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = r_lane + 8 * h;
-        if (r >= rows || (WARPS_N > 1 && wn > 0)) continue;
+        if (r >= rows) continue;
         const int q_row = r / p.group, head = h_kv * p.group + r % p.group;
         if (p.num_splits > 1) {
             const int64 index = ((int64(split) * p.batch + b) * p.nheads_q + head) * p.seqlen_q + q_row;
@@ -569,33 +489,75 @@ flash_decode_kernel(const DecodeParams p) {
             }
         }
     }
+}
 
-    // ---- split: count in; the last of the num_splits blocks of this (sequence, KV head,
-    // row block) merges their partials. Every split block counts, with or without keys
-    // (an empty one wrote lse -inf), so the count to reach is num_splits for every block.
-    if (p.num_splits > 1) {
-        __threadfence();  // release: this thread's partial is visible at gpu scope before the count
-        __syncthreads();  // every thread's partial written and fenced; done with shared memory
-        int* s_last = reinterpret_cast<int*>(smem);
-        if (threadIdx.x == 0) {
-            int* counter = p.split_counters + (int64(b) * p.nheads_kv + h_kv) * p.num_m_blocks + m_block;
-            const int last = atomicAdd(counter, 1) == p.num_splits - 1;
-            if (last) {
-                __threadfence();  // acquire: the count observed, then the block's reads (via the barrier)
-                atomicExch(counter, 0);  // zero again for the next launch (and graph replay)
-            }
-            *s_last = last;
+// Merge the split partials of each (sequence, query head, query row):
+// lse = logsumexp_s lse_s, out = sum_s exp(lse_s - lse) out_s. One block per row:
+// warp 0 turns the split lses into weights, then SPLIT_GROUPS groups of
+// HEAD_DIM / 4 threads each add a share of the splits (float4 columns), and
+// group 0 sums the groups. Empty splits (lse -inf) weigh 0 and are not read.
+constexpr int DECODE_MAX_SPLITS = 128;
+constexpr int DECODE_COMBINE_SPLIT_GROUPS = 8;
+
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(HEAD_DIM / 4 * DECODE_COMBINE_SPLIT_GROUPS)
+flash_decode_combine_kernel(const DecodeParams p) {
+    constexpr int COLS = HEAD_DIM / 4;  // threads per group: float4 columns
+    __shared__ float s_weight[DECODE_MAX_SPLITS];
+    __shared__ float s_lse;
+    __shared__ float4 s_part[DECODE_COMBINE_SPLIT_GROUPS - 1][COLS];
+
+    const int64 rows = int64(p.batch) * p.nheads_q * p.seqlen_q;
+    const int64 row = blockIdx.x;  // (b, head, q_row), lse order
+    const int splits = p.num_splits;
+    if (threadIdx.x < 32) {
+        float m = NEG_INF;
+        for (int s = threadIdx.x; s < splits; s += 32) m = fmaxf(m, p.lse_accum[s * rows + row]);
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float sum = 0.f;
+        if (m != NEG_INF) {
+            for (int s = threadIdx.x; s < splits; s += 32) sum += __expf(p.lse_accum[s * rows + row] - m);
         }
-        __syncthreads();
-        if (*s_last == 0) return;
-        __threadfence();  // (and in every reading thread) the partials of the blocks counted before ours
-        float* s_weight = reinterpret_cast<float*>(smem) + 4 + warp * DECODE_MAX_SPLITS;
-        for (int r = m0 + warp; r < min(rows, m0 + BLOCK_M); r += Tr::NUM_THREADS / 32) {
-            const int q_row = r / p.group, head = h_kv * p.group + r % p.group;
-            decode_combine_row<T, HEAD_DIM>(p, (int64(b) * p.nheads_q + head) * p.seqlen_q + q_row, s_weight,
-                                            lane);
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        const float lse = sum > 0.f ? m + __logf(sum) : NEG_INF;
+        for (int s = threadIdx.x; s < splits; s += 32) {
+            const float l = p.lse_accum[s * rows + row];
+            s_weight[s] = l == NEG_INF ? 0.f : __expf(l - lse);
         }
+        if (threadIdx.x == 0) s_lse = lse;
     }
+    __syncthreads();
+
+    const int group = threadIdx.x / COLS, col = threadIdx.x % COLS;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float4* o = reinterpret_cast<const float4*>(p.out_accum + row * HEAD_DIM) + col;
+#pragma unroll 4
+    for (int s = group; s < splits; s += DECODE_COMBINE_SPLIT_GROUPS) {
+        const float w = s_weight[s];
+        if (w == 0.f) continue;
+        const float4 x = o[int64(s) * rows * COLS];
+        acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
+    }
+    if (group > 0) s_part[group - 1][col] = acc;
+    __syncthreads();
+    if (group > 0) return;
+#pragma unroll
+    for (int gidx = 0; gidx < DECODE_COMBINE_SPLIT_GROUPS - 1; ++gidx) {
+        const float4 x = s_part[gidx][col];
+        acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
+    }
+    const int q_row = int(row % p.seqlen_q);
+    const int bh = int(row / p.seqlen_q);
+    const int b = bh / p.nheads_q, head = bh % p.nheads_q;
+    T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + q_row * p.o_row_stride + head * p.o_head_stride;
+    const float vals[4] = {acc.x, acc.y, acc.z, acc.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        if (col * 4 + e < p.head_dim) out[col * 4 + e] = TypeTraits<T>::from_float(vals[e]);
+    }
+    if (col == 0) p.lse[row] = s_lse;
 }
 
 }  // namespace cupyflash

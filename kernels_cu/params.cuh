@@ -122,8 +122,6 @@ struct DecodeParams {
     float* lse;             // (batch, nheads_q, seqlen_q), natural log
     float* out_accum;       // split partials: (num_splits, batch, nheads_q, seqlen_q, HEAD_DIM) fp32
     float* lse_accum;       // split partials: (num_splits, batch, nheads_q, seqlen_q) fp32
-    int* split_counters;    // split: (batch, nheads_kv, num_m_blocks) int32, zero between launches
-                            //   (the last split block of each sets its counter back to 0)
     const int* cache_seqlens;    // (batch,) keys in the cache before the append; null: cache_seqlen for all
     const int* cache_batch_idx;  // (batch,) cache row of each sequence; null: row b (dense caches only)
     const int* block_table;      // (batch, max_blocks_per_seq) block of each page; null: dense cache

@@ -318,16 +318,14 @@ def test_decode_packs_gqa_heads_into_rows():
     assert plan.main.grid == (plan.num_splits, 8, 1)
     # 8 blocks alone would leave 124 SMs idle: split until every SM streams keys
     # with two blocks, evenly (no SM with a block more than another)
-    assert 256 <= 8 * plan.num_splits <= 264
-    # one launch: the last split block of each (sequence, KV head, row block) combines,
-    # counting in on its counter
-    assert plan.num_counters == 8 and not hasattr(plan, "combine")
+    assert 256 <= 8 * plan.num_splits <= 264 and plan.combine is not None
+    assert plan.combine.grid == (32, 1, 1)
 
 
 def test_decode_large_batch_does_not_split():
     plan = dispatch.select_decode(batch=64, seqlen_q=1, nheads_q=32, nheads_kv=8, head_dim=128,
                                   max_seqlen_k=8192, dtype="float16", causal=False, paged=True, vec=True)
-    assert plan.num_splits == 1 and plan.num_counters == 0 and plan.main.grid == (1, 8, 64)
+    assert plan.num_splits == 1 and plan.combine is None and plan.main.grid == (1, 8, 64)
 
 
 def test_decode_splits_keep_two_tiles_each_and_respect_requests():
@@ -397,7 +395,7 @@ def test_decode_smem_fits_and_two_blocks_share_an_sm_up_to_128(d):
 def test_decode_empty_query_still_launches_one_block_to_append():
     plan = dispatch.select_decode(batch=2, seqlen_q=0, nheads_q=4, nheads_kv=2, head_dim=64,
                                   max_seqlen_k=4096, dtype="float16", causal=True, paged=False, vec=True)
-    assert plan.num_m_blocks == 1 and plan.num_splits == 1 and plan.num_counters == 0
+    assert plan.num_m_blocks == 1 and plan.num_splits == 1 and plan.combine is None
 
 
 def test_all_decode_launches_cover_select_decode():
@@ -407,8 +405,7 @@ def test_all_decode_launches_cover_select_decode():
         plan = dispatch.select_decode(batch=1, seqlen_q=rows, nheads_q=1, nheads_kv=1, head_dim=d,
                                       max_seqlen_k=50_000, dtype="bfloat16", causal=causal, paged=paged, vec=vec)
         assert plan.main.name_expression in every
-        assert plan.num_counters == (plan.num_m_blocks if plan.num_splits > 1 else 0)
-    assert not any("combine" in name for name in every)  # the combine is the decode kernel's own
+        assert plan.combine is None or plan.combine.name_expression in every
 
 
 def test_decode_long_dense_chunks_take_the_dense_forward():

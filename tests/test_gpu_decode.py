@@ -194,49 +194,6 @@ def test_num_splits_does_not_change_the_result(rng):
         assert np.abs(other - results[0]).max() < 2e-3
 
 
-def test_split_combine_in_one_launch_on_two_streams(rng, monkeypatch):
-    """Split calls are one launch (the last split block combines); each stream counts on
-    its own counters, which the kernel leaves zero. Two streams run the same split call
-    at once (a long and an empty sequence, row blocks of 64 packed rows): the same bits as
-    the one-split call, and the counters zero after."""
-    cp = _cp()
-    from cupyflash import _gpu_decode, _launch
-
-    q = _host(rng, (2, 20, 16, 64), "float16")  # 80 packed rows: two row blocks per KV head
-    k_cache, v_cache = (_host(rng, (2, 6000, 4, 64), "float16") for _ in range(2))
-    lengths = i32([5999, 0])
-    dq, dk, dv, dl = (_dev(cp, x) for x in (q, k_cache, v_cache, lengths))
-    names = []
-    real_call = _launch.Launcher.__call__
-
-    def call(self, *args, **kw):
-        names.extend(spec.template for spec in self.launches)
-        return real_call(self, *args, **kw)
-
-    monkeypatch.setattr(_launch.Launcher, "__call__", call)
-    one = cupyflash.flash_attn_with_kvcache(dq, dk, dv, cache_seqlens=dl, num_splits=1, return_lse=True)
-    cp.cuda.Device().synchronize()
-    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
-    got = []
-    for _ in range(3):
-        for stream in streams:
-            with stream:
-                got.append(cupyflash.flash_attn_with_kvcache(dq, dk, dv, cache_seqlens=dl, num_splits=9,
-                                                             return_lse=True))
-    cp.cuda.Device().synchronize()
-    assert names == ["cupyflash::flash_decode_kernel"] * 7  # no combine kernel
-    assert_matches_reference(q, k_cache, v_cache, None, None, got[0][0].get().astype(np.float32), got[0][1].get(),
-                             cache_seqlens=lengths)
-    for out, lse in got:  # identical on both streams; within rounding of one split
-        assert np.array_equal(out.get(), got[0][0].get()) and np.array_equal(lse.get(), got[0][1].get())
-        assert np.abs(out.get().astype(np.float32) - one[0].get().astype(np.float32)).max() < 2e-3
-    assert np.all(got[0][0].get()[1] == 0) and np.all(got[0][1].get()[1] == -np.inf)  # the empty sequence
-    device = cp.cuda.Device().id
-    for stream in streams:
-        count, memory = _gpu_decode._COUNTERS[(device, stream.ptr)]
-        assert count >= 2 * 4 * 2 and not cp.ndarray((count,), cp.int32, memory).any()
-
-
 def test_int_cache_seqlens_reuses_one_plan(rng):
     """A decode loop advances an int length each step: one plan, the right length every step."""
     cp = _cp()
