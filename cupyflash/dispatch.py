@@ -177,7 +177,7 @@ def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: i
     """Whether the warp-specialised kernel serves this call (when asked for; before any
     split-KV): dense or packed (``varlen``: every variant of FWD_WS_VARIANTS carries over,
     the consumers asking seqlens.cuh for each sequence's lengths as flash_fwd_sm90.cu
-    does; the same instantiations serve both, the kernel branching on cu_seqlens),
+    does; the kernel's VARLEN argument: fwd_ws_launch),
     aligned, on cc 9.0, with no variant outside FWD_WS_VARIANTS."""
     del varlen  # packed batches are served too (kept in the signature for the callers)
     return cc == (9, 0) and vec and head_dim_padded in _FWD_WS and not variant & ~FWD_WS_VARIANTS
