@@ -140,9 +140,10 @@ SM90_STAGES = 3
 # Issue 15: the warp-specialised forward (kernels_cu/flash_fwd_ws.cu): a producer
 # warpgroup copies Q, K and V with TMA, two consumer warpgroups of 64 query rows each
 # compute, ping-ponging their GEMMs, S_{n+1} issued with P_n·V_n. Dense and packed
-# (varlen: never split, as on the other kernels), aligned batches with no variant or those of FWD_WS_VARIANTS at these padded head_dims (the
-# variants take the plain kernel's tile: their code fits the consumers' 240 registers
-# with no spill, nvcc 13.0, and adds no shared memory); (BLOCK_N, STAGES) for
+# (varlen: never split, as on the other kernels), aligned batches with no variant or
+# those of FWD_WS_VARIANTS at these padded head_dims (the variants take the plain
+# kernel's tile: their code fits the consumers' 240 registers with no spill, nvcc
+# 13.0, and adds no shared memory); (BLOCK_N, STAGES) for
 # (non-causal, causal). FA3's D=128 tile: 128 x 128. Run 64 (two stages, one release
 # of K and V together): 451-478 TFLOP/s at D=128, no gain on the cp.async kernel, and
 # 286-316 at D=64 against its 326-379 (kernels_cu/PERF.md); K and V are now released
