@@ -341,7 +341,8 @@ def flash_attn_bwd(dout, q, k, v, out, lse, *, softmax_scale=None, causal=False,
     TypeError
         As for :func:`flash_attn_fwd`; also when ``dout`` or ``out`` differ
         from ``q`` in dtype, ``lse`` is not float32, ``deterministic`` is
-        not a bool, or ``rng_state`` is missing with ``dropout_p > 0``; ``dq``/``dk``/``dv`` as ``out`` in :func:`flash_attn_fwd`.
+        not a bool, or ``rng_state`` is missing with ``dropout_p > 0``;
+        ``dq``/``dk``/``dv`` as ``out`` in :func:`flash_attn_fwd`.
     ValueError
         As for :func:`flash_attn_fwd`; also when ``dout`` or ``out`` differ
         from ``q`` in shape, or ``lse`` is not (batch, nheads_q, seqlen_q);

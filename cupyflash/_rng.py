@@ -21,7 +21,7 @@ import numbers
 import os
 import threading
 
-__all__ = ["manual_seed", "initial_seed", "next_rng_state"]
+__all__ = ["manual_seed", "next_rng_state"]
 
 _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
@@ -87,12 +87,6 @@ def manual_seed(seed):
         _checks.fail(ValueError, "manual_seed", f"seed must be in [0, 2**64); got {int(seed)}.")
     with _lock:
         _state = [int(seed), 0]
-
-
-def initial_seed():
-    """The seed of the generator's current sequence (drawn now if not yet drawn or set)."""
-    with _lock:
-        return _ensure()[0]
 
 
 def _ensure():

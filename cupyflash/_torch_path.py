@@ -144,8 +144,7 @@ class _Unsupported(Exception):
 #: one with any other value (or type) takes the general path, which checks it and runs
 #: the variant; off, this path runs as if it was not given.
 _VARIANTS_OFF = {**_checks.NOT_IMPLEMENTED, "sinks": None, "rng_state": None, "attn_bias": None,
-                 "attn_mask": None, "return_dbias": False,
-                 "return_rng_state": False}
+                 "attn_mask": None, "return_dbias": False, "return_rng_state": False}
 
 
 def _check_options(fn_name, options):

@@ -173,14 +173,12 @@ _FWD_WS_ENV = os.environ.get("CUPYFLASH_FWD_WS", "")
 FWD_WS: bool | tuple[int, ...] = {"all": True, "0": False}.get(_FWD_WS_ENV, FWD_WS_WINS)
 
 
-def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int = 0,
-                varlen: bool = False) -> bool:
+def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int = 0) -> bool:
     """Whether the warp-specialised kernel serves this call (when asked for; before any
-    split-KV): dense or packed (``varlen``: every variant of FWD_WS_VARIANTS carries over,
-    the consumers asking seqlens.cuh for each sequence's lengths as flash_fwd_sm90.cu
-    does; the kernel's VARLEN argument: fwd_ws_launch),
-    aligned, on cc 9.0, with no variant outside FWD_WS_VARIANTS."""
-    del varlen  # packed batches are served too (kept in the signature for the callers)
+    split-KV): dense or packed alike (every variant of FWD_WS_VARIANTS carries over to a
+    packed batch, the consumers asking seqlens.cuh for each sequence's lengths as
+    flash_fwd_sm90.cu does; the kernel's VARLEN argument: fwd_ws_launch), aligned, on cc
+    9.0, with no variant outside FWD_WS_VARIANTS."""
     return cc == (9, 0) and vec and head_dim_padded in _FWD_WS and not variant & ~FWD_WS_VARIANTS
 
 
@@ -432,7 +430,7 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     if cc < ARCHS[0]:
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
     d = padded_head_dim(head_dim)
-    if (ws is True or (ws and d in ws)) and uses_ws_fwd(d, vec, cc, variant, varlen):
+    if (ws is True or (ws and d in ws)) and uses_ws_fwd(d, vec, cc, variant):
         block_n = fwd_ws_tile(d, causal)[0]
         num_m_blocks = math.ceil(seqlen_q / FWD_WS_BLOCK_M)
         n_blocks = math.ceil(seqlen_k / block_n)

@@ -45,8 +45,9 @@
 //   EVEN_K     head_dim == HEAD_DIM (no column predicates in the O stores)
 //   VARIANT    variant.cuh's VAR_* bits: WS_VARIANTS (softcap, ALiBi, a window, sinks,
 //              dropout) or none; a bias or mask goes to flash_fwd_sm90.cu
-//   VARLEN     a packed batch (cu_seqlens); false: dense (its code as if packing did
-//              not exist: the runtime branch cost the dense kernel 4-13%, run 86)
+//   VARLEN     a packed batch (cu_seqlens); false: dense, whose code is then as if
+//              packing did not exist (as a runtime branch it reordered the dense main
+//              loop: 2.028 against 1.947 ms at S=8192, PERF.md runs 86-87)
 // Dense and packed (varlen) batches alike (seqlens.cuh), 16-byte aligned data and
 // strides (a TMA requirement). A packed batch's maps describe its (total, nheads,
 // head_dim) tensors as one sequence of a batch of 1 (cupyflash/_gpu.py tma_maps):

@@ -122,8 +122,8 @@ def test_ws_serves_packed_batches_with_the_dense_instantiations(variant, causal,
     d = dispatch.padded_head_dim(head_dim)
     assert packed.num_m_blocks == -(-3000 // 128) and packed.main.grid == (24 * 5 * 16, 1, 1)
     assert packed.tma_box_rows == (128, dispatch.fwd_ws_tile(d, causal)[0])
-    assert dispatch.uses_ws_fwd(d, True, (9, 0), variant, varlen=True)
-    assert not dispatch.uses_ws_fwd(d, True, (9, 0), variant | dispatch.VAR_MASK, varlen=True)
+    assert dispatch.uses_ws_fwd(d, True, (9, 0), variant)
+    assert not dispatch.uses_ws_fwd(d, True, (9, 0), variant | dispatch.VAR_MASK)
 
 
 def test_ws_packed_batches_are_never_split():
