@@ -40,14 +40,20 @@ class DecodeCall:
     split partials, kept by the caller until the launches are queued.  ``var``:
     the variants' per-call values (``_variant.call_values``) of a plan made with
     variants, else None.
+
+    ``launcher(stream, q, k_cache, v_cache, k_new, v_new, out, lse, out_accum, lse_accum,
+    cache_seqlens, cache_batch_idx, block_table, seqused_k_out, cache_seqlen, var=None)``
+    launches with the split partials at ``out_accum``/``lse_accum``: offsets
+    ``accum_offsets`` into ``scratch_bytes`` bytes of 256-byte aligned scratch (for a
+    caller that allocates the scratch with its outputs).
     """
 
-    __slots__ = ("plan", "out_shape", "lse_shape", "scratch_bytes", "_accum_offsets", "_launcher")
+    __slots__ = ("plan", "out_shape", "lse_shape", "scratch_bytes", "accum_offsets", "launcher")
 
     def __init__(self, plan, out_shape, lse_shape, scratch, launcher):
         self.plan, self.out_shape, self.lse_shape = plan, out_shape, lse_shape
-        self.scratch_bytes, self._accum_offsets = scratch
-        self._launcher = launcher
+        self.scratch_bytes, self.accum_offsets = scratch
+        self.launcher = launcher
 
     def run(self, stream, alloc, q, k_cache, v_cache, k_new, v_new, out, lse, cache_seqlens, cache_batch_idx,
             block_table, cache_seqlen, seqused_k_out=0, var=None):
@@ -55,8 +61,8 @@ class DecodeCall:
         out_accum = lse_accum = 0
         if self.scratch_bytes:
             owner, base = alloc(self.scratch_bytes)
-            out_accum, lse_accum = (base + o for o in self._accum_offsets)
-        self._launcher(stream, q, k_cache, v_cache, k_new, v_new, out, lse, out_accum, lse_accum, cache_seqlens,
+            out_accum, lse_accum = (base + o for o in self.accum_offsets)
+        self.launcher(stream, q, k_cache, v_cache, k_new, v_new, out, lse, out_accum, lse_accum, cache_seqlens,
                        cache_batch_idx, block_table, seqused_k_out, cache_seqlen, var=var)
         return owner
 

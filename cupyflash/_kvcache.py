@@ -313,18 +313,40 @@ def _c_contiguous(x) -> bool:
 
 
 class _GpuDecode(_GpuCacheEntry):
-    """The decode kernel: append and attention in one launch (plus the combine when split)."""
+    """The decode kernel: append and attention in one launch (plus the combine when
+    split). out, lse and the split partials share one allocation; lse becomes an
+    array only when the call returns it."""
 
-    __slots__ = ()
+    __slots__ = ("_layout", "_launch", "_return_lse")
+
+    def __init__(self, call, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize, variant=False,
+                 return_lse=True):
+        super().__init__(call, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize, variant)
+        out_bytes = itemsize * int(np.prod(out_shape))
+        total, (_, lse_offset, scratch) = _launch.scratch_layout(
+            (out_bytes, 4 * int(np.prod(lse_shape)), call.scratch_bytes))
+        accum = tuple(scratch + o for o in call.accum_offsets) if call.scratch_bytes else None
+        self._layout = (out_shape, lse_shape, total, lse_offset, accum)
+        self._launch, self._return_lse = call.launcher, return_lse
 
     def _run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, var):
-        cupy, call = self._cupy, self.call
-        out, lse = self._allocate(q.dtype)
-        lengths, cache_len = self._lengths(cache_seqlens)
+        cupy = self._cupy
+        out_shape, lse_shape, total, lse_offset, accum = self._layout
+        memory = cupy.cuda.alloc(total)
+        base = memory.ptr
+        out = cupy.ndarray(out_shape, q.dtype, memory)
+        lse = cupy.ndarray(lse_shape, _FLOAT32, memory + lse_offset) if self._return_lse else None
         stream = cupy.cuda.get_current_stream()
-        call.run(stream.ptr, _launch.cupy_alloc, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr,
-                 _ptr(k), _ptr(v), out.data.ptr, lse.data.ptr, lengths, _ptr(cache_batch_idx),
-                 _ptr(block_table), cache_len, var=var)  # (split scratch: kept by cupy_alloc while capturing)
+        if accum is None:
+            out_accum = lse_accum = 0
+        else:
+            out_accum, lse_accum = base + accum[0], base + accum[1]
+            if stream.is_capturing():
+                _launch.keep_for_graph(memory)  # the partials a replay writes, past out's lifetime
+        lengths, cache_len = self._lengths(cache_seqlens)
+        self._launch(stream.ptr, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, _ptr(k), _ptr(v), out.data.ptr,
+                     base + lse_offset if lse is None else lse.data.ptr, out_accum, lse_accum, lengths, _ptr(cache_batch_idx), _ptr(block_table), 0,
+                     cache_len, var=var)
         return out, lse
 
 
@@ -381,9 +403,10 @@ class _EmptyDecode:
 
 
 def _gpu_entry(plan, q, k_cache, v_cache, k, v, cache_batch_idx, block_table, causal, num_splits, dtype,
-               options=None):
+               options=None, return_lse=True):
     """The entry that runs GPU calls of this (validated) signature; ``options``: the
-    variants on (``_checks.check_variants``), or empty."""
+    variants on (``_checks.check_variants``), or empty; ``return_lse``: whether the
+    calls return lse (else the entry may give None for it)."""
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     if q.shape[0] == 0:
@@ -404,7 +427,8 @@ def _gpu_entry(plan, q, k_cache, v_cache, k, v, cache_batch_idx, block_table, ca
                                        options=None if dense else options)
         shapes = (q.shape, (q.shape[0], q.shape[2], q.shape[1]), q.itemsize)
         if not dense:
-            return _GpuDecode(call, device_id, capacity, plan.seqlen_new, *shapes, variant=bool(options))
+            return _GpuDecode(call, device_id, capacity, plan.seqlen_new, *shapes, variant=bool(options),
+                              return_lse=return_lse)
         # (not the warp-specialised kernel: its copies read a cache's rows past seqused_k,
         # which may hold anything, and P·V multiplies them by 0: kernels_cu/flash_fwd_ws.cu)
         fwd = _gpu.plan_fwd(q, k_cache, v_cache, None, None, softmax_scale=plan.scale, causal=causal,
@@ -630,7 +654,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                                              None, softmax_scale=plan.scale)
         if plan.gpu:
             entry = _ENTRIES.put(key, _gpu_entry(plan, q, k_cache, v_cache, k, v, cache_batch_idx, block_table,
-                                                 bool(causal), int(num_splits), dtype, options))
+                                                 bool(causal), int(num_splits), dtype, options,
+                                                 return_lse=bool(return_lse)))
     if entry is not None:
         out, lse = entry(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
                          sinks)

@@ -492,72 +492,93 @@ flash_decode_kernel(const DecodeParams p) {
 }
 
 // Merge the split partials of each (sequence, query head, query row):
-// lse = logsumexp_s lse_s, out = sum_s exp(lse_s - lse) out_s. One block per row:
-// warp 0 turns the split lses into weights, then SPLIT_GROUPS groups of
-// HEAD_DIM / 4 threads each add a share of the splits (float4 columns), and
-// group 0 sums the groups. Empty splits (lse -inf) weigh 0 and are not read.
+// lse = logsumexp_s lse_s, out = sum_s exp(lse_s - lse) out_s. One block per row,
+// SPLIT_GROUPS groups of HEAD_DIM / 4 threads (float4 columns); group g takes splits
+// g, g + SPLIT_GROUPS, ... Every thread issues the loads of its splits' lse and
+// partial out at once (COMBINE_LOADS per pass: one memory latency up to
+// SPLIT_GROUPS * COMBINE_LOADS splits), and merges them online against its own max,
+// as the forward's softmax does; the groups' (max, sum, acc) then merge through
+// shared memory after one barrier. Empty splits (lse -inf) weigh 0 and their partial
+// is not used (it was never written).
 constexpr int DECODE_MAX_SPLITS = 128;
 constexpr int DECODE_COMBINE_SPLIT_GROUPS = 8;
+constexpr int DECODE_COMBINE_LOADS = 4;
 
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(HEAD_DIM / 4 * DECODE_COMBINE_SPLIT_GROUPS)
 flash_decode_combine_kernel(const DecodeParams p) {
     constexpr int COLS = HEAD_DIM / 4;  // threads per group: float4 columns
-    __shared__ float s_weight[DECODE_MAX_SPLITS];
-    __shared__ float s_lse;
-    __shared__ float4 s_part[DECODE_COMBINE_SPLIT_GROUPS - 1][COLS];
+    constexpr int GROUPS = DECODE_COMBINE_SPLIT_GROUPS, LOADS = DECODE_COMBINE_LOADS;
+    __shared__ float s_max[GROUPS], s_sum[GROUPS];
+    __shared__ float4 s_acc[GROUPS][COLS];
 
     const int64 rows = int64(p.batch) * p.nheads_q * p.seqlen_q;
     const int64 row = blockIdx.x;  // (b, head, q_row), lse order
     const int splits = p.num_splits;
-    if (threadIdx.x < 32) {
-        float m = NEG_INF;
-        for (int s = threadIdx.x; s < splits; s += 32) m = fmaxf(m, p.lse_accum[s * rows + row]);
-#pragma unroll
-        for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        float sum = 0.f;
-        if (m != NEG_INF) {
-            for (int s = threadIdx.x; s < splits; s += 32) sum += __expf(p.lse_accum[s * rows + row] - m);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        const float lse = sum > 0.f ? m + __logf(sum) : NEG_INF;
-        for (int s = threadIdx.x; s < splits; s += 32) {
-            const float l = p.lse_accum[s * rows + row];
-            s_weight[s] = l == NEG_INF ? 0.f : __expf(l - lse);
-        }
-        if (threadIdx.x == 0) s_lse = lse;
-    }
-    __syncthreads();
-
     const int group = threadIdx.x / COLS, col = threadIdx.x % COLS;
+    const float* lse_part = p.lse_accum + row;
+    const float4* o_part = reinterpret_cast<const float4*>(p.out_accum + row * HEAD_DIM) + col;
+
+    float m = NEG_INF, sum = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    const float4* o = reinterpret_cast<const float4*>(p.out_accum + row * HEAD_DIM) + col;
-#pragma unroll 4
-    for (int s = group; s < splits; s += DECODE_COMBINE_SPLIT_GROUPS) {
-        const float w = s_weight[s];
-        if (w == 0.f) continue;
-        const float4 x = o[int64(s) * rows * COLS];
-        acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
+    for (int s0 = group; s0 < splits; s0 += GROUPS * LOADS) {
+        float l[LOADS];
+        float4 x[LOADS];
+#pragma unroll
+        for (int i = 0; i < LOADS; ++i) {
+            const int s = s0 + i * GROUPS;
+            l[i] = s < splits ? __ldg(lse_part + s * rows) : NEG_INF;
+            x[i] = s < splits ? __ldg(o_part + int64(s) * rows * COLS) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        float m_new = m;
+#pragma unroll
+        for (int i = 0; i < LOADS; ++i) m_new = fmaxf(m_new, l[i]);
+        if (m_new == NEG_INF) continue;  // every split so far empty
+        const float alpha = __expf(m - m_new);  // m = -inf: 0
+        sum *= alpha;
+        acc.x *= alpha; acc.y *= alpha; acc.z *= alpha; acc.w *= alpha;
+#pragma unroll
+        for (int i = 0; i < LOADS; ++i) {
+            if (l[i] == NEG_INF) continue;
+            const float w = __expf(l[i] - m_new);
+            sum += w;
+            acc.x = fmaf(w, x[i].x, acc.x); acc.y = fmaf(w, x[i].y, acc.y);
+            acc.z = fmaf(w, x[i].z, acc.z); acc.w = fmaf(w, x[i].w, acc.w);
+        }
+        m = m_new;
     }
-    if (group > 0) s_part[group - 1][col] = acc;
+    s_acc[group][col] = acc;
+    if (col == 0) { s_max[group] = m; s_sum[group] = sum; }
     __syncthreads();
     if (group > 0) return;
+
+    float m_all = NEG_INF;
 #pragma unroll
-    for (int gidx = 0; gidx < DECODE_COMBINE_SPLIT_GROUPS - 1; ++gidx) {
-        const float4 x = s_part[gidx][col];
-        acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
+    for (int g = 0; g < GROUPS; ++g) m_all = fmaxf(m_all, s_max[g]);
+    float total = 0.f;
+    float4 out4 = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m_all != NEG_INF) {
+#pragma unroll
+        for (int g = 0; g < GROUPS; ++g) {
+            const float w = __expf(s_max[g] - m_all);  // an empty group: exp(-inf) = 0
+            const float4 a = s_acc[g][col];
+            total = fmaf(w, s_sum[g], total);
+            out4.x = fmaf(w, a.x, out4.x); out4.y = fmaf(w, a.y, out4.y);
+            out4.z = fmaf(w, a.z, out4.z); out4.w = fmaf(w, a.w, out4.w);
+        }
     }
+    const bool empty = !(total > 0.f);
+    const float inv = empty ? 0.f : 1.f / total;
     const int q_row = int(row % p.seqlen_q);
     const int bh = int(row / p.seqlen_q);
     const int b = bh / p.nheads_q, head = bh % p.nheads_q;
     T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + q_row * p.o_row_stride + head * p.o_head_stride;
-    const float vals[4] = {acc.x, acc.y, acc.z, acc.w};
+    const float vals[4] = {out4.x * inv, out4.y * inv, out4.z * inv, out4.w * inv};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
         if (col * 4 + e < p.head_dim) out[col * 4 + e] = TypeTraits<T>::from_float(vals[e]);
     }
-    if (col == 0) p.lse[row] = s_lse;
+    if (col == 0) p.lse[row] = empty ? NEG_INF : m_all + __logf(total);
 }
 
 }  // namespace cupyflash

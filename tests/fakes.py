@@ -114,6 +114,7 @@ class FakeCall:
 
     grads_bytes = scratch_bytes = 0  # the fake allocator ignores sizes
     grads_offsets = (0, 0, 0)
+    accum_offsets = (0, 0)
     last_var = None
 
     def __init__(self, kind, plan_kwargs, shapes, compute, runs):
@@ -131,6 +132,12 @@ class FakeCall:
         if self.compute is not None:  # with var= only for a call with variants
             self.compute(self.plan_kwargs, *arrays, **({} if var is None else {"var": var}))
         return None
+
+    def launcher(self, stream, q, k_cache, v_cache, k_new, v_new, out, lse, out_accum, lse_accum, cache_seqlens,
+                 cache_batch_idx, block_table, seqused_k_out, cache_seqlen, var=None):
+        """A decode call's launcher (its scratch allocated by the caller): :meth:`run`'s work."""
+        return self.run(stream, None, q, k_cache, v_cache, k_new, v_new, out, lse, cache_seqlens, cache_batch_idx,
+                        block_table, cache_seqlen, var=var)
 
 
 def install_fake_gpu(monkeypatch, compute_fwd=None, compute_bwd=None, compute_decode=None):
@@ -192,7 +199,9 @@ def cpu_compute_decode(plan_kwargs, q, k_cache, v_cache, k_new, v_new, out, lse,
         host(q), host(k_cache), host(v_cache), host(k_new), host(v_new), cache_seqlens=lengths,
         cache_batch_idx=host(cache_batch_idx), block_table=host(block_table),
         softmax_scale=plan_kwargs["softmax_scale"], causal=plan_kwargs["causal"], return_lse=True)
-    out.host[...], lse.host[...] = o, l
+    out.host[...] = o
+    if lse is not None:  # (an lse the call does not return has no array)
+        lse.host[...] = l
 
 
 def cpu_compute_bwd(plan_kwargs, dout, q, k, v, out, lse, dq, dk, dv):
