@@ -357,7 +357,7 @@ def _kernel_info(q, *, batch, seqlen, nheads, head_dim, dtype, causal, bwd):
         common = dict(batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, nheads_q=nheads,
                       head_dim=head_dim, dtype=dtype, causal=causal, vec=True,
                       num_sms=_launch.num_sms(device), cc=_launch.compute_capability(device))
-        main = _gpu.select_fwd(**common, ws=dispatch.FWD_WS, ws_softmax=dispatch.FWD_WS_SOFTMAX).main
+        main = _gpu.select_fwd(**common, ws=dispatch.FWD_WS).main
         ws = main.source == "flash_fwd_ws.cu"  # the warp-specialised forward (dispatch.FWD_WS)
         wgmma = ws or main.source == "flash_fwd_sm90.cu"
         info = {"fwd_kernel": "ws" if ws else "wgmma" if wgmma else "mma.sync"}

@@ -6,7 +6,7 @@ unit-tested in ``tests/test_dispatch.py``. The template-argument order follows
 IS_CAUSAL, EVEN_K, VEC, IS_SPLIT, VARIANT>``, and ``kernels_cu/flash_fwd_sm90.cu``:
 ``<T, HEAD_DIM, BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K, VARIANT>``, and
 ``kernels_cu/flash_fwd_ws.cu``: ``<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, EVEN_K,
-VARIANT, VARLEN, POLY_EXP2, COND_RESCALE>``; every other
+VARIANT>``; every
 attention kernel takes the variant bits (``VARIANT``, kernels_cu/variant.cuh) last.
 """
 
@@ -17,7 +17,6 @@ import itertools
 import math
 import os
 from dataclasses import dataclass
-from typing import NamedTuple
 
 #: C++ type for each supported storage dtype.
 CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -174,24 +173,6 @@ _FWD_WS_ENV = os.environ.get("CUPYFLASH_FWD_WS", "")
 FWD_WS: bool | tuple[int, ...] = {"all": True, "0": False}.get(_FWD_WS_ENV, FWD_WS_WINS)
 
 
-class WsSoftmax(NamedTuple):
-    """FlashAttention-4's softmax options of the warp-specialised forward
-    (kernels_cu/online_softmax.cuh; its POLY_EXP2 and COND_RESCALE template arguments):
-    ``poly_exp2``, the eighths (0..8) of the score fragments whose exp2 runs on the FMA
-    pipe as a polynomial instead of on the special-function unit; ``cond_rescale``, O
-    and the row sums rescaled only when some row's max grew by more than 2^8."""
-
-    poly_exp2: int = 0
-    cond_rescale: bool = False
-
-
-#: What select_fwd's callers (cupyflash._gpu) pass as ``ws_softmax``: both options off
-#: (the kernel as it was) until measured on Hopper (issue 15; kernels_cu/PERF.md v22,
-#: .ci/fa4_ab.py). Set here to A/B them in one process, then
-#: ``cupyflash._gpu.clear_plans()``.
-FWD_WS_SOFTMAX = WsSoftmax()
-
-
 def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int = 0) -> bool:
     """Whether the warp-specialised kernel serves this call (when asked for; before any
     split-KV): dense or packed alike (every variant of FWD_WS_VARIANTS carries over to a
@@ -213,20 +194,16 @@ def fwd_ws_smem_bytes(head_dim_padded: int, block_n: int, stages: int) -> int:
 
 
 def fwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
-                  grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0, varlen: bool = False,
-                  softmax: WsSoftmax = WsSoftmax()) -> Launch:
+                  grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0, varlen: bool = False) -> Launch:
     """The warp-specialised forward kernel (cc 9.0) for one set of compile-time choices:
-    ``<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, EVEN_K, VARIANT, VARLEN, POLY_EXP2,
-    COND_RESCALE>``; ``variant``: bits of FWD_WS_VARIANTS (:func:`uses_ws_fwd`);
-    ``varlen``: a packed batch; ``softmax``: :class:`WsSoftmax`."""
+    ``<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, EVEN_K, VARIANT, VARLEN>``; ``variant``: bits
+    of FWD_WS_VARIANTS (:func:`uses_ws_fwd`); ``varlen``: a packed batch."""
     if variant & ~FWD_WS_VARIANTS:
         raise ValueError(f"cupyflash: the warp-specialised forward takes the variant bits {FWD_WS_VARIANTS} "
                          f"only; got {variant}")
-    if softmax.poly_exp2 not in range(9):
-        raise ValueError(f"cupyflash: poly_exp2 counts eighths of the score fragments (0..8); got {softmax.poly_exp2}")
     block_n, stages = fwd_ws_tile(head_dim_padded, causal)
     args = (CTYPES[dtype], str(head_dim_padded), str(block_n), str(stages), _cbool(causal), _cbool(even_k),
-            str(variant), _cbool(varlen), str(softmax.poly_exp2), _cbool(softmax.cond_rescale))
+            str(variant), _cbool(varlen))
     return Launch("flash_fwd_ws.cu", "cupyflash::flash_fwd_ws_kernel", args, grid, (FWD_WS_THREADS, 1, 1),
                   fwd_ws_smem_bytes(head_dim_padded, block_n, stages))
 
@@ -434,7 +411,7 @@ def num_splits_heuristic(work_blocks: int, n_blocks: int, num_sms: int) -> int:
 def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_dim: int,
                dtype: str, causal: bool, vec: bool, num_sms: int = 132,
                cc: tuple[int, int] = (9, 0), varlen: bool = False, variant: int = 0,
-               ws: bool | tuple[int, ...] = False, ws_softmax: WsSoftmax = WsSoftmax()) -> FwdPlan:
+               ws: bool | tuple[int, ...] = False) -> FwdPlan:
     """Choose the forward kernel, its grid and whether to split the keys.
 
     ``vec`` says 16-byte accesses are legal (data pointers 16-byte aligned,
@@ -447,7 +424,6 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     ``ws``: take the warp-specialised kernel where it serves the call (:func:`uses_ws_fwd`)
     and the keys are not split: True at every head_dim it has, or a tuple of the padded
     head_dims to take it at (:data:`FWD_WS`, :data:`FWD_WS_WINS`); False or () never.
-    ``ws_softmax``: that kernel's softmax options (:class:`WsSoftmax`, :data:`FWD_WS_SOFTMAX`).
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
@@ -460,7 +436,7 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
         n_blocks = math.ceil(seqlen_k / block_n)
         if varlen or num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms) == 1:
             main = fwd_ws_launch(dtype, d, causal, head_dim == d, (num_m_blocks * batch * nheads_q, 1, 1),
-                                 variant, varlen, ws_softmax)
+                                 variant, varlen)
             return FwdPlan(main, None, d, num_m_blocks, 1, n_blocks, (FWD_WS_BLOCK_M, block_n))
     if uses_sm90_fwd(d, vec, cc):
         block_m, block_n = SM90_BLOCK_M, fwd_sm90_tile(d, causal, variant)[0]

@@ -48,10 +48,6 @@
 //   VARLEN     a packed batch (cu_seqlens); false: dense, whose code is then as if
 //              packing did not exist (as a runtime branch it reordered the dense main
 //              loop: 2.028 against 1.947 ms at S=8192, PERF.md runs 86-87)
-//   POLY_EXP2, COND_RESCALE  FlashAttention-4's softmax options (online_softmax.cuh):
-//              eighths of the score fragments whose exp2 runs on the FMA pipe, and the
-//              rescaling of O skipped while no row's max grew by more than 2^8; 0 and
-//              false (the default, dispatch.py FWD_WS_SOFTMAX): the kernel as before
 // Dense and packed (varlen) batches alike (seqlens.cuh), 16-byte aligned data and
 // strides (a TMA requirement). A packed batch's maps describe its (total, nheads,
 // head_dim) tensors as one sequence of a batch of 1 (cupyflash/_gpu.py tma_maps):
@@ -114,8 +110,7 @@ struct FwdWsTraits {
 // code lives in the scores and the softmax, not in extra shared-memory streams.
 constexpr int WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT;
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool EVEN_K, int VARIANT, bool VARLEN,
-          int POLY_EXP2, bool COND_RESCALE>
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool EVEN_K, int VARIANT, bool VARLEN>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     static_assert((VARIANT & ~WS_VARIANTS) == 0, "flash_fwd_ws_kernel: no bias, mask or block map");
@@ -228,7 +223,7 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_o[0][d][e] = 0.f;
     float row_sum[1][2] = {{0.f, 0.f}};
-    OnlineSoftmax<1, POLY_EXP2, COND_RESCALE> softmax;
+    OnlineSoftmax<1> softmax;
     softmax.init(sink);
 
     // Ping-pong: consumer cw issues GEMMs between sync on its own barrier and arrive
@@ -300,14 +295,14 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
             release_k(stage);  // K_n is free: the producer may copy the block STAGES on into it
             score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
             float alpha[1][2];
-            const bool rescale_o = softmax.update_sums(s, row_sum, alpha);  // (warp-uniform)
+            softmax.update_sums(s, row_sum, alpha);
             // P_{n-1}·V_{n-1} has completed: pa and V stage prev_stage are free. (Pinned
             // after the row sums, hence after every exp2 of the softmax: wgmma.cuh.)
             wgmma_wait_after<0>(pin_slot, row_sum[0][0], row_sum[0][1]);
             fence_operands(acc_o[0]);
             fence_operands(pa);
             release_v(prev_stage);
-            if (rescale_o) softmax.rescale(acc_o, alpha);
+            softmax.rescale(acc_o, alpha);
             if constexpr (DROPOUT) keep.zero_dropped(s);  // the row sums keep the undropped P
             acc_to_a_operand<T>(s[0], pa);
             prev_stage = stage;

@@ -13,29 +13,14 @@
 // scheduled below P·V and cost ~30 registers at D=128), and it normalises by the
 // sum of exactly the rounded P that multiplied V. The wgmma kernel has registers
 // to spare but no spare tile, and keeps fp32 partial sums instead.
-//
-// Two options of FlashAttention-4 (Zadouri et al. 2025), off by default and taken by
-// the warp-specialised forward only (flash_fwd_ws.cu, cupyflash/dispatch.py
-// FWD_WS_SOFTMAX), to be kept where they pay on Hopper (kernels_cu/PERF.md v22):
-//   POLY_EXP2     eighths of the n8 score fragments whose exp2 runs on the FMA pipe
-//                 (ptx.cuh poly_exp2) instead of the special-function unit, spread
-//                 evenly over the tile (poly_fragment); 0: none.
-//   COND_RESCALE  update_sums moves the running max only when some row of the warp
-//                 grew by more than RESCALE_THRESHOLD (log2 units); otherwise every
-//                 row keeps its stale max, its terms stay below 2^RESCALE_THRESHOLD,
-//                 and the accumulators need no rescaling (update_sums says which, the
-//                 decision warp-uniform so that skipping is a branch). Exact up to
-//                 rounding: the sums and lse refer to the same max as the terms.
 #pragma once
 
 #include "ptx.cuh"
 
 namespace cupyflash {
 
-template <int M_TILES, int POLY_EXP2 = 0, bool COND_RESCALE = false>
+template <int M_TILES>
 struct OnlineSoftmax {
-    static_assert(POLY_EXP2 >= 0 && POLY_EXP2 <= 8, "POLY_EXP2: eighths of the score fragments");
-    static constexpr float RESCALE_THRESHOLD = 8.f;
     float row_max[M_TILES][2];  // log2 units; rows g and g+8 of each m-tile
 
     // start: -inf, or the rows' sink in log2 units (one head per tile; see init_rows).
@@ -50,65 +35,20 @@ struct OnlineSoftmax {
     // whose max is still -inf (every key masked so far) gets p = 0 and no NaN.
     template <int N_TILES>
     __device__ __forceinline__ float exp_row(float (&s)[M_TILES][N_TILES][4], int i, int h) {
-        const float m_new = tile_max(s, i, h);
-        const float m_sub = max_to_subtract(m_new);
-        const float alpha = fast_exp2(row_max[i][h] - m_sub);
-        row_max[i][h] = m_new;
-        exp_scores(s, i, h, m_sub);
-        return alpha;
-    }
-    // The max of row (i, h) over the running max and the tile, across the quad.
-    template <int N_TILES>
-    __device__ __forceinline__ float tile_max(const float (&s)[M_TILES][N_TILES][4], int i, int h) const {
         float m_tile = row_max[i][h];
 #pragma unroll
         for (int j = 0; j < N_TILES; ++j) m_tile = fmaxf(m_tile, fmaxf(s[i][j][2 * h], s[i][j][2 * h + 1]));
-        return quad_max(m_tile);
-    }
-    // Guard the all-masked row: subtract 0 instead of -inf.
-    static __device__ __forceinline__ float max_to_subtract(float m) { return m == NEG_INF ? 0.f : m; }
-    // Whether fragment j's exp2 runs on the FMA pipe: POLY_EXP2 of every 8, evenly spread.
-    static __host__ __device__ constexpr bool poly_fragment(int j) { return (j * POLY_EXP2) % 8 < POLY_EXP2; }
-    template <int N_TILES>
-    __device__ __forceinline__ void exp_scores(float (&s)[M_TILES][N_TILES][4], int i, int h, float m_sub) {
+        const float m_new = quad_max(m_tile);
+        // Guard the all-masked row: subtract 0 instead of -inf.
+        const float m_sub = m_new == NEG_INF ? 0.f : m_new;
+        const float alpha = fast_exp2(row_max[i][h] - m_sub);
+        row_max[i][h] = m_new;
 #pragma unroll
         for (int j = 0; j < N_TILES; ++j) {
-            if (POLY_EXP2 != 0 && poly_fragment(j)) {
-                s[i][j][2 * h] = poly_exp2(s[i][j][2 * h] - m_sub);
-                s[i][j][2 * h + 1] = poly_exp2(s[i][j][2 * h + 1] - m_sub);
-            } else {
-                s[i][j][2 * h] = fast_exp2(s[i][j][2 * h] - m_sub);
-                s[i][j][2 * h + 1] = fast_exp2(s[i][j][2 * h + 1] - m_sub);
-            }
+            s[i][j][2 * h] = fast_exp2(s[i][j][2 * h] - m_sub);
+            s[i][j][2 * h + 1] = fast_exp2(s[i][j][2 * h + 1] - m_sub);
         }
-    }
-    // COND_RESCALE's step of the running max: every row of the warp moves to its new max
-    // (alpha = exp2(m_old - m_new)) if any grew by more than RESCALE_THRESHOLD, else none
-    // does (alpha = 1). Returns whether they moved, the same in every lane. (m_new - m_old
-    // rather than m_old + threshold: that sum rounds up at |m| >= 2^27 and would let the
-    // terms pass 2^16, fp16's range; -inf - -inf is NaN, which stays put.)
-    template <int N_TILES>
-    __device__ __forceinline__ bool step_max(const float (&s)[M_TILES][N_TILES][4], float (&alpha)[M_TILES][2]) {
-        float m_new[M_TILES][2];
-        bool grew = false;
-#pragma unroll
-        for (int i = 0; i < M_TILES; ++i) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                m_new[i][h] = tile_max(s, i, h);
-                grew |= m_new[i][h] - row_max[i][h] > RESCALE_THRESHOLD;
-            }
-        }
-        const bool move = __any_sync(0xffffffffu, grew);
-#pragma unroll
-        for (int i = 0; i < M_TILES; ++i) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                alpha[i][h] = move ? fast_exp2(row_max[i][h] - max_to_subtract(m_new[i][h])) : 1.f;
-                if (move) row_max[i][h] = m_new[i][h];
-            }
-        }
-        return move;
+        return alpha;
     }
 
     // s becomes P; the accumulators (acc_o = P·V, acc_l = P·1) are rescaled.
@@ -139,31 +79,27 @@ struct OnlineSoftmax {
     __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float (&acc_o)[M_TILES][D_TILES][4],
                                            float (&row_sum)[M_TILES][2]) {
         float alpha[M_TILES][2];
-        if (update_sums(s, row_sum, alpha)) rescale(acc_o, alpha);
+        update_sums(s, row_sum, alpha);
+        rescale(acc_o, alpha);
     }
     // update in two halves, for a kernel whose previous P·V is still in flight
     // while the next scores are turned into P (flash_fwd_ws.cu): s becomes P and the
     // row sums are rescaled and added to; alpha returns the factors that rescale(),
-    // called once P·V has completed, applies to acc_o, and the result says whether it
-    // must (always, but with COND_RESCALE: warp-uniform).
+    // called once P·V has completed, applies to acc_o.
     template <int N_TILES>
-    __device__ __forceinline__ bool update_sums(float (&s)[M_TILES][N_TILES][4], float (&row_sum)[M_TILES][2],
+    __device__ __forceinline__ void update_sums(float (&s)[M_TILES][N_TILES][4], float (&row_sum)[M_TILES][2],
                                                 float (&alpha)[M_TILES][2]) {
-        bool moved = true;
-        if constexpr (COND_RESCALE) moved = step_max(s, alpha);
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                if constexpr (COND_RESCALE) exp_scores(s, i, h, max_to_subtract(row_max[i][h]));
-                else alpha[i][h] = exp_row(s, i, h);
+                alpha[i][h] = exp_row(s, i, h);
                 float sum = 0.f;
 #pragma unroll
                 for (int j = 0; j < N_TILES; ++j) sum += s[i][j][2 * h] + s[i][j][2 * h + 1];
                 row_sum[i][h] = fmaf(row_sum[i][h], alpha[i][h], sum);
             }
         }
-        return moved;
     }
     template <int D_TILES>
     __device__ __forceinline__ void rescale(float (&acc_o)[M_TILES][D_TILES][4], const float (&alpha)[M_TILES][2]) {

@@ -121,28 +121,4 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-// 2^x on the FMA pipe, for x <= 127 (FlashAttention-4's emulation, which takes a share
-// of the exp2s off the special-function unit): 2^x = 2^floor(x) · p(x - floor(x)), p the
-// cubic with p(0) = 1 closest to 2^f on [0, 1) in relative error (minimax, max 8.6e-5;
-// the coefficients rounded to float32, and the whole op sequence checked over a dense
-// grid in float32 by tests/test_exp2_poly.py, which reads them from here). floor(x) by
-// one round-down add of 1.5·2^23 + 127: the sum's ulp is 1 and its low mantissa bits
-// hold floor(x) + 127, the biased exponent of 2^floor(x), which a shift by 23 moves
-// into place. x is clamped to -127 first (max.NaN: NaN stays NaN), so x < -126, -inf
-// included, gives exactly 0 (the biased exponent 0 makes the scale 0) and no denormal.
-// (Adding the shifted floor(x) to p's bits instead saves the multiply, but makes ptxas
-// 13.0 serialise the ws kernel's wgmmas, C7511 "insufficient register resources".)
-constexpr float EXP2_POLY_C1 = 0x1.63e66ap-1f;
-constexpr float EXP2_POLY_C2 = 0x1.d236c6p-3f;
-constexpr float EXP2_POLY_C3 = 0x1.3babb0p-4f;
-__device__ __forceinline__ float poly_exp2(float x) {
-    constexpr float ROUND = 12583039.f;  // 1.5·2^23 + 127
-    float xc;
-    asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(xc) : "f"(x), "f"(-127.f));
-    const float r = __fadd_rd(xc, ROUND);
-    const float f = xc - (r - ROUND);  // exact: x's bits below the units
-    const float p = fmaf(fmaf(fmaf(EXP2_POLY_C3, f, EXP2_POLY_C2), f, EXP2_POLY_C1), f, 1.f);
-    return p * __int_as_float(__float_as_int(r) << 23);
-}
-
 }  // namespace cupyflash

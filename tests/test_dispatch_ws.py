@@ -7,7 +7,6 @@ import dataclasses
 import os
 import re
 
-import numpy as np
 import pytest
 
 from cupyflash import dispatch
@@ -62,7 +61,7 @@ def test_ws_serves_plain_dense_aligned_hopper_calls(dtype, head_dim, causal):
     block_n, stages = dispatch.fwd_ws_tile(d, causal)
     assert plan.main.template == WS and plan.combine is None and plan.num_splits == 1
     assert plan.main.args == (dispatch.CTYPES[dtype], str(d), str(block_n), str(stages),
-                              str(causal).lower(), str(head_dim == d).lower(), "0", "false", "0", "false")
+                              str(causal).lower(), str(head_dim == d).lower(), "0", "false")
     assert plan.main.block == (384, 1, 1)
     assert plan.main.grid == (128 * 16, 1, 1) and plan.num_m_blocks == 128
     assert plan.n_blocks_per_split == -(-16384 // block_n)
@@ -81,7 +80,7 @@ def test_ws_takes_the_score_and_softmax_variants(variant, causal):
     call's kernel and tile, compiled with their bits."""
     plain = _plan(ws=True, causal=causal)
     plan = _plan(ws=True, causal=causal, variant=variant)
-    assert plan.main.template == WS and plan.main.args == (*plain.main.args[:6], str(variant), "false", "0", "false")
+    assert plan.main.template == WS and plan.main.args == (*plain.main.args[:-2], str(variant), "false")
     assert dataclasses.replace(plan, main=plain.main) == plain  # grid, smem, boxes: the plain call's
     assert dispatch.uses_ws_fwd(128, True, (9, 0), variant)
 
@@ -117,7 +116,7 @@ def test_ws_serves_packed_batches_with_the_dense_instantiations(variant, causal,
     (the kernel branches on cu_seqlens at run time), its grid over the longest sequence."""
     kw = dict(batch=5, seqlen_q=3000, seqlen_k=700, head_dim=head_dim, causal=causal, variant=variant, ws=True)
     dense, packed = _plan(**kw), _plan(**kw, varlen=True)
-    assert packed.main.template == WS and packed.main.args == (*dense.main.args[:7], "true", "0", "false")
+    assert packed.main.template == WS and packed.main.args == (*dense.main.args[:-1], "true")
     assert dataclasses.replace(packed, main=dense.main) == dense
     assert dataclasses.replace(packed.main, args=dense.main.args) == dense.main
     d = dispatch.padded_head_dim(head_dim)
@@ -231,53 +230,4 @@ def test_every_gpu_varlen_case_plans_the_ws_kernel():
         plan = dispatch.select_fwd(batch=len(lens_q), seqlen_q=max(lens_q), seqlen_k=max(lens_k), nheads_q=nheads,
                                    head_dim=d, dtype=dtype, causal=causal, vec=True, cc=(9, 0), varlen=True,
                                    variant=bits, ws=True)
-        assert plan.main.template == WS and plan.combine is None and plan.main.args[6:] == (str(bits), "true", "0", "false")
-
-
-@pytest.mark.parametrize("softmax", [dispatch.WsSoftmax(2), dispatch.WsSoftmax(4), dispatch.WsSoftmax(0, True),
-                                     dispatch.WsSoftmax(8, True)])
-@pytest.mark.parametrize("variant", [0, dispatch.VAR_SOFTCAP])
-def test_ws_softmax_options_are_the_last_template_arguments(softmax, variant):
-    """FA4's softmax options (issue 15) change only the kernel's last two template
-    arguments, POLY_EXP2 and COND_RESCALE; off (the default) is the kernel as before."""
-    off, on = _plan(ws=True, variant=variant), _plan(ws=True, variant=variant, ws_softmax=softmax)
-    assert off.main.args[8:] == ("0", "false") and dispatch.FWD_WS_SOFTMAX == dispatch.WsSoftmax()
-    assert on.main.args == (*off.main.args[:8], str(softmax.poly_exp2), str(softmax.cond_rescale).lower())
-    assert on.main.name_expression != off.main.name_expression
-    assert dataclasses.replace(on, main=off.main) == off
-    assert _plan(ws=False, ws_softmax=softmax) == _plan(ws=False)  # the other kernels have no such options
-    with pytest.raises(ValueError, match="eighths"):
-        dispatch.fwd_ws_launch("float16", 128, False, True, softmax=dispatch.WsSoftmax(9))
-
-
-def test_ws_softmax_options_are_the_kernels():
-    """The template parameters the options fill, in the kernel and in the softmax."""
-    text = (kernels_dir() / "flash_fwd_ws.cu").read_text()
-    assert "bool VARLEN,\n          int POLY_EXP2, bool COND_RESCALE>" in text
-    assert "OnlineSoftmax<1, POLY_EXP2, COND_RESCALE> softmax;" in text
-    soft = (kernels_dir() / "online_softmax.cuh").read_text()
-    assert "template <int M_TILES, int POLY_EXP2 = 0, bool COND_RESCALE = false>" in soft
-
-
-def test_gpu_plans_take_the_switch(monkeypatch):
-    """cupyflash._gpu plans with dispatch.FWD_WS_SOFTMAX as it is at plan time (flip
-    it, then _gpu.clear_plans())."""
-    from fakes import FakeCupyArray
-
-    from cupyflash import _gpu, _launch
-
-    class Planned(Exception):
-        pass
-
-    def select_fwd(**kw):
-        raise Planned(kw["ws_softmax"])
-
-    monkeypatch.setattr(_gpu, "select_fwd", select_fwd)
-    monkeypatch.setattr(_launch, "num_sms", lambda device_id: 132)
-    monkeypatch.setattr(_launch, "compute_capability", lambda device_id: (9, 0))
-    q, k, v = (FakeCupyArray(np.zeros((1, 256, 2, 128), np.float16)) for _ in range(3))
-    for softmax in (dispatch.WsSoftmax(), dispatch.WsSoftmax(2, True)):
-        monkeypatch.setattr(dispatch, "FWD_WS_SOFTMAX", softmax)
-        with pytest.raises(Planned) as planned:
-            _gpu.plan_fwd(q, k, v, None, None, softmax_scale=0.1, causal=False, dtype_name="float16", device_id=0)
-        assert planned.value.args == (softmax,)
+        assert plan.main.template == WS and plan.combine is None and plan.main.args[6:] == (str(bits), "true")
