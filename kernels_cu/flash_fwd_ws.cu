@@ -3,16 +3,16 @@
 // moves Q, K and V with the bulk tensor copy engine (TMA), two consumer
 // warpgroups only compute (wgmma, online softmax).
 //
-// One thread block owns BLOCK_M = 128 query rows of one (batch, head): consumer
-// warpgroup c (threads 128 + 128c ..) owns 64 of them. Warpgroup 0 gives its
-// registers away (setmaxnreg.dec to 24) and one of its threads issues every copy:
-// Q once, then each key block's K and V tiles into a STAGES-deep ring of
-// 128-byte-swizzled stages (the layout wgmma's descriptors read, wgmma.cuh
-// Swizzle128Tile, with no copy through registers). Each copy completes on an
-// mbarrier (full_q, full_k[s], full_v[s]: arrive.expect_tx of the tile's bytes);
-// each consumer warp arrives on empty_k[s] once its S GEMM on stage s's K has
-// completed and on empty_v[s] once its P·V on stage s's V has, and the producer waits
-// there before it refills that tile. K and V are released apart and the producer
+// A thread block computes a tile, BLOCK_M = 128 query rows of one (batch, head) (or,
+// persistent, several tiles in turn): consumer warpgroup c (threads 128 + 128c ..)
+// owns 64 of them. Warpgroup 0 gives its registers away (setmaxnreg.dec to 24) and
+// one of its threads issues every copy: Q once a tile, then each key block's K and
+// V tiles into a STAGES-deep ring of 128-byte-swizzled stages (the layout wgmma's
+// descriptors read, wgmma.cuh Swizzle128Tile, with no copy through registers). Each
+// copy completes on an mbarrier (full_q, full_k[s], full_v[s]: arrive.expect_tx of the
+// tile's bytes); each consumer warp arrives on empty_k[s] once its S GEMM on stage s's
+// K has completed and on empty_v[s] once its P·V on stage s's V has, and the producer
+// waits there before it refills that tile. K and V are released apart and the producer
 // copies K_{n+1} before V_n (FA3's order): a K stage comes free as soon as S has
 // read it, about one GEMM phase after it was needed, where one shared release at the
 // end of P·V would free it only when the next key block is already due (PERF.md:
@@ -48,6 +48,8 @@
 //   VARLEN     a packed batch (cu_seqlens); false: dense, whose code is then as if
 //              packing did not exist (as a runtime branch it reordered the dense main
 //              loop: 2.028 against 1.947 ms at S=8192, PERF.md runs 86-87)
+//   PERSISTENT one block per SM walking the query tiles (tile_scheduler.cuh; not with
+//              a window and dropout together); false: one block per tile
 // Dense and packed (varlen) batches alike (seqlens.cuh), 16-byte aligned data and
 // strides (a TMA requirement). A packed batch's maps describe its (total, nheads,
 // head_dim) tensors as one sequence of a batch of 1 (cupyflash/_gpu.py tma_maps):
@@ -56,8 +58,15 @@
 // (past the last, the map's bound: zeros): its keys are masked as the dense key tail
 // is (Mask asks the sequence's seqlen_k; P = 0 on them, and P·V multiplies that with
 // the next sequence's finite V rows), its queries are computed and never stored (the
-// epilogue's stores are masked to the sequence's rows, store_fwd_rows). A block past
-// the end of a shorter sequence returns at once, as in flash_fwd_sm90.cu.
+// epilogue's stores are masked to the sequence's rows, store_fwd_rows). A tile past
+// the end of a shorter sequence is skipped (tile_scheduler.cuh; a block with no tile
+// returns at once, as in flash_fwd_sm90.cu).
+//
+// Persistent (PERSISTENT; FlashAttention-3's persistent kernels): a block computes
+// several tiles, the scheduler's, one after the other. The K/V ring's stages and
+// phases run on across tiles, so the producer copies the next tile's first K while
+// the consumers finish this tile's last GEMMs and epilogue; Q waits on empty_q, where
+// the 8 consumer warps arrive once their O has left sQ (the epilogue stages O there).
 // seqused_k: keys past a sequence's count are masked in S (P = 0), but their rows
 // are still read (up to seqlen_k) and must hold finite values, as P·V multiplies them.
 //
