@@ -100,7 +100,8 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, head_dim=head_dim,
         dtype=dtype_name, causal=causal, vec=vec_ok((q, k, v, out), head_dim),
         num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id), varlen=packed is not None,
-        variant=_variant.plan_bits(options) if options else 0, ws=dispatch.FWD_WS if ws is None else ws)
+        variant=_variant.plan_bits(options) if options else 0, ws=dispatch.FWD_WS if ws is None else ws,
+        persistent=dispatch.FWD_WS_PERSISTENT)
     scratch = (0, (0, 0))
     if plan.num_splits > 1:  # dense batches only
         rows = plan.num_splits * batch * nheads_q * seqlen_q

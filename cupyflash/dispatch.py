@@ -173,6 +173,40 @@ _FWD_WS_ENV = os.environ.get("CUPYFLASH_FWD_WS", "")
 FWD_WS: bool | tuple[int, ...] = {"all": True, "0": False}.get(_FWD_WS_ENV, FWD_WS_WINS)
 
 
+#: The persistent ws forward (issue 15; kernels_cu/tile_scheduler.cuh): one block per SM
+#: (FWD_WS_BLOCKS_PER_SM) walking the query tiles, so that the producer copies the next
+#: tile's first K while the consumers finish the tile before. Off until an A/B
+#: (.ci/ws_persist_ab.py) measures a win; read when a call is planned (cupyflash._gpu
+#: plan_fwd), so set it, then ``cupyflash._gpu.clear_plans()``.
+FWD_WS_PERSISTENT = False
+#: ws blocks an SM holds at once: one (384 threads at 168 registers at entry take 64512
+#: of the SM's 65536; D=128's three stages, 225 KB of shared memory, alone would too).
+FWD_WS_BLOCKS_PER_SM = 1
+#: The variant bits the persistent form never takes together: a window with dropout, the
+#: combination already nearest the consumers' 240 registers (its keep bits drawn before
+#: the GEMMs: flash_fwd_ws.cu KEEP_UNDER_S), to which the tile walk's state adds 40-60
+#: bytes of spill (nvcc 13.0). Such a call runs one block per tile.
+FWD_WS_NOT_PERSISTENT = VAR_WINDOW | VAR_DROPOUT
+
+
+def uses_persistent_ws(variant: int) -> bool:
+    """Whether the persistent ws forward takes these variant bits (FWD_WS_NOT_PERSISTENT)."""
+    return variant & FWD_WS_NOT_PERSISTENT != FWD_WS_NOT_PERSISTENT
+
+
+def fwd_ws_grid(num_m_blocks: int, batch_heads: int, causal: bool, num_sms: int,
+                persistent: bool) -> tuple[int, int, int]:
+    """The ws forward's grid over num_m_blocks query tiles of each of ``batch_heads``
+    (batch x nheads_q) heads: one block per tile; or, persistent, one per SM slot and
+    never more blocks than units of work (kernels_cu/tile_scheduler.cuh: a unit is one
+    tile, or causal the pair of query blocks M-1-j and j of a head), each block walking
+    units gridDim.x apart."""
+    if not persistent:
+        return (num_m_blocks * batch_heads, 1, 1)
+    units = -(-num_m_blocks // 2) * batch_heads if causal else num_m_blocks * batch_heads
+    return (min(units, num_sms * FWD_WS_BLOCKS_PER_SM), 1, 1)
+
+
 def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int = 0) -> bool:
     """Whether the warp-specialised kernel serves this call (when asked for; before any
     split-KV): dense or packed alike (every variant of FWD_WS_VARIANTS carries over to a
@@ -189,21 +223,24 @@ def fwd_ws_tile(head_dim_padded: int, causal: bool) -> tuple[int, int]:
 
 def fwd_ws_smem_bytes(head_dim_padded: int, block_n: int, stages: int) -> int:
     """kernels_cu/flash_fwd_ws.cu FwdWsTraits::SMEM_BYTES: Q, STAGES x (K, V), the
-    mbarriers (full_q, full_k, full_v, empty_k, empty_v: 8 bytes each), 1 KB of alignment."""
-    return 2 * head_dim_padded * (FWD_WS_BLOCK_M + 2 * stages * block_n) + 8 * (1 + 4 * stages) + 1024
+    mbarriers (full_q, full_k, full_v, empty_k, empty_v, empty_q: 8 bytes each), 1 KB of
+    alignment."""
+    return 2 * head_dim_padded * (FWD_WS_BLOCK_M + 2 * stages * block_n) + 8 * (2 + 4 * stages) + 1024
 
 
 def fwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
-                  grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0, varlen: bool = False) -> Launch:
+                  grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0, varlen: bool = False,
+                  persistent: bool = False) -> Launch:
     """The warp-specialised forward kernel (cc 9.0) for one set of compile-time choices:
-    ``<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, EVEN_K, VARIANT, VARLEN>``; ``variant``: bits
-    of FWD_WS_VARIANTS (:func:`uses_ws_fwd`); ``varlen``: a packed batch."""
+    ``<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, EVEN_K, VARIANT, VARLEN, PERSISTENT>``;
+    ``variant``: bits of FWD_WS_VARIANTS (:func:`uses_ws_fwd`); ``varlen``: a packed batch;
+    ``persistent``: blocks walk the tiles (:func:`fwd_ws_grid`)."""
     if variant & ~FWD_WS_VARIANTS:
         raise ValueError(f"cupyflash: the warp-specialised forward takes the variant bits {FWD_WS_VARIANTS} "
                          f"only; got {variant}")
     block_n, stages = fwd_ws_tile(head_dim_padded, causal)
     args = (CTYPES[dtype], str(head_dim_padded), str(block_n), str(stages), _cbool(causal), _cbool(even_k),
-            str(variant), _cbool(varlen))
+            str(variant), _cbool(varlen), _cbool(persistent))
     return Launch("flash_fwd_ws.cu", "cupyflash::flash_fwd_ws_kernel", args, grid, (FWD_WS_THREADS, 1, 1),
                   fwd_ws_smem_bytes(head_dim_padded, block_n, stages))
 
@@ -411,7 +448,7 @@ def num_splits_heuristic(work_blocks: int, n_blocks: int, num_sms: int) -> int:
 def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_dim: int,
                dtype: str, causal: bool, vec: bool, num_sms: int = 132,
                cc: tuple[int, int] = (9, 0), varlen: bool = False, variant: int = 0,
-               ws: bool | tuple[int, ...] = False) -> FwdPlan:
+               ws: bool | tuple[int, ...] = False, persistent: bool = False) -> FwdPlan:
     """Choose the forward kernel, its grid and whether to split the keys.
 
     ``vec`` says 16-byte accesses are legal (data pointers 16-byte aligned,
@@ -424,6 +461,8 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     ``ws``: take the warp-specialised kernel where it serves the call (:func:`uses_ws_fwd`)
     and the keys are not split: True at every head_dim it has, or a tuple of the padded
     head_dims to take it at (:data:`FWD_WS`, :data:`FWD_WS_WINS`); False or () never.
+    ``persistent``: that kernel's persistent form (:data:`FWD_WS_PERSISTENT`), on a grid of
+    ``num_sms`` blocks at most, where it takes the variant (:func:`uses_persistent_ws`).
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
@@ -435,8 +474,9 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
         num_m_blocks = math.ceil(seqlen_q / FWD_WS_BLOCK_M)
         n_blocks = math.ceil(seqlen_k / block_n)
         if varlen or num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms) == 1:
-            main = fwd_ws_launch(dtype, d, causal, head_dim == d, (num_m_blocks * batch * nheads_q, 1, 1),
-                                 variant, varlen)
+            persistent = persistent and uses_persistent_ws(variant)
+            grid = fwd_ws_grid(num_m_blocks, batch * nheads_q, causal, num_sms, persistent)
+            main = fwd_ws_launch(dtype, d, causal, head_dim == d, grid, variant, varlen, persistent)
             return FwdPlan(main, None, d, num_m_blocks, 1, n_blocks, (FWD_WS_BLOCK_M, block_n))
     if uses_sm90_fwd(d, vec, cc):
         block_m, block_n = SM90_BLOCK_M, fwd_sm90_tile(d, causal, variant)[0]
@@ -473,10 +513,10 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
     for dtype, d, causal, even_k in itertools.product(CTYPES, HEAD_DIMS, (False, True), (True, False)):
         if uses_sm90_fwd(d, True, cc):
             out.append(fwd_sm90_launch(dtype, d, causal, even_k))
-    for dtype, d, causal, even_k, varlen in itertools.product(CTYPES, HEAD_DIMS, (False, True), (True, False),
-                                                              (False, True)):
+    for dtype, d, causal, even_k, varlen, persistent in itertools.product(
+            CTYPES, HEAD_DIMS, (False, True), (True, False), (False, True), (False, True)):
         if uses_ws_fwd(d, True, cc):
-            out.append(fwd_ws_launch(dtype, d, causal, even_k, varlen=varlen))
+            out.append(fwd_ws_launch(dtype, d, causal, even_k, varlen=varlen, persistent=persistent))
     # Each variant switched on alone (a bias or mask also read element by element), and
     # the combinations of a bias that users run, on the aligned kernels (one dtype: the
     # other's registers are the same).
@@ -485,9 +525,11 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
         if uses_sm90_fwd(d, True, cc) and not split:
             out.append(fwd_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bit))
     # The warp-specialised forward's variants (FWD_WS_CHECK_VARIANTS) at each head_dim it has.
-    for bits, d, causal, varlen in itertools.product(FWD_WS_CHECK_VARIANTS, HEAD_DIMS, (False, True), (False, True)):
-        if uses_ws_fwd(d, True, cc, bits):
-            out.append(fwd_ws_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bits, varlen=varlen))
+    for bits, d, causal, varlen, persistent in itertools.product(FWD_WS_CHECK_VARIANTS, HEAD_DIMS, (False, True),
+                                                                 (False, True), (False, True)):
+        if uses_ws_fwd(d, True, cc, bits) and (uses_persistent_ws(bits) or not persistent):
+            out.append(fwd_ws_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bits, varlen=varlen,
+                                     persistent=persistent))
     # The staged bias and mask (the wgmma kernel; where the stages do not fit, the
     # register path it takes instead).
     for bit, d, causal in itertools.product(FWD_STAGED_CHECK_VARIANTS, HEAD_DIMS, (False, True)):

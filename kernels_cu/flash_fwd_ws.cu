@@ -3,16 +3,16 @@
 // moves Q, K and V with the bulk tensor copy engine (TMA), two consumer
 // warpgroups only compute (wgmma, online softmax).
 //
-// One thread block owns BLOCK_M = 128 query rows of one (batch, head): consumer
-// warpgroup c (threads 128 + 128c ..) owns 64 of them. Warpgroup 0 gives its
-// registers away (setmaxnreg.dec to 24) and one of its threads issues every copy:
-// Q once, then each key block's K and V tiles into a STAGES-deep ring of
-// 128-byte-swizzled stages (the layout wgmma's descriptors read, wgmma.cuh
-// Swizzle128Tile, with no copy through registers). Each copy completes on an
-// mbarrier (full_q, full_k[s], full_v[s]: arrive.expect_tx of the tile's bytes);
-// each consumer warp arrives on empty_k[s] once its S GEMM on stage s's K has
-// completed and on empty_v[s] once its P·V on stage s's V has, and the producer waits
-// there before it refills that tile. K and V are released apart and the producer
+// A thread block computes a tile, BLOCK_M = 128 query rows of one (batch, head) (or,
+// persistent, several tiles in turn): consumer warpgroup c (threads 128 + 128c ..)
+// owns 64 of them. Warpgroup 0 gives its registers away (setmaxnreg.dec to 24) and
+// one of its threads issues every copy: Q once a tile, then each key block's K and
+// V tiles into a STAGES-deep ring of 128-byte-swizzled stages (the layout wgmma's
+// descriptors read, wgmma.cuh Swizzle128Tile, with no copy through registers). Each
+// copy completes on an mbarrier (full_q, full_k[s], full_v[s]: arrive.expect_tx of the
+// tile's bytes); each consumer warp arrives on empty_k[s] once its S GEMM on stage s's
+// K has completed and on empty_v[s] once its P·V on stage s's V has, and the producer
+// waits there before it refills that tile. K and V are released apart and the producer
 // copies K_{n+1} before V_n (FA3's order): a K stage comes free as soon as S has
 // read it, about one GEMM phase after it was needed, where one shared release at the
 // end of P·V would free it only when the next key block is already due (PERF.md:
@@ -48,6 +48,8 @@
 //   VARLEN     a packed batch (cu_seqlens); false: dense, whose code is then as if
 //              packing did not exist (as a runtime branch it reordered the dense main
 //              loop: 2.028 against 1.947 ms at S=8192, PERF.md runs 86-87)
+//   PERSISTENT one block per SM walking the query tiles (tile_scheduler.cuh; not with
+//              a window and dropout together); false: one block per tile
 // Dense and packed (varlen) batches alike (seqlens.cuh), 16-byte aligned data and
 // strides (a TMA requirement). A packed batch's maps describe its (total, nheads,
 // head_dim) tensors as one sequence of a batch of 1 (cupyflash/_gpu.py tma_maps):
@@ -56,8 +58,15 @@
 // (past the last, the map's bound: zeros): its keys are masked as the dense key tail
 // is (Mask asks the sequence's seqlen_k; P = 0 on them, and P·V multiplies that with
 // the next sequence's finite V rows), its queries are computed and never stored (the
-// epilogue's stores are masked to the sequence's rows, store_fwd_rows). A block past
-// the end of a shorter sequence returns at once, as in flash_fwd_sm90.cu.
+// epilogue's stores are masked to the sequence's rows, store_fwd_rows). A tile past
+// the end of a shorter sequence is skipped (tile_scheduler.cuh; a block with no tile
+// returns at once, as in flash_fwd_sm90.cu).
+//
+// Persistent (PERSISTENT; FlashAttention-3's persistent kernels): a block computes
+// several tiles, the scheduler's, one after the other. The K/V ring's stages and
+// phases run on across tiles, so the producer copies the next tile's first K while
+// the consumers finish this tile's last GEMMs and epilogue; Q waits on empty_q, where
+// the 8 consumer warps arrive once their O has left sQ (the epilogue stages O there).
 // seqused_k: keys past a sequence's count are masked in S (P = 0), but their rows
 // are still read (up to seqlen_k) and must hold finite values, as P·V multiplies them.
 //
@@ -77,6 +86,7 @@
 #include "online_softmax.cuh"
 #include "tma.cuh"
 #include "fwd_sm90.cuh"
+#include "tile_scheduler.cuh"
 
 namespace cupyflash {
 
@@ -97,8 +107,9 @@ struct FwdWsTraits {
     using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;
     using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;
     static constexpr int BOX_COLS = 64;  // elements per TMA box row: the 128-byte swizzle span (cupyflash/_tma.py)
-    // mbarriers: full_q, full_k[STAGES], full_v[STAGES], empty_k[STAGES], empty_v[STAGES]
-    static constexpr int BARRIER_BYTES = 8 * (1 + 4 * STAGES);
+    // mbarriers: full_q, full_k[STAGES], full_v[STAGES], empty_k[STAGES], empty_v[STAGES], empty_q
+    // (the persistent kernel's; its 8 bytes reserved either way)
+    static constexpr int BARRIER_BYTES = 8 * (2 + 4 * STAGES);
     // +1024: the window is aligned up to the swizzle atom (cupyflash/dispatch.py fwd_ws_smem_bytes)
     static constexpr int SMEM_BYTES = QTile::BYTES + 2 * STAGES * KVTile::BYTES + BARRIER_BYTES + 1024;
     static_assert(SMEM_BYTES <= 227 * 1024, "more shared memory than a Hopper block has");
@@ -110,10 +121,14 @@ struct FwdWsTraits {
 // code lives in the scores and the softmax, not in extra shared-memory streams.
 constexpr int WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT;
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool EVEN_K, int VARIANT, bool VARLEN>
+template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool EVEN_K, int VARIANT, bool VARLEN,
+          bool PERSISTENT>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     static_assert((VARIANT & ~WS_VARIANTS) == 0, "flash_fwd_ws_kernel: no bias, mask or block map");
+    // (the walk's state spills next to a window's and dropout's: cupyflash/dispatch.py FWD_WS_NOT_PERSISTENT)
+    static_assert(!PERSISTENT || (VARIANT & (VAR_WINDOW | VAR_DROPOUT)) != (VAR_WINDOW | VAR_DROPOUT),
+                  "flash_fwd_ws_kernel: not persistent with a window and dropout");
     constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
     // Dropout's keep bits depend on no score: drawn while the consumer waits for its S
     // GEMM; with a window, whose edges leave no room for the Philox rounds next to S's
@@ -135,15 +150,20 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     auto full_v = [&](int s) { return bars + 8 * (1 + STAGES + s); };
     auto empty_k = [&](int s) { return bars + 8 * (1 + 2 * STAGES + s); };
     auto empty_v = [&](int s) { return bars + 8 * (1 + 3 * STAGES + s); };
+    const uint32 empty_q = bars + 8 * (1 + 4 * STAGES);  // persistent only: sQ free for the next tile's Q
 
-    const TileCoords tc = fwd_tile_coords<IS_CAUSAL>(p);
-    const int b = tc.b, h = tc.h, m0 = tc.m_block * BLOCK_M;
-    const SeqLens seq = seq_lens(p, b);
-    if constexpr (VARLEN) {
-        if (m0 >= seq.seqlen_q) return;  // past the end of a shorter sequence (uniform)
-    }
-    const Mask<IS_CAUSAL, VARIANT> mask(p.var, seq.seqlen_q, seq.seqlen_k);
-    const BlockRange blocks = mask.key_blocks(m0, BLOCK_M, BLOCK_N);
+    const FwdTileScheduler<BLOCK_M, IS_CAUSAL, VARLEN, PERSISTENT> scheduler{p};
+    FwdTile tile;
+    if (!scheduler.first(tile)) return;  // no tile with a query (uniform)
+    // The tile's mask and the key blocks its query block sees; next_tile moves both on.
+    Mask<IS_CAUSAL, VARIANT> mask(p.var, tile.seq.seqlen_q, tile.seq.seqlen_k);
+    BlockRange blocks = mask.key_blocks(tile.m0, BLOCK_M, BLOCK_N);
+    auto next_tile = [&] {
+        if (!scheduler.next(tile)) return false;
+        mask = Mask<IS_CAUSAL, VARIANT>(p.var, tile.seq.seqlen_q, tile.seq.seqlen_k);
+        blocks = mask.key_blocks(tile.m0, BLOCK_M, BLOCK_N);
+        return true;
+    };
 
     if (threadIdx.x == 0) {
         mbar_init(full_q, 1);
@@ -153,6 +173,7 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
             mbar_init(empty_k(s), 4 * Tr::CONSUMERS);  // one arrival per consumer warp
             mbar_init(empty_v(s), 4 * Tr::CONSUMERS);
         }
+        if constexpr (PERSISTENT) mbar_init(empty_q, 4 * Tr::CONSUMERS);
         fence_barrier_init();
     }
     __syncthreads();
@@ -162,48 +183,66 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
         // ================= producer: one thread issues every copy
         setmaxnreg_dec<Tr::PRODUCER_REGS>();
         if (threadIdx.x == 0) {
-            // The maps' (row, batch) coordinates of the sequence: (start row, 0) packed, (0, b) dense.
-            const int map_b = VARLEN ? 0 : b, q_row0 = VARLEN ? seq.q_start + m0 : m0;
-            const int k_row0 = VARLEN ? seq.k_start : 0;
             tma_prefetch_desc(tp.q_map);
             tma_prefetch_desc(tp.k_map);
             tma_prefetch_desc(tp.v_map);
-            mbar_arrive_expect_tx(full_q, QTile::BYTES);
-#pragma unroll
-            for (int c = 0; c < HEAD_DIM / BOX; ++c) {
-                tma_load_4d(sQ + c * QTile::BLOCK_BYTES, tp.q_map, full_q, c * BOX, q_row0, h, map_b);
-            }
-            // Key block n goes to stage (its position in the walk) % STAGES, K and V alike;
-            // K runs one block ahead of V: K_first, then (K_{n-1}, V_n) for each n.
+            // Key block n of a tile goes to stage (its position in the block's whole walk,
+            // over all its tiles) % STAGES, K and V alike; K runs one block ahead of V:
+            // K_first, then (K_{n-1}, V_n) for each n.
             int k_stage = 0, v_stage = 0;
-            uint32 k_phase = 0, v_phase = 0;
-            auto load_k = [&](int n) {
-                mbar_wait(empty_k(k_stage), k_phase ^ 1);  // both consumers' S GEMMs of the round before are done
-                const uint32 sK = sK0 + k_stage * KVTile::BYTES;
-                mbar_arrive_expect_tx(full_k(k_stage), KVTile::BYTES);
+            uint32 k_phase = 0, v_phase = 0, q_phase = 0;
+            do {
+                const int b = tile.tc.b, h_kv = tile.tc.h_kv, m0 = tile.m0;
+                // The maps' (row, batch) coordinates of the sequence: (start row, 0) packed, (0, b) dense.
+                const int map_b = VARLEN ? 0 : b, q_row0 = VARLEN ? tile.seq.q_start + m0 : m0;
+                const int k_row0 = VARLEN ? tile.seq.k_start : 0;
+                auto load_q = [&] {
+                    mbar_arrive_expect_tx(full_q, QTile::BYTES);
 #pragma unroll
-                for (int c = 0; c < HEAD_DIM / BOX; ++c) {
-                    tma_load_4d(sK + c * KVTile::BLOCK_BYTES, tp.k_map, full_k(k_stage), c * BOX, k_row0 + n * BLOCK_N,
-                                tc.h_kv, map_b);
-                }
-                if (++k_stage == STAGES) { k_stage = 0; k_phase ^= 1; }
-            };
-            auto load_v = [&](int n) {
-                mbar_wait(empty_v(v_stage), v_phase ^ 1);  // both consumers' P·V of the round before are done
-                const uint32 sV = sV0 + v_stage * KVTile::BYTES;
-                mbar_arrive_expect_tx(full_v(v_stage), KVTile::BYTES);
+                    for (int c = 0; c < HEAD_DIM / BOX; ++c) {
+                        tma_load_4d(sQ + c * QTile::BLOCK_BYTES, tp.q_map, full_q, c * BOX, q_row0, tile.tc.h,
+                                    map_b);
+                    }
+                };
+                auto load_k = [&](int n) {
+                    mbar_wait(empty_k(k_stage), k_phase ^ 1);  // both consumers' S GEMMs of the round before are done
+                    const uint32 sK = sK0 + k_stage * KVTile::BYTES;
+                    mbar_arrive_expect_tx(full_k(k_stage), KVTile::BYTES);
 #pragma unroll
-                for (int c = 0; c < HEAD_DIM / BOX; ++c) {
-                    tma_load_4d(sV + c * KVTile::BLOCK_BYTES, tp.v_map, full_v(v_stage), c * BOX, k_row0 + n * BLOCK_N,
-                                tc.h_kv, map_b);
+                    for (int c = 0; c < HEAD_DIM / BOX; ++c) {
+                        tma_load_4d(sK + c * KVTile::BLOCK_BYTES, tp.k_map, full_k(k_stage), c * BOX,
+                                    k_row0 + n * BLOCK_N, h_kv, map_b);
+                    }
+                    if (++k_stage == STAGES) { k_stage = 0; k_phase ^= 1; }
+                };
+                auto load_v = [&](int n) {
+                    mbar_wait(empty_v(v_stage), v_phase ^ 1);  // both consumers' P·V of the round before are done
+                    const uint32 sV = sV0 + v_stage * KVTile::BYTES;
+                    mbar_arrive_expect_tx(full_v(v_stage), KVTile::BYTES);
+#pragma unroll
+                    for (int c = 0; c < HEAD_DIM / BOX; ++c) {
+                        tma_load_4d(sV + c * KVTile::BLOCK_BYTES, tp.v_map, full_v(v_stage), c * BOX,
+                                    k_row0 + n * BLOCK_N, h_kv, map_b);
+                    }
+                    if (++v_stage == STAGES) { v_stage = 0; v_phase ^= 1; }
+                };
+                if constexpr (PERSISTENT) {
+                    // The tile's first K goes out while the consumers may still be on the
+                    // tile before (its ring stage came free after that tile's S GEMMs); Q
+                    // waits for both consumers' O to have left sQ.
+                    if (blocks.end - 1 >= blocks.begin) load_k(blocks.end - 1);
+                    mbar_wait(empty_q, q_phase ^ 1);
+                    q_phase ^= 1;
+                    load_q();
+                } else {
+                    load_q();
+                    if (blocks.end - 1 >= blocks.begin) load_k(blocks.end - 1);
                 }
-                if (++v_stage == STAGES) { v_stage = 0; v_phase ^= 1; }
-            };
-            if (blocks.end - 1 >= blocks.begin) load_k(blocks.end - 1);
-            for (int n = blocks.end - 1; n >= blocks.begin; --n) {
-                if (n - 1 >= blocks.begin) load_k(n - 1);
-                load_v(n);
-            }
+                for (int n = blocks.end - 1; n >= blocks.begin; --n) {
+                    if (n - 1 >= blocks.begin) load_k(n - 1);
+                    load_v(n);
+                }
+            } while (next_tile());
         }
         return;
     }
@@ -214,22 +253,11 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     // This thread's fragment rows within the block: r0 and r0 + 8.
     const int r0 = cw * 64 + (threadIdx.x / 32 % 4) * 16 + g;
-    const ScoreMod<VARIANT, T> mod(p.var, p.softmax_scale_log2, b, h, seq.seqlen_q, seq.seqlen_k);
-    const float sink = sink_log2<VARIANT>(p.var, h);
-
-    float acc_o[1][D_TILES][4];
-#pragma unroll
-    for (int d = 0; d < D_TILES; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[0][d][e] = 0.f;
-    float row_sum[1][2] = {{0.f, 0.f}};
-    OnlineSoftmax<1> softmax;
-    softmax.init(sink);
 
     // Ping-pong: consumer cw issues GEMMs between sync on its own barrier and arrive
-    // on the other's. Each does one sync and one arrive per GEMM phase; consumer 1
-    // arrives once up front (consumer 0 goes first) and skips its last arrive, so no
-    // arrival is left over.
+    // on the other's. Each does one sync and one arrive per GEMM phase; in each tile
+    // consumer 1 arrives once up front (consumer 0 goes first) and skips its last
+    // arrive, so no arrival is left over.
     auto sched_sync = [&] { named_barrier_sync<256>(Tr::SCHED_BAR + cw); };
     auto sched_arrive = [&] { named_barrier_arrive<256>(Tr::SCHED_BAR + (1 - cw)); };
     // This warp's wgmma reads of a stage's K (V) are done (its wait_group has returned).
@@ -244,98 +272,132 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
 
     __shared__ float2 pin;  // written, never read (wgmma_wait_after)
     const uint32 pin_slot = smem_addr(&pin);
-    mbar_wait(full_q, 0);  // also before the epilogue overwrites sQ with O
-    const int n_first = blocks.end - 1;
-    if (n_first >= blocks.begin) {
-        if (cw == 1) sched_arrive();
-        int stage = 0;  // stage and parity of block n's K (and, a step later, its V)
-        uint32 phase = 0;
-        uint32 pa[BLOCK_N / 16][4];  // P of the block before, the A operand of its P·V
-        // ---- the first block (masked, unless the range has no masked block): S alone
-        {
-            float s[1][N_TILES][4];
-            [[maybe_unused]] DropoutBits<1, N_TILES> keep;
-            const Dropout drop(p.var, b, h, p.nheads_q);  // (read only with dropout)
-            if constexpr (DROPOUT && !KEEP_UNDER_S) keep.draw(drop, m0 + r0, n_first * BLOCK_N + 2 * t);
-            mbar_wait(full_k(stage), phase);
-            sched_sync();
-            issue_qk<T, BLOCK_M, BLOCK_N, HEAD_DIM>(s[0], sQ, cw, sK0 + stage * KVTile::BYTES);
-            sched_arrive();
-            if constexpr (DROPOUT && KEEP_UNDER_S) keep.draw(drop, m0 + r0, n_first * BLOCK_N + 2 * t);
-            wgmma_wait<0>();
-            fence_operands(s[0]);
-            release_k(stage);
-            if (blocks.masked(n_first)) score_tile<true>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
-            else score_tile<false>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
-            softmax.update(s, acc_o, row_sum);
-            if constexpr (DROPOUT) keep.zero_dropped(s);  // the row sums keep the undropped P
-            acc_to_a_operand<T>(s[0], pa);
-        }
-        int prev_stage = stage;
-        uint32 prev_phase = phase;
-        if (++stage == STAGES) { stage = 0; phase ^= 1; }
+    int stage = 0;  // stage and parity of the next key block's K (and, a step later, its V), over all tiles
+    uint32 phase = 0, q_phase = 0;
+    do {
+        const int b = tile.tc.b, h = tile.tc.h, m0 = tile.m0;
+        const ScoreMod<VARIANT, T> mod(p.var, p.softmax_scale_log2, b, h, tile.seq.seqlen_q, tile.seq.seqlen_k);
+        const float sink = sink_log2<VARIANT>(p.var, h);
 
-        // ---- block n: S_n issued with P_{n-1}·V_{n-1}; softmax of S_n under that GEMM
-        // (score_tile is called in place: a generic lambda capturing mod and mask crashes
-        // the NVRTC 13.0 / nvcc 13.0 device compiler, cicc, even when never called)
-        auto step = [&](int n, auto masked) {
-            float s[1][N_TILES][4];
-            [[maybe_unused]] DropoutBits<1, N_TILES> keep;
-            const Dropout drop(p.var, b, h, p.nheads_q);
-            if constexpr (DROPOUT && !KEEP_UNDER_S) keep.draw(drop, m0 + r0, n * BLOCK_N + 2 * t);
-            mbar_wait(full_k(stage), phase);
+        float acc_o[1][D_TILES][4];
+#pragma unroll
+        for (int d = 0; d < D_TILES; ++d)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[0][d][e] = 0.f;
+        float row_sum[1][2] = {{0.f, 0.f}};
+        OnlineSoftmax<1> softmax;
+        softmax.init(sink);
+
+        mbar_wait(full_q, q_phase);  // also before the epilogue overwrites sQ with O
+        const int n_first = blocks.end - 1;
+        if (n_first >= blocks.begin) {
+            if (cw == 1) sched_arrive();
+            uint32 pa[BLOCK_N / 16][4];  // P of the block before, the A operand of its P·V
+            // ---- the first block (masked, unless the range has no masked block): S alone
+            {
+                float s[1][N_TILES][4];
+                [[maybe_unused]] DropoutBits<1, N_TILES> keep;
+                const Dropout drop(p.var, b, h, p.nheads_q);  // (read only with dropout)
+                if constexpr (DROPOUT && !KEEP_UNDER_S) keep.draw(drop, m0 + r0, n_first * BLOCK_N + 2 * t);
+                mbar_wait(full_k(stage), phase);
+                sched_sync();
+                issue_qk<T, BLOCK_M, BLOCK_N, HEAD_DIM>(s[0], sQ, cw, sK0 + stage * KVTile::BYTES);
+                sched_arrive();
+                if constexpr (DROPOUT && KEEP_UNDER_S) keep.draw(drop, m0 + r0, n_first * BLOCK_N + 2 * t);
+                wgmma_wait<0>();
+                fence_operands(s[0]);
+                release_k(stage);
+                if (blocks.masked(n_first)) score_tile<true>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
+                else score_tile<false>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
+                softmax.update(s, acc_o, row_sum);
+                if constexpr (DROPOUT) keep.zero_dropped(s);  // the row sums keep the undropped P
+                acc_to_a_operand<T>(s[0], pa);
+            }
+            int prev_stage = stage;
+            uint32 prev_phase = phase;
+            if (++stage == STAGES) { stage = 0; phase ^= 1; }
+
+            // ---- block n: S_n issued with P_{n-1}·V_{n-1}; softmax of S_n under that GEMM
+            // (score_tile is called in place: a generic lambda capturing mod and mask crashes
+            // the NVRTC 13.0 / nvcc 13.0 device compiler, cicc, even when never called)
+            auto step = [&](int n, auto masked) {
+                float s[1][N_TILES][4];
+                [[maybe_unused]] DropoutBits<1, N_TILES> keep;
+                const Dropout drop(p.var, b, h, p.nheads_q);
+                if constexpr (DROPOUT && !KEEP_UNDER_S) keep.draw(drop, m0 + r0, n * BLOCK_N + 2 * t);
+                mbar_wait(full_k(stage), phase);
+                mbar_wait(full_v(prev_stage), prev_phase);
+                sched_sync();
+                issue_qk<T, BLOCK_M, BLOCK_N, HEAD_DIM>(s[0], sQ, cw, sK0 + stage * KVTile::BYTES);
+                issue_pv<T, BLOCK_N, HEAD_DIM>(acc_o[0], pa, sV0 + prev_stage * KVTile::BYTES);
+                sched_arrive();
+                if constexpr (DROPOUT && KEEP_UNDER_S) keep.draw(drop, m0 + r0, n * BLOCK_N + 2 * t);
+                wgmma_wait<1>();  // S_n (the older group) has completed
+                fence_operands(s[0]);
+                release_k(stage);  // K_n is free: the producer may copy the block STAGES on into it
+                score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
+                float alpha[1][2];
+                softmax.update_sums(s, row_sum, alpha);
+                // P_{n-1}·V_{n-1} has completed: pa and V stage prev_stage are free. (Pinned
+                // after the row sums, hence after every exp2 of the softmax: wgmma.cuh.)
+                wgmma_wait_after<0>(pin_slot, row_sum[0][0], row_sum[0][1]);
+                fence_operands(acc_o[0]);
+                fence_operands(pa);
+                release_v(prev_stage);
+                softmax.rescale(acc_o, alpha);
+                if constexpr (DROPOUT) keep.zero_dropped(s);  // the row sums keep the undropped P
+                acc_to_a_operand<T>(s[0], pa);
+                prev_stage = stage;
+                prev_phase = phase;
+                if (++stage == STAGES) { stage = 0; phase ^= 1; }
+            };
+            // Masked blocks (key tail, causal diagonal) first, then the bulk with no mask
+            // code, then (a window's) masked left edge.
+            int n = n_first - 1;
+            for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{});
+            if constexpr (Mask<IS_CAUSAL, VARIANT>::WINDOW) {
+                for (; n >= blocks.unmasked_begin; --n) step(n, Bool<false>{});
+                for (; n >= blocks.begin; --n) step(n, Bool<true>{});
+            } else {
+                for (; n >= 0; --n) step(n, Bool<false>{});
+            }
+
+            // ---- the last block's P·V
             mbar_wait(full_v(prev_stage), prev_phase);
             sched_sync();
-            issue_qk<T, BLOCK_M, BLOCK_N, HEAD_DIM>(s[0], sQ, cw, sK0 + stage * KVTile::BYTES);
             issue_pv<T, BLOCK_N, HEAD_DIM>(acc_o[0], pa, sV0 + prev_stage * KVTile::BYTES);
-            sched_arrive();
-            if constexpr (DROPOUT && KEEP_UNDER_S) keep.draw(drop, m0 + r0, n * BLOCK_N + 2 * t);
-            wgmma_wait<1>();  // S_n (the older group) has completed
-            fence_operands(s[0]);
-            release_k(stage);  // K_n is free: the producer may copy the block STAGES on into it
-            score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
-            float alpha[1][2];
-            softmax.update_sums(s, row_sum, alpha);
-            // P_{n-1}·V_{n-1} has completed: pa and V stage prev_stage are free. (Pinned
-            // after the row sums, hence after every exp2 of the softmax: wgmma.cuh.)
-            wgmma_wait_after<0>(pin_slot, row_sum[0][0], row_sum[0][1]);
+            if (cw == 0) sched_arrive();
+            wgmma_wait<0>();
             fence_operands(acc_o[0]);
             fence_operands(pa);
             release_v(prev_stage);
-            softmax.rescale(acc_o, alpha);
-            if constexpr (DROPOUT) keep.zero_dropped(s);  // the row sums keep the undropped P
-            acc_to_a_operand<T>(s[0], pa);
-            prev_stage = stage;
-            prev_phase = phase;
-            if (++stage == STAGES) { stage = 0; phase ^= 1; }
-        };
-        // Masked blocks (key tail, causal diagonal) first, then the bulk with no mask
-        // code, then (a window's) masked left edge.
-        int n = n_first - 1;
-        for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{});
-        if constexpr (Mask<IS_CAUSAL, VARIANT>::WINDOW) {
-            for (; n >= blocks.unmasked_begin; --n) step(n, Bool<false>{});
-            for (; n >= blocks.begin; --n) step(n, Bool<true>{});
-        } else {
-            for (; n >= 0; --n) step(n, Bool<false>{});
         }
 
-        // ---- the last block's P·V
-        mbar_wait(full_v(prev_stage), prev_phase);
-        sched_sync();
-        issue_pv<T, BLOCK_N, HEAD_DIM>(acc_o[0], pa, sV0 + prev_stage * KVTile::BYTES);
-        if (cw == 0) sched_arrive();
-        wgmma_wait<0>();
-        fence_operands(acc_o[0]);
-        fence_operands(pa);
-        release_v(prev_stage);
-    }
-
-    // ---- epilogue: a row with no key gets O = 0 and lse = -inf (finalize)
-    float lse[1][2];
-    softmax.finalize_sums(acc_o, row_sum, lse, sink, DROPOUT ? p.var.dropout_scale : 1.f);
-    store_fwd_rows<T, BLOCK_M, HEAD_DIM, EVEN_K>(p, acc_o[0], lse[0], b, h, m0, r0, cw, sQ,
-                                                 Tr::EPILOGUE_BAR + cw);
+        // ---- epilogue: a row with no key gets O = 0 and lse = -inf (finalize)
+        float lse[1][2];
+        softmax.finalize_sums(acc_o, row_sum, lse, sink, DROPOUT ? p.var.dropout_scale : 1.f);
+        // Persistent: the epilogue's thread index made opaque in each tile. Every shared
+        // memory address of the O staging is a function of the thread alone, and the
+        // compiler would otherwise hoist them all out of the tile loop and hold them across
+        // the mainloop (nvcc 13.0: 172 bytes of spill with a window, 156 with a window and
+        // sinks, causal; plain causal D=128 peaks at R234 instead of R229).
+        uint32 thread = threadIdx.x;
+        int r0_out = r0;
+        if constexpr (PERSISTENT) {
+            asm volatile("" : "+r"(thread));
+            r0_out = cw * 64 + (thread / 32 % 4) * 16 + int(thread % 32) / 4;  // r0, from thread
+        }
+        store_fwd_rows<T, BLOCK_M, HEAD_DIM, EVEN_K>(p, acc_o[0], lse[0], b, h, m0, r0_out, cw, sQ,
+                                                     Tr::EPILOGUE_BAR + cw, thread);
+        if constexpr (PERSISTENT) {
+            // This warp's reads and writes of sQ (the O staging) are done: ordered before
+            // the copy engine's (async proxy) write of the next tile's Q into it.
+            fence_proxy_async_shared();
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty_q);
+            q_phase ^= 1;
+        }
+    } while (next_tile());
 }
 
 }  // namespace cupyflash

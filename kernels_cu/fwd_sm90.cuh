@@ -43,13 +43,14 @@ __device__ __forceinline__ void issue_pv(float (&acc_o)[HEAD_DIM / 8][4], const 
 // (normalised) staged through the warpgroup's own 64 rows of the Q tile at sQ
 // (no other warpgroup reads them; the caller has waited for its own last wgmma on
 // them), then 16-byte stores. bar_id: a named barrier of this warpgroup's alone.
-// r0: this thread's first fragment row in the block (r0 and r0 + 8).
+// r0: this thread's first fragment row in the block (r0 and r0 + 8). thread: its
+// threadIdx.x (store_tile's; r0 must be derived from the same value).
 template <typename T, int BLOCK_M, int HEAD_DIM, bool EVEN_K>
 __device__ __forceinline__ void store_fwd_rows(const FwdParams& p, const float (&acc_o)[HEAD_DIM / 8][4],
                                                const float (&lse)[2], int b, int h, int m0, int r0, int wg,
-                                               uint32 sQ, int bar_id) {
+                                               uint32 sQ, int bar_id, uint32 thread = threadIdx.x) {
     using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;
-    const int t = threadIdx.x % 4;
+    const int t = thread % 4;
     const SeqLens se = seq_lens(p, b);
     const int rows_valid = min(BLOCK_M, se.seqlen_q - m0);
     float* lse_rows = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + se.q_start + m0;
@@ -72,7 +73,7 @@ __device__ __forceinline__ void store_fwd_rows(const FwdParams& p, const float (
     T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + int64(se.q_start + m0 + wg * 64) * p.o_row_stride +
              h * p.o_head_stride;
     store_tile<T, 64, HEAD_DIM, 128, true, EVEN_K, QTile, false>(out, p.o_row_stride, sQ + wg * 64 * 128,
-                                                                 rows_valid - wg * 64, p.head_dim);
+                                                                 rows_valid - wg * 64, p.head_dim, thread);
 }
 
 }  // namespace cupyflash

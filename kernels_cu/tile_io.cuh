@@ -101,12 +101,14 @@ __device__ __forceinline__ void load_tile(uint32 smem_base, const T* gmem, int64
 }
 
 // Copy a shared tile back to global rows [0, rows_valid), columns [0, head_dim).
+// thread: this thread's threadIdx.x (a caller in a loop may pass it made opaque, so
+// that the per-thread addresses are not hoisted out of that loop).
 template <typename T, int ROWS, int HEAD_DIM, int NUM_THREADS, bool VEC, bool EVEN_K,
           typename Tile = SmemTile<T, ROWS, HEAD_DIM>, bool WHOLE_BLOCK = true>
 __device__ __forceinline__ void store_tile(T* gmem, int64 row_stride, uint32 smem_base,
-                                           int rows_valid, int head_dim) {
+                                           int rows_valid, int head_dim, uint32 thread = threadIdx.x) {
     using Map = TileMap<T, ROWS, HEAD_DIM, NUM_THREADS>;
-    const int tid = WHOLE_BLOCK ? int(threadIdx.x) : int(threadIdx.x) % NUM_THREADS;
+    const int tid = WHOLE_BLOCK ? int(thread) : int(thread) % NUM_THREADS;
     const int row0 = tid / Map::THREADS_PER_ROW;
     const int chunk0 = tid % Map::THREADS_PER_ROW;
 #pragma unroll

@@ -50,6 +50,13 @@ __device__ __forceinline__ void mbar_wait(uint32 bar, uint32 parity) {
     while (!mbar_try_wait(bar, parity)) {}
 }
 
+// Orders this thread's generic-proxy accesses of shared memory (ld/st.shared) before
+// later async-proxy ones (a TMA copy into the same bytes, issued after an mbarrier
+// hand-off): without it the copy engine may write them before the reads or writes land.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // Generic address of a descriptor in kernel-parameter space (the parameter must
 // be __grid_constant__, or taking its address makes a local copy).
 __device__ __forceinline__ uint64 tma_desc_addr(const TmaDescriptor& d) {

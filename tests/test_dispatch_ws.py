@@ -61,7 +61,7 @@ def test_ws_serves_plain_dense_aligned_hopper_calls(dtype, head_dim, causal):
     block_n, stages = dispatch.fwd_ws_tile(d, causal)
     assert plan.main.template == WS and plan.combine is None and plan.num_splits == 1
     assert plan.main.args == (dispatch.CTYPES[dtype], str(d), str(block_n), str(stages),
-                              str(causal).lower(), str(head_dim == d).lower(), "0", "false")
+                              str(causal).lower(), str(head_dim == d).lower(), "0", "false", "false")
     assert plan.main.block == (384, 1, 1)
     assert plan.main.grid == (128 * 16, 1, 1) and plan.num_m_blocks == 128
     assert plan.n_blocks_per_split == -(-16384 // block_n)
@@ -80,7 +80,7 @@ def test_ws_takes_the_score_and_softmax_variants(variant, causal):
     call's kernel and tile, compiled with their bits."""
     plain = _plan(ws=True, causal=causal)
     plan = _plan(ws=True, causal=causal, variant=variant)
-    assert plan.main.template == WS and plan.main.args == (*plain.main.args[:-2], str(variant), "false")
+    assert plan.main.template == WS and plan.main.args == (*plain.main.args[:-3], str(variant), "false", "false")
     assert dataclasses.replace(plan, main=plain.main) == plain  # grid, smem, boxes: the plain call's
     assert dispatch.uses_ws_fwd(128, True, (9, 0), variant)
 
@@ -116,7 +116,7 @@ def test_ws_serves_packed_batches_with_the_dense_instantiations(variant, causal,
     (the kernel branches on cu_seqlens at run time), its grid over the longest sequence."""
     kw = dict(batch=5, seqlen_q=3000, seqlen_k=700, head_dim=head_dim, causal=causal, variant=variant, ws=True)
     dense, packed = _plan(**kw), _plan(**kw, varlen=True)
-    assert packed.main.template == WS and packed.main.args == (*dense.main.args[:-1], "true")
+    assert packed.main.template == WS and packed.main.args == (*dense.main.args[:-2], "true", "false")
     assert dataclasses.replace(packed, main=dense.main) == dense
     assert dataclasses.replace(packed.main, args=dense.main.args) == dense.main
     d = dispatch.padded_head_dim(head_dim)
@@ -146,8 +146,9 @@ def test_ws_kernels_are_checked_on_sm90_only():
     on90 = [L for L in dispatch.all_fwd_launches((9, 0)) if L.template == WS]
     assert {L.args[1] for L in on90} == {"64", "128"}
     plain = [L for L in on90 if L.args[6] == "0"]
-    assert len(plain) == 2 * 2 * 2 * 2 * 2  # dtype x head_dim x causal x even_k x varlen
+    assert len(plain) == 2 * 2 * 2 * 2 * 2 * 2  # dtype x head_dim x causal x even_k x varlen x persistent
     assert {L.args[7] for L in on90 if L.args[6] != "0"} == {"false", "true"}
+    assert {L.args[8] for L in on90 if L.args[6] != "0"} == {"false", "true"}
     variants = {(L.args[1], L.args[4], int(L.args[6])) for L in on90 if L.args[6] != "0"}
     assert variants == {(d, c, bits) for d in ("64", "128") for c in ("false", "true")
                         for bits in dispatch.FWD_WS_CHECK_VARIANTS}
@@ -158,12 +159,12 @@ def test_ws_kernels_are_checked_on_sm90_only():
 
 def test_ws_smem_bytes_are_the_kernel_traits():
     """fwd_ws_smem_bytes spells out FwdWsTraits::SMEM_BYTES: Q, the K/V stages, the
-    4 STAGES + 1 mbarriers, 1 KB of alignment; BLOCK_M as the kernel's."""
+    4 STAGES + 2 mbarriers, 1 KB of alignment; BLOCK_M as the kernel's."""
     text = (kernels_dir() / "flash_fwd_ws.cu").read_text()
     assert re.search(rf"BLOCK_M = {dispatch.FWD_WS_BLOCK_M};", text)
     assert "SMEM_BYTES = QTile::BYTES + 2 * STAGES * KVTile::BYTES + BARRIER_BYTES + 1024" in text
-    assert "BARRIER_BYTES = 8 * (1 + 4 * STAGES)" in text
-    assert dispatch.fwd_ws_smem_bytes(128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 72 + 1024
+    assert "BARRIER_BYTES = 8 * (2 + 4 * STAGES)" in text
+    assert dispatch.fwd_ws_smem_bytes(128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 80 + 1024
     # the table's choices fit a block's 227 KB with the kernel's 16 bytes of static shared memory
     for d in (64, 128):
         for causal in (False, True):
@@ -230,4 +231,115 @@ def test_every_gpu_varlen_case_plans_the_ws_kernel():
         plan = dispatch.select_fwd(batch=len(lens_q), seqlen_q=max(lens_q), seqlen_k=max(lens_k), nheads_q=nheads,
                                    head_dim=d, dtype=dtype, causal=causal, vec=True, cc=(9, 0), varlen=True,
                                    variant=bits, ws=True)
-        assert plan.main.template == WS and plan.combine is None and plan.main.args[6:] == (str(bits), "true")
+        assert plan.main.template == WS and plan.combine is None and plan.main.args[6:] == (str(bits), "true", "false")
+
+
+# ----------------------------------------------------------------------------
+# The persistent ws forward (dispatch.FWD_WS_PERSISTENT, kernels_cu/tile_scheduler.cuh)
+# ----------------------------------------------------------------------------
+
+
+def test_persistent_is_off_by_default():
+    assert dispatch.FWD_WS_PERSISTENT is False
+    plan = _plan(ws=True)
+    assert plan.main.args[-1] == "false" and plan.main.grid == (128 * 16, 1, 1)
+
+
+@pytest.mark.parametrize("m_blocks,heads,num_sms,grid,causal_grid", [
+    (1, 1, 132, 1, 1), (131, 1, 132, 131, 66), (132, 1, 132, 132, 66), (133, 1, 132, 132, 67),
+    (4, 512, 132, 132, 132), (128, 16, 132, 132, 132), (5, 1, 1, 1, 1), (100, 1, 7, 7, 7), (3, 2, 132, 6, 4)])
+def test_fwd_ws_grid(m_blocks, heads, num_sms, grid, causal_grid):
+    """Persistent: one block per SM (FWD_WS_BLOCKS_PER_SM), never more than there are
+    units (tiles; causal, pairs of a head's query blocks, the middle one alone when odd);
+    otherwise one block per tile."""
+    assert dispatch.FWD_WS_BLOCKS_PER_SM == 1
+    assert dispatch.fwd_ws_grid(m_blocks, heads, False, num_sms, True) == (grid, 1, 1)
+    assert dispatch.fwd_ws_grid(m_blocks, heads, True, num_sms, True) == (causal_grid, 1, 1)
+    for causal in (False, True):
+        assert dispatch.fwd_ws_grid(m_blocks, heads, causal, num_sms, False) == (m_blocks * heads, 1, 1)
+
+
+@pytest.mark.parametrize("variant", [0, dispatch.VAR_WINDOW, dispatch.VAR_DROPOUT,
+                                     dispatch.FWD_WS_VARIANTS & ~dispatch.VAR_DROPOUT])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("batch,seqlen", [(32, 512), (1, 16384), (1, 100)])
+def test_persistent_plan(variant, causal, varlen, batch, seqlen):
+    """The persistent plan is the non-persistent one but for the kernel's last template
+    argument and the grid (fwd_ws_grid over the same tiles, from num_sms)."""
+    kw = dict(batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, causal=causal, variant=variant, varlen=varlen,
+              ws=True, num_sms=132)
+    grid_plan, persistent = _plan(**kw), _plan(**kw, persistent=True)
+    assert grid_plan.main.template == persistent.main.template == WS
+    assert persistent.main.args == (*grid_plan.main.args[:-1], "true") and grid_plan.main.args[-1] == "false"
+    tiles = -(-seqlen // 128) * batch * 16
+    assert grid_plan.main.grid == (tiles, 1, 1)
+    units = (-(-seqlen // 128) + 1) // 2 * batch * 16 if causal else tiles  # causal: pairs, an odd one alone
+    assert persistent.main.grid == dispatch.fwd_ws_grid(-(-seqlen // 128), batch * 16, causal, 132, True)
+    assert persistent.main.grid == (min(units, 132), 1, 1)
+    assert dataclasses.replace(persistent.main, args=grid_plan.main.args, grid=grid_plan.main.grid) == grid_plan.main
+    assert dataclasses.replace(persistent, main=grid_plan.main) == grid_plan
+
+
+@pytest.mark.parametrize("variant", [dispatch.VAR_WINDOW | dispatch.VAR_DROPOUT, dispatch.FWD_WS_VARIANTS])
+def test_persistent_not_with_a_window_and_dropout(variant):
+    """A window with dropout (FWD_WS_NOT_PERSISTENT: spills when persistent) runs one block
+    per tile with the switch on; check-kernels lists no such persistent kernel."""
+    assert not dispatch.uses_persistent_ws(variant)
+    assert _plan(ws=True, variant=variant, persistent=True) == _plan(ws=True, variant=variant)
+    assert not [L for L in dispatch.all_fwd_launches((9, 0)) if L.template == WS and L.args[-1] == "true"
+                and not dispatch.uses_persistent_ws(int(L.args[6]))]
+    text = (kernels_dir() / "flash_fwd_ws.cu").read_text()
+    assert "static_assert(!PERSISTENT || (VARIANT & (VAR_WINDOW | VAR_DROPOUT)) != (VAR_WINDOW | VAR_DROPOUT)," in text
+    assert dispatch.FWD_WS_NOT_PERSISTENT == dispatch.VAR_WINDOW | dispatch.VAR_DROPOUT
+
+
+def test_persistent_leaves_the_other_kernels_alone():
+    """The switch only changes the ws kernel: the cp.async and split-KV plans are as without it."""
+    for kw in (dict(ws=False), dict(ws=True, head_dim=256), dict(ws=True, seqlen_q=1, seqlen_k=65536, nheads_q=8)):
+        assert _plan(**kw, persistent=True) == _plan(**kw)
+        assert _plan(**kw).main.template != WS
+
+
+def _walk(m_blocks: int, heads: int, causal: bool, grid: int, b: int) -> list[tuple[int, int]]:
+    """kernels_cu/tile_scheduler.cuh's walk of block b: (head, query block) of each tile.
+    Units k grid + b, one head's adjacent; causal, unit j of a head is its query blocks
+    M-1-j then j (once when they are the same)."""
+    per_head = -(-m_blocks // 2) if causal else m_blocks
+    tiles = []
+    for unit in range(b, per_head * heads, grid):
+        head, j = divmod(unit, per_head)
+        tiles += [(head, m) for m in dict.fromkeys((m_blocks - 1 - j, j) if causal else (j,))]
+    return tiles
+
+
+def test_the_walk_is_the_kernels():
+    text = (kernels_dir() / "tile_scheduler.cuh").read_text()
+    assert "static constexpr int PAIR = IS_CAUSAL ? 2 : 1;" in text
+    assert "const int m_block = IS_CAUSAL && !tile.second ? p.num_m_blocks - 1 - j : j;" in text
+    assert "if (IS_CAUSAL && !tile.second && j != p.num_m_blocks - 1 - j) {" in text
+    assert "tile.unit += gridDim.x;" in text and "tile.unit = blockIdx.x;" in text
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("m_blocks,heads,grid", [(1, 1, 1), (7, 1, 1), (7, 1, 3), (8, 12, 3), (4, 512, 132),
+                                                 (128, 16, 132), (127, 16, 132), (3, 2, 6), (33, 5, 7)])
+def test_the_walk_visits_every_tile_once(causal, m_blocks, heads, grid):
+    grid = dispatch.fwd_ws_grid(m_blocks, heads, causal, grid, True)[0]
+    seen = sorted(t for b in range(grid) for t in _walk(m_blocks, heads, causal, grid, b))
+    assert seen == [(h, m) for h in range(heads) for m in range(m_blocks)]
+    assert all(_walk(m_blocks, heads, causal, grid, b) for b in range(grid))  # no block idle
+
+
+@pytest.mark.parametrize("seqlen", [512, 1000, 1024, 2048, 4096, 8192, 16384])
+def test_causal_units_balance_the_blocks(seqlen):
+    """Causal tiles weigh m_block + 1 key blocks. At 132 SMs, 16 heads and 16k tokens,
+    plain round-robin over the tiles leaves the busiest block at 1.2-1.65x the mean load
+    (1.65 at seqlen 512, where block b meets the same query block every round); the
+    pairs keep it within the one-unit quantization (~3%)."""
+    m_blocks, heads = -(-seqlen // 128), max(1, 16384 // seqlen) * 16
+    mean = heads * m_blocks * (m_blocks + 1) / 2 / 132
+    loads = [sum(m + 1 for _, m in _walk(m_blocks, heads, True, 132, b)) for b in range(132)]
+    assert max(loads) <= 1.04 * mean
+    round_robin = [sum(m_blocks - t % m_blocks for t in range(b, heads * m_blocks, 132)) for b in range(132)]
+    assert max(round_robin) >= 1.05 * mean

@@ -1,6 +1,8 @@
 """The warp-specialised TMA forward (kernels_cu/flash_fwd_ws.cu) on the GPU against
 the float64 reference, switched on (dispatch.FWD_WS) at every head_dim it has for each
-test; skipped without a GPU, and off compute capability 9.0.
+test, each test run twice: one block per tile, and persistent (dispatch.FWD_WS_PERSISTENT:
+the fixture's one SM gives a grid of one block, which walks every tile); skipped without
+a GPU, and off compute capability 9.0.
 
 Every case must run that kernel: the fixture reports one SM, so the split-KV heuristic
 (which the warp-specialised kernel does not serve) never splits the small grids here,
@@ -32,11 +34,36 @@ pytestmark = pytest.mark.gpu
 WS_KERNEL = "flash_fwd_ws_kernel"
 
 
-@pytest.fixture
-def ws_on(monkeypatch, launches):
-    """The switch on at every head_dim (plans made afresh: conftest's fresh_plans), on a
-    cc 9.0 device that reports one SM (no split-KV: conftest restores num_sms); yields
-    the names of the kernels launched."""
+def record_ws_modes(monkeypatch):
+    """The PERSISTENT template argument, the VARIANT bits and the grid of every ws kernel
+    launched from now on (Launcher.__call__ wrapped, over conftest's ``launches`` recorder)."""
+    from cupyflash import _launch
+
+    modes = []
+    real_call = _launch.Launcher.__call__
+
+    def call(self, stream, *pointers, var=None):
+        modes.extend((spec.args[-1] == "true", int(spec.args[6]), spec.grid[0]) for spec in self.launches
+                     if spec.template.endswith(WS_KERNEL))
+        real_call(self, stream, *pointers, var=var)
+
+    monkeypatch.setattr(_launch.Launcher, "__call__", call)
+    return modes
+
+
+def check_ws_modes(modes, persistent, num_sms):
+    """Every ws launch ran in the mode asked for (persistent: at most num_sms blocks), but
+    for the variants the persistent form does not take (dispatch.uses_persistent_ws)."""
+    from cupyflash import dispatch
+
+    assert modes, "no ws launch"
+    assert all(p == (persistent and dispatch.uses_persistent_ws(bits)) for p, bits, _ in modes), modes
+    assert all(grid <= num_sms for p, _, grid in modes if p), modes
+
+
+def switch_ws_on(monkeypatch, persistent, num_sms):
+    """dispatch.FWD_WS at every head_dim, FWD_WS_PERSISTENT as given, a cc 9.0 device that
+    reports num_sms SMs (conftest restores it), fresh plans; skips off cc 9.0."""
     cp = pytest.importorskip("cupy")
     from cupyflash import _gpu, _launch, dispatch
 
@@ -44,10 +71,24 @@ def ws_on(monkeypatch, launches):
     if cc != (9, 0):
         pytest.skip(f"the warp-specialised forward runs on compute capability 9.0; this GPU is {cc}")
     monkeypatch.setattr(dispatch, "FWD_WS", True)
-    monkeypatch.setattr(_launch, "num_sms", lambda device_id: 1)
-    _gpu.select_fwd.cache_clear()
+    monkeypatch.setattr(dispatch, "FWD_WS_PERSISTENT", persistent)
+    monkeypatch.setattr(_launch, "num_sms", lambda device_id: num_sms)
+    _gpu.clear_plans()
+
+
+@pytest.fixture(params=[False, True], ids=["grid", "persistent"])
+def ws_on(request, monkeypatch, launches):
+    """The switch on at every head_dim, one block per tile or persistent (every test here
+    runs both), plans made afresh (conftest's fresh_plans), on a cc 9.0 device that
+    reports one SM (no split-KV; a persistent grid of one block, which walks every tile);
+    yields the names of the kernels launched, and checks the mode of every ws launch."""
+    from cupyflash import _gpu
+
+    switch_ws_on(monkeypatch, request.param, 1)
+    modes = record_ws_modes(monkeypatch)
     yield launches
-    _gpu.select_fwd.cache_clear()
+    check_ws_modes(modes, request.param, 1)
+    _gpu.clear_plans()
 
 
 def _run(dev, dtype, scale, causal):

@@ -3,7 +3,8 @@ against the float64 reference, sequence by sequence; skipped without a GPU, and 
 compute capability 9.0.
 
 The switch (dispatch.FWD_WS) is on at every head_dim the kernel has, and each test
-asserts that the forward's one launch is that kernel. Ragged lengths: a sequence with
+asserts that the forward's one launch is that kernel; each test runs twice, one block per
+tile and persistent (dispatch.FWD_WS_PERSISTENT). Ragged lengths: a sequence with
 no query, one with no key, lengths that are not multiples of the 128-row tiles (so a
 tile's rows past its sequence come from the next sequence, and past the last one from
 the map's zero fill), q longer than k and the reverse (bottom-right causal rows that see
@@ -16,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_gpu_variants import VARLEN_VARIANTS, dev, dtype_kw, host, on_xp  # sibling modules
+from test_gpu_fwd_ws import check_ws_modes, record_ws_modes, switch_ws_on  # sibling modules
+from test_gpu_variants import VARLEN_VARIANTS, dev, dtype_kw, host, on_xp
 from test_varlen import cu_seqlens, packed_inputs, packed_reference
 
 import cupyflash
@@ -35,20 +37,22 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture
-def ws_launches(monkeypatch, launches):
-    """The switch on at every head_dim (fresh plans), on a cc 9.0 device; every CuPy
-    allocation NaN-poisoned; yields the names of the kernels launched."""
+@pytest.fixture(params=[False, True], ids=["grid", "persistent"])
+def ws_launches(request, monkeypatch, launches):
+    """The switch on at every head_dim (fresh plans), one block per tile or persistent
+    (every test here runs both; persistent on a device that reports 3 SMs, so that each
+    block walks many tiles, some past their sequence's end), on a cc 9.0 device; every
+    CuPy allocation NaN-poisoned; yields the names of the kernels launched, and checks the
+    mode of every ws launch (packed batches are never split, whatever the SM count)."""
     cp = pytest.importorskip("cupy")
-    from cupyflash import _gpu, dispatch
+    from cupyflash import _gpu, _launch
 
-    cc = tuple(int(c) for c in cp.cuda.Device().compute_capability)
-    if cc != (9, 0):
-        pytest.skip(f"the warp-specialised forward runs on compute capability 9.0; this GPU is {cc}")
-    monkeypatch.setattr(dispatch, "FWD_WS", True)
-    _gpu.clear_plans()
+    num_sms = 3 if request.param else _launch.num_sms(cp.cuda.Device().id)
+    switch_ws_on(monkeypatch, request.param, num_sms)
+    modes = record_ws_modes(monkeypatch)
     with testing.poisoned_allocations(cp):
         yield launches
+    check_ws_modes(modes, request.param, num_sms)
     _gpu.clear_plans()
 
 
