@@ -175,10 +175,23 @@ FWD_WS: bool | tuple[int, ...] = {"all": True, "0": False}.get(_FWD_WS_ENV, FWD_
 
 #: The persistent ws forward (issue 15; kernels_cu/tile_scheduler.cuh): one block per SM
 #: (FWD_WS_BLOCKS_PER_SM) walking the query tiles, so that the producer copies the next
-#: tile's first K while the consumers finish the tile before. Off until an A/B
-#: (.ci/ws_persist_ab.py) measures a win; read when a call is planned (cupyflash._gpu
-#: plan_fwd), so set it, then ``cupyflash._gpu.clear_plans()``.
-FWD_WS_PERSISTENT = False
+#: tile's first K while the consumers finish the tile before. "auto": where it measured
+#: faster (:func:`persistent_ws_pays`); True: wherever the kernel takes the variant (the
+#: tests and .ci/ws_persist_ab.py); False: never. Read when a call is planned
+#: (cupyflash._gpu plan_fwd), so set it, then ``cupyflash._gpu.clear_plans()``.
+FWD_WS_PERSISTENT: bool | str = "auto"
+
+
+def persistent_ws_pays(variant: int, varlen: bool) -> bool:
+    """Whether the persistent ws forward is the faster one for this call (FWD_WS_PERSISTENT
+    "auto"): dense batches without a window. Measured on the H200 (kernels_cu/PERF.md v22,
+    run 94, D=128, 16k tokens): dense 1.01-1.11x the one-block-per-tile grid (median
+    1.05; 16k causal 0.99-1.01), but a window (4096, 0) at 16k 0.88x and a packed batch
+    of 14 sequences 0.97-0.98x: their tiles' unequal costs, which the static walk shares
+    out worse than the hardware hands out one-tile blocks."""
+    return not varlen and not variant & VAR_WINDOW
+
+
 #: ws blocks an SM holds at once: one (384 threads at 168 registers at entry take 64512
 #: of the SM's 65536; D=128's three stages, 225 KB of shared memory, alone would too).
 FWD_WS_BLOCKS_PER_SM = 1
@@ -448,7 +461,7 @@ def num_splits_heuristic(work_blocks: int, n_blocks: int, num_sms: int) -> int:
 def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_dim: int,
                dtype: str, causal: bool, vec: bool, num_sms: int = 132,
                cc: tuple[int, int] = (9, 0), varlen: bool = False, variant: int = 0,
-               ws: bool | tuple[int, ...] = False, persistent: bool = False) -> FwdPlan:
+               ws: bool | tuple[int, ...] = False, persistent: bool | str = False) -> FwdPlan:
     """Choose the forward kernel, its grid and whether to split the keys.
 
     ``vec`` says 16-byte accesses are legal (data pointers 16-byte aligned,
@@ -462,7 +475,8 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     and the keys are not split: True at every head_dim it has, or a tuple of the padded
     head_dims to take it at (:data:`FWD_WS`, :data:`FWD_WS_WINS`); False or () never.
     ``persistent``: that kernel's persistent form (:data:`FWD_WS_PERSISTENT`), on a grid of
-    ``num_sms`` blocks at most, where it takes the variant (:func:`uses_persistent_ws`).
+    ``num_sms`` blocks at most, where it takes the variant (:func:`uses_persistent_ws`);
+    "auto": where it pays (:func:`persistent_ws_pays`).
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
@@ -474,7 +488,9 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
         num_m_blocks = math.ceil(seqlen_q / FWD_WS_BLOCK_M)
         n_blocks = math.ceil(seqlen_k / block_n)
         if varlen or num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms) == 1:
-            persistent = persistent and uses_persistent_ws(variant)
+            if persistent == "auto":
+                persistent = persistent_ws_pays(variant, varlen)
+            persistent = bool(persistent) and uses_persistent_ws(variant)
             grid = fwd_ws_grid(num_m_blocks, batch * nheads_q, causal, num_sms, persistent)
             main = fwd_ws_launch(dtype, d, causal, head_dim == d, grid, variant, varlen, persistent)
             return FwdPlan(main, None, d, num_m_blocks, 1, n_blocks, (FWD_WS_BLOCK_M, block_n))

@@ -239,10 +239,26 @@ def test_every_gpu_varlen_case_plans_the_ws_kernel():
 # ----------------------------------------------------------------------------
 
 
-def test_persistent_is_off_by_default():
-    assert dispatch.FWD_WS_PERSISTENT is False
+def test_persistent_where_it_pays_by_default():
+    """"auto" (the default): persistent for dense calls without a window, one block per
+    tile for a window and for packed batches (persistent_ws_pays); True forces it where
+    the kernel takes the variant, False never."""
+    assert dispatch.FWD_WS_PERSISTENT == "auto"
+    assert _plan(ws=False, persistent="auto").main.template == "cupyflash::flash_fwd_sm90_kernel"
     plan = _plan(ws=True)
     assert plan.main.args[-1] == "false" and plan.main.grid == (128 * 16, 1, 1)
+    for causal in (False, True):
+        plan = _plan(ws=True, causal=causal, persistent="auto")
+        assert plan.main.args[-1] == "true" and plan.main.grid == (132, 1, 1)
+        window = _plan(ws=True, causal=causal, persistent="auto", variant=dispatch.VAR_WINDOW)
+        assert window.main.args[-1] == "false" and window.main.grid == (128 * 16, 1, 1)
+        assert _plan(ws=True, causal=causal, persistent=True, variant=dispatch.VAR_WINDOW).main.args[-1] == "true"
+        packed = _plan(ws=True, causal=causal, persistent="auto", varlen=True, batch=4)
+        assert packed.main.args[-1] == "false" and packed.main.grid == (128 * 4 * 16, 1, 1)
+        assert _plan(ws=True, causal=causal, persistent=False).main.args[-1] == "false"
+    assert dispatch.persistent_ws_pays(dispatch.VAR_SOFTCAP | dispatch.VAR_SINKS, False)
+    assert not dispatch.persistent_ws_pays(dispatch.VAR_WINDOW, False)
+    assert not dispatch.persistent_ws_pays(0, True)
 
 
 @pytest.mark.parametrize("m_blocks,heads,num_sms,grid,causal_grid", [
