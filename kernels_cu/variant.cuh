@@ -306,12 +306,51 @@ struct ScoreMod {
         const float x = SOFTCAP ? v.softcap_log2 * fast_tanh(s * v.softcap_scale) : s * softmax_scale_log2;
         return ALIBI ? fmaf(-slope_log2, float(abs(row + off - col)), x) : x;
     }
+
+    // ALiBi along a line of elements (one fragment row of a tile) whose distances
+    // d = row + off - col are d0 - c, c a compile-time offset of each element (8 j + e
+    // in score_tile's layout). scaled() above pays IADD3, IABS, I2FP and FFMA per score
+    // for -slope·|d|. Where every element of the line that the mask shows lies on one
+    // side of the diagonal (side = +1: d >= 0; -1: d <= 0; alibi_side), the term is
+    // linear in c: -side·slope·(d0 - c) = base + side·slope·c, base = -side·slope·d0 once
+    // per line; the score is then scaled's own FFMA with base as its addend and one
+    // FFMA with c an immediate (LINEAR). Else the abs stays (each element's d0 - c).
+    struct AlibiLine {
+        int d0;
+        float base, slope;  // LINEAR: -side·slope·d0 and side·slope (slope·log2(e) units)
+    };
+    template <bool LINEAR>
+    __device__ __forceinline__ AlibiLine alibi_line(int d0, float side_slope) const {
+        AlibiLine a;
+        a.d0 = d0;
+        a.slope = side_slope;
+        a.base = LINEAR ? -side_slope * float(d0) : 0.f;
+        return a;
+    }
+    // scaled() of the element at offset c of line a (ALiBi only).
+    template <bool LINEAR>
+    __device__ __forceinline__ float scaled(float s, const AlibiLine& a, int c) const {
+        static_assert(ALIBI, "an ALiBi line without ALiBi");
+        if constexpr (LINEAR) {
+            const float x = SOFTCAP ? fmaf(v.softcap_log2, fast_tanh(s * v.softcap_scale), a.base)
+                                    : fmaf(s, softmax_scale_log2, a.base);
+            return c == 0 ? x : fmaf(a.slope, float(c), x);
+        } else {
+            const float x = SOFTCAP ? v.softcap_log2 * fast_tanh(s * v.softcap_scale) : s * softmax_scale_log2;
+            return fmaf(-slope_log2, float(abs(a.d0 - c)), x);
+        }
+    }
+
     // The whole score, the bias and mask read here element by element (the forward
     // reads them a key block ahead instead: ScoreTerms). ATTN_MASK false: the mask
     // keeps the whole tile (the block map's FULL) and is not read.
     template <bool ATTN_MASK = true>
     __device__ __forceinline__ float score(float s, int row, int col) const {
-        float x = scaled(s, row, col);
+        return with_terms<ATTN_MASK>(scaled(s, row, col), row, col);
+    }
+    // x (scaled()'s) with the bias and mask of (row, col) read here (ATTN_MASK as score's).
+    template <bool ATTN_MASK = true>
+    __device__ __forceinline__ float with_terms(float x, int row, int col) const {
         if constexpr (BIAS) {
             const int64 r = min(row, last_row), c = min(col, last_col);
             x = fmaf(load_float(bias + r * v.bias_row_stride + c * v.bias_col_stride), LOG2E, x);
@@ -360,12 +399,92 @@ __device__ __forceinline__ void score_row_by(float (&s)[N_TILES][4], int half, c
     }
 }
 
+// The side of the diagonal on which the elements of rows [row_first, row_last] x columns
+// [col_first, col_last] lie, for ALiBi's linear form (ScoreMod::AlibiLine): +1 where
+// every one that the mask shows has row + off - col >= 0, -1 where every one has <= 0,
+// 0 where they straddle. The elements the mask hides do not count: their scores become
+// -inf (or, in a block run without mask code, they are rows past seqlen_q, whose
+// scores need only be finite). With causal every shown element has col <= row + off:
+// +1 with no test.
+template <bool IS_CAUSAL, int VARIANT>
+__device__ __forceinline__ int alibi_side(const Mask<IS_CAUSAL, VARIANT>& mask, int row_first, int row_last,
+                                          int col_first, int col_last) {
+    using MaskT = Mask<IS_CAUSAL, VARIANT>;
+    if constexpr (IS_CAUSAL) {
+        return 1;
+    } else {
+        int lo = row_first + mask.off - col_last, hi = row_last + mask.off - col_first;
+        if (MaskT::HAS_RIGHT) lo = max(lo, -mask.right);  // shown: col <= row + off + right
+        if (MaskT::WINDOW) hi = min(hi, mask.left);       // shown: col >= row + off - left
+        return lo >= 0 ? 1 : hi <= 0 ? -1 : 0;
+    }
+}
+
+// score_row_by with ALiBi on the row's line (LINEAR: side_slope = side·slope_log2 of
+// alibi_side), then terms(x, j, e): x with the bias and mask of (j, e).
+template <bool MASKED, bool LINEAR, bool IS_CAUSAL, int VARIANT, int N_TILES, typename T, typename Terms>
+__device__ __forceinline__ void alibi_score_row(float (&s)[N_TILES][4], int half, const ScoreMod<VARIANT, T>& mod,
+                                                const Mask<IS_CAUSAL, VARIANT>& mask, int row, int col0,
+                                                float side_slope, const Terms& terms) {
+    const auto line = mod.template alibi_line<LINEAR>(row + mod.off - col0, side_slope);
+    score_row_by<MASKED>(s, half, mask, row, col0, [&](float x, int j, int e) {
+        return terms(mod.template scaled<LINEAR>(x, line, j * 8 + e), j, e);
+    });
+}
+
 template <bool MASKED, bool ATTN_MASK = true, bool IS_CAUSAL, int VARIANT, int N_TILES, typename T>
 __device__ __forceinline__ void score_row(float (&s)[N_TILES][4], int half, const ScoreMod<VARIANT, T>& mod,
                                           const Mask<IS_CAUSAL, VARIANT>& mask, int row, int col0) {
-    score_row_by<MASKED>(s, half, mask, row, col0, [&](float x, int j, int e) {
-        return mod.template score<ATTN_MASK>(x, row, col0 + j * 8 + e);
-    });
+    if constexpr (ScoreMod<VARIANT, T>::ALIBI) {
+        const auto terms = [&](float x, int j, int e) {
+            return mod.template with_terms<ATTN_MASK>(x, row, col0 + j * 8 + e);
+        };
+        const int side = alibi_side(mask, row, row, col0, col0 + 8 * (N_TILES - 1) + 1);
+        if (side != 0) {
+            alibi_score_row<MASKED, true>(s, half, mod, mask, row, col0, side > 0 ? mod.slope_log2 : -mod.slope_log2,
+                                          terms);
+        } else {
+            alibi_score_row<MASKED, false>(s, half, mod, mask, row, col0, 0.f, terms);
+        }
+    } else {
+        score_row_by<MASKED>(s, half, mask, row, col0, [&](float x, int j, int e) {
+            return mod.template score<ATTN_MASK>(x, row, col0 + j * 8 + e);
+        });
+    }
+}
+
+// The rows of a tile set in score_tile's layout through alibi_score_row (LINEAR as
+// there); terms(x, i, half, j, e, row, col): x with the bias and mask of the element.
+template <bool MASKED, bool LINEAR, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES, typename T,
+          typename Terms>
+__device__ __forceinline__ void alibi_tile_rows(float (&s)[M_TILES][N_TILES][4], const ScoreMod<VARIANT, T>& mod,
+                                                const Mask<IS_CAUSAL, VARIANT>& mask, int row0, int col0,
+                                                float side_slope, const Terms& terms) {
+#pragma unroll
+    for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + i * 16 + half * 8;
+            alibi_score_row<MASKED, LINEAR>(s[i], half, mod, mask, row, col0, side_slope,
+                                            [&](float x, int j, int e) {
+                                                return terms(x, i, half, j, e, row, col0 + j * 8 + e);
+                                            });
+        }
+}
+
+// score_tile with ALiBi: the linear form where this thread's part of the block lies on
+// one side of the diagonal (alibi_side: one test per block and thread, none with
+// causal), else the abs; terms as alibi_tile_rows'.
+template <bool MASKED, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES, typename T, typename Terms>
+__device__ __forceinline__ void alibi_score_tile(float (&s)[M_TILES][N_TILES][4], const ScoreMod<VARIANT, T>& mod,
+                                                 const Mask<IS_CAUSAL, VARIANT>& mask, int row0, int col0,
+                                                 const Terms& terms) {
+    const int side = alibi_side(mask, row0, row0 + 16 * (M_TILES - 1) + 8, col0, col0 + 8 * (N_TILES - 1) + 1);
+    if (side != 0) {
+        alibi_tile_rows<MASKED, true>(s, mod, mask, row0, col0, side > 0 ? mod.slope_log2 : -mod.slope_log2, terms);
+    } else {
+        alibi_tile_rows<MASKED, false>(s, mod, mask, row0, col0, 0.f, terms);
+    }
 }
 
 // Scores of an mma accumulator tile set -> log2 units, masked (MASKED: the block
@@ -375,11 +494,17 @@ __device__ __forceinline__ void score_row(float (&s)[N_TILES][4], int half, cons
 template <bool MASKED, bool ATTN_MASK = true, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES, typename T>
 __device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], const ScoreMod<VARIANT, T>& mod,
                                            const Mask<IS_CAUSAL, VARIANT>& mask, int row0, int col0) {
+    if constexpr (ScoreMod<VARIANT, T>::ALIBI) {
+        alibi_score_tile<MASKED>(s, mod, mask, row0, col0, [&](float x, int, int, int, int, int row, int col) {
+            return mod.template with_terms<ATTN_MASK>(x, row, col);
+        });
+    } else {
 #pragma unroll
-    for (int i = 0; i < M_TILES; ++i)
+        for (int i = 0; i < M_TILES; ++i)
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
-            score_row<MASKED, ATTN_MASK>(s[i], half, mod, mask, row0 + i * 16 + half * 8, col0);
+            for (int half = 0; half < 2; ++half)
+                score_row<MASKED, ATTN_MASK>(s[i], half, mod, mask, row0 + i * 16 + half * 8, col0);
+    }
 }
 
 // The bias and mask of one key block at a thread's fragment rows (score_tile's layout:
@@ -506,15 +631,21 @@ template <bool MASKED, bool ATTN_MASK = true, bool IS_CAUSAL, int VARIANT, int M
 __device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], const ScoreMod<VARIANT, T>& mod,
                                            const Mask<IS_CAUSAL, VARIANT>& mask, int row0, int col0,
                                            const Terms& terms) {
+    if constexpr (ScoreMod<VARIANT, T>::ALIBI) {
+        alibi_score_tile<MASKED>(s, mod, mask, row0, col0, [&](float x, int i, int half, int j, int e, int, int) {
+            return terms.template apply<ATTN_MASK>(x, i, half, j, e);
+        });
+    } else {
 #pragma unroll
-    for (int i = 0; i < M_TILES; ++i)
+        for (int i = 0; i < M_TILES; ++i)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = row0 + i * 16 + half * 8;
-            score_row_by<MASKED>(s[i], half, mask, row, col0, [&](float x, int j, int e) {
-                return terms.template apply<ATTN_MASK>(mod.scaled(x, row, col0 + j * 8 + e), i, half, j, e);
-            });
-        }
+            for (int half = 0; half < 2; ++half) {
+                const int row = row0 + i * 16 + half * 8;
+                score_row_by<MASKED>(s[i], half, mask, row, col0, [&](float x, int j, int e) {
+                    return terms.template apply<ATTN_MASK>(mod.scaled(x, row, col0 + j * 8 + e), i, half, j, e);
+                });
+            }
+    }
 }
 
 // One key block's bias or mask in shared memory (StagedScoreTerms): ROWS x COLS
