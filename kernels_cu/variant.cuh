@@ -422,10 +422,9 @@ __device__ __forceinline__ int alibi_side(const Mask<IS_CAUSAL, VARIANT>& mask, 
 
 // score_row_by with ALiBi on the row's line (LINEAR: side_slope = side·slope_log2 of
 // alibi_side), then terms(x, j, e): x with the bias and mask of (j, e).
-template <bool MASKED, bool LINEAR, bool IS_CAUSAL, int VARIANT, int N_TILES, typename T, typename Terms>
-__device__ __forceinline__ void alibi_score_row(float (&s)[N_TILES][4], int half, const ScoreMod<VARIANT, T>& mod,
-                                                const Mask<IS_CAUSAL, VARIANT>& mask, int row, int col0,
-                                                float side_slope, const Terms& terms) {
+template <bool MASKED, bool LINEAR, int N_TILES, typename Mod, typename MaskT, typename Terms>
+__device__ __forceinline__ void alibi_score_row(float (&s)[N_TILES][4], int half, const Mod& mod, const MaskT& mask,
+                                                int row, int col0, float side_slope, const Terms& terms) {
     const auto line = mod.template alibi_line<LINEAR>(row + mod.off - col0, side_slope);
     score_row_by<MASKED>(s, half, mask, row, col0, [&](float x, int j, int e) {
         return terms(mod.template scaled<LINEAR>(x, line, j * 8 + e), j, e);
@@ -455,11 +454,9 @@ __device__ __forceinline__ void score_row(float (&s)[N_TILES][4], int half, cons
 
 // The rows of a tile set in score_tile's layout through alibi_score_row (LINEAR as
 // there); terms(x, i, half, j, e, row, col): x with the bias and mask of the element.
-template <bool MASKED, bool LINEAR, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES, typename T,
-          typename Terms>
-__device__ __forceinline__ void alibi_tile_rows(float (&s)[M_TILES][N_TILES][4], const ScoreMod<VARIANT, T>& mod,
-                                                const Mask<IS_CAUSAL, VARIANT>& mask, int row0, int col0,
-                                                float side_slope, const Terms& terms) {
+template <bool MASKED, bool LINEAR, int M_TILES, int N_TILES, typename Mod, typename MaskT, typename Terms>
+__device__ __forceinline__ void alibi_tile_rows(float (&s)[M_TILES][N_TILES][4], const Mod& mod, const MaskT& mask,
+                                                int row0, int col0, float side_slope, const Terms& terms) {
 #pragma unroll
     for (int i = 0; i < M_TILES; ++i)
 #pragma unroll
@@ -475,10 +472,9 @@ __device__ __forceinline__ void alibi_tile_rows(float (&s)[M_TILES][N_TILES][4],
 // score_tile with ALiBi: the linear form where this thread's part of the block lies on
 // one side of the diagonal (alibi_side: one test per block and thread, none with
 // causal), else the abs; terms as alibi_tile_rows'.
-template <bool MASKED, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES, typename T, typename Terms>
-__device__ __forceinline__ void alibi_score_tile(float (&s)[M_TILES][N_TILES][4], const ScoreMod<VARIANT, T>& mod,
-                                                 const Mask<IS_CAUSAL, VARIANT>& mask, int row0, int col0,
-                                                 const Terms& terms) {
+template <bool MASKED, int M_TILES, int N_TILES, typename Mod, typename MaskT, typename Terms>
+__device__ __forceinline__ void alibi_score_tile(float (&s)[M_TILES][N_TILES][4], const Mod& mod, const MaskT& mask,
+                                                 int row0, int col0, const Terms& terms) {
     const int side = alibi_side(mask, row0, row0 + 16 * (M_TILES - 1) + 8, col0, col0 + 8 * (N_TILES - 1) + 1);
     if (side != 0) {
         alibi_tile_rows<MASKED, true>(s, mod, mask, row0, col0, side > 0 ? mod.slope_log2 : -mod.slope_log2, terms);
@@ -1122,13 +1118,22 @@ struct BwdScores {
         : mask(v, seqlen_q, seqlen_k), mod(v, softmax_scale_log2, b, h, seqlen_q, seqlen_k),
           drop(v, b, h, nheads_q) {}
 
-    // The score of element (i, half, j, e) at (row, col), raw q·k s, log2 units, unmasked:
-    // the bias and mask from terms (ElementTerms: ScoreMod's own reads).
+    // The score of element (i, half, j, e) at (row, col0 + 8 j + e), raw q·k s, log2 units,
+    // unmasked: the bias and mask from terms (ElementTerms: ScoreMod's own reads). With
+    // ALiBi, line is the row's (alibi_line: the linear form with causal, where every
+    // element the mask shows has row + off >= col; else the abs).
     template <typename Terms>
-    __device__ __forceinline__ float score(const Terms& terms, float s, int row, int col, int i, int half, int j,
-                                           int e) const {
-        if constexpr (IsSame<Terms, ElementTerms>::value) return mod(s, row, col);
-        else return terms.apply(mod.scaled(s, row, col), i, half, j, e);
+    __device__ __forceinline__ float score(const Terms& terms, const typename ScoreMod<VARIANT, T>::AlibiLine& line,
+                                           float s, int row, int col0, int i, int half, int j, int e) const {
+        const int col = col0 + 8 * j + e;
+        if constexpr (ScoreMod<VARIANT, T>::ALIBI) {
+            const float x = mod.template scaled<IS_CAUSAL>(s, line, 8 * j + e);
+            if constexpr (IsSame<Terms, ElementTerms>::value) return mod.with_terms(x, row, col);
+            else return terms.apply(x, i, half, j, e);
+        } else {
+            if constexpr (IsSame<Terms, ElementTerms>::value) return mod(s, row, col);
+            else return terms.apply(mod.scaled(s, row, col), i, half, j, e);
+        }
     }
 
     // s: raw q·k -> P, its sign bit set where dropout drops (not with DEFER).
@@ -1164,9 +1169,13 @@ struct BwdScores {
                 const float dl = delta(i, half);
                 float l = 0.f;
                 int begin = 0, end = 0;
+                [[maybe_unused]] typename ScoreMod<VARIANT, T>::AlibiLine line;
                 if constexpr (DEFER) {
                     l = lse2(i, half);
                     if constexpr (MASKED) { begin = mask.col_begin(row); end = mask.col_end(row); }
+                    if constexpr (ScoreMod<VARIANT, T>::ALIBI) {
+                        line = mod.template alibi_line<IS_CAUSAL>(row + mod.off - col0, mod.slope_log2);
+                    }
                 }
 #pragma unroll
                 for (int j = 0; j < N_TILES; ++j) {
@@ -1182,7 +1191,7 @@ struct BwdScores {
                         bool kept = true;
                         if constexpr (DEFER) {  // ps is the raw score: score_tile and prob, element-wise
                             dtanh = mod.dscore(ps);
-                            float x = score(terms, ps, row, col + e, i, half, j, e);
+                            float x = score(terms, line, ps, row, col0, i, half, j, e);
                             if (MASKED && (col + e >= end || (MaskT::WINDOW && col + e < begin))) x = NEG_INF;
                             P = prob(x, l);
                             kept = (bits >> e) & 1u;
@@ -1242,15 +1251,23 @@ struct DbiasScores {
     template <bool MASKED, typename Lse2>
     __device__ __forceinline__ void probs(float (&s)[M_TILES][N_TILES][4], int row0, int col0,
                                           const Lse2& lse2) const {
+        if constexpr (PairMod::ALIBI) {  // (the scores, then P)
+            alibi_score_tile<MASKED>(s, mod, mask, row0, col0, [&](float x, int i, int half, int j, int e, int row,
+                                                                   int col) {
+                return mod.keep_masked(bias.apply(x, i, half, j, e), row, col);
+            });
+        }
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int row = row0 + i * 16 + half * 8;
-                score_row_by<MASKED>(s[i], half, mask, row, col0, [&](float x, int j, int e) {
-                    const int col = col0 + j * 8 + e;
-                    return mod.keep_masked(bias.apply(mod.scaled(x, row, col), i, half, j, e), row, col);
-                });
+                if constexpr (!PairMod::ALIBI) {
+                    score_row_by<MASKED>(s[i], half, mask, row, col0, [&](float x, int j, int e) {
+                        const int col = col0 + j * 8 + e;
+                        return mod.keep_masked(bias.apply(mod.scaled(x, row, col), i, half, j, e), row, col);
+                    });
+                }
                 const float l = lse2(i, half);
                 probs_row<DROPOUT>(s[i], half, l, drop, row, col0);
             }
