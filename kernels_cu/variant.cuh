@@ -314,30 +314,24 @@ struct ScoreMod {
     // side of the diagonal (side = +1: d >= 0; -1: d <= 0; alibi_side), the term is
     // linear in c: -side·slope·(d0 - c) = base + side·slope·c, base = -side·slope·d0 once
     // per line; the score is then scaled's own FFMA with base as its addend and one
-    // FFMA with c an immediate (LINEAR). Else the abs stays (each element's d0 - c).
+    // FFMA with c an immediate (LINEAR). Else each element keeps scaled()'s abs.
     struct AlibiLine {
-        int d0;
         float base, slope;  // LINEAR: -side·slope·d0 and side·slope (slope·log2(e) units)
     };
     template <bool LINEAR>
     __device__ __forceinline__ AlibiLine alibi_line(int d0, float side_slope) const {
-        AlibiLine a;
-        a.d0 = d0;
-        a.slope = side_slope;
-        a.base = LINEAR ? -side_slope * float(d0) : 0.f;
-        return a;
+        return {LINEAR ? -side_slope * float(d0) : 0.f, side_slope};
     }
-    // scaled() of the element at offset c of line a (ALiBi only).
+    // scaled() of (row, col), element c of line a: the linear form with ALiBi and LINEAR,
+    // else scaled(s, row, col).
     template <bool LINEAR>
-    __device__ __forceinline__ float scaled(float s, const AlibiLine& a, int c) const {
-        static_assert(ALIBI, "an ALiBi line without ALiBi");
-        if constexpr (LINEAR) {
+    __device__ __forceinline__ float scaled(float s, const AlibiLine& a, int c, int row, int col) const {
+        if constexpr (ALIBI && LINEAR) {
             const float x = SOFTCAP ? fmaf(v.softcap_log2, fast_tanh(s * v.softcap_scale), a.base)
                                     : fmaf(s, softmax_scale_log2, a.base);
             return c == 0 ? x : fmaf(a.slope, float(c), x);
         } else {
-            const float x = SOFTCAP ? v.softcap_log2 * fast_tanh(s * v.softcap_scale) : s * softmax_scale_log2;
-            return fmaf(-slope_log2, float(abs(a.d0 - c)), x);
+            return scaled(s, row, col);
         }
     }
 
@@ -427,7 +421,7 @@ __device__ __forceinline__ void alibi_score_row(float (&s)[N_TILES][4], int half
                                                 int row, int col0, float side_slope, const Terms& terms) {
     const auto line = mod.template alibi_line<LINEAR>(row + mod.off - col0, side_slope);
     score_row_by<MASKED>(s, half, mask, row, col0, [&](float x, int j, int e) {
-        return terms(mod.template scaled<LINEAR>(x, line, j * 8 + e), j, e);
+        return terms(mod.template scaled<LINEAR>(x, line, j * 8 + e, row, col0 + j * 8 + e), j, e);
     });
 }
 
@@ -1126,14 +1120,9 @@ struct BwdScores {
     __device__ __forceinline__ float score(const Terms& terms, const typename ScoreMod<VARIANT, T>::AlibiLine& line,
                                            float s, int row, int col0, int i, int half, int j, int e) const {
         const int col = col0 + 8 * j + e;
-        if constexpr (ScoreMod<VARIANT, T>::ALIBI) {
-            const float x = mod.template scaled<IS_CAUSAL>(s, line, 8 * j + e);
-            if constexpr (IsSame<Terms, ElementTerms>::value) return mod.with_terms(x, row, col);
-            else return terms.apply(x, i, half, j, e);
-        } else {
-            if constexpr (IsSame<Terms, ElementTerms>::value) return mod(s, row, col);
-            else return terms.apply(mod.scaled(s, row, col), i, half, j, e);
-        }
+        const float x = mod.template scaled<IS_CAUSAL>(s, line, 8 * j + e, row, col);
+        if constexpr (IsSame<Terms, ElementTerms>::value) return mod.with_terms(x, row, col);
+        else return terms.apply(x, i, half, j, e);
     }
 
     // s: raw q·k -> P, its sign bit set where dropout drops (not with DEFER).
