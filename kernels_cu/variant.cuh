@@ -396,20 +396,25 @@ __device__ __forceinline__ void score_row_by(float (&s)[N_TILES][4], int half, c
 // The side of the diagonal on which the elements of rows [row_first, row_last] x columns
 // [col_first, col_last] lie, for ALiBi's linear form (ScoreMod::AlibiLine): +1 where
 // every one that the mask shows has row + off - col >= 0, -1 where every one has <= 0,
-// 0 where they straddle. The elements the mask hides do not count: their scores become
-// -inf (or, in a block run without mask code, they are rows past seqlen_q, whose
-// scores need only be finite). With causal every shown element has col <= row + off:
-// +1 with no test.
-template <bool IS_CAUSAL, int VARIANT>
-__device__ __forceinline__ int alibi_side(const Mask<IS_CAUSAL, VARIANT>& mask, int row_first, int row_last,
-                                          int col_first, int col_last) {
+// 0 where they straddle. off is the ScoreMod's (the one alibi_line's base is taken
+// with), never the mask's: a kernel may build its Mask from zero lengths for a block
+// without mask code (flash_bwd_sm90.cu's dQ kernel), whose off and edges are then not
+// the sequence's. The elements the mask hides do not count (MASKED: the window's and
+// right edge's clamps): their scores become -inf. A block run without mask code
+// (!MASKED) shows every element of its rows < seqlen_q, so the clamps change nothing
+// there and are not applied (its rows past seqlen_q, whose scores need only be finite,
+// count with the rest). With causal every shown element has col <= row + off: +1 with
+// no test.
+template <bool MASKED, bool IS_CAUSAL, int VARIANT>
+__device__ __forceinline__ int alibi_side(const Mask<IS_CAUSAL, VARIANT>& mask, int off, int row_first,
+                                          int row_last, int col_first, int col_last) {
     using MaskT = Mask<IS_CAUSAL, VARIANT>;
     if constexpr (IS_CAUSAL) {
         return 1;
     } else {
-        int lo = row_first + mask.off - col_last, hi = row_last + mask.off - col_first;
-        if (MaskT::HAS_RIGHT) lo = max(lo, -mask.right);  // shown: col <= row + off + right
-        if (MaskT::WINDOW) hi = min(hi, mask.left);       // shown: col >= row + off - left
+        int lo = row_first + off - col_last, hi = row_last + off - col_first;
+        if (MASKED && MaskT::HAS_RIGHT) lo = max(lo, -mask.right);  // shown: col <= row + off + right
+        if (MASKED && MaskT::WINDOW) hi = min(hi, mask.left);       // shown: col >= row + off - left
         return lo >= 0 ? 1 : hi <= 0 ? -1 : 0;
     }
 }
@@ -432,7 +437,7 @@ __device__ __forceinline__ void score_row(float (&s)[N_TILES][4], int half, cons
         const auto terms = [&](float x, int j, int e) {
             return mod.template with_terms<ATTN_MASK>(x, row, col0 + j * 8 + e);
         };
-        const int side = alibi_side(mask, row, row, col0, col0 + 8 * (N_TILES - 1) + 1);
+        const int side = alibi_side<MASKED>(mask, mod.off, row, row, col0, col0 + 8 * (N_TILES - 1) + 1);
         if (side != 0) {
             alibi_score_row<MASKED, true>(s, half, mod, mask, row, col0, side > 0 ? mod.slope_log2 : -mod.slope_log2,
                                           terms);
@@ -469,7 +474,8 @@ __device__ __forceinline__ void alibi_tile_rows(float (&s)[M_TILES][N_TILES][4],
 template <bool MASKED, int M_TILES, int N_TILES, typename Mod, typename MaskT, typename Terms>
 __device__ __forceinline__ void alibi_score_tile(float (&s)[M_TILES][N_TILES][4], const Mod& mod, const MaskT& mask,
                                                  int row0, int col0, const Terms& terms) {
-    const int side = alibi_side(mask, row0, row0 + 16 * (M_TILES - 1) + 8, col0, col0 + 8 * (N_TILES - 1) + 1);
+    const int side = alibi_side<MASKED>(mask, mod.off, row0, row0 + 16 * (M_TILES - 1) + 8, col0,
+                                        col0 + 8 * (N_TILES - 1) + 1);
     if (side != 0) {
         alibi_tile_rows<MASKED, true>(s, mod, mask, row0, col0, side > 0 ? mod.slope_log2 : -mod.slope_log2, terms);
     } else {
