@@ -306,12 +306,45 @@ struct ScoreMod {
         const float x = SOFTCAP ? v.softcap_log2 * fast_tanh(s * v.softcap_scale) : s * softmax_scale_log2;
         return ALIBI ? fmaf(-slope_log2, float(abs(row + off - col)), x) : x;
     }
+
+    // ALiBi along a line of elements (one fragment row of a tile) whose distances
+    // d = row + off - col are d0 - c, c a compile-time offset of each element (8 j + e
+    // in score_tile's layout). scaled() above pays IADD3, IABS, I2FP and FFMA per score
+    // for -slope·|d|. Where every element of the line that the mask shows lies on one
+    // side of the diagonal (side = +1: d >= 0; -1: d <= 0; alibi_side), the term is
+    // linear in c: -side·slope·(d0 - c) = base + side·slope·c, base = -side·slope·d0 once
+    // per line; the score is then scaled's own FFMA with base as its addend and one
+    // FFMA with c an immediate (LINEAR). Else each element keeps scaled()'s abs.
+    struct AlibiLine {
+        float base, slope;  // LINEAR: -side·slope·d0 and side·slope (slope·log2(e) units)
+    };
+    template <bool LINEAR>
+    __device__ __forceinline__ AlibiLine alibi_line(int d0, float side_slope) const {
+        return {LINEAR ? -side_slope * float(d0) : 0.f, side_slope};
+    }
+    // scaled() of (row, col), element c of line a: the linear form with ALiBi and LINEAR,
+    // else scaled(s, row, col).
+    template <bool LINEAR>
+    __device__ __forceinline__ float scaled(float s, const AlibiLine& a, int c, int row, int col) const {
+        if constexpr (ALIBI && LINEAR) {
+            const float x = SOFTCAP ? fmaf(v.softcap_log2, fast_tanh(s * v.softcap_scale), a.base)
+                                    : fmaf(s, softmax_scale_log2, a.base);
+            return c == 0 ? x : fmaf(a.slope, float(c), x);
+        } else {
+            return scaled(s, row, col);
+        }
+    }
+
     // The whole score, the bias and mask read here element by element (the forward
     // reads them a key block ahead instead: ScoreTerms). ATTN_MASK false: the mask
     // keeps the whole tile (the block map's FULL) and is not read.
     template <bool ATTN_MASK = true>
     __device__ __forceinline__ float score(float s, int row, int col) const {
-        float x = scaled(s, row, col);
+        return with_terms<ATTN_MASK>(scaled(s, row, col), row, col);
+    }
+    // x (scaled()'s) with the bias and mask of (row, col) read here (ATTN_MASK as score's).
+    template <bool ATTN_MASK = true>
+    __device__ __forceinline__ float with_terms(float x, int row, int col) const {
         if constexpr (BIAS) {
             const int64 r = min(row, last_row), c = min(col, last_col);
             x = fmaf(load_float(bias + r * v.bias_row_stride + c * v.bias_col_stride), LOG2E, x);
@@ -360,12 +393,94 @@ __device__ __forceinline__ void score_row_by(float (&s)[N_TILES][4], int half, c
     }
 }
 
+// The side of the diagonal on which the elements of rows [row_first, row_last] x columns
+// [col_first, col_last] lie, for ALiBi's linear form (ScoreMod::AlibiLine): +1 where
+// every one that the mask shows has row + off - col >= 0, -1 where every one has <= 0,
+// 0 where they straddle. off is the ScoreMod's (the one alibi_line's base is taken
+// with), never the mask's: a kernel may build its Mask from zero lengths for a block
+// without mask code (flash_bwd_sm90.cu's dQ kernel), whose off and edges are then not
+// the sequence's. The elements the mask hides do not count (MASKED: the window's and
+// right edge's clamps): their scores become -inf. A block run without mask code
+// (!MASKED) shows every element of its rows < seqlen_q, so the clamps change nothing
+// there and are not applied (its rows past seqlen_q, whose scores need only be finite,
+// count with the rest). With causal every shown element has col <= row + off: +1 with
+// no test.
+template <bool MASKED, bool IS_CAUSAL, int VARIANT>
+__device__ __forceinline__ int alibi_side(const Mask<IS_CAUSAL, VARIANT>& mask, int off, int row_first,
+                                          int row_last, int col_first, int col_last) {
+    using MaskT = Mask<IS_CAUSAL, VARIANT>;
+    if constexpr (IS_CAUSAL) {
+        return 1;
+    } else {
+        int lo = row_first + off - col_last, hi = row_last + off - col_first;
+        if (MASKED && MaskT::HAS_RIGHT) lo = max(lo, -mask.right);  // shown: col <= row + off + right
+        if (MASKED && MaskT::WINDOW) hi = min(hi, mask.left);       // shown: col >= row + off - left
+        return lo >= 0 ? 1 : hi <= 0 ? -1 : 0;
+    }
+}
+
+// score_row_by with ALiBi on the row's line (LINEAR: side_slope = side·slope_log2 of
+// alibi_side), then terms(x, j, e): x with the bias and mask of (j, e).
+template <bool MASKED, bool LINEAR, int N_TILES, typename Mod, typename MaskT, typename Terms>
+__device__ __forceinline__ void alibi_score_row(float (&s)[N_TILES][4], int half, const Mod& mod, const MaskT& mask,
+                                                int row, int col0, float side_slope, const Terms& terms) {
+    const auto line = mod.template alibi_line<LINEAR>(row + mod.off - col0, side_slope);
+    score_row_by<MASKED>(s, half, mask, row, col0, [&](float x, int j, int e) {
+        return terms(mod.template scaled<LINEAR>(x, line, j * 8 + e, row, col0 + j * 8 + e), j, e);
+    });
+}
+
 template <bool MASKED, bool ATTN_MASK = true, bool IS_CAUSAL, int VARIANT, int N_TILES, typename T>
 __device__ __forceinline__ void score_row(float (&s)[N_TILES][4], int half, const ScoreMod<VARIANT, T>& mod,
                                           const Mask<IS_CAUSAL, VARIANT>& mask, int row, int col0) {
-    score_row_by<MASKED>(s, half, mask, row, col0, [&](float x, int j, int e) {
-        return mod.template score<ATTN_MASK>(x, row, col0 + j * 8 + e);
-    });
+    if constexpr (ScoreMod<VARIANT, T>::ALIBI) {
+        const auto terms = [&](float x, int j, int e) {
+            return mod.template with_terms<ATTN_MASK>(x, row, col0 + j * 8 + e);
+        };
+        const int side = alibi_side<MASKED>(mask, mod.off, row, row, col0, col0 + 8 * (N_TILES - 1) + 1);
+        if (side != 0) {
+            alibi_score_row<MASKED, true>(s, half, mod, mask, row, col0, side > 0 ? mod.slope_log2 : -mod.slope_log2,
+                                          terms);
+        } else {
+            alibi_score_row<MASKED, false>(s, half, mod, mask, row, col0, 0.f, terms);
+        }
+    } else {
+        score_row_by<MASKED>(s, half, mask, row, col0, [&](float x, int j, int e) {
+            return mod.template score<ATTN_MASK>(x, row, col0 + j * 8 + e);
+        });
+    }
+}
+
+// The rows of a tile set in score_tile's layout through alibi_score_row (LINEAR as
+// there); terms(x, i, half, j, e, row, col): x with the bias and mask of the element.
+template <bool MASKED, bool LINEAR, int M_TILES, int N_TILES, typename Mod, typename MaskT, typename Terms>
+__device__ __forceinline__ void alibi_tile_rows(float (&s)[M_TILES][N_TILES][4], const Mod& mod, const MaskT& mask,
+                                                int row0, int col0, float side_slope, const Terms& terms) {
+#pragma unroll
+    for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = row0 + i * 16 + half * 8;
+            alibi_score_row<MASKED, LINEAR>(s[i], half, mod, mask, row, col0, side_slope,
+                                            [&](float x, int j, int e) {
+                                                return terms(x, i, half, j, e, row, col0 + j * 8 + e);
+                                            });
+        }
+}
+
+// score_tile with ALiBi: the linear form where this thread's part of the block lies on
+// one side of the diagonal (alibi_side: one test per block and thread, none with
+// causal), else the abs; terms as alibi_tile_rows'.
+template <bool MASKED, int M_TILES, int N_TILES, typename Mod, typename MaskT, typename Terms>
+__device__ __forceinline__ void alibi_score_tile(float (&s)[M_TILES][N_TILES][4], const Mod& mod, const MaskT& mask,
+                                                 int row0, int col0, const Terms& terms) {
+    const int side = alibi_side<MASKED>(mask, mod.off, row0, row0 + 16 * (M_TILES - 1) + 8, col0,
+                                        col0 + 8 * (N_TILES - 1) + 1);
+    if (side != 0) {
+        alibi_tile_rows<MASKED, true>(s, mod, mask, row0, col0, side > 0 ? mod.slope_log2 : -mod.slope_log2, terms);
+    } else {
+        alibi_tile_rows<MASKED, false>(s, mod, mask, row0, col0, 0.f, terms);
+    }
 }
 
 // Scores of an mma accumulator tile set -> log2 units, masked (MASKED: the block
@@ -375,11 +490,17 @@ __device__ __forceinline__ void score_row(float (&s)[N_TILES][4], int half, cons
 template <bool MASKED, bool ATTN_MASK = true, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES, typename T>
 __device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], const ScoreMod<VARIANT, T>& mod,
                                            const Mask<IS_CAUSAL, VARIANT>& mask, int row0, int col0) {
+    if constexpr (ScoreMod<VARIANT, T>::ALIBI) {
+        alibi_score_tile<MASKED>(s, mod, mask, row0, col0, [&](float x, int, int, int, int, int row, int col) {
+            return mod.template with_terms<ATTN_MASK>(x, row, col);
+        });
+    } else {
 #pragma unroll
-    for (int i = 0; i < M_TILES; ++i)
+        for (int i = 0; i < M_TILES; ++i)
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
-            score_row<MASKED, ATTN_MASK>(s[i], half, mod, mask, row0 + i * 16 + half * 8, col0);
+            for (int half = 0; half < 2; ++half)
+                score_row<MASKED, ATTN_MASK>(s[i], half, mod, mask, row0 + i * 16 + half * 8, col0);
+    }
 }
 
 // The bias and mask of one key block at a thread's fragment rows (score_tile's layout:
@@ -506,15 +627,21 @@ template <bool MASKED, bool ATTN_MASK = true, bool IS_CAUSAL, int VARIANT, int M
 __device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], const ScoreMod<VARIANT, T>& mod,
                                            const Mask<IS_CAUSAL, VARIANT>& mask, int row0, int col0,
                                            const Terms& terms) {
+    if constexpr (ScoreMod<VARIANT, T>::ALIBI) {
+        alibi_score_tile<MASKED>(s, mod, mask, row0, col0, [&](float x, int i, int half, int j, int e, int, int) {
+            return terms.template apply<ATTN_MASK>(x, i, half, j, e);
+        });
+    } else {
 #pragma unroll
-    for (int i = 0; i < M_TILES; ++i)
+        for (int i = 0; i < M_TILES; ++i)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = row0 + i * 16 + half * 8;
-            score_row_by<MASKED>(s[i], half, mask, row, col0, [&](float x, int j, int e) {
-                return terms.template apply<ATTN_MASK>(mod.scaled(x, row, col0 + j * 8 + e), i, half, j, e);
-            });
-        }
+            for (int half = 0; half < 2; ++half) {
+                const int row = row0 + i * 16 + half * 8;
+                score_row_by<MASKED>(s[i], half, mask, row, col0, [&](float x, int j, int e) {
+                    return terms.template apply<ATTN_MASK>(mod.scaled(x, row, col0 + j * 8 + e), i, half, j, e);
+                });
+            }
+    }
 }
 
 // One key block's bias or mask in shared memory (StagedScoreTerms): ROWS x COLS
@@ -991,13 +1118,17 @@ struct BwdScores {
         : mask(v, seqlen_q, seqlen_k), mod(v, softmax_scale_log2, b, h, seqlen_q, seqlen_k),
           drop(v, b, h, nheads_q) {}
 
-    // The score of element (i, half, j, e) at (row, col), raw q·k s, log2 units, unmasked:
-    // the bias and mask from terms (ElementTerms: ScoreMod's own reads).
+    // The score of element (i, half, j, e) at (row, col0 + 8 j + e), raw q·k s, log2 units,
+    // unmasked: the bias and mask from terms (ElementTerms: ScoreMod's own reads). With
+    // ALiBi, line is the row's (alibi_line: the linear form with causal, where every
+    // element the mask shows has row + off >= col; else the abs).
     template <typename Terms>
-    __device__ __forceinline__ float score(const Terms& terms, float s, int row, int col, int i, int half, int j,
-                                           int e) const {
-        if constexpr (IsSame<Terms, ElementTerms>::value) return mod(s, row, col);
-        else return terms.apply(mod.scaled(s, row, col), i, half, j, e);
+    __device__ __forceinline__ float score(const Terms& terms, const typename ScoreMod<VARIANT, T>::AlibiLine& line,
+                                           float s, int row, int col0, int i, int half, int j, int e) const {
+        const int col = col0 + 8 * j + e;
+        const float x = mod.template scaled<IS_CAUSAL>(s, line, 8 * j + e, row, col);
+        if constexpr (IsSame<Terms, ElementTerms>::value) return mod.with_terms(x, row, col);
+        else return terms.apply(x, i, half, j, e);
     }
 
     // s: raw q·k -> P, its sign bit set where dropout drops (not with DEFER).
@@ -1033,9 +1164,13 @@ struct BwdScores {
                 const float dl = delta(i, half);
                 float l = 0.f;
                 int begin = 0, end = 0;
+                [[maybe_unused]] typename ScoreMod<VARIANT, T>::AlibiLine line;
                 if constexpr (DEFER) {
                     l = lse2(i, half);
                     if constexpr (MASKED) { begin = mask.col_begin(row); end = mask.col_end(row); }
+                    if constexpr (ScoreMod<VARIANT, T>::ALIBI) {
+                        line = mod.template alibi_line<IS_CAUSAL>(row + mod.off - col0, mod.slope_log2);
+                    }
                 }
 #pragma unroll
                 for (int j = 0; j < N_TILES; ++j) {
@@ -1051,7 +1186,7 @@ struct BwdScores {
                         bool kept = true;
                         if constexpr (DEFER) {  // ps is the raw score: score_tile and prob, element-wise
                             dtanh = mod.dscore(ps);
-                            float x = score(terms, ps, row, col + e, i, half, j, e);
+                            float x = score(terms, line, ps, row, col0, i, half, j, e);
                             if (MASKED && (col + e >= end || (MaskT::WINDOW && col + e < begin))) x = NEG_INF;
                             P = prob(x, l);
                             kept = (bits >> e) & 1u;
@@ -1111,15 +1246,23 @@ struct DbiasScores {
     template <bool MASKED, typename Lse2>
     __device__ __forceinline__ void probs(float (&s)[M_TILES][N_TILES][4], int row0, int col0,
                                           const Lse2& lse2) const {
+        if constexpr (PairMod::ALIBI) {  // (the scores, then P)
+            alibi_score_tile<MASKED>(s, mod, mask, row0, col0, [&](float x, int i, int half, int j, int e, int row,
+                                                                   int col) {
+                return mod.keep_masked(bias.apply(x, i, half, j, e), row, col);
+            });
+        }
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int row = row0 + i * 16 + half * 8;
-                score_row_by<MASKED>(s[i], half, mask, row, col0, [&](float x, int j, int e) {
-                    const int col = col0 + j * 8 + e;
-                    return mod.keep_masked(bias.apply(mod.scaled(x, row, col), i, half, j, e), row, col);
-                });
+                if constexpr (!PairMod::ALIBI) {
+                    score_row_by<MASKED>(s[i], half, mask, row, col0, [&](float x, int j, int e) {
+                        const int col = col0 + j * 8 + e;
+                        return mod.keep_masked(bias.apply(mod.scaled(x, row, col), i, half, j, e), row, col);
+                    });
+                }
                 const float l = lse2(i, half);
                 probs_row<DROPOUT>(s[i], half, l, drop, row, col0);
             }
