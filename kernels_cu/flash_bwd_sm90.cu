@@ -301,7 +301,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         // ALiBi along each of the two keys (ScoreMod::AlibiLine): element (j, e) has d = query
         // + off - key = d0 - c, c = -(8 j + (e & 1)); with causal every element the mask
         // shows has d >= 0, the linear form (else the abs)
-        const typename ScoreMod<VARIANT, T>::AlibiLine lines[2] = {
+        [[maybe_unused]] const typename ScoreMod<VARIANT, T>::AlibiLine lines[2] = {
             mod.template alibi_line<IS_CAUSAL>(m0 + 2 * t + mod.off - (n0 + key_row0), mod.slope_log2),
             mod.template alibi_line<IS_CAUSAL>(m0 + 2 * t + mod.off - (n0 + key_row0 + 8), mod.slope_log2)};
         [[maybe_unused]] float pd[M_TILES][4];  // softcap: P·(1 − tanh²), dS's factor in place of P
@@ -315,11 +315,15 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
                 float x;
                 if constexpr (VARIANT == 0) {
                     x = fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -lse));
-                } else {
+                } else if constexpr (ScoreMod<VARIANT, T>::ALIBI) {
                     const float y =
                         mod.template scaled<IS_CAUSAL>(st[j][e], lines[e / 2], -(8 * j + (e & 1)), query, key);
                     if constexpr (STAGED) x = prob(terms.template apply<ATTN_MASKED>(y, j, e), lse);
                     else x = prob(mod.template with_terms<ATTN_MASKED>(y, query, key), lse);
+                } else if constexpr (STAGED) {
+                    x = prob(terms.template apply<ATTN_MASKED>(mod.scaled(st[j][e], query, key), j, e), lse);
+                } else {
+                    x = prob(mod.template score<ATTN_MASKED>(st[j][e], query, key), lse);
                 }
                 if (MASKED && !key_rows[e / 2].sees(query)) x = 0.f;  // Mask::visible(query, key)
                 if constexpr (SOFTCAP) pd[j][e] = x * mod.dscore(st[j][e]);
