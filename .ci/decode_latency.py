@@ -6,27 +6,15 @@ GPU, median of 300) of: the public call; the planned entry called directly; its
 launcher alone (pointers precomputed); the launcher with the main kernel only (no
 combine: wrong output, timing only).
 """
-import statistics
-
 import cupy
 
 import cupyflash
-from cupyflash import _kvcache
+from cupyflash import _bench_suites, _kvcache, bench
 
 
 def latency_us(fn, reps=300):
-    for _ in range(30):
-        fn()
-    cupy.cuda.Device().synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(a, b) * 1e3)
-    return statistics.median(times)
+    """The bench's decode latency (events around one call from an idle GPU, median)."""
+    return bench._time_ms(fn, reps, cupy, warmup_ms=_bench_suites.DECODE_WARMUP_MS) * 1e3  # noqa: SLF001
 
 
 B, HQ, HKV, D = 1, 32, 8, 128
@@ -53,29 +41,18 @@ for sk in (1024, 8192, 32768, 131072):
     kernels = launcher._kernels
     launcher._kernels = kernels[:1]
     row.append(f"main only {latency_us(raw):6.1f}")
-    launcher._kernels = kernels[1:] * 1
+    launcher._kernels = kernels[1:]
     row.append(f"combine only {latency_us(raw):6.1f}")
     launcher._kernels = kernels
     print("  ".join(row), flush=True)
 
-# Host pieces at the last key count (µs per back-to-back call, median of 5 x 3000)
-import time  # noqa: E402
-
+# Host pieces at the last key count (µs per back-to-back call, host clock up to the last
+# call's return, median of 5 batches of 3000)
 from cupyflash import _api, _interop  # noqa: E402
 
 
-def host_us(fn, n=3000):
-    for _ in range(200):
-        fn()
-    cupy.cuda.Device().synchronize()
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        runs.append((time.perf_counter() - t0) / n * 1e6)
-        cupy.cuda.Device().synchronize()
-    return statistics.median(runs)
+def host_us(fn):
+    return _bench_suites.per_call_us(fn, calls=3000, batches=5, synchronize=cupy.cuda.Device().synchronize)[1]
 
 
 names = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_batch_idx", "block_table", "alibi_slopes",

@@ -234,19 +234,22 @@ class _GpuCacheEntry:
 
     __slots__ = ("call", "device_id", "capacity", "seqlen_new", "variant", "_cupy", "_outputs")
 
-    def __init__(self, call, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize, variant=False):
+    def __init__(self, call, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize, variant=False,
+                 scratch_bytes=0):
         """``variant``: the plans were made with variants (issue 13): each call passes
-        their per-call values (the slopes' and sinks' pointers)."""
+        their per-call values (the slopes' and sinks' pointers). ``scratch_bytes``: the
+        call's scratch, allocated after out and lse in the same allocation."""
         self.call, self.device_id, self.capacity, self.seqlen_new = call, device_id, capacity, seqlen_new
         self.variant = variant
         self._cupy = sys.modules["cupy"]
         out_bytes = itemsize * int(np.prod(out_shape))
-        total, (_, lse_offset) = _launch.scratch_layout((out_bytes, 4 * int(np.prod(lse_shape))))
-        self._outputs = (out_shape, lse_shape, total, lse_offset)
+        total, (_, lse_offset, scratch_offset) = _launch.scratch_layout(
+            (out_bytes, 4 * int(np.prod(lse_shape)), scratch_bytes))
+        self._outputs = (out_shape, lse_shape, total, lse_offset, scratch_offset)
 
     def _allocate(self, dtype):
         """out and lse in one allocation (a decode step is a few microseconds of host time)."""
-        out_shape, lse_shape, total, lse_offset = self._outputs
+        out_shape, lse_shape, total, lse_offset, _ = self._outputs
         ndarray = self._cupy.ndarray
         memory = self._cupy.cuda.alloc(total)
         return ndarray(out_shape, dtype, memory), ndarray(lse_shape, _FLOAT32, memory + lse_offset)
@@ -317,21 +320,19 @@ class _GpuDecode(_GpuCacheEntry):
     split). out, lse and the split partials share one allocation; lse becomes an
     array only when the call returns it."""
 
-    __slots__ = ("_layout", "_launch", "_return_lse")
+    __slots__ = ("_accum", "_launch", "_return_lse")
 
     def __init__(self, call, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize, variant=False,
                  return_lse=True):
-        super().__init__(call, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize, variant)
-        out_bytes = itemsize * int(np.prod(out_shape))
-        total, (_, lse_offset, scratch) = _launch.scratch_layout(
-            (out_bytes, 4 * int(np.prod(lse_shape)), call.scratch_bytes))
-        accum = tuple(scratch + o for o in call.accum_offsets) if call.scratch_bytes else None
-        self._layout = (out_shape, lse_shape, total, lse_offset, accum)
+        super().__init__(call, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize, variant,
+                         scratch_bytes=call.scratch_bytes)
+        scratch = self._outputs[4]
+        self._accum = tuple(scratch + o for o in call.accum_offsets) if call.scratch_bytes else None
         self._launch, self._return_lse = call.launcher, return_lse
 
     def _run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, var):
-        cupy = self._cupy
-        out_shape, lse_shape, total, lse_offset, accum = self._layout
+        cupy, accum = self._cupy, self._accum
+        out_shape, lse_shape, total, lse_offset, _ = self._outputs
         memory = cupy.cuda.alloc(total)
         base = memory.ptr
         out = cupy.ndarray(out_shape, q.dtype, memory)
@@ -341,12 +342,11 @@ class _GpuDecode(_GpuCacheEntry):
             out_accum = lse_accum = 0
         else:
             out_accum, lse_accum = base + accum[0], base + accum[1]
-            if stream.is_capturing():
-                _launch.keep_for_graph(memory)  # the partials a replay writes, past out's lifetime
+            _launch.keep_for_graph(memory)  # while capturing: the partials a replay writes, past out's lifetime
         lengths, cache_len = self._lengths(cache_seqlens)
         self._launch(stream.ptr, q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, _ptr(k), _ptr(v), out.data.ptr,
-                     base + lse_offset if lse is None else lse.data.ptr, out_accum, lse_accum, lengths, _ptr(cache_batch_idx), _ptr(block_table), 0,
-                     cache_len, var=var)
+                     base + lse_offset if lse is None else lse.data.ptr, out_accum, lse_accum, lengths,
+                     _ptr(cache_batch_idx), _ptr(block_table), 0, cache_len, var=var)
         return out, lse
 
 

@@ -35,6 +35,7 @@
 #include "tile_io.cuh"
 #include "variant.cuh"
 #include "online_softmax.cuh"
+#include "warp_mma.cuh"
 #include "wgmma.cuh"
 #include "fwd_sm90.cuh"
 
@@ -127,10 +128,7 @@ flash_fwd_sm90_kernel(const FwdParams p) {
     };
 
     float acc_o[1][D_TILES][4];
-#pragma unroll
-    for (int d = 0; d < D_TILES; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[0][d][e] = 0.f;
+    clear(acc_o);
     float row_sum[1][2] = {{0.f, 0.f}};
     OnlineSoftmax<1> softmax;
     softmax.init(sink);

@@ -84,6 +84,7 @@
 #include "query_grid.cuh"
 #include "variant.cuh"
 #include "online_softmax.cuh"
+#include "warp_mma.cuh"
 #include "tma.cuh"
 #include "fwd_sm90.cuh"
 #include "tile_scheduler.cuh"
@@ -280,10 +281,7 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
         const float sink = sink_log2<VARIANT>(p.var, h);
 
         float acc_o[1][D_TILES][4];
-#pragma unroll
-        for (int d = 0; d < D_TILES; ++d)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[0][d][e] = 0.f;
+        clear(acc_o);
         float row_sum[1][2] = {{0.f, 0.f}};
         OnlineSoftmax<1> softmax;
         softmax.init(sink);

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 
 from test_gpu_fwd import make_inputs  # sibling modules
-from test_gpu_fwd_ws import (WS_EMPTY_ROWS, WS_KERNEL, _check, _run, check_variant, check_ws_modes,
-                             record_ws_modes, run_variant, switch_ws_on)
+from test_gpu_fwd_ws import (WS_EMPTY_ROWS, WS_KERNEL, _check, _run, check_rows_that_see_no_key, check_variant,
+                             check_ws_modes, record_ws_modes, run_variant, switch_ws_on)
 from test_gpu_variants import OFFSET, SEED, alibi_batch_heads, sink_logits
 from test_gpu_varlen_ws import _check as check_packed
 from test_gpu_varlen_ws import _forward as packed_forward
@@ -84,20 +83,7 @@ def test_persistent_packed(walk, rng, causal):
 def test_persistent_tiles_that_see_no_key(walk, rng, case, with_sinks):
     """Tiles with no visible key (a window's, causal's) between tiles with keys in one
     block's walk: out 0, lse -inf (the sink's with sinks), the rest within the rule."""
-    launches, _ = walk
-    shape, causal, make, empty = WS_EMPTY_ROWS[case]
-    variants = make(rng)
-    if with_sinks:
-        variants["sinks"] = rng.uniform(-2.0, 2.0, shape[3]).astype(np.float32)
-    inputs, (out, lse) = run_variant(launches, rng, "float16", shape, causal, variants)
-    assert not np.isnan(out.astype(np.float32)).any() and not np.isnan(lse).any()
-    assert (out[:, empty] == 0).all()
-    if with_sinks:
-        np.testing.assert_allclose(lse[:, :, empty], np.broadcast_to(variants["sinks"][None, :, None],
-                                                                     lse[:, :, empty].shape), rtol=1e-5, atol=1e-5)
-    else:
-        assert (lse[:, :, empty] == -np.inf).all()
-    check_variant(inputs, (out, lse), causal, variants)
+    check_rows_that_see_no_key(walk[0], rng, case, with_sinks)
 
 
 @pytest.mark.parametrize("causal,variants", [
