@@ -126,19 +126,9 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
 
 
 def tma_maps(q, k, v, dtype_name: str, box_rows: tuple[int, int]) -> _tma.MapCache:
-    """The TMA maps of q, k, v (box rows ``box_rows``: Q's, K's and V's) per address.
-
-    Dense ``(batch, seqlen, nheads, d)`` tensors map as they are; packed ``(total,
-    nheads, d)`` ones as one sequence of ``total`` rows in a batch of 1 (the kernel
-    offsets its row coordinate by the sequence's start: kernels_cu/flash_fwd_ws.cu),
-    so no copy reads past the packed tensor's last row (the map's bound: zeros)."""
-    return _tma.MapCache(_tma.seq_map(dtype_name, _map_shape(a), seq_strides(a), a.itemsize, rows)
-                         for a, rows in ((q, box_rows[0]), (k, box_rows[1]), (v, box_rows[1])))
-
-
-def _map_shape(a) -> tuple[int, int, int, int]:
-    """(batch, seqlen, nheads, d) of a dense tensor, (1, total, nheads, d) of a packed one."""
-    return tuple(a.shape) if len(a.shape) == 4 else (1, *a.shape)
+    """The TMA maps of q, k, v (box rows ``box_rows``: Q's, K's and V's) per address
+    (:func:`._tma.maps_of`)."""
+    return _tma.maps_of((q, k, v), dtype_name, (box_rows[0], box_rows[1], box_rows[1]))
 
 
 _VAR_WRITER = (_params.offset_of(_params.FWD_PARAMS, "var"), _variant.WRITER)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import math
 
-from . import _launch, _params, _variant, dispatch
+from . import _launch, _params, _tma, _variant, dispatch
 from ._launch import LOG2E, Contiguous, lse_strides, vec_ok
 
 select_bwd = functools.lru_cache(maxsize=4096)(dispatch.select_bwd)
@@ -106,7 +106,7 @@ def plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causa
         vec=vec_ok((q, k, v, out, dout, dq, dk, dv), head_dim),
         num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id), varlen=packed is not None,
         total_q=packed_totals[0], total_k=packed_totals[1], variant=_variant.plan_bits(options) if options else 0,
-        dbias_shape=_variant.dbias_shape(options) if options else None)
+        dbias_shape=_variant.dbias_shape(options) if options else None, ws=dispatch.BWD_WS)
     kv_tile, q_tile = dispatch.bwd_block_map_tiles(plan)  # VAR_BLOCK_MAP: the dK/dV and dQ kernels' maps
     rows_q = nheads_q * total_q  # the row buffers: one row per query (key) row, per head
     scratch = _launch.scratch_layout((
@@ -125,7 +125,14 @@ def plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causa
         var=_variant.plan_fields(options or {}, softmax_scale, nheads_q, block_map_tile=q_tile,
                                  kv_block_map_tile=kv_tile))
     grad_sizes = tuple(math.prod(x.shape) * x.itemsize for x in (q, k, v))
-    return BwdCall(plan, grad_sizes, scratch, _launch.Launcher(plan.launches, template, _BWD_WRITER, _VAR_WRITER))
+    maps = None
+    if plan.tma_box_rows is not None:  # BwdTmaParams: BwdParams, then the maps of q, k, v, dout
+        template += bytes(_params.BWD_TMA_PARAMS.itemsize - len(template))
+        maps = (_params.offset_of(_params.BWD_TMA_PARAMS, "q_map"),
+                _tma.maps_of((q, k, v, dout), dtype_name, plan.tma_box_rows),
+                tuple(BWD_POINTERS.index(name) for name in ("q", "k", "v", "dout")))
+    return BwdCall(plan, grad_sizes, scratch,
+                   _launch.Launcher(plan.launches, template, _BWD_WRITER, _VAR_WRITER, maps))
 
 
 _VAR_WRITER = (_params.offset_of(_params.BWD_PARAMS, "var"), _variant.WRITER)

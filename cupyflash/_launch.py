@@ -204,14 +204,15 @@ class Launcher:
     """
 
     __slots__ = ("_buffer", "_argv", "_argv_address", "_pack_into", "_var_pack_into", "_var_offset", "_kernels",
-                 "_lock", "_launch_kernel", "launches", "_maps_address", "_maps")
+                 "_lock", "_launch_kernel", "launches", "_maps_address", "_maps", "_map_pointers")
 
     def __init__(self, launches, template: bytes, writer, variant=None, maps=None):
         """``variant``: ``(offset, writer)`` of the struct's ``var`` member and the
         writer of its per-call fields (:mod:`._variant`), for calls with ``var``.
         ``maps``: ``(offset, make)`` for a struct that carries TMA maps of the first
         three pointers (:class:`._tma.MapCache`): ``make(q, k, v)`` returns their bytes,
-        written at ``offset`` on every call."""
+        written at ``offset`` on every call; or ``(offset, make, indices)``: the maps of
+        the pointers at those positions."""
         import cupy  # noqa: PLC0415
 
         self._launch_kernel = cupy.cuda.driver.launchKernel
@@ -227,6 +228,7 @@ class Launcher:
                                                                                   variant[1].struct.pack_into)
         self._maps_address, self._maps = (0, None) if maps is None else (
             ctypes.addressof(self._buffer) + maps[0], maps[1])
+        self._map_pointers = (0, 1, 2) if maps is None or len(maps) < 3 else tuple(maps[2])
         self._lock = threading.Lock()
 
     def __call__(self, stream: int, *pointers: int, var=None) -> None:
@@ -237,7 +239,7 @@ class Launcher:
         with self._lock:
             self._pack_into(self._buffer, 0, *pointers)
             if self._maps is not None:
-                maps = self._maps(*pointers[:3])
+                maps = self._maps(*(pointers[i] for i in self._map_pointers))
                 ctypes.memmove(self._maps_address, maps, len(maps))
             if var is not None:
                 self._var_pack_into(self._buffer, self._var_offset, *var)

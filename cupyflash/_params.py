@@ -73,13 +73,14 @@ TMA_DESCRIPTOR_BYTES = 128
 _TMA_ALIGN = 64
 
 
-def _tma_params():
-    """kernels_cu/params.cuh FwdTmaParams: FwdParams, then the q, k and v maps, each
-    at the next multiple of 64 bytes (numpy's align=True knows no 64-byte members)."""
-    names, formats, offsets, pos = ["fwd"], [FWD_PARAMS], [0], FWD_PARAMS.itemsize
-    for name in ("q_map", "k_map", "v_map"):
+def _tma_params(name: str, params: np.dtype, maps: tuple[str, ...]) -> np.dtype:
+    """kernels_cu/params.cuh FwdTmaParams / BwdTmaParams: ``params`` as member ``name``,
+    then the ``maps``, each at the next multiple of 64 bytes (numpy's align=True knows no
+    64-byte members)."""
+    names, formats, offsets, pos = [name], [params], [0], params.itemsize
+    for map_name in maps:
         pos = -(-pos // _TMA_ALIGN) * _TMA_ALIGN
-        names.append(name)
+        names.append(map_name)
         formats.append((np.uint8, TMA_DESCRIPTOR_BYTES))
         offsets.append(pos)
         pos += TMA_DESCRIPTOR_BYTES
@@ -87,7 +88,7 @@ def _tma_params():
                      "itemsize": -(-pos // _TMA_ALIGN) * _TMA_ALIGN})
 
 
-FWD_TMA_PARAMS = _tma_params()
+FWD_TMA_PARAMS = _tma_params("fwd", FWD_PARAMS, ("q_map", "k_map", "v_map"))
 
 BWD_PARAMS = _struct(
     [
@@ -111,6 +112,8 @@ BWD_PARAMS = _struct(
         ("var", VARIANT_PARAMS),
     ]
 )
+
+BWD_TMA_PARAMS = _tma_params("bwd", BWD_PARAMS, ("q_map", "k_map", "v_map", "do_map"))
 
 DECODE_PARAMS = _struct(
     [
@@ -139,7 +142,8 @@ def size_defines() -> list[str]:
     return [f"-DCUPYFLASH_FWD_PARAMS_BYTES={FWD_PARAMS.itemsize}",
             f"-DCUPYFLASH_BWD_PARAMS_BYTES={BWD_PARAMS.itemsize}",
             f"-DCUPYFLASH_DECODE_PARAMS_BYTES={DECODE_PARAMS.itemsize}",
-            f"-DCUPYFLASH_FWD_TMA_PARAMS_BYTES={FWD_TMA_PARAMS.itemsize}"]
+            f"-DCUPYFLASH_FWD_TMA_PARAMS_BYTES={FWD_TMA_PARAMS.itemsize}",
+            f"-DCUPYFLASH_BWD_TMA_PARAMS_BYTES={BWD_TMA_PARAMS.itemsize}"]
 
 
 def pack(struct: np.dtype, **fields) -> bytes:

@@ -26,6 +26,8 @@ import ctypes
 import functools
 from dataclasses import dataclass
 
+from ._launch import seq_strides
+
 #: CUtensorMapDataType of each storage dtype.
 DATA_TYPES = {"float16": 6, "bfloat16": 9}
 INTERLEAVE_NONE = 0
@@ -128,3 +130,16 @@ class MapCache:
                 desc = seen[address] = encode(m, address, self._encode_fn)
             parts.append(desc)
         return b"".join(parts)
+
+
+def maps_of(arrays, dtype_name: str, box_rows) -> MapCache:
+    """The maps of ``arrays`` per address, array i copied in boxes of ``box_rows[i]`` rows.
+
+    Dense ``(batch, seqlen, nheads, d)`` tensors map as they are; packed ``(total,
+    nheads, d)`` ones as one sequence of ``total`` rows in a batch of 1 (the kernels
+    offset their row coordinate by the sequence's start: kernels_cu/flash_fwd_ws.cu),
+    so no copy reads past the packed tensor's last row (the map's
+    bound: zeros)."""
+    return MapCache(seq_map(dtype_name, tuple(a.shape) if len(a.shape) == 4 else (1, *a.shape), seq_strides(a),
+                            a.itemsize, rows)
+                    for a, rows in zip(arrays, box_rows, strict=True))

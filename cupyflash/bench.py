@@ -362,10 +362,11 @@ def _kernel_info(q, *, batch, seqlen, nheads, head_dim, dtype, causal, bwd):
         wgmma = ws or main.source == "flash_fwd_sm90.cu"
         info = {"fwd_kernel": "ws" if ws else "wgmma" if wgmma else "mma.sync"}
         if bwd:
-            dkdv = _gpu.select_bwd(nheads_kv=nheads, deterministic=False, **common).launches[1]
-            info["bwd_kernel"] = "wgmma" if dkdv.source == "flash_bwd_sm90.cu" else "mma.sync"
-            info["bwd_dkdv_block_m"] = (dispatch.BWD_SM90_BLOCK_M if dkdv.source == "flash_bwd_sm90.cu"
-                                        else int(dkdv.args[2]))  # flash_bwd.cu: <T, HEAD_DIM, BLOCK_M, ...>
+            dkdv = _gpu.select_bwd(nheads_kv=nheads, deterministic=False, ws=dispatch.BWD_WS, **common).launches[1]
+            info["bwd_kernel"] = {"flash_bwd_ws.cu": "ws", "flash_bwd_sm90.cu": "wgmma"}.get(dkdv.source, "mma.sync")
+            info["bwd_dkdv_block_m"] = {"flash_bwd_ws.cu": dispatch.BWD_WS_BLOCK_M,
+                                        "flash_bwd_sm90.cu": dispatch.BWD_SM90_BLOCK_M}.get(
+                dkdv.source) or int(dkdv.args[2])  # flash_bwd.cu: <T, HEAD_DIM, BLOCK_M, ...>
     except Exception as e:  # noqa: BLE001 - the plans are internal; the timings stand without them
         return {"kernel_info_error": f"{type(e).__name__}: {str(e)[:200]}"}, None
     return info, WGMMA_CEILING_TFLOPS if wgmma else MMA_SYNC_CEILING_TFLOPS

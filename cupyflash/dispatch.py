@@ -708,6 +708,9 @@ class BwdPlan:
     num_stages: int               # dK/dV kernel: Q/dO buffers in flight (BwdParams.num_stages)
     dq_accum: bool                # whether dq_accum is used (default mode)
     kv_splits: int                # dK/dV blocks per (key block, KV head); > 1 needs dkv_accum
+    #: The warp-specialised dK/dV kernel's TMA boxes: rows of (Q, K, V, dO) per copy; None
+    #: for the other kernels (cupyflash/_tma.py builds the maps, BwdTmaParams holds them).
+    tma_box_rows: tuple[int, int, int, int] | None = None
 
 
 def bwd_preprocess_launch(dtype: str, head_dim_padded: int, vec: bool, rows: int = 1) -> Launch:
@@ -1099,6 +1102,49 @@ def bwd_dkdv_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k:
     return Launch("flash_bwd_sm90.cu", "cupyflash::flash_bwd_dkdv_sm90_kernel", args, grid, (256, 1, 1), smem)
 
 
+# Issue 15: the warp-specialised backward (kernels_cu/flash_bwd_ws.cu): flash_bwd_sm90.cu's
+# dK/dV tile and products, with a producer warpgroup that copies Q and dO with TMA and
+# adds dQ into dq_accum with bulk reduce-adds, so the two consumer warpgroups issue no
+# load and no atomic. Plain attention (no variant), default (atomic dQ) mode, aligned
+# dense batches, at the padded head_dims where it measured faster than the cp.async
+# kernels (kernels_cu/PERF.md v23, run 100, the whole backward at 16k tokens): D=128
+# 1.08-1.20x; not D=64 (0.79-0.85x against the cp.async dK/dV with the separate dQ
+# kernel) and not a packed batch (D=128, 14 sequences: 0.94x with the rows of the next
+# sequence zeroed in shared memory; a tile's tail there is not the map's bound).
+# BWD_WS: True takes it there, False keeps the cp.async kernels (CUPYFLASH_BWD_WS=0 at
+# import; or set here, then ``cupyflash._gpu.clear_plans()``).
+BWD_WS_HEAD_DIMS = (128,)
+BWD_WS_THREADS = 384
+BWD_WS_BLOCK_M, BWD_WS_BLOCK_N, BWD_WS_STAGES = 64, 128, 2
+BWD_WS: bool = os.environ.get("CUPYFLASH_BWD_WS", "") != "0"
+
+
+def uses_ws_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int, deterministic: bool,
+                varlen: bool = False, ws: bool | None = None) -> bool:
+    """Whether the warp-specialised dK/dV kernel serves this backward (``ws``: the switch,
+    BWD_WS when None): cc 9.0, aligned, dense, no variant, atomic dQ, at BWD_WS_HEAD_DIMS."""
+    ws = BWD_WS if ws is None else ws
+    return (ws and cc == (9, 0) and vec and head_dim_padded in BWD_WS_HEAD_DIMS and not variant
+            and not deterministic and not varlen)
+
+
+def bwd_ws_smem_bytes(head_dim_padded: int) -> int:
+    """kernels_cu/flash_bwd_ws.cu BwdWsTraits::SMEM_BYTES: K, V, two dSᵀ tiles, STAGES x
+    (Q, dO), STAGES x (lse_log2, delta), the dQ rows (padded by 16 bytes), the SeqLens
+    slot, the mbarriers (full_kv, full_q, empty_q: 8 bytes each), 1 KB of alignment."""
+    d, m, n, stages = head_dim_padded, BWD_WS_BLOCK_M, BWD_WS_BLOCK_N, BWD_WS_STAGES
+    return (2 * n * d * 2 + 2 * n * m * 2 + stages * 2 * m * d * 2 + stages * 2 * m * 4 + m * (d * 4 + 16)
+            + _SEQLENS_SLOT_BYTES + 8 * (1 + 2 * stages) + 1024)
+
+
+def bwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
+                  grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
+    """The warp-specialised dK/dV kernel (cc 9.0): ``<T, HEAD_DIM, IS_CAUSAL, EVEN_K>``."""
+    args = (CTYPES[dtype], str(head_dim_padded), _cbool(causal), _cbool(even_k))
+    return Launch("flash_bwd_ws.cu", "cupyflash::flash_bwd_ws_kernel", args, grid, (BWD_WS_THREADS, 1, 1),
+                  bwd_ws_smem_bytes(head_dim_padded))
+
+
 # (head_dim, tile, causal, deterministic, vec) combinations never to select:
 # the widest atomic-dQ tiles at D=64 and D=128 on unaligned data (VEC=false:
 # Q and dO loaded element by element through registers) spill 8 bytes under
@@ -1197,7 +1243,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
                dtype: str, causal: bool, deterministic: bool, vec: bool, num_sms: int = 132,
                cc: tuple[int, int] = (9, 0), varlen: bool = False, total_q: int = 0,
                total_k: int = 0, variant: int = 0,
-               dbias_shape: tuple[int, int, int, int] | None = None) -> BwdPlan:
+               dbias_shape: tuple[int, int, int, int] | None = None, ws: bool | None = None) -> BwdPlan:
     """Choose the backward kernels, their grids and the scratch-buffer sizes.
 
     Launch order: preprocess (delta, lse·log2e, zero dq_accum); dK/dV (one
@@ -1248,8 +1294,9 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     smem_limit = max_smem_per_block(cc)
     staged, variant = variant & VAR_BIAS_STAGED, variant & ~VAR_BIAS_STAGED
     sm90 = uses_sm90_bwd(d, vec, cc, variant | staged)
+    ws = sm90 and uses_ws_bwd(d, vec, cc, variant | staged | block_map, deterministic, varlen, ws)
     # dQ by its own kernel (no atomics): always when deterministic, and where measured faster
-    separate_dq = deterministic or (sm90 and BWD_DQ_SM90 and _bwd_sm90_separate_dq(d))
+    separate_dq = deterministic or (sm90 and not ws and BWD_DQ_SM90 and _bwd_sm90_separate_dq(d))
     if sm90:
         block_n, stages = BWD_SM90_BLOCK_N, 2
     else:
@@ -1260,7 +1307,9 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     kv_blocks = math.ceil(seqlen_k / block_n) * batch * nheads_kv
     kv_splits = bwd_kv_splits(kv_blocks, nheads_q // nheads_kv, num_sms)
     dkdv_grid = (kv_blocks * kv_splits, 1, 1)
-    if sm90:
+    if ws:
+        launches.append(bwd_ws_launch(dtype, d, causal, even_k, dkdv_grid))
+    elif sm90:
         launches.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, separate_dq, dkdv_grid,
                                              bwd_sm90_variant(d, variant | staged, cc) | block_map))
     else:
@@ -1293,7 +1342,8 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
         dbias_tile, dbias_stages = bwd_dbias_tile(d, cc)
         launches.append(bwd_dbias_launch(dtype, d, dbias_tile, dbias_stages, causal, even_k, vec,
                                          bwd_dbias_grid(dbias_tile, dbias_shape, seqlen_q, seqlen_k), variant))
-    return BwdPlan(tuple(launches), d, stages, not separate_dq, kv_splits)
+    return BwdPlan(tuple(launches), d, stages, not separate_dq, kv_splits,
+                   (BWD_WS_BLOCK_M, BWD_WS_BLOCK_N, BWD_WS_BLOCK_N, BWD_WS_BLOCK_M) if ws else None)
 
 
 def bwd_block_map_tiles(plan: BwdPlan) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
@@ -1337,6 +1387,8 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
                 out.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, det))
                 if det:
                     out.append(bwd_dq_sm90_launch(dtype, d, causal, even_k))
+            if uses_ws_bwd(d, True, cc, 0, det, ws=True):
+                out.append(bwd_ws_launch(dtype, d, causal, even_k))
     for dtype, vec in itertools.product(CTYPES, (True, False)):
         lanes = {}  # one preprocess instantiation per ROW_LANES
         for d in HEAD_DIMS:

@@ -108,6 +108,19 @@ static_assert(sizeof(BwdParams) == CUPYFLASH_BWD_PARAMS_BYTES,
               "BwdParams differs in size from its mirror in cupyflash/_params.py");
 #endif
 
+// The warp-specialised backward's parameters (flash_bwd_ws.cu): BwdParams, then the
+// TMA maps of q, k, v and dout (as FwdTmaParams': boxes of 64 columns by the tile's
+// rows, 64 for Q and dO, 128 for K and V), taken __grid_constant__.
+struct BwdTmaParams {
+    BwdParams bwd;
+    TmaDescriptor q_map, k_map, v_map, do_map;
+};
+
+#ifdef CUPYFLASH_BWD_TMA_PARAMS_BYTES
+static_assert(sizeof(BwdTmaParams) == CUPYFLASH_BWD_TMA_PARAMS_BYTES,
+              "BwdTmaParams differs in size from its mirror in cupyflash/_params.py");
+#endif
+
 // Attention against a KV cache (flash_decode.cu): a few new query rows per
 // sequence, the query heads of one KV head packed into the rows of one tile
 // (packed row r = q_row * group + the head's index in its group), the keys

@@ -77,6 +77,26 @@ __device__ __forceinline__ void tma_load_4d(uint32 dst, const TmaDescriptor& map
         :: "r"(dst), "l"(tma_desc_addr(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
 
+// Add bytes (a multiple of 16, both addresses 16-byte aligned) of fp32 from shared
+// memory at src into global memory at dst, element by element, in the copy engine
+// (sm_90; the adds are atomic with respect to other reductions). The calling thread's
+// bulk group: bulk_commit() closes it, bulk_wait_read<N>() returns once all but the N
+// newest groups have finished reading shared memory (src may then be overwritten),
+// bulk_wait<N>() once they have finished altogether.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32 src, uint32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
+}
+
 // Named barriers (ids 1..15; 0 is __syncthreads) over THREADS threads, a multiple
 // of 32: sync waits until THREADS have arrived (itself included); arrive counts
 // this warp without waiting.

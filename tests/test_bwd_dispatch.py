@@ -18,8 +18,10 @@ from cupyflash import _params, dispatch
 def _plan(**kw):
     # cc 10.0: 227 KB of shared memory like the H200, and the mma.sync dK/dV kernel
     # at every head_dim (cc 9.0 takes the wgmma kernel at 64 and 128; tested below).
+    # ws=False: the cp.async wgmma kernels, which the warp-specialised one replaces for
+    # plain attention on cc 9.0 (tests/test_bwd_ws_plan.py).
     args = dict(batch=2, seqlen_q=1000, seqlen_k=1000, nheads_q=8, nheads_kv=8, head_dim=128,
-                dtype="float16", causal=False, deterministic=False, vec=True, cc=(10, 0))
+                dtype="float16", causal=False, deterministic=False, vec=True, cc=(10, 0), ws=False)
     args.update(kw)
     return dispatch.select_bwd(**args)
 
@@ -120,7 +122,7 @@ def test_preprocess_grid_at_the_seed_shape():
     """B=1, H=32, S=512, D=128: 16384 rows, 64 per block (16 lanes per row, 4 rows per
     thread), 256 blocks: ~2 per SM on 132 SMs (was 128 blocks of 128 rows)."""
     plan = dispatch.select_bwd(batch=1, seqlen_q=512, seqlen_k=512, nheads_q=32, nheads_kv=32, head_dim=128,
-                               dtype="float16", causal=True, deterministic=False, vec=True, cc=(9, 0))
+                               dtype="float16", causal=True, deterministic=False, vec=True, cc=(9, 0), ws=False)
     pre = plan.launches[0]
     assert pre.name_expression == "cupyflash::flash_bwd_preprocess_kernel<__half, 16, 4, true>"
     assert pre.grid == (256, 1, 1) and pre.block == (256, 1, 1)

@@ -250,20 +250,25 @@ def _wgmma_cases():
 
 
 @pytest.mark.parametrize("dtype,head_dim,causal,seqlens,deterministic", list(_wgmma_cases()))
-def test_bwd_wgmma_kernel(rng, dtype, head_dim, causal, seqlens, deterministic):
-    """Hopper's wgmma dK/dV kernel: several key and query blocks, tails, bottom-right causal, GQA."""
-    from cupyflash import dispatch
+def test_bwd_wgmma_kernel(rng, monkeypatch, launches, dtype, head_dim, causal, seqlens, deterministic):
+    """Hopper's cp.async wgmma dK/dV kernel (the variants' and deterministic mode's; the
+    warp-specialised one is switched off here, and tested in test_gpu_bwd_ws): several key
+    and query blocks, tails, bottom-right causal, GQA."""
+    from cupyflash import _gpu_bwd, dispatch
 
     cp = _cp()
-    cc = _skip_unless_hopper(cp)
-    plan = dispatch.select_bwd(batch=1, seqlen_q=seqlens[0], seqlen_k=seqlens[1], nheads_q=4, nheads_kv=2,
-                               head_dim=head_dim, dtype=dtype, causal=causal, deterministic=deterministic,
-                               vec=True, cc=cc)
-    assert plan.launches[1].template == "cupyflash::flash_bwd_dkdv_sm90_kernel"
-    host, dev = make_problem(rng, dtype, 1, *seqlens, 4, 2, head_dim)
-    scale = 1.0 / math.sqrt(head_dim)
-    grads = run(dev, dtype, scale, causal, deterministic)
-    check(host, grads, dtype, scale, causal)
+    _skip_unless_hopper(cp)
+    monkeypatch.setattr(dispatch, "BWD_WS", False)
+    _gpu_bwd.clear_plans()
+    try:
+        host, dev = make_problem(rng, dtype, 1, *seqlens, 4, 2, head_dim)
+        scale = 1.0 / math.sqrt(head_dim)
+        grads = run(dev, dtype, scale, causal, deterministic)
+        vec = head_dim % 8 == 0  # (head_dim 100: unaligned rows, the mma.sync kernels)
+        assert ("flash_bwd_dkdv_sm90_kernel" in launches) == vec and "flash_bwd_ws_kernel" not in launches
+        check(host, grads, dtype, scale, causal)
+    finally:
+        _gpu_bwd.clear_plans()
 
 
 @pytest.mark.parametrize("dtype,causal,seqlens", [("float16", False, (384, 384)), ("bfloat16", True, (1000, 1500)),
@@ -276,16 +281,17 @@ def test_bwd_wgmma_atomic_dq_at_head_dim_64(rng, monkeypatch, dtype, causal, seq
     cp = _cp()
     cc = _skip_unless_hopper(cp)
     monkeypatch.setattr(dispatch, "BWD_DQ_SM90", False)
-    _gpu.select_bwd.cache_clear()  # plans are memoised: drop those made with the flag on
+    monkeypatch.setattr(dispatch, "BWD_WS", False)  # the cp.async kernel's atomics (not the ws kernel's)
+    _gpu.clear_plans()  # plans are memoised: drop those made with the flags on
     try:
         plan = dispatch.select_bwd(batch=1, seqlen_q=seqlens[0], seqlen_k=seqlens[1], nheads_q=4, nheads_kv=2,
                                    head_dim=64, dtype=dtype, causal=causal, deterministic=False, vec=True, cc=cc)
-        assert plan.dq_accum and plan.launches[2].template == "cupyflash::flash_bwd_convert_dq_kernel"
+        assert plan.launches[1].template == "cupyflash::flash_bwd_dkdv_sm90_kernel" and plan.dq_accum and plan.launches[2].template == "cupyflash::flash_bwd_convert_dq_kernel"
         host, dev = make_problem(rng, dtype, 1, *seqlens, 4, 2, 64)
         scale = 1.0 / math.sqrt(64)
         check(host, run(dev, dtype, scale, causal, False), dtype, scale, causal)
     finally:
-        _gpu.select_bwd.cache_clear()
+        _gpu.clear_plans()
 
 
 @pytest.mark.parametrize("dtype,head_dim,causal,seqlens", [

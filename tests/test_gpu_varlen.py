@@ -141,8 +141,10 @@ def test_kernels_match_reference(rng, launches, lens_q, lens_k, head_dim, dtype,
     assert "flash_fwd_combine_kernel" not in launches  # packed batches are never split over keys
     bwd = launches[1:]
     assert bwd[0] == "flash_bwd_preprocess_kernel"
-    assert bwd[1] in ("flash_bwd_dkdv_kernel", "flash_bwd_dkdv_sm90_kernel")
-    if bwd[1] == "flash_bwd_dkdv_sm90_kernel":  # Hopper: at head_dim 64 the dQ kernel in both modes
+    assert bwd[1] in ("flash_bwd_dkdv_kernel", "flash_bwd_dkdv_sm90_kernel", "flash_bwd_ws_kernel")
+    if bwd[1] == "flash_bwd_ws_kernel":  # Hopper's default mode (dispatch.BWD_WS): atomic dQ
+        assert not deterministic and bwd[2] == "flash_bwd_convert_dq_kernel"
+    elif bwd[1] == "flash_bwd_dkdv_sm90_kernel":  # Hopper: at head_dim 64 the dQ kernel in both modes
         from cupyflash import dispatch
 
         separate = deterministic or dispatch.padded_head_dim(head_dim) in dispatch._BWD_SM90_SEPARATE_DQ

@@ -112,9 +112,10 @@ def test_the_pointer_fields_lead_both_structs():
                                           if _params.BWD_PARAMS[n] == np.uint64)
 
 
-def _recording_launcher(template, maps=None):
+def _recording_launcher(template, maps=None, writer=None):
     """A Launcher with no kernels whose driver records the struct of each launch
-    (``seen``): the launcher's writes, with no GPU."""
+    (``seen``): the launcher's writes, with no GPU. ``writer``: the pointer fields'
+    FieldWriter (the forward's by default)."""
     import ctypes
     import threading
 
@@ -126,10 +127,11 @@ def _recording_launcher(template, maps=None):
     launcher._kernels = ((None, 1, 1, 1, 1, 1, 1, 0),)
     launcher._buffer = ctypes.create_string_buffer(template, len(template))
     launcher._argv_address = 0
-    launcher._pack_into = _gpu._FWD_WRITER.struct.pack_into
+    launcher._pack_into = (writer or _gpu._FWD_WRITER).struct.pack_into
     launcher._var_offset, launcher._var_pack_into = _gpu._VAR_WRITER[0], _variant.WRITER.struct.pack_into
     launcher._maps_address, launcher._maps = (0, None) if maps is None else (
         ctypes.addressof(launcher._buffer) + maps[0], maps[1])
+    launcher._map_pointers = (0, 1, 2) if maps is None or len(maps) < 3 else tuple(maps[2])
     launcher._lock = threading.Lock()
     return launcher, seen
 

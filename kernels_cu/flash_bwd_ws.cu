@@ -1,0 +1,429 @@
+// flash_bwd_ws.cu: the dK/dV (+ dQ) kernel of the FlashAttention-2 backward (Dao
+// 2023, Algorithm 2) on Hopper, warp-specialised as FlashAttention-3's backward
+// (Shah et al. 2024, mainloop_bwd_sm90_tma_gmma_ws): a producer warpgroup moves
+// the data, two consumer warpgroups only compute.
+//
+// The tile and the products are flash_bwd_sm90.cu's (see its header): a block owns
+// BLOCK_N = 128 keys of one (batch, KV head), consumer warpgroup c (threads 128 +
+// 128c ..) 64 of them, and it loops over the query blocks (BLOCK_M = 64) of the
+// group's query heads, computing everything transposed (keys as rows):
+//   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, Pᵀ = exp2(Sᵀ·scale·log2e − lse·log2e), dSᵀ = Pᵀ∘(dPᵀ − delta),
+//   dV += Pᵀ·dO, dK += dSᵀ·Q, dQ = dS·K (dSᵀ through shared memory; warpgroup c takes
+//   columns [c·D/2, (c+1)·D/2) of the 64 query rows, over all 128 keys).
+// What differs is who moves the data:
+//   * warp 0 of the producer warpgroup copies K and V once, and each step's Q and dO
+//     with the bulk tensor copy engine (TMA) into a STAGES-deep ring of 128-byte-swizzled
+//     stages (the layout wgmma's descriptors read), and the step's lse_log2 and delta
+//     rows with plain loads; each stage completes on full_q[s] (the copies' bytes and the
+//     warp's 32 arrivals), and the 8 consumer warps release it on empty_q[s] once their
+//     last GEMM reading it (dK += dSᵀ·Q) has completed;
+//   * warp 1 adds each step's dQ into dq_accum: the consumers leave their fp32 dQ in
+//     shared memory (sdQ, rows padded by 16 bytes so the fragment stores hit every bank
+//     once per wavefront) and arrive on DQ_FULL; the warp issues one bulk reduce-add
+//     (cp.reduce.async.bulk .add.f32) per row, waits until the engine has read sdQ, and
+//     arrives on DQ_EMPTY, which the consumers wait on before they write the next dQ.
+// So the consumers (setmaxnreg 240) issue no load, no atomic and no block-wide barrier:
+// their only synchronisation with each other is dSᵀ (DS_BAR, both warpgroups, once a
+// step), double-buffered so that the next step's dSᵀ never waits for this step's dQ GEMM.
+//
+// Rows past seqlen_q arrive as zeros (the map's bound), with lse_log2 = +inf (P = 0,
+// so dV and dK get nothing from them) and delta 0 (dS = 0, so dK and dQ get nothing),
+// and their dQ rows are not added. Keys past seqlen_k arrive as zeros too, are masked
+// in Sᵀ (P = 0), and their dK, dV rows are not stored. A block whose keys no query
+// block sees stores zeros and copies nothing.
+//
+// Template parameters: T, HEAD_DIM (128; 64 compiles, and measured slower than the
+// cp.async kernels' separate dQ there, PERF.md v23), IS_CAUSAL, EVEN_K (head_dim ==
+// HEAD_DIM: no column predicates in the dK, dV stores). Dense batches only (a packed
+// batch's maps would bring the next sequence's rows into a tile's tail: measured slower
+// with those rows zeroed in shared memory, PERF.md v23), no variants and no
+// deterministic mode: flash_bwd_sm90.cu's kernels serve those. 16-byte aligned data and
+// strides (a TMA requirement).
+#include "params.cuh"
+#include "ptx.cuh"
+#include "seqlens.cuh"
+#include "bwd_rows.cuh"
+#include "tile_io.cuh"
+#include "variant.cuh"
+#include "wgmma.cuh"
+#include "tma.cuh"
+
+namespace cupyflash {
+
+template <typename T_, int HEAD_DIM_>
+struct BwdWsTraits {
+    using T = T_;
+    static constexpr int HEAD_DIM = HEAD_DIM_;
+    static constexpr int BLOCK_M = 64;   // query rows per step
+    static constexpr int BLOCK_N = 128;  // keys per block, 64 per consumer warpgroup
+    static constexpr int STAGES = 2;     // Q, dO, lse_log2, delta in flight
+    static constexpr int CONSUMERS = 2;
+    static constexpr int NUM_THREADS = 128 * (1 + CONSUMERS);
+    static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
+    static constexpr int PRODUCER_REGS = 24;
+    static constexpr int CONSUMER_REGS = 240;
+    static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * CONSUMER_THREADS <= 65536, "more registers than an SM has");
+    static constexpr int BOX_COLS = 64;  // elements per TMA box row (cupyflash/_tma.py BOX_COLS)
+    using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;  // K, V (and the dK, dV staging)
+    using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;   // Q, dO
+    using DSTile = Swizzle128Tile<T, BLOCK_N, BLOCK_M>;   // dSᵀ: key rows, BLOCK_M query columns
+    static constexpr int DQ_ROW_BYTES = HEAD_DIM * 4 + 16;
+    // From the 1024-byte aligned base: K, V, dSᵀ x 2, STAGES x (Q, dO), STAGES x
+    // (lse_log2, delta), the dQ rows, the block's SeqLens, the mbarriers (full_kv,
+    // full_q[STAGES], empty_q[STAGES]).
+    static constexpr int DS_OFFSET = 2 * KVTile::BYTES;
+    static constexpr int Q_OFFSET = DS_OFFSET + 2 * DSTile::BYTES;
+    static constexpr int STAGE_BYTES = 2 * QTile::BYTES;
+    static constexpr int ROWS_OFFSET = Q_OFFSET + STAGES * STAGE_BYTES;
+    static constexpr int DQ_OFFSET = ROWS_OFFSET + STAGES * 2 * BLOCK_M * 4;
+    static constexpr int SEQ_OFFSET = DQ_OFFSET + BLOCK_M * DQ_ROW_BYTES;
+    static constexpr int BAR_OFFSET = SEQ_OFFSET + SeqLensSlot::BYTES;
+    static constexpr int SMEM_BYTES = BAR_OFFSET + 8 * (1 + 2 * STAGES) + 1024;  // +1024: the alignment
+    static_assert(SMEM_BYTES <= 227 * 1024, "more shared memory than a Hopper block has");
+    // Named barriers: dSᵀ written (consumers); dQ written / read (consumers and warp 1);
+    // every consumer done with K and V (the epilogue stages dK, dV there).
+    static constexpr int DS_BAR = 1, DQ_FULL_BAR = 2, DQ_EMPTY_BAR = 3, EPILOGUE_BAR = 4;
+    static constexpr int DQ_BAR_THREADS = CONSUMER_THREADS + 32;
+};
+
+template <typename T, int HEAD_DIM, bool IS_CAUSAL, bool EVEN_K>
+__global__ void __launch_bounds__(384, 1)
+flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
+    using Tr = BwdWsTraits<T, HEAD_DIM>;
+    constexpr int VARIANT = 0;
+    constexpr int BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N, STAGES = Tr::STAGES, BOX = Tr::BOX_COLS;
+    constexpr int D_TILES = HEAD_DIM / 8;  // n8 tiles of dK, dV
+    constexpr int M_TILES = BLOCK_M / 8;   // n8 tiles of Sᵀ, dPᵀ (query columns)
+    constexpr int DQ_COLS = HEAD_DIM / 2;  // dQ columns per consumer warpgroup
+    using KVTile = typename Tr::KVTile;
+    using QTile = typename Tr::QTile;
+    using DSTile = typename Tr::DSTile;
+    const BwdParams& p = tp.bwd;
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const uint32 base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    unsigned char* smem = smem_raw + (base - smem_addr(smem_raw));
+    const uint32 sK = base, sV = base + KVTile::BYTES, sdQ = base + Tr::DQ_OFFSET;
+    auto sdS = [&](int buf) { return base + Tr::DS_OFFSET + buf * DSTile::BYTES; };
+    auto sQ = [&](int stage) { return base + Tr::Q_OFFSET + stage * Tr::STAGE_BYTES; };
+    auto sdO = [&](int stage) { return sQ(stage) + QTile::BYTES; };
+    auto rows_offset = [&](int stage) { return Tr::ROWS_OFFSET + stage * 2 * BLOCK_M * 4; };  // lse_log2, delta
+    const uint32 bars = base + Tr::BAR_OFFSET;
+    const uint32 full_kv = bars;
+    auto full_q = [&](int stage) { return bars + 8 * (1 + stage); };
+    auto empty_q = [&](int stage) { return bars + 8 * (1 + STAGES + stage); };
+
+    // ---- which tile (as flash_bwd_dkdv_sm90_kernel): key blocks of one (batch, KV
+    //      head, split) adjacent; causal runs the heaviest key blocks first.
+    const int num_n_blocks = ceil_div(p.seqlen_k, BLOCK_N);
+    const int n_block = blockIdx.x % num_n_blocks;
+    const int split = (blockIdx.x / num_n_blocks) % p.kv_splits;
+    const int bh_kv = blockIdx.x / num_n_blocks / p.kv_splits;
+    const int b = bh_kv / p.nheads_kv, h_kv = bh_kv % p.nheads_kv;
+    const int heads = p.nheads_q / p.nheads_kv / p.kv_splits;
+    const int h_first = (h_kv * p.kv_splits + split) * heads;
+    const SeqLens seq = seq_lens(p, b);
+    const int n0 = n_block * BLOCK_N;
+    if (n0 >= seq.seqlen_k) return;  // past the end of a shorter sequence of a packed batch
+    const int keys_valid = min(BLOCK_N, seq.seqlen_k - n0);
+    const SeqLensSlot seq_slot{base + Tr::SEQ_OFFSET};
+
+    // Query blocks [m_begin, m_end) of each head see these keys; [m_begin, m_masked_end)
+    // need the mask (the causal diagonal; all of them at a key tail).
+    const BlockRange blocks = Mask<IS_CAUSAL, VARIANT>(p.var, seq.seqlen_q, seq.seqlen_k).query_blocks(
+        n0, BLOCK_N, keys_valid, BLOCK_M, ceil_div(seq.seqlen_q, BLOCK_M));
+    const int m_begin = blocks.begin, m_end = blocks.end, nm = m_end - m_begin;
+    const int m_masked_end = blocks.unmasked_end == m_end ? blocks.unmasked_begin : m_end;
+    const int num_iters = heads * nm;  // steps: (head, query block) pairs, heads outer
+
+    if (threadIdx.x == 0) {
+        // the launch's dynamic shared memory is dispatch's (bwd_ws_smem_bytes): it must cover this
+        if (dynamic_smem_bytes() < uint32(Tr::SMEM_BYTES)) __trap();
+        seq_slot.store(seq);
+        mbar_init(full_kv, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_q(s), 1 + 32);     // the copies' arrive.expect_tx, the row loads' 32 lanes
+            mbar_init(empty_q(s), 4 * Tr::CONSUMERS);  // one arrival per consumer warp
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    const int lane = threadIdx.x % 32;
+    if (threadIdx.x < 128) {
+        // ================= producer warpgroup
+        setmaxnreg_dec<Tr::PRODUCER_REGS>();
+        const int warp = threadIdx.x / 32;
+        if (warp == 0) {
+            // ---- loads: K, V once; each step's Q, dO (TMA) and lse_log2, delta (lanes)
+            if (lane == 0 && num_iters > 0) {
+                tma_prefetch_desc(tp.q_map);
+                tma_prefetch_desc(tp.do_map);
+                mbar_arrive_expect_tx(full_kv, 2 * KVTile::BYTES);
+#pragma unroll
+                for (int c = 0; c < HEAD_DIM / BOX; ++c) {
+                    tma_load_4d(sK + c * KVTile::BLOCK_BYTES, tp.k_map, full_kv, c * BOX, n0, h_kv, b);
+                    tma_load_4d(sV + c * KVTile::BLOCK_BYTES, tp.v_map, full_kv, c * BOX, n0, h_kv, b);
+                }
+            }
+            int h = h_first, m_block = m_begin;
+#pragma unroll 1
+            for (int it = 0; it < num_iters; ++it) {
+                const int stage = it % STAGES, m0 = m_block * BLOCK_M;
+                mbar_wait(empty_q(stage), ((it / STAGES) & 1) ^ 1);  // the consumers are done with it
+                if (lane == 0) {
+                    mbar_arrive_expect_tx(full_q(stage), 2 * QTile::BYTES);
+#pragma unroll
+                    for (int c = 0; c < HEAD_DIM / BOX; ++c) {
+                        tma_load_4d(sQ(stage) + c * QTile::BLOCK_BYTES, tp.q_map, full_q(stage), c * BOX, m0, h, b);
+                        tma_load_4d(sdO(stage) + c * QTile::BLOCK_BYTES, tp.do_map, full_q(stage), c * BOX, m0, h, b);
+                    }
+                }
+                // lane l: rows l and l + 32; past the sequence, lse_log2 = +inf (P = 0) and delta = 0
+                const int64 row_index = query_row_index(p, b, h, seq, m0);
+                const int rows_valid = seq.seqlen_q - m0;
+                float* rows = reinterpret_cast<float*>(smem + rows_offset(stage));
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const int r = lane + 32 * i;
+                    const bool valid = r < rows_valid;
+                    rows[r] = valid ? __ldg(p.lse_log2 + row_index + r) : __int_as_float(0x7f800000);
+                    rows[BLOCK_M + r] = valid ? __ldg(p.delta + row_index + r) : 0.f;
+                }
+                mbar_arrive(full_q(stage));  // (release: this lane's stores)
+                if (++m_block == m_end) { m_block = m_begin; ++h; }
+            }
+        } else if (warp == 1) {
+            // ---- dQ: each step's rows added into dq_accum by the copy engine
+            if (num_iters > 0) named_barrier_arrive<Tr::DQ_BAR_THREADS>(Tr::DQ_EMPTY_BAR);  // sdQ starts free
+            int h = h_first, m_block = m_begin;
+#pragma unroll 1
+            for (int it = 0; it < num_iters; ++it) {
+                const int m0 = m_block * BLOCK_M;
+                const int rows_valid = seq.seqlen_q - m0;
+                float* dq_accum = p.dq_accum + query_row_index(p, b, h, seq, m0) * HEAD_DIM;
+                named_barrier_sync<Tr::DQ_BAR_THREADS>(Tr::DQ_FULL_BAR);  // the consumers' dQ is in sdQ
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const int r = lane + 32 * i;
+                    if (r < rows_valid) {
+                        bulk_reduce_add_f32(dq_accum + r * HEAD_DIM, sdQ + r * Tr::DQ_ROW_BYTES, HEAD_DIM * 4);
+                    }
+                }
+                bulk_commit();
+                bulk_wait_read<0>();
+                if (it + 1 < num_iters) named_barrier_arrive<Tr::DQ_BAR_THREADS>(Tr::DQ_EMPTY_BAR);
+                if (++m_block == m_end) { m_block = m_begin; ++h; }
+            }
+            bulk_wait<0>();
+        }
+        return;
+    }
+
+    // ================= consumers
+    setmaxnreg_inc<Tr::CONSUMER_REGS>();
+    const uint32 ct = threadIdx.x - 128;  // consumer thread
+    const int warp = ct / 32, cw = warp / 4;
+    const int g = lane / 4, t = lane % 4;
+    // This thread's fragment rows: keys key_row0 and key_row0 + 8 of the block (Sᵀ, dPᵀ,
+    // dK, dV); in dQ, query rows 16 (warp % 4) + g (+ 8) of the step, columns from dq_col0.
+    const int key_row0 = cw * 64 + (warp % 4) * 16 + g;
+    const int dq_row0 = (warp % 4) * 16 + g, dq_col0 = cw * DQ_COLS;
+
+    float acc_dk[D_TILES][4], acc_dv[D_TILES][4];
+#pragma unroll
+    for (int j = 0; j < D_TILES; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) { acc_dk[j][e] = 0.f; acc_dv[j][e] = 0.f; }
+    if (num_iters > 0) mbar_wait(full_kv, 0);
+
+    auto step = [&](int it, int m_block, auto masked) {
+        constexpr bool MASKED = decltype(masked)::value;
+        const int stage = it % STAGES;
+        const int m0 = m_block * BLOCK_M;
+        const float* s_lse = reinterpret_cast<const float*>(smem + rows_offset(stage));
+        const float* s_delta = s_lse + BLOCK_M;
+        // Loop-invariant tile addresses, made opaque so the compiler rebuilds the
+        // descriptors each step instead of keeping them live (flash_bwd_sm90.cu).
+        uint32 sK_ = sK, sV_ = sV, sdS_ = sdS(it & 1);
+        asm volatile("" : "+r"(sK_), "+r"(sV_), "+r"(sdS_));
+        mbar_wait(full_q(stage), (it / STAGES) & 1);
+
+        // ---- Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warpgroup's 64 keys
+        float st[M_TILES][4], dpt[M_TILES][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            Wgmma<T, BLOCK_M>::template ss<0, 0>(st, desc_k_major<BLOCK_N>(sK_, cw * 64, kk),
+                                                 desc_k_major<BLOCK_M>(sQ(stage), 0, kk), kk > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+            Wgmma<T, BLOCK_M>::template ss<0, 0>(dpt, desc_k_major<BLOCK_N>(sV_, cw * 64, kk),
+                                                 desc_k_major<BLOCK_M>(sdO(stage), 0, kk), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_operands(st);
+
+        // ---- Pᵀ: element (j, e) is key n0 + key_row0 + 8 (e / 2), query m0 + 8 j + 2 t + (e & 1)
+        SeqLens sl{};
+        if constexpr (MASKED) sl = seq_slot.load();
+        const Mask<IS_CAUSAL, VARIANT> mask(p.var, sl.seqlen_q, sl.seqlen_k);
+        KeyRows<IS_CAUSAL, VARIANT> key_rows[2] = {{mask, n0 + key_row0}, {mask, n0 + key_row0 + 8}};
+#pragma unroll
+        for (int j = 0; j < M_TILES; ++j) {
+            const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + j * 8 + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int query = m0 + j * 8 + 2 * t + (e & 1);
+                float x = fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? lse2.y : lse2.x)));
+                if (MASKED && !key_rows[e / 2].sees(query)) x = 0.f;
+                st[j][e] = x;
+            }
+        }
+        uint32 pa[BLOCK_M / 16][4];
+        acc_to_a_operand<T>(st, pa);
+        // ---- dV += Pᵀ·dO
+        fence_operands(acc_dv);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+            Wgmma<T, HEAD_DIM>::template rs<1>(acc_dv, pa[kk], desc_mn_major<BLOCK_M>(sdO(stage), kk));
+        }
+        wgmma_commit();
+        // dPᵀ; at D=128 dV too (its register operand pa must stay live until it completes:
+        // D=128 lacks the registers, D=64 computes dS under it; flash_bwd_sm90.cu)
+        constexpr bool DS_UNDER_DV = HEAD_DIM <= 64;
+        wgmma_wait<DS_UNDER_DV ? 1 : 0>();
+        fence_operands(dpt);
+
+        // ---- dSᵀ = Pᵀ∘(dPᵀ − delta), with Pᵀ as rounded for dV
+        uint32 dsa[BLOCK_M / 16][4];
+#pragma unroll
+        for (int j = 0; j < M_TILES; ++j) {
+            const float2 delta = *reinterpret_cast<const float2*>(s_delta + j * 8 + 2 * t);
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const float2 pr = TypeTraits<T>::unpack(pa[j / 2][(j % 2) * 2 + hh]);
+                dpt[j][2 * hh] = pr.x * (dpt[j][2 * hh] - delta.x);
+                dpt[j][2 * hh + 1] = pr.y * (dpt[j][2 * hh + 1] - delta.y);
+            }
+        }
+        acc_to_a_operand<T>(dpt, dsa);
+        // ---- dK += dSᵀ·Q (times softmax_scale in the epilogue)
+        fence_operands(acc_dk);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+            Wgmma<T, HEAD_DIM>::template rs<1>(acc_dk, dsa[kk], desc_mn_major<BLOCK_M>(sQ(stage), kk));
+        }
+        wgmma_commit();
+
+        // ---- dSᵀ to shared memory (key rows, query columns), this step's buffer
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const uint32 r = key_row0 + hh * 8;
+                asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sdS_ + DSTile::offset(r, 2 * kk) + t * 4),
+                             "r"(dsa[kk][hh]));
+                asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sdS_ + DSTile::offset(r, 2 * kk + 1) + t * 4),
+                             "r"(dsa[kk][2 + hh]));
+            }
+        }
+        fence_proxy_async_smem();
+        named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::DS_BAR);  // all of dSᵀ written
+
+        // ---- dQ[0 .. 64, dq_col0 .. + DQ_COLS] = dS·K over all 128 keys: A = dS read
+        //      MN-major from the dSᵀ tile, B = K read MN-major (its columns from dq_col0)
+        float dq[DQ_COLS / 8][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            Wgmma<T, DQ_COLS>::template ss<1, 1>(
+                dq, desc_mn_major<BLOCK_N>(sdS_, kk),
+                desc_mn_major<BLOCK_N>(sK_ + (dq_col0 / 64) * KVTile::BLOCK_BYTES + (dq_col0 % 64) * 2, kk), kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // dV, dK done: this warp is done with the stage's Q and dO
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty_q(stage));
+        wgmma_wait<0>();
+        fence_operands(dq);
+
+        // ---- dQ to sdQ for warp 1's reduce-add (once it has read the step before's)
+        named_barrier_sync<Tr::DQ_BAR_THREADS>(Tr::DQ_EMPTY_BAR);
+#pragma unroll
+        for (int j = 0; j < DQ_COLS / 8; ++j) {
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const uint32 addr = sdQ + (dq_row0 + 8 * hh) * Tr::DQ_ROW_BYTES + (dq_col0 + 8 * j + 2 * t) * 4;
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(addr), "f"(dq[j][2 * hh]),
+                             "f"(dq[j][2 * hh + 1]));
+            }
+        }
+        fence_proxy_async_shared();  // this thread's stores before the copy engine's reads
+        named_barrier_arrive<Tr::DQ_BAR_THREADS>(Tr::DQ_FULL_BAR);
+        if constexpr (DS_UNDER_DV) fence_operands(pa);  // live until P·dO completed
+        fence_operands(acc_dv);
+        fence_operands(acc_dk);
+    };
+
+    int m_block = m_begin;
+    for (int it = 0; it < num_iters; ++it) {
+        if (m_block < m_masked_end) step(it, m_block, Bool<true>{});
+        else step(it, m_block, Bool<false>{});
+        if (++m_block == m_end) m_block = m_begin;
+    }
+    named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR);  // every consumer is done with sK, sV
+    const SeqLens seq_end = seq_slot.load();
+
+    // ---- epilogue, split GQA group: fp32 partials straight from registers
+    if (p.kv_splits > 1) {
+        const int64 part_rows = key_rows(p);  // rows of one split
+        float* dk_part = p.dkv_accum + (split * part_rows + key_row_index(p, b, h_kv, seq_end, n0)) * HEAD_DIM;
+        float* dv_part = dk_part + p.kv_splits * part_rows * HEAD_DIM;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = key_row0 + hh * 8;
+            if (row >= keys_valid) continue;
+#pragma unroll
+            for (int j = 0; j < D_TILES; ++j) {
+                const int col = row * HEAD_DIM + j * 8 + 2 * t;
+                *reinterpret_cast<float2*>(dk_part + col) =
+                    make_float2(acc_dk[j][2 * hh] * p.softmax_scale, acc_dk[j][2 * hh + 1] * p.softmax_scale);
+                *reinterpret_cast<float2*>(dv_part + col) = make_float2(acc_dv[j][2 * hh], acc_dv[j][2 * hh + 1]);
+            }
+        }
+        return;
+    }
+
+    // ---- epilogue: dK·scale and dV to T, staged through sK / sV for 16-byte stores
+    uint32 sK_ = sK, sV_ = sV;
+    asm volatile("" : "+r"(sK_), "+r"(sV_));
+#pragma unroll
+    for (int j = 0; j < D_TILES; ++j) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = key_row0 + hh * 8;
+            const uint32 dk2 = TypeTraits<T>::pack(acc_dk[j][2 * hh] * p.softmax_scale,
+                                                   acc_dk[j][2 * hh + 1] * p.softmax_scale);
+            const uint32 dv2 = TypeTraits<T>::pack(acc_dv[j][2 * hh], acc_dv[j][2 * hh + 1]);
+            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sK_ + KVTile::offset(r, j) + t * 4), "r"(dk2));
+            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sV_ + KVTile::offset(r, j) + t * 4), "r"(dv2));
+        }
+    }
+    named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR);
+    T* dk = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride +
+            int64(seq_end.k_start + n0) * p.dk_row_stride;
+    T* dv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride +
+            int64(seq_end.k_start + n0) * p.dv_row_stride;
+    store_tile<T, BLOCK_N, HEAD_DIM, Tr::CONSUMER_THREADS, true, EVEN_K, KVTile>(dk, p.dk_row_stride, sK_, keys_valid,
+                                                                               p.head_dim, ct);
+    store_tile<T, BLOCK_N, HEAD_DIM, Tr::CONSUMER_THREADS, true, EVEN_K, KVTile>(dv, p.dv_row_stride, sV_, keys_valid,
+                                                                               p.head_dim, ct);
+}
+
+}  // namespace cupyflash

@@ -1,0 +1,117 @@
+"""The warp-specialised backward's plan (dispatch.uses_ws_bwd, bwd_ws_launch, BwdTmaParams),
+without a GPU: where it is chosen (dense plain attention at padded head_dim 128 on cc 9.0),
+its launch and shared memory, the struct that carries its TMA maps, and an NVRTC compile
+with no spill (skipped without NVRTC)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupyflash import _params, dispatch
+
+WS = "cupyflash::flash_bwd_ws_kernel"
+
+
+def _plan(**kw):
+    args = dict(batch=2, seqlen_q=1000, seqlen_k=1000, nheads_q=8, nheads_kv=8, head_dim=128,
+                dtype="float16", causal=False, deterministic=False, vec=True, cc=(9, 0), ws=True)
+    args.update(kw)
+    return dispatch.select_bwd(**args)
+
+
+@pytest.mark.parametrize("head_dim", [104, 120, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_plain_attention_on_hopper_takes_it(head_dim, causal):
+    plan = _plan(head_dim=head_dim, causal=causal)
+    names = [L.template for L in plan.launches]
+    assert names == ["cupyflash::flash_bwd_preprocess_kernel", WS, "cupyflash::flash_bwd_convert_dq_kernel"]
+    dkdv = plan.launches[1]
+    assert dkdv.args == ("__half", "128", str(causal).lower(), str(head_dim == 128).lower())
+    assert dkdv.block == (384, 1, 1) and dkdv.smem_bytes == dispatch.bwd_ws_smem_bytes(128)
+    # the cp.async kernel's grid: one block per (key block, batch, KV head)
+    assert dkdv.grid == _plan(head_dim=head_dim, causal=causal, ws=False).launches[1].grid
+    assert plan.dq_accum and plan.tma_box_rows == (64, 128, 128, 64)
+    assert _plan(head_dim=head_dim, causal=causal, ws=False).tma_box_rows is None
+
+
+def test_a_gqa_group_split_keeps_it_with_the_partials_convert():
+    plan = _plan(nheads_q=8, nheads_kv=1, batch=1, num_sms=132)
+    assert plan.kv_splits > 1 and plan.launches[1].template == WS
+    assert plan.launches[-1].template == "cupyflash::flash_bwd_convert_dkv_kernel"
+
+
+@pytest.mark.parametrize("change", [
+    dict(deterministic=True), dict(vec=False), dict(cc=(8, 0)), dict(cc=(10, 0)), dict(head_dim=96),
+    dict(head_dim=64), dict(head_dim=40), dict(varlen=True, total_q=1500, total_k=1700),
+    dict(head_dim=256), dict(variant=dispatch.VAR_SOFTCAP), dict(variant=dispatch.VAR_WINDOW),
+    dict(variant=dispatch.VAR_BIAS), dict(variant=dispatch.VAR_DROPOUT), dict(ws=False)],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_everything_else_keeps_the_other_kernels(change):
+    kw = dict(change)
+    if kw.get("variant", 0) & dispatch.VAR_BIAS:
+        kw["dbias_shape"] = None
+    assert all(L.template != WS for L in _plan(**kw).launches)
+    assert _plan(**kw).tma_box_rows is None
+
+
+def test_the_switch(monkeypatch):
+    """ws=None reads dispatch.BWD_WS (what cupyflash._gpu_bwd passes explicitly)."""
+    monkeypatch.setattr(dispatch, "BWD_WS", True)
+    assert _plan(ws=None).launches[1].template == WS
+    monkeypatch.setattr(dispatch, "BWD_WS", False)
+    assert _plan(ws=None).launches[1].template == "cupyflash::flash_bwd_dkdv_sm90_kernel"
+
+
+def test_shared_memory():
+    # K, V (128 keys), two dSᵀ (128 x 64), 2 stages of Q and dO (64 rows) and of lse/delta
+    # (64 floats each), 64 dQ rows of head_dim fp32 + 16 bytes, SeqLens, 5 mbarriers, 1 KB
+    assert dispatch.bwd_ws_smem_bytes(128) == 65536 + 32768 + 65536 + 1024 + 64 * 528 + 16 + 40 + 1024
+    assert dispatch.bwd_ws_smem_bytes(64) == 32768 + 32768 + 32768 + 1024 + 64 * 272 + 16 + 40 + 1024
+    assert dispatch.bwd_ws_smem_bytes(128) <= dispatch.max_smem_per_block((9, 0))
+
+
+def test_params_carry_four_maps_after_bwd_params():
+    mirror = _params.BWD_TMA_PARAMS
+    assert mirror.names == ("bwd", "q_map", "k_map", "v_map", "do_map")
+    offsets = [_params.offset_of(mirror, n) for n in mirror.names]
+    assert offsets[0] == 0 and offsets[1] == -(-_params.BWD_PARAMS.itemsize // 64) * 64
+    assert np.diff(offsets[1:]).tolist() == [128, 128, 128] and mirror.itemsize % 64 == 0
+    assert f"-DCUPYFLASH_BWD_TMA_PARAMS_BYTES={mirror.itemsize}" in _params.size_defines()
+
+
+def test_launcher_writes_the_maps_of_the_named_pointers():
+    """(offset, make, indices): the maps of q, k, v and dout (pointer 4 of BwdParams')."""
+    from cupyflash import _gpu_bwd
+    from test_params import _recording_launcher  # sibling module
+
+    mirror = _params.BWD_TMA_PARAMS
+    bwd = _params.pack(_params.BWD_PARAMS, **{n: 3 for n in _params.BWD_PARAMS.names if n != "var"},
+                       var=_params.VARIANT_OFF)
+    template = bwd + bytes(mirror.itemsize - len(bwd))
+
+    def maps(*pointers):
+        return b"".join(bytes([x % 256]) * 128 for x in pointers)
+
+    indices = tuple(_gpu_bwd.BWD_POINTERS.index(n) for n in ("q", "k", "v", "dout"))
+    assert indices == (0, 1, 2, 4)
+    launcher, seen = _recording_launcher(template, (_params.offset_of(mirror, "q_map"), maps, indices),
+                                         _gpu_bwd._BWD_WRITER)
+    pointers = tuple(range(101, 101 + len(_gpu_bwd.BWD_POINTERS)))
+    launcher(0, *pointers)
+    (got,) = (np.frombuffer(b, dtype=mirror)[0] for b in seen)
+    assert [bytes(got[n])[0] for n in ("q_map", "k_map", "v_map", "do_map")] == [101, 102, 103, 105]
+    assert [got["bwd"][n] for n in _gpu_bwd.BWD_POINTERS] == list(pointers)
+
+
+def test_check_kernels_lists_every_instantiation():
+    ws = [L for L in dispatch.all_bwd_launches((9, 0)) if L.template == WS]
+    assert len({L.args for L in ws}) == 2 * 2 * 2  # dtype, causal, even_k (head_dim 128)
+    assert not [L for L in dispatch.all_bwd_launches((8, 0)) if L.template == WS]
+
+
+@pytest.mark.parametrize("causal,even_k", [(True, True), (False, False)])
+def test_compiles_without_spills(causal, even_k):
+    from test_bwd_dispatch import _compile_clean  # sibling module
+
+    _compile_clean(dispatch.bwd_ws_launch("bfloat16", 128, causal, even_k), (9, 0))

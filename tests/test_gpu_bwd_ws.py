@@ -1,0 +1,113 @@
+"""The warp-specialised backward (kernels_cu/flash_bwd_ws.cu, dispatch.BWD_WS) on the GPU
+against the float64 reference (the naive rule in the inputs' dtype, cupyflash.testing),
+with every CuPy allocation poisoned (0xFF: NaN) so that a gradient or scratch row the
+kernels skip shows up. Each test switches the kernel on and checks that it launched:
+tails of both sides, bottom-right causal with rows that see no key, GQA (and a GQA group
+split over several blocks), head_dim below its padded width, strided views. (Packed
+batches and the other head_dims take the cp.async kernels: test_gpu_varlen, test_gpu_bwd.)
+Skipped without a GPU, and off compute capability 9.0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cupyflash import _launch, testing
+from test_gpu_bwd import check, make_problem, run, to_host  # sibling module
+
+pytestmark = pytest.mark.gpu
+
+WS_KERNEL = "flash_bwd_ws_kernel"
+
+
+@pytest.fixture
+def ws(monkeypatch, launches):
+    """BWD_WS on (plans made again), on a Hopper GPU; yields the launched kernels' names."""
+    cp = pytest.importorskip("cupy")
+    from cupyflash import _gpu_bwd, dispatch
+
+    cc = _launch.compute_capability(cp.cuda.Device().id)
+    if cc != (9, 0):
+        pytest.skip(f"the warp-specialised backward runs on compute capability 9.0; this GPU is {cc}")
+    monkeypatch.setattr(dispatch, "BWD_WS", True)
+    _gpu_bwd.clear_plans()
+    with testing.poisoned_allocations(cp):
+        yield launches
+    _gpu_bwd.clear_plans()
+
+
+# (dtype, head_dim, causal, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv)
+DENSE = [
+    ("float16", 128, False, 2, 384, 384, 4, 2),
+    ("bfloat16", 128, True, 1, 1000, 1500, 4, 2),
+    ("float16", 128, True, 1, 1500, 1000, 4, 1),   # bottom-right: the first 500 rows see no key
+    ("bfloat16", 128, False, 2, 129, 257, 2, 2),
+    ("float16", 120, True, 1, 640, 8, 4, 2),       # head_dim 120 on the 128 kernel; 8 keys
+    ("bfloat16", 104, False, 2, 203, 113, 4, 4),
+    ("float16", 128, False, 3, 1, 17, 2, 1),
+    ("bfloat16", 128, True, 2, 17, 1, 2, 2),
+    ("bfloat16", 128, True, 1, 4096, 4096, 2, 1),  # 64 query blocks per key block, both stages many times
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,batch,seqlen_q,seqlen_k,nheads_q,nheads_kv", DENSE)
+def test_dense(ws, rng, dtype, head_dim, causal, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv):
+    host, dev = make_problem(rng, dtype, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim)
+    scale = 1.0 / math.sqrt(head_dim)
+    grads = run(dev, dtype, scale, causal, False)
+    assert WS_KERNEL in ws
+    check(host, grads, dtype, scale, causal)
+
+
+@pytest.mark.parametrize("head_dim", [120, 128])
+def test_rows_that_see_no_key(ws, rng, head_dim):
+    """causal, seqlen_q > seqlen_k: rows that see no key get dq = 0; nothing is NaN."""
+    host, dev = make_problem(rng, "float16", 2, 300, 70, 4, 2, head_dim)
+    grads = run(dev, "float16", 0.125, True, False)
+    assert WS_KERNEL in ws
+    for g in (to_host(x, "float16") for x in grads):
+        assert not np.isnan(g).any()
+    np.testing.assert_array_equal(to_host(grads[0], "float16")[:, :230], 0)  # row i sees key j iff j <= i - 230
+    check(host, grads, "float16", 0.125, True)
+
+
+@pytest.mark.parametrize("num_sms,splits", [(3, 1), (6, 2), (100, 4)])
+@pytest.mark.parametrize("head_dim", [128])
+def test_gqa_group_splits(ws, rng, monkeypatch, num_sms, splits, head_dim):
+    """A GQA group's query heads over 1, 2 or 4 blocks: the fp32 partials' epilogue."""
+    from cupyflash import _gpu, _gpu_bwd, dispatch
+
+    host, dev = make_problem(rng, "bfloat16", 1, 260, 300, 8, 2, head_dim)  # 3 key blocks x 2 KV heads
+    q, k, v, dout = dev
+    out, lse = _gpu.fwd(q, k, v, softmax_scale=0.125, causal=True, dtype="bfloat16")
+    monkeypatch.setattr(_launch, "num_sms", lambda device_id: num_sms)
+    plan = dispatch.select_bwd(batch=1, seqlen_q=260, seqlen_k=300, nheads_q=8, nheads_kv=2, head_dim=head_dim,
+                               dtype="bfloat16", causal=True, deterministic=False, vec=True, num_sms=num_sms,
+                               cc=(9, 0))
+    assert plan.kv_splits == splits
+    grads = _gpu_bwd.bwd(dout, q, k, v, out, lse, softmax_scale=0.125, causal=True, dtype="bfloat16")
+    assert WS_KERNEL in ws and ("flash_bwd_convert_dkv_kernel" in ws) == (splits > 1)
+    check(host, grads, "bfloat16", 0.125, True)
+
+
+@pytest.mark.parametrize("head_dim", [120, 128])
+def test_strided_views(ws, rng, head_dim):
+    """q, k, v as views into one (B, S, 3, H, D) tensor, dout a strided view: the TMA maps
+    take the views' row and head strides."""
+    cp = pytest.importorskip("cupy")
+    from cupyflash import _gpu, _gpu_bwd
+
+    qkv32 = rng.standard_normal((2, 333, 3, 4, head_dim), dtype=np.float32).astype(np.float16)
+    qkv = cp.asarray(qkv32)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    dout_big = cp.asarray(rng.standard_normal((2, 333, 4, 2 * head_dim), dtype=np.float32).astype(np.float16))
+    dout = dout_big[..., :head_dim]
+    scale = 1.0 / math.sqrt(head_dim)
+    out, lse = _gpu.fwd(q, k, v, softmax_scale=scale, causal=True)
+    grads = _gpu_bwd.bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=True)
+    assert WS_KERNEL in ws
+    host = [qkv32[:, :, i].astype(np.float32) for i in range(3)] + [dout.get().astype(np.float32)]
+    check(host, grads, "float16", scale, True)
