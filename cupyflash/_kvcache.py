@@ -16,6 +16,8 @@ This module is the API and its executable specification:
   dense cache row; one copy of the sequence's pages for a paged cache) into
   ``(1, len, H, D)`` arrays for the tiled :func:`cupyflash.cpu.fwd`, so the
   extra memory is O(one sequence's keys), never O(batch * cache);
+* an ``attn_bias`` / ``attn_mask`` (issue 14) is indexed by a key's position in
+  its sequence: the CPU path hands each sequence its view of them;
 * CuPy arrays (and torch / JAX CUDA arrays) are validated once per call
   signature (shapes, strides, dtypes, devices, flags; an int
   ``cache_seqlens`` on every call) and run the decode kernel
@@ -581,6 +583,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         denominator: a row that sees no key gets out 0 and lse the sink).  On
         the GPU too (the decode kernel visits only the keys a window shows);
         no dropout.
+    attn_bias : array, optional
+        An additive bias (issue 14), as in :func:`cupyflash.flash_attn_fwd`
+        but over the cache's keys: rank <= 4, broadcastable to ``(batch,
+        nheads_q, seqlen_q, key)`` (left-padded with 1s; each of the first three
+        dimensions 1 or full), its last dimension indexed by ``j``, a key's
+        position in its sequence (0 to ``seqlen_k_b - 1``; the appended keys
+        are ``cache_seqlens[b]`` on; a paged cache's key ``j`` whichever block
+        holds it), 1 or at least the cache's capacity (``seqlen_cache``, or
+        ``max_blocks_per_seq * page_size``), so that it covers every key a
+        sequence can see; positions at or past ``seqlen_k_b`` are never read.
+        dtype q's (on the GPU the storage dtype of bfloat16 data too) or
+        float32; any strides, read in place (a stride-0 broadcast view is never
+        expanded).  Added to the scaled scores after softcap and ALiBi;
+        ``-inf`` hides a key.  Causal and window masks stay aligned to each
+        sequence's ``seqlen_k_b``.
+    attn_mask : array of bool, optional
+        A keep-mask broadcastable like ``attn_bias`` (True attends, False hides
+        the key), or a :class:`cupyflash.BlockMask` (its mask is used; the
+        decode kernel takes no block map).  A row whose every key is hidden
+        gets output 0 and lse ``-inf`` (the sink with ``sinks``).
 
     Returns
     -------
@@ -597,7 +619,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         k, v); when ``cache_seqlens``, ``cache_batch_idx`` or ``block_table``
         is not an int32 array of q's type (``cache_seqlens`` may be an int),
         ``num_splits`` is not an int or ``return_lse`` not a bool; when ``k``
-        is given for JAX arrays.
+        is given for JAX arrays; when ``attn_bias`` is not an array of q's
+        type with q's dtype or float32 (so never float64 on the GPU), or
+        ``attn_mask`` not a bool array of q's type.
     ValueError
         As for :func:`cupyflash.flash_attn_fwd` (shapes, head_dim, GQA, unit
         last stride); when only one of ``k``/``v`` is given; when k's nheads
@@ -610,8 +634,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         append into one cache slot; when a NumPy cache to append to is
         read-only, or ``k_cache`` and ``v_cache`` share memory; when an int
         ``cache_seqlens`` does not fit in int32; when ``num_splits`` is
-        negative.  Values (lengths and indices) are checked only when they are
-        on the host (ints and NumPy arrays).
+        negative; when ``attn_bias`` or ``attn_mask`` has more than 4
+        dimensions, a batch, head or row dimension that is neither 1 nor full,
+        or a key dimension shorter than the capacity and not 1 (GPU: strides
+        not in whole elements, or on another device).  Values (lengths and
+        indices) are checked only when they are on the host (ints and NumPy
+        arrays).
 
     Notes
     -----
@@ -626,6 +654,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     before the append writes); on the GPU they must not overlap the caches
     (the blocks that append and the blocks that read them run concurrently).
     An append into a broadcast (zero-stride) cache is refused.
+
+    With ``attn_bias`` or ``attn_mask`` every GPU call runs the decode kernel,
+    which reads them element by element at their strides; long chunks on a
+    dense cache (``seqlen_q >= 256``), which otherwise run the dense forward,
+    too.
 
     On the CPU all appends happen before any attention, so a sequence whose
     blocks are shared sees what other sequences appended into them; do not
@@ -650,6 +683,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     >>> out = cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)
     >>> out.shape, bool((k_cache[1, 17] == k[1, 0]).all())
     ((2, 1, 4, 8), True)
+    >>> bias = np.zeros((32,), np.float32)  # one value per key position, every sequence and head
+    >>> bias[:2] = -np.inf                  # hide each sequence's first two keys
+    >>> out = cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens + 1, attn_bias=bias)
+    >>> out.shape
+    (2, 1, 4, 8)
     """
     if cache_seqlens is not None and type(cache_seqlens) is not int and _is_integer(cache_seqlens):
         cache_seqlens = int(cache_seqlens)  # numpy integers and int subclasses: the int they hold

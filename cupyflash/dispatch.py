@@ -1639,11 +1639,9 @@ def all_decode_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
                                                            (False, True), (True, False)):
             out.append(decode_launch(dtype, d, warps, causal, paged, vec, cc=cc))
         out.append(decode_combine_launch(dtype, d))
-    # Each variant but dropout switched on alone (aligned, contiguous and paged), and
-    # the bias with the mask (a padding mask next to a relative-position bias).
+    # Each variant but dropout switched on alone (aligned, contiguous and paged).
     for bit, d, warps, causal, paged in itertools.product(
-            DECODE_VARIANT_BITS + (VAR_BIAS | VAR_MASK, VAR_BIAS_FP32 | VAR_MASK), HEAD_DIMS,
-            ((1, 4), (2, 2), (4, 1)), (False, True), (False, True)):
+            DECODE_VARIANT_BITS, HEAD_DIMS, ((1, 4), (2, 2), (4, 1)), (False, True), (False, True)):
         out.append(decode_launch(_VARIANT_CHECK_DTYPE, d, decode_variant_warps(warps, d, paged, bit), causal, paged,
                                  True, cc=cc, variant=bit))
     return list({L.name_expression: L for L in out}.values())
