@@ -1447,11 +1447,12 @@ def decode_warps(rows: int) -> tuple[int, int]:
     return 4, 1
 
 
-#: Padded head dims at which a decode call with a bias (VAR_BIAS, VAR_BIAS_FP32) on a
-#: paged cache runs at most two row warps: the (4, 1) grid spills there (NVRTC 13.0,
-#: sm_90: 68 bytes; nvcc 13.0: 16-40 bytes), its 128 O registers per thread next to the
-#: page indices and a tile row of bias elements in flight. (2, 2) compiles clean, at
-#: twice the row blocks (each K/V tile read by two blocks). A mask alone fits.
+#: Padded head dims at which a decode call with a bias or a mask (_SCORE_ARRAY_BITS) on
+#: a paged cache runs at most two row warps: the (4, 1) grid spills there (NVRTC 13.0,
+#: sm_90: 68 bytes with a bias, 16-128 with a mask; nvcc 13.0: 16-40 with a bias), its
+#: 128 O registers per thread next to the page indices and a tile row of bias or mask
+#: elements in flight. (2, 2) compiles clean (sm_80, sm_90), at twice the row blocks
+#: (each K/V tile read by two blocks).
 _DECODE_BIAS_TWO_ROW_WARPS = frozenset((256,))
 
 
@@ -1459,7 +1460,7 @@ def decode_variant_warps(warps: tuple[int, int], head_dim_padded: int, paged: bo
                          variant: int) -> tuple[int, int]:
     """The warp grid a decode call of ``variant`` runs where :func:`decode_warps` chose
     ``warps`` (see _DECODE_BIAS_TWO_ROW_WARPS)."""
-    if (variant & (VAR_BIAS | VAR_BIAS_FP32) and paged and head_dim_padded in _DECODE_BIAS_TWO_ROW_WARPS
+    if (variant & _SCORE_ARRAY_BITS and paged and head_dim_padded in _DECODE_BIAS_TWO_ROW_WARPS
             and warps[0] > 2):
         return 2, 2
     return warps

@@ -564,17 +564,17 @@ def test_decode_bias_and_mask_plans_are_listed_for_check_kernels():
 
 
 def test_decode_bias_on_a_paged_cache_at_256_takes_two_row_warps():
-    """The (4, 1) grid spills there with a bias (_DECODE_BIAS_TWO_ROW_WARPS); not with a
-    mask alone, nor on a dense cache."""
-    kw = dict(batch=1, seqlen_q=100, nheads_q=1, nheads_kv=1, head_dim=256, max_seqlen_k=4096, dtype="bfloat16",
-              causal=True, vec=True)
+    """The (4, 1) grid spills there with a bias or mask (_DECODE_BIAS_TWO_ROW_WARPS); not
+    on a dense cache, nor without them, nor at other head dims."""
+    kw = dict(batch=1, seqlen_q=100, nheads_q=1, nheads_kv=1, max_seqlen_k=4096, dtype="bfloat16", causal=True,
+              vec=True)
     warps = lambda plan: tuple(int(x) for x in plan.main.args[3:5])  # noqa: E731
-    for bit in (dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32, dispatch.VAR_BIAS | dispatch.VAR_MASK):
-        plan = dispatch.select_decode(**kw, paged=True, variant=bit)
+    for bit in (dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK, dispatch.VAR_BIAS | dispatch.VAR_MASK):
+        plan = dispatch.select_decode(**kw, head_dim=256, paged=True, variant=bit)
         assert warps(plan) == (2, 2) and plan.block_m == 32 and plan.num_m_blocks == 4
-        assert warps(dispatch.select_decode(**kw, paged=False, variant=bit)) == (4, 1)
-    assert warps(dispatch.select_decode(**kw, paged=True, variant=dispatch.VAR_MASK)) == (4, 1)
-    assert warps(dispatch.select_decode(**kw, paged=True)) == (4, 1)
+        assert warps(dispatch.select_decode(**kw, head_dim=256, paged=False, variant=bit)) == (4, 1)
+        assert warps(dispatch.select_decode(**kw, head_dim=192, paged=True, variant=bit)) == (4, 1)
+    assert warps(dispatch.select_decode(**kw, head_dim=256, paged=True)) == (4, 1)
 
 
 def test_score_vec_needs_unit_column_stride_and_16_byte_rows():
