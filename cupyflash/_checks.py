@@ -440,7 +440,7 @@ def _check_option_forms(fn, dropout_p, window_size, alibi_slopes, softcap):
 
 def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, sinks, rng_state, *,
                    batch=None, softmax_scale=None, attn_bias=None, attn_mask=None, return_dbias=False,
-                   seqlens=None, draw_rng=False, rng_rule=None):
+                   seqlens=None, draw_rng=False, rng_rule=None, key_capacity=None):
     """The variant options of a validated call (issues 13 and 14): their forms, and the
     arrays against ``q``.  Returns the keyword arguments of the options that are on
     (those of ``cupyflash.cpu.fwd``/``bwd``; the GPU path takes the same), empty
@@ -455,6 +455,7 @@ def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, si
     against ``seqlens = (seqlen_q, seqlen_k)`` (dense: q's and k's; varlen:
     ``max_seqlen_q``, ``max_seqlen_k``), which must then be given; the options hold
     them as 4-D views (``options["attn_bias"]``, ``options["attn_mask"]``).
+    ``key_capacity`` (a KV cache's): the key dimension's rule is check_score_arrays'.
     ``return_dbias`` (the backward's) must be a bool, and True only with
     ``attn_bias``: ``options["return_dbias"] = True`` then.
 
@@ -520,7 +521,8 @@ def check_variants(fn, q, gpu, dropout_p, window_size, alibi_slopes, softcap, si
         options["sinks"] = sinks
     if attn_bias is not None or attn_mask is not None or return_dbias is not False:
         options.update(check_score_arrays(fn, q, nheads=nheads, batch=batch, seqlens=seqlens, attn_bias=attn_bias,
-                                          attn_mask=attn_mask, return_dbias=return_dbias, packed=packed))
+                                          attn_mask=attn_mask, return_dbias=return_dbias, packed=packed,
+                                          key_capacity=key_capacity))
     if dropout and rng_state is None:  # a forward's own state: drawn last, once the call is known good
         options = dict(dropout_p=float(dropout_p), rng_state=_rng.next_rng_state(), **options)
     return options
@@ -536,6 +538,8 @@ def check_return_rng_state(fn, return_rng_state):
 #: The shape a bias or mask broadcasts to, as its messages name it: dense, and varlen.
 SCORE_LAYOUT = ("batch", "nheads_q", "seqlen_q", "seqlen_k")
 PACKED_SCORE_LAYOUT = ("batch", "nheads_q", "max_seqlen_q", "max_seqlen_k")
+#: ... against a KV cache (flash_attn_with_kvcache): keys by their position in the sequence.
+CACHE_SCORE_LAYOUT = ("batch", "nheads_q", "seqlen_q", "key")
 
 
 def pad4(x):
@@ -545,7 +549,7 @@ def pad4(x):
 
 
 def check_score_arrays(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, return_dbias=False,
-                       packed=False):
+                       packed=False, key_capacity=None):
     """The options of ``attn_bias``, ``attn_mask`` and ``return_dbias`` (issue 14).
 
     Each array is a NumPy or CuPy array like ``q`` (and on its device) of rank at
@@ -557,7 +561,12 @@ def check_score_arrays(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, retu
     NaN and ``+inf`` in a bias propagate.  Returns ``{"attn_bias": 4-D view,
     "attn_mask": 4-D view, "return_dbias": True}``, each only when given (on).  ``attn_mask``
     may be a :class:`cupyflash.BlockMask`: its mask is checked as a plain one, and the
-    options hold it too (``"block_mask"``), so that its block map is reused."""
+    options hold it too (``"block_mask"``), so that its block map is reused.
+
+    ``key_capacity`` (flash_attn_with_kvcache: the cache's keys per sequence,
+    ``seqlen_cache`` or ``max_blocks_per_seq * page_size``): the last dimension is
+    indexed by a key's position in its sequence, and must be 1 or at least
+    ``key_capacity`` (every key a sequence can see); ``seqlens[1]`` is not used."""
     kind = _kind(q)
     if not isinstance(return_dbias, (bool, np.bool_)):
         fail(TypeError, fn, f"return_dbias must be a bool; got {_type_name(return_dbias)}.")
@@ -576,8 +585,9 @@ def check_score_arrays(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, retu
     if seqlens is None:
         raise TypeError(f"check_score_arrays ({fn}): seqlens=(seqlen_q, seqlen_k) must be given with "
                         f"attn_bias or attn_mask")  # a caller's mistake, not the user's
-    full = (batch, nheads, int(seqlens[0]), int(seqlens[1]))
-    axes = PACKED_SCORE_LAYOUT if packed else SCORE_LAYOUT
+    cache = key_capacity is not None
+    full = (batch, nheads, int(seqlens[0]), int(key_capacity if cache else seqlens[1]))
+    axes = CACHE_SCORE_LAYOUT if cache else PACKED_SCORE_LAYOUT if packed else SCORE_LAYOUT
     layout = "(" + ", ".join(axes) + ")"
     for name, x in (("attn_bias", attn_bias), ("attn_mask", attn_mask)):
         if x is None:
@@ -594,9 +604,17 @@ def check_score_arrays(fn, q, batch, nheads, seqlens, attn_bias, attn_mask, retu
                                  f"got {x.ndim} with shape {tuple(x.shape)}.")
         shape = (1,) * (4 - x.ndim) + tuple(x.shape)
         for what, n, want in zip(axes, shape, full):
+            if cache and what == "key":
+                if n != 1 and n < want:
+                    fail(ValueError, fn,
+                         f"{name} must have a last dimension (the key position in a sequence) of 1 or at least "
+                         f"the cache's capacity ({want} keys per sequence), broadcastable to {layout}; got "
+                         f"shape {tuple(x.shape)}, whose key dimension is {n}.")
+                continue
             if n != 1 and n != want:
+                shown = f"{layout} = ({full[0]}, {full[1]}, {full[2]}, >= {full[3]})" if cache else f"{layout} = {full}"
                 fail(ValueError, fn,
-                     f"{name} must be broadcastable to {layout} = {full}, each dimension 1 or full "
+                     f"{name} must be broadcastable to {shown}, each dimension 1 or full "
                      f"(left-padded with 1s to 4 dimensions); got shape {tuple(x.shape)}, whose {what} "
                      f"is {n}.")
         if kind == "cupy":

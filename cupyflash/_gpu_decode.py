@@ -80,8 +80,9 @@ def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k:
     C-contiguous: out like q, lse ``(batch, nheads_q, seqlen_q)`` float32.
     ``append_only``: no attention (as if seqlen_q were 0): the launch appends
     and writes ``seqused_k_out``, for the dense forward that follows.
-    ``options``: the variants on (``_checks.check_variants``; no dropout), or
-    None; a plan made with them is run with ``DecodeCall.run(..., var=...)``.
+    ``options``: the variants on (``_checks.check_variants``; no dropout; a bias and
+    mask as 4-D views whose last dimension is the key position), or None; a plan made
+    with them is run with ``DecodeCall.run(..., var=...)``.
     An append-only plan ignores them (it attends to nothing).
     """
     if append_only or not options:
@@ -97,7 +98,7 @@ def plan_decode(q, k_cache, v_cache, k_new, v_new, block_table, *, max_seqlen_k:
         max_seqlen_k=max_seqlen_k, dtype=dtype_name, causal=causal, paged=block_table is not None,
         vec=vec_ok((q, k_cache, v_cache, *appended), head_dim), num_splits=num_splits,
         num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id),
-        variant=_variant.bits(options), window_left=options.get("window_size", (-1, -1))[0])
+        variant=_variant.decode_bits(options), window_left=options.get("window_size", (-1, -1))[0])
     lse_shape = (batch, nheads_q, q.shape[1])
     page_size = k_cache.shape[1] if block_table is not None else 0
     scratch = (0, (0, 0))

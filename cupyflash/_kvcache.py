@@ -16,6 +16,8 @@ This module is the API and its executable specification:
   dense cache row; one copy of the sequence's pages for a paged cache) into
   ``(1, len, H, D)`` arrays for the tiled :func:`cupyflash.cpu.fwd`, so the
   extra memory is O(one sequence's keys), never O(batch * cache);
+* an ``attn_bias`` / ``attn_mask`` (issue 14) is indexed by a key's position in
+  its sequence: the CPU path hands each sequence its view of them;
 * CuPy arrays (and torch / JAX CUDA arrays) are validated once per call
   signature (shapes, strides, dtypes, devices, flags; an int
   ``cache_seqlens`` on every call) and run the decode kernel
@@ -38,6 +40,7 @@ import sys
 import numpy as np
 
 from . import _api, _checks, _interop, _launch, cpu
+from ._blockmask import BlockMask
 from ._checks import fail
 
 __all__ = ["flash_attn_with_kvcache"]
@@ -57,7 +60,7 @@ class _Plan:
     """What validation found: the lengths (host int64, or None on the GPU), the
     cache rows or page table, and the resolved flags."""
 
-    __slots__ = ("gpu", "scale", "lengths", "rows", "table", "page_size", "seqlen_new")
+    __slots__ = ("gpu", "scale", "lengths", "rows", "table", "page_size", "seqlen_new", "capacity")
 
 
 def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
@@ -135,7 +138,7 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
         _checks.check_cache_lengths(fn, lengths if int_lengths is None else int_lengths, plan.seqlen_new,
                                     capacity, 0)
         plan.rows = rows
-    plan.lengths = lengths
+    plan.lengths, plan.capacity = lengths, capacity
     if plan.seqlen_new and lengths is not None and batch:
         slots = _append_slots(plan, lengths)
         if slots is not None:
@@ -192,9 +195,18 @@ def _no_broadcast_caches(k_cache, v_cache):
         _checks._check_no_repeats(_FN, name, cache)  # noqa: SLF001
 
 
+def _sequence_scores(x, b, length):
+    """Sequence ``b``'s part of a 4-D bias or mask ``(batch | 1, nheads_q | 1, seqlen_q | 1,
+    key | 1)``: its batch entry and its first ``length`` key positions (views)."""
+    if x.shape[0] != 1:
+        x = x[b:b + 1]
+    return x if x.shape[3] == 1 else x[..., :length]
+
+
 def _cpu(plan, q, k_cache, v_cache, k, v, causal, options=None):
     """The CPU path; ``options``: the variants for :func:`cupyflash.cpu.fwd` (``alibi_slopes``
-    of shape (batch, nheads_q) taken per sequence)."""
+    of shape (batch, nheads_q), ``attn_bias`` and ``attn_mask`` taken per sequence: views of
+    its batch entry and key positions)."""
     options = options or {}
     if plan.seqlen_new and q.shape[0]:
         _no_broadcast_caches(k_cache, v_cache)
@@ -212,10 +224,13 @@ def _cpu(plan, q, k_cache, v_cache, k, v, causal, options=None):
             continue
         keys = _sequence_kv(plan, k_cache, b, length)
         values = _sequence_kv(plan, v_cache, b, length)
-        seq_options = options
+        seq_options = dict(options)
         slopes = options.get("alibi_slopes")
         if slopes is not None and slopes.ndim == 2:
-            seq_options = {**options, "alibi_slopes": slopes[b:b + 1]}
+            seq_options["alibi_slopes"] = slopes[b:b + 1]
+        for name in ("attn_bias", "attn_mask"):
+            if name in options:
+                seq_options[name] = _sequence_scores(options[name], b, length)
         seq_out, seq_lse = cpu.fwd(q[b:b + 1], keys, values, plan.scale, causal, **seq_options)
         out[b] = seq_out[0]
         lse[b] = seq_lse[0]
@@ -236,8 +251,8 @@ class _GpuCacheEntry:
 
     def __init__(self, call, device_id, capacity, seqlen_new, out_shape, lse_shape, itemsize, variant=False,
                  scratch_bytes=0):
-        """``variant``: the plans were made with variants (issue 13): each call passes
-        their per-call values (the slopes' and sinks' pointers). ``scratch_bytes``: the
+        """``variant``: the plans were made with variants (issues 13, 14): each call passes
+        their per-call values (the slopes', sinks', bias's and mask's pointers). ``scratch_bytes``: the
         call's scratch, allocated after out and lse in the same allocation."""
         self.call, self.device_id, self.capacity, self.seqlen_new = call, device_id, capacity, seqlen_new
         self.variant = variant
@@ -259,27 +274,28 @@ class _GpuCacheEntry:
         return type(cache_seqlens) is not int or 0 <= cache_seqlens <= self.capacity - self.seqlen_new
 
     def __call__(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes=None,
-                 sinks=None):
+                 sinks=None, attn_bias=None, attn_mask=None):
         """``(out, lse)``, launched on the plan's device (switched to if it is not current);
-        ``alibi_slopes``, ``sinks``: this call's (validated, as planned)."""
+        ``alibi_slopes``, ``sinks``, ``attn_bias``, ``attn_mask``: this call's (validated, as planned)."""
         if self._cupy.cuda.runtime.getDevice() != self.device_id:
             with self._cupy.cuda.Device(self.device_id):
                 return self(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
-                            sinks)
+                            sinks, attn_bias, attn_mask)
         if self.variant:
             return self._variant_run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                                     alibi_slopes, sinks)
+                                     alibi_slopes, sinks, attn_bias, attn_mask)
         return self._run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, None)
 
     def _variant_run(self, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
-                     sinks):
+                     sinks, attn_bias, attn_mask):
         # The kernels index slopes and sinks densely: a strided view is copied (kept alive
-        # by a captured graph, which replays reading it).
+        # by a captured graph, which replays reading it). The bias and mask are read in
+        # place at their strides (planned).
         copies = tuple(None if x is None or _c_contiguous(x) else self._cupy.ascontiguousarray(x)
                        for x in (alibi_slopes, sinks))
         alibi_slopes, sinks = (x if c is None else c for x, c in zip((alibi_slopes, sinks), copies))
-        # _variant.call_values (_params.VARIANT_PER_CALL): no dsinks, bias, mask, dbias, block maps or dropout
-        var = (_ptr(alibi_slopes), _ptr(sinks), 0, 0, 0, 0, 0, 0, 0, 0)
+        # _variant.call_values (_params.VARIANT_PER_CALL): no dsinks, dbias, block maps or dropout
+        var = (_ptr(alibi_slopes), _ptr(sinks), 0, _ptr(attn_bias), _ptr(attn_mask), 0, 0, 0, 0, 0)
         result = self._run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, var)
         if any(c is not None for c in copies):
             _launch.keep_for_graph(*copies)
@@ -417,7 +433,9 @@ def _gpu_entry(plan, q, k_cache, v_cache, k, v, cache_batch_idx, block_table, ca
 
     device_id = q.device.id
     dtype_name = _checks.dtype_name(_FN, dtype) if dtype is not None else q.dtype.name
-    dense = dispatch.decode_uses_dense_fwd(
+    # (a bias or mask: the decode kernel, which reads them at the key positions of
+    # every cache layout; the dense forward's plan would index them at its own seqlen_k)
+    dense = "attn_bias" not in options and "attn_mask" not in options and dispatch.decode_uses_dense_fwd(
         seqlen_q=q.shape[1], head_dim=q.shape[3], paged=paged, cache_batch_idx=cache_batch_idx is not None,
         vec=_launch.vec_ok((q, k_cache, v_cache), q.shape[3]), cc=_launch.compute_capability(device_id))
     with q.device:
@@ -459,16 +477,17 @@ def _signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_
             sig(k, g), sig(v, g), sig(cache_batch_idx, g), sig(block_table, g))
 
 
-def _variant_signature(window_size, softcap, alibi_slopes, sinks):
+def _variant_signature(window_size, softcap, alibi_slopes, sinks, attn_bias, attn_mask):
     """The variants' part of a call's signature (appended to :func:`_signature`'s), or
     None when it cannot be one: a window other than a tuple of ints, a softcap of
     a type whose value is not its key.  Two calls of one signature validate alike
-    (on the GPU the slopes and sinks are checked by their geometry only)."""
+    (on the GPU the slopes, sinks, bias and mask are checked by their geometry only)."""
     if type(window_size) is not tuple or any(type(w) is not int for w in window_size) \
             or type(softcap) not in _api.SCALE_KEY_TYPES:
         return None
     g = _api._gpu_type()
-    return ("variants", window_size, type(softcap), softcap, _api._sig(alibi_slopes, g), _api._sig(sinks, g))
+    return ("variants", window_size, type(softcap), softcap, _api._sig(alibi_slopes, g), _api._sig(sinks, g),
+            _api._sig(attn_bias, g), _api._sig(attn_mask, g))
 
 
 # ----------------------------------------------------------------------------
@@ -477,14 +496,16 @@ def _variant_signature(window_size, softcap, alibi_slopes, sinks):
 
 
 @_interop.accepts_foreign("q", "k_cache", "v_cache", "k", "v",
-                          keywords=("cache_seqlens", "cache_batch_idx", "block_table", "alibi_slopes", "sinks"),
+                          keywords=("cache_seqlens", "cache_batch_idx", "block_table", "alibi_slopes", "sinks",
+                                    "attn_bias", "attn_mask"),
                           optional=("k", "v", "cache_seqlens", "cache_batch_idx", "block_table", "alibi_slopes",
-                                    "sinks"),
+                                    "sinks", "attn_bias", "attn_mask"),
                           appends=(("k_cache", "v_cache"), ("k", "v")))
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
                             cache_batch_idx=None, block_table=None, softmax_scale=None,
                             causal=False, num_splits=0, return_lse=False, dtype=None,
-                            window_size=_NO_WINDOW, softcap=_NO_SOFTCAP, alibi_slopes=None, sinks=None):
+                            window_size=_NO_WINDOW, softcap=_NO_SOFTCAP, alibi_slopes=None, sinks=None,
+                            attn_bias=None, attn_mask=None):
     """Exact attention of new queries against a KV cache, appending new keys first.
 
     flash-attention's ``flash_attn_with_kvcache`` in the (batch, seqlen, nheads,
@@ -562,6 +583,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         denominator: a row that sees no key gets out 0 and lse the sink).  On
         the GPU too (the decode kernel visits only the keys a window shows);
         no dropout.
+    attn_bias : array, optional
+        An additive bias (issue 14), as in :func:`cupyflash.flash_attn_fwd`
+        but over the cache's keys: rank <= 4, broadcastable to ``(batch,
+        nheads_q, seqlen_q, key)`` (left-padded with 1s; each of the first three
+        dimensions 1 or full), its last dimension indexed by ``j``, a key's
+        position in its sequence (0 to ``seqlen_k_b - 1``; the appended keys
+        are ``cache_seqlens[b]`` on; a paged cache's key ``j`` whichever block
+        holds it), 1 or at least the cache's capacity (``seqlen_cache``, or
+        ``max_blocks_per_seq * page_size``), so that it covers every key a
+        sequence can see; positions at or past ``seqlen_k_b`` are never read.
+        dtype q's (on the GPU the storage dtype of bfloat16 data too) or
+        float32; any strides, read in place (a stride-0 broadcast view is never
+        expanded).  Added to the scaled scores after softcap and ALiBi;
+        ``-inf`` hides a key.  Causal and window masks stay aligned to each
+        sequence's ``seqlen_k_b``.
+    attn_mask : array of bool, optional
+        A keep-mask broadcastable like ``attn_bias`` (True attends, False hides
+        the key), or a :class:`cupyflash.BlockMask` (its mask is used; the
+        decode kernel takes no block map).  A row whose every key is hidden
+        gets output 0 and lse ``-inf`` (the sink with ``sinks``).
 
     Returns
     -------
@@ -578,7 +619,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         k, v); when ``cache_seqlens``, ``cache_batch_idx`` or ``block_table``
         is not an int32 array of q's type (``cache_seqlens`` may be an int),
         ``num_splits`` is not an int or ``return_lse`` not a bool; when ``k``
-        is given for JAX arrays.
+        is given for JAX arrays; when ``attn_bias`` is not an array of q's
+        type with q's dtype or float32 (so never float64 on the GPU), or
+        ``attn_mask`` not a bool array of q's type.
     ValueError
         As for :func:`cupyflash.flash_attn_fwd` (shapes, head_dim, GQA, unit
         last stride); when only one of ``k``/``v`` is given; when k's nheads
@@ -591,8 +634,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         append into one cache slot; when a NumPy cache to append to is
         read-only, or ``k_cache`` and ``v_cache`` share memory; when an int
         ``cache_seqlens`` does not fit in int32; when ``num_splits`` is
-        negative.  Values (lengths and indices) are checked only when they are
-        on the host (ints and NumPy arrays).
+        negative; when ``attn_bias`` or ``attn_mask`` has more than 4
+        dimensions, a batch, head or row dimension that is neither 1 nor full,
+        or a key dimension shorter than the capacity and not 1 (GPU: strides
+        not in whole elements, or on another device).  Values (lengths and
+        indices) are checked only when they are on the host (ints and NumPy
+        arrays).
 
     Notes
     -----
@@ -607,6 +654,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     before the append writes); on the GPU they must not overlap the caches
     (the blocks that append and the blocks that read them run concurrently).
     An append into a broadcast (zero-stride) cache is refused.
+
+    With ``attn_bias`` or ``attn_mask`` every GPU call runs the decode kernel,
+    which reads them element by element at their strides; long chunks on a
+    dense cache (``seqlen_q >= 256``), which otherwise run the dense forward,
+    too.
 
     On the CPU all appends happen before any attention, so a sequence whose
     blocks are shared sees what other sequences appended into them; do not
@@ -631,16 +683,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     >>> out = cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)
     >>> out.shape, bool((k_cache[1, 17] == k[1, 0]).all())
     ((2, 1, 4, 8), True)
+    >>> bias = np.zeros((32,), np.float32)  # one value per key position, every sequence and head
+    >>> bias[:2] = -np.inf                  # hide each sequence's first two keys
+    >>> out = cupyflash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens + 1, attn_bias=bias)
+    >>> out.shape
+    (2, 1, 4, 8)
     """
     if cache_seqlens is not None and type(cache_seqlens) is not int and _is_integer(cache_seqlens):
         cache_seqlens = int(cache_seqlens)  # numpy integers and int subclasses: the int they hold
+    if type(attn_mask) is BlockMask:  # its mask (the decode kernel walks the keys with no block map)
+        attn_mask = attn_mask.mask
     variants = (window_size is not _NO_WINDOW or softcap is not _NO_SOFTCAP or alibi_slopes is not None
-                or sinks is not None)
+                or sinks is not None or attn_bias is not None or attn_mask is not None)
     try:
         key = _signature(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                          softmax_scale, causal, num_splits, return_lse, dtype)
         if key is not None and variants:
-            extra = _variant_signature(window_size, softcap, alibi_slopes, sinks)
+            extra = _variant_signature(window_size, softcap, alibi_slopes, sinks, attn_bias, attn_mask)
             key = None if extra is None else key + extra
         entry = None if key is None else _ENTRIES.get(key)
     except Exception:  # noqa: BLE001 (unhashable, a raising __hash__: validation says what is wrong)
@@ -651,14 +710,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                       softmax_scale, causal, num_splits, return_lse, dtype)
         if variants:
             options = _checks.check_variants(_FN, q, plan.gpu, 0.0, window_size, alibi_slopes, softcap, sinks,
-                                             None, softmax_scale=plan.scale)
+                                             None, softmax_scale=plan.scale, attn_bias=attn_bias,
+                                             attn_mask=attn_mask, seqlens=(q.shape[1], plan.capacity),
+                                             key_capacity=plan.capacity)
         if plan.gpu:
             entry = _ENTRIES.put(key, _gpu_entry(plan, q, k_cache, v_cache, k, v, cache_batch_idx, block_table,
                                                  bool(causal), int(num_splits), dtype, options,
                                                  return_lse=bool(return_lse)))
     if entry is not None:
         out, lse = entry(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, alibi_slopes,
-                         sinks)
+                         sinks, attn_bias, attn_mask)
         return (out, lse) if return_lse else out
     out, lse = _cpu(plan, q, k_cache, v_cache, k, v, bool(causal), options)
     return (out, lse) if return_lse else out

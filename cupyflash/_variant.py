@@ -91,6 +91,13 @@ def bits(options) -> int:
                                  mask="attn_mask" in options, strided=_strided(options))
 
 
+def decode_bits(options) -> int:
+    """The decode kernel's VARIANT for ``options`` (no dropout): :func:`bits` without
+    VAR_BIAS_STRIDED, since that kernel reads a bias and mask element by element at any
+    strides (variant.cuh ScoreMod), never in pairs."""
+    return bits(options) & ~dispatch.VAR_BIAS_STRIDED
+
+
 def broadcast_strides(x) -> tuple[int, int, int, int]:
     """(batch, head, row, col) strides in elements of a 4-D bias, mask or dbias
     (``_checks.check_variants``' left-padded form) read as broadcast to the full

@@ -1499,6 +1499,25 @@ def decode_warps(rows: int) -> tuple[int, int]:
     return 4, 1
 
 
+#: Padded head dims at which a decode call with a bias or a mask (_SCORE_ARRAY_BITS) on
+#: a paged cache runs at most two row warps: the (4, 1) grid spills there (NVRTC 13.0,
+#: sm_90: 68 bytes with a bias, 16-128 with a mask; nvcc 13.0: 16-40 with a bias), its
+#: 128 O registers per thread next to the page indices and a tile row of bias or mask
+#: elements in flight. (2, 2) compiles clean (sm_80, sm_90), at twice the row blocks
+#: (each K/V tile read by two blocks).
+_DECODE_BIAS_TWO_ROW_WARPS = frozenset((256,))
+
+
+def decode_variant_warps(warps: tuple[int, int], head_dim_padded: int, paged: bool,
+                         variant: int) -> tuple[int, int]:
+    """The warp grid a decode call of ``variant`` runs where :func:`decode_warps` chose
+    ``warps`` (see _DECODE_BIAS_TWO_ROW_WARPS)."""
+    if (variant & _SCORE_ARRAY_BITS and paged and head_dim_padded in _DECODE_BIAS_TWO_ROW_WARPS
+            and warps[0] > 2):
+        return 2, 2
+    return warps
+
+
 def decode_smem_bytes(head_dim_padded: int, block_n: int, warps_m: int, stages: int) -> int:
     """Dynamic shared memory of the decode kernel (DecodeTraits::SMEM_BYTES): the
     packed Q tile and the K/V ring."""
@@ -1599,19 +1618,21 @@ def select_decode(*, batch: int, seqlen_q: int, nheads_q: int, nheads_kv: int, h
     keys): the capacity of the cache when the lengths live on the GPU.
     ``num_splits`` > 0 asks for that many splits (clipped to the key tiles and
     to DECODE_MAX_SPLITS); 0 chooses.  ``variant``: the VARIANT bits
-    (:func:`variant_bits`; no dropout); ``window_left``: a window's left size
-    (-1: unbounded), which bounds the key tiles a block visits
+    (:func:`variant_bits`; no dropout; a bias and mask with none of their qualifier
+    bits: the kernel reads them element by element at any strides); ``window_left``:
+    a window's left size (-1: unbounded), which bounds the key tiles a block visits
     (:func:`decode_visible_tiles`) and so its splits.
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
     if cc < ARCHS[0]:
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
-    if variant & (_SCORE_ARRAY_BITS | VAR_BIAS_STRIDED):
-        raise ValueError(f"cupyflash: the decode kernel takes no attn_bias or attn_mask; got variant {variant}")
+    if variant & (VAR_DROPOUT | sum(_QUALIFIER_BITS)):
+        raise ValueError(f"cupyflash: the decode kernel takes no dropout, and reads a bias or mask element by "
+                         f"element (no VAR_BIAS_STRIDED, VAR_BIAS_STAGED or VAR_BLOCK_MAP); got variant {variant}")
     d = padded_head_dim(head_dim)
     rows = seqlen_q * (nheads_q // nheads_kv)
-    block_n, stages, warps = decode_tile(d, decode_warps(rows), cc)
+    block_n, stages, warps = decode_tile(d, decode_variant_warps(decode_warps(rows), d, paged, variant), cc)
     block_m = 16 * warps[0]
     num_m_blocks = max(1, math.ceil(rows / block_m))  # one block still appends when seqlen_q = 0
     n_tiles = decode_visible_tiles(max_seqlen_k, seqlen_q, block_n, window_left)
@@ -1628,9 +1649,9 @@ def select_decode(*, batch: int, seqlen_q: int, nheads_q: int, nheads_kv: int, h
     return DecodePlan(main, combine, d, block_m, num_m_blocks, splits)
 
 
-#: The variant bits the decode kernel takes (select_decode): no dropout, bias or mask.
-DECODE_VARIANT_BITS = tuple(b for b in VARIANT_BITS.values()
-                            if not b & (VAR_DROPOUT | _SCORE_ARRAY_BITS | VAR_BIAS_STRIDED | VAR_BLOCK_MAP))
+#: The variant bits the decode kernel takes (select_decode): no dropout, and a bias or
+#: mask read element by element (none of _QUALIFIER_BITS).
+DECODE_VARIANT_BITS = tuple(b for b in VARIANT_BITS.values() if not b & (VAR_DROPOUT | sum(_QUALIFIER_BITS)))
 
 
 def decode_visible_tiles(max_seqlen_k: int, seqlen_q: int, block_n: int, window_left: int = -1) -> int:
@@ -1671,10 +1692,9 @@ def all_decode_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
                                                            (False, True), (True, False)):
             out.append(decode_launch(dtype, d, warps, causal, paged, vec, cc=cc))
         out.append(decode_combine_launch(dtype, d))
-    # Each variant but dropout, the bias and the mask switched on alone (aligned,
-    # contiguous and paged).
+    # Each variant but dropout switched on alone (aligned, contiguous and paged).
     for bit, d, warps, causal, paged in itertools.product(
-            DECODE_VARIANT_BITS, HEAD_DIMS, ((1, 4), (2, 2), (4, 1)),
-            (False, True), (False, True)):
-        out.append(decode_launch(_VARIANT_CHECK_DTYPE, d, warps, causal, paged, True, cc=cc, variant=bit))
-    return out
+            DECODE_VARIANT_BITS, HEAD_DIMS, ((1, 4), (2, 2), (4, 1)), (False, True), (False, True)):
+        out.append(decode_launch(_VARIANT_CHECK_DTYPE, d, decode_variant_warps(warps, d, paged, bit), causal, paged,
+                                 True, cc=cc, variant=bit))
+    return list({L.name_expression: L for L in out}.values())

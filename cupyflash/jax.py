@@ -797,7 +797,8 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, deterministic=
 #: The function the messages name: the core's (the rules are its rules).
 _KV_FN = "flash_attn_with_kvcache"
 #: The arrays the callback may take, in order (those given, without None).
-_KV_ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_batch_idx", "block_table")
+_KV_ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_batch_idx", "block_table",
+              "attn_bias", "attn_mask")
 #: Which of them are index arrays (int32).
 _KV_INDEX = frozenset(("cache_seqlens", "cache_batch_idx", "block_table"))
 
@@ -924,6 +925,12 @@ def _kv_validate(arrays, cache_seqlens, softmax_scale, causal, num_splits, retur
     if not on_cpu and dtype not in _checks.GPU_DTYPES:
         _checks.fail(TypeError, _KV_FN,
                      f"q must have dtype float16 or bfloat16 on the GPU; got {dtype}.")
+    if "attn_bias" in specs or "attn_mask" in specs:  # (the core's rules: shapes and dtypes only)
+        qs, cache = specs["q"], specs["k_cache"]
+        table = index["block_table"]
+        capacity = cache.shape[1] * (table.shape[1] if table is not None else 1)
+        _checks.check_score_arrays(_KV_FN, qs, qs.shape[0], qs.shape[2], (qs.shape[1], capacity),
+                                   specs.get("attn_bias"), specs.get("attn_mask"), key_capacity=capacity)
     return scale
 
 
@@ -937,13 +944,14 @@ class _KVCallback:
     on NumPy views of XLA's buffers; on a GPU on CuPy views, on XLA's stream.
     """
 
-    __slots__ = ("names", "seqlens", "softmax_scale", "causal", "num_splits", "dtype_name",
+    __slots__ = ("names", "seqlens", "softmax_scale", "causal", "num_splits", "dtype_name", "bias_dtype_name",
                  "__weakref__")
 
-    def __init__(self, names, seqlens, softmax_scale, causal, num_splits, dtype_name):
+    def __init__(self, names, seqlens, softmax_scale, causal, num_splits, dtype_name, bias_dtype_name=None):
+        """``bias_dtype_name``: ``attn_bias``'s dtype (q's or float32), None without one."""
         self.names, self.seqlens = names, seqlens
         self.softmax_scale, self.causal, self.num_splits = softmax_scale, causal, num_splits
-        self.dtype_name = dtype_name
+        self.dtype_name, self.bias_dtype_name = dtype_name, bias_dtype_name
 
     @property
     def appends(self):
@@ -957,7 +965,7 @@ class _KVCallback:
             cache_seqlens=arrays.get("cache_seqlens", self.seqlens),
             cache_batch_idx=arrays.get("cache_batch_idx"), block_table=arrays.get("block_table"),
             softmax_scale=self.softmax_scale, causal=self.causal, num_splits=self.num_splits,
-            return_lse=True, dtype=dtype)
+            return_lse=True, dtype=dtype, attn_bias=arrays.get("attn_bias"), attn_mask=arrays.get("attn_mask"))
 
     def __call__(self, ctx, outputs, *inputs):
         buffers = dict(zip(self.names, inputs))
@@ -973,9 +981,11 @@ class _KVCallback:
         cupy = _interop._import_cupy(_KV_FN, "jax.Array")  # noqa: SLF001
         bf16 = self.dtype_name == "bfloat16"
         data = np.dtype(np.uint16) if bf16 else np.dtype(self.dtype_name)
+        types = dict.fromkeys(_KV_INDEX, np.dtype(np.int32))
+        types["attn_mask"] = np.dtype(np.bool_)
+        types["attn_bias"] = np.dtype(np.float32) if self.bias_dtype_name == "float32" else data
         with _cuda_device(device_id), _interop.use_stream(cupy, ctx.stream):
-            views = {name: _cupy_view(cupy, b, np.int32 if name in _KV_INDEX else data, device_id)
-                     for name, b in buffers.items()}
+            views = {name: _cupy_view(cupy, b, types.get(name, data), device_id) for name, b in buffers.items()}
             o, l = self._core(views, "bfloat16" if bf16 else None)
             _cupy_view(cupy, out, data, device_id)[...] = o  # on XLA's stream
             _cupy_view(cupy, lse, np.float32, device_id)[...] = l
@@ -1016,7 +1026,7 @@ def _kv_jvp(callback, primals, tangents):
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
                             cache_batch_idx=None, block_table=None, softmax_scale=None,
-                            causal=False, num_splits=0, return_lse=False):
+                            causal=False, num_splits=0, return_lse=False, attn_bias=None, attn_mask=None):
     """Attention of new queries against a KV cache, for JAX arrays; usable under ``jax.jit``.
 
     :func:`cupyflash.flash_attn_with_kvcache` (flash-attention's function of that
@@ -1062,6 +1072,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         the same result within rounding.
     return_lse : bool, optional
         Also return the logsumexp.
+    attn_bias : jax.Array, optional
+        An additive bias (issue 14), q's dtype or float32, rank <= 4,
+        broadcastable to ``(batch, nheads_q, seqlen_q, key)`` (each of the first
+        three dimensions 1 or full), the last dimension 1 or at least the cache's
+        capacity (``seqlen_cache``, or ``max_blocks_per_seq * page_size``), indexed
+        by the key's position in its sequence.  Added to the scaled scores;
+        ``-inf`` hides a key.  As in :func:`cupyflash.flash_attn_with_kvcache`.
+    attn_mask : jax.Array of bool, optional
+        A keep-mask broadcastable like ``attn_bias``: False hides the key.
 
     Returns
     -------
@@ -1119,7 +1138,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
              "v_cache": _kv_array("v_cache", v_cache, optional=False),
              "k": _kv_array("k", k), "v": _kv_array("v", v),
              "cache_batch_idx": _kv_array("cache_batch_idx", cache_batch_idx),
-             "block_table": _kv_array("block_table", block_table)}
+             "block_table": _kv_array("block_table", block_table),
+             "attn_bias": _kv_array("attn_bias", attn_bias), "attn_mask": _kv_array("attn_mask", attn_mask)}
     if isinstance(cache_seqlens, np.integer):
         cache_seqlens = int(cache_seqlens)  # a numpy integer scalar: the int it holds, as in the core
     if isinstance(cache_seqlens, np.ndarray) or (
@@ -1135,8 +1155,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
             f"cupyflash.jax.{_KV_FN}: this JAX ({jax.__version__}) has no "
             "jax.experimental.buffer_callback, which it needs (JAX >= 0.7).")
     q = arrays["q"]
+    bias = arrays.get("attn_bias")
     callback = _kv_callback(tuple(arrays), None if seqlens is None else int(seqlens), scale,
-                            bool(causal), int(num_splits), np.dtype(q.dtype).name)
+                            bool(causal), int(num_splits), np.dtype(q.dtype).name,
+                            None if bias is None else np.dtype(bias.dtype).name)
     results = _kv_call(callback, *arrays.values())
     out, lse = results[:2]
     head = (out, lse) if return_lse else (out,)

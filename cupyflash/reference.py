@@ -400,7 +400,7 @@ def attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, *, window_siz
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                            cache_batch_idx=None, block_table=None, softmax_scale=None,
-                           causal=False):
+                           causal=False, *, attn_bias=None, attn_mask=None):
     """Dense float64 attention against a KV cache, after appending ``k``, ``v``.
 
     The semantics of :func:`cupyflash.flash_attn_with_kvcache`, written plainly:
@@ -411,7 +411,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     gathered slot by slot and one masked softmax over the whole batch runs with
     key ``j`` of sequence ``b`` visible to query ``i`` iff
     ``j < seqlen_k_b = cache_seqlens[b] + seqlen_new`` and, with ``causal``,
-    ``j <= i + seqlen_k_b - seqlen_q``.  No input is modified.
+    ``j <= i + seqlen_k_b - seqlen_q`` (and ``attn_mask[b, h, i, j]``), the score
+    plus ``attn_bias[b, h, i, j]``.  No input is modified.
 
     Parameters
     ----------
@@ -426,6 +427,13 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(head_dim)``.
     causal : bool, optional
+    attn_bias : array, optional
+        Float, rank <= 4, broadcastable to ``(batch, nheads_q, seqlen_q, key)``
+        (left-padded with 1s; each of the first three dimensions 1 or full), the
+        last dimension 1 or at least the capacity, indexed by the key's position
+        ``j`` in its sequence.  Added to the scaled scores; ``-inf`` hides a key.
+    attn_mask : bool array, optional
+        Broadcastable like ``attn_bias``; False hides key ``j`` from the row.
 
     Returns
     -------
@@ -479,6 +487,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     if causal:
         visible = visible & (j <= i + (seqlen_k[:, None, None] - seqlen_q))
     visible = visible[:, None]  # (B, 1, Sq, capacity): every head alike
+    shape = scores.shape  # (B, Hq, Sq, capacity)
+    if attn_bias is not None:
+        scores = scores + _bias64(_cache_keys(attn_bias, capacity), shape)
+    visible = _visible4(visible, None if attn_mask is None else _cache_keys(attn_mask, capacity), shape)
     masked = np.where(visible, scores, -np.inf)
     row_max = masked.max(axis=-1, initial=-np.inf)
     shift = np.where(np.isfinite(row_max), row_max, 0.0)
@@ -489,6 +501,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=No
     lse = np.where(seen, np.log(np.where(seen, total, 1.0)) + shift, -np.inf)
     out = p @ _heads_first(values, nheads)
     return out.transpose(0, 2, 1, 3), lse, k_cache, v_cache
+
+
+def _cache_keys(x, capacity):
+    """A KV-cache bias or mask (rank <= 4, last dimension 1 or >= ``capacity``) as a
+    4-D host array over the key positions ``0 .. capacity - 1``."""
+    x = _host(x)
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    return x if x.shape[3] == 1 else x[..., :capacity]
 
 
 # ----------------------------------------------------------------------------

@@ -561,22 +561,22 @@ _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) 
     "cupyflash::flash_attn_with_kvcache", mutates_args=("k_cache", "v_cache"),
     schema="(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
            "Tensor? cache_seqlens, int? cache_seqlens_int, Tensor? cache_batch_idx, "
-           "Tensor? block_table, float softmax_scale, bool causal, int num_splits) "
+           f"Tensor? block_table, float softmax_scale, bool causal, int num_splits, {_SCORE_SCHEMA}) "
            "-> (Tensor, Tensor)")
 def _kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, cache_batch_idx,
-                block_table, softmax_scale, causal, num_splits):
+                block_table, softmax_scale, causal, num_splits, attn_bias=None, attn_mask=None):
     # cache_seqlens is a tensor or an int: the schema has a slot for each (at most one given).
     out, lse = _kvcache.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v,
         cache_seqlens=cache_seqlens if cache_seqlens is not None else cache_seqlens_int,
         cache_batch_idx=cache_batch_idx, block_table=block_table, softmax_scale=softmax_scale,
-        causal=causal, num_splits=num_splits, return_lse=True)
+        causal=causal, num_splits=num_splits, return_lse=True, attn_bias=attn_bias, attn_mask=attn_mask)
     return out, lse
 
 
 @_kvcache_op.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, cache_batch_idx,
-                  block_table, softmax_scale, causal, num_splits):
+                  block_table, softmax_scale, causal, num_splits, attn_bias=None, attn_mask=None):
     batch, seqlen_q, nheads_q, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, nheads_q, seqlen_q), dtype=torch.float32)
 
@@ -599,7 +599,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                             causal=False, num_splits=0, return_lse=False, rotary_cos=None,
                             rotary_sin=None, cache_leftpad=None, window_size=(-1, -1),
                             softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, attn_bias=None, attn_mask=None):
     """Attention of new queries against a KV cache for torch tensors, appending in place.
 
     flash-attention's ``flash_attn_with_kvcache``, over
@@ -661,6 +661,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         Ignored (it only matters with ``rotary_cos``).
     return_softmax_lse : bool
         As ``return_lse``.
+    attn_bias : torch.Tensor, optional
+        An additive bias (issue 14), q's dtype or float32, on q's device, rank <= 4,
+        broadcastable to ``(batch, nheads_q, seqlen_q, key)`` (each of the first
+        three dimensions 1 or full), the last dimension 1 or at least the cache's
+        capacity, indexed by the key's position in its sequence; any strides (read
+        in place).  Added to the scaled scores; ``-inf`` hides a key.  As in
+        :func:`cupyflash.flash_attn_with_kvcache`; no gradient.
+    attn_mask : torch.Tensor of bool, optional
+        A keep-mask broadcastable like ``attn_bias``: False hides the key.
 
     Returns
     -------
@@ -693,7 +702,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     """
     fn = "flash_attn_with_kvcache"
     _check_tensors(f"torch.{fn}", (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
-                                   ("k", k), ("v", v)), optional=("k", "v"))
+                                   ("k", k), ("v", v), ("attn_bias", attn_bias), ("attn_mask", attn_mask)),
+                   optional=("k", "v", "attn_bias", "attn_mask"))
     for option, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                           ("cache_leftpad", cache_leftpad), ("alibi_slopes", alibi_slopes)):
         if value is not None:
@@ -726,12 +736,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         with torch.no_grad():  # no backward, as in eager mode
             out, lse = torch.ops.cupyflash.flash_attn_with_kvcache(
                 q, k_cache, v_cache, k, v, seqlens_tensor, seqlens_int, cache_batch_idx,
-                block_table, float(softmax_scale), bool(causal), int(num_splits))
+                block_table, float(softmax_scale), bool(causal), int(num_splits), attn_bias, attn_mask)
         return (out, lse) if return_lse else out
     result = _kvcache.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
         block_table=block_table, softmax_scale=softmax_scale, causal=causal,
-        num_splits=num_splits, return_lse=return_lse)
+        num_splits=num_splits, return_lse=return_lse, attn_bias=attn_bias, attn_mask=attn_mask)
     if k is not None:
         _mark_written(k_cache, v_cache)
     return result

@@ -31,10 +31,15 @@
 //   IS_CAUSAL   bottom-right aligned causal mask (per sequence)
 //   PAGED       block_table lookup
 //   VEC         16-byte loads are legal
-//   VARIANT     the variants switched on (variant.cuh's VAR_* bits; no dropout here)
+//   VARIANT     the variants switched on (variant.cuh's VAR_* bits; no dropout here; a
+//               bias or mask with none of their qualifier bits: see below)
 // Variants act per packed row: row r is query row r / group of head h_kv * group
-// + r % group, so its mask (causal, window), its ALiBi slope and its sink are its
-// own. The block visits only the key tiles some row of it sees (a window over a
+// + r % group, so its mask (causal, window), its ALiBi slope, its sink and its
+// bias and mask row (b, head, q_row, key j: the key's position in the sequence,
+// whatever cache slot holds it) are its own. The bias and mask are read element by
+// element at their strides (ScoreMod), never staged or in pairs: each packed row
+// reads one element per key, against the 2 * head_dim K/V elements of that key
+// that the block's rows share. The block visits only the key tiles some row of it sees (a window over a
 // long cache reads ~window keys), and the splits share those tiles. A sink joins
 // each row's softmax once: in warp column 0 of split 0, whose running max starts
 // there; the warp merge and the combine then carry it in that partial's lse.

@@ -534,19 +534,47 @@ def test_score_pairs_need_unit_column_stride_even_strides_and_an_aligned_pointer
     assert ok((0, 0, 1024, 1), 1, 2) and not ok((0, 0, 1024, 1), 1, 1)  # a mask: 2-byte pairs
 
 
-def test_strided_bit_needs_a_bias_or_mask_and_decode_refuses_both():
+def test_strided_bit_needs_a_bias_or_mask_and_decode_reads_elements():
     assert dispatch.variant_bits(bias="element", strided=True) == dispatch.VAR_BIAS | dispatch.VAR_BIAS_STRIDED
     assert dispatch.variant_bits(mask=True, strided=True) == dispatch.VAR_MASK | dispatch.VAR_BIAS_STRIDED
     with pytest.raises(ValueError, match="strided"):
         dispatch.variant_bits(strided=True)
     kw = dict(batch=1, seqlen_q=1, nheads_q=8, nheads_kv=8, head_dim=128, max_seqlen_k=4096, dtype="bfloat16",
               causal=True, paged=False, vec=True)
+    # the decode kernel takes the bias and mask (issue 14), read element by element: no qualifier bits
     for bit in (dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK):
-        with pytest.raises(ValueError, match="decode kernel takes no attn_bias"):
-            dispatch.select_decode(**kw, variant=bit)
+        assert dispatch.select_decode(**kw, variant=bit).main.args[-1] == str(bit)
+    for bit in (dispatch.VAR_BIAS_STRIDED, dispatch.VAR_BIAS_STAGED, dispatch.VAR_BLOCK_MAP, dispatch.VAR_DROPOUT):
+        with pytest.raises(ValueError, match="decode kernel takes no dropout"):
+            dispatch.select_decode(**kw, variant=dispatch.VAR_MASK | dispatch.VAR_BIAS | bit)
     listed = {int(L.args[-1]) for L in dispatch.all_decode_launches() if L.template.endswith("decode_kernel")}
-    assert not any(v & (dispatch.VAR_BIAS | dispatch.VAR_BIAS_FP32 | dispatch.VAR_MASK | dispatch.VAR_BIAS_STRIDED)
-                   for v in listed)
+    assert not any(v & (dispatch.VAR_DROPOUT | dispatch.VAR_BIAS_STRIDED | dispatch.VAR_BIAS_STAGED
+                        | dispatch.VAR_BLOCK_MAP) for v in listed)
+    assert {dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK} <= listed
+
+
+def test_decode_bias_and_mask_plans_are_listed_for_check_kernels():
+    every = {L.name_expression for L in dispatch.all_decode_launches()}
+    kw = dict(batch=1, nheads_q=1, nheads_kv=1, max_seqlen_k=4096, dtype="bfloat16", vec=True)
+    bits = (dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK)
+    for bit, d, rows, causal, paged in itertools.product(bits, dispatch.HEAD_DIMS, (1, 20, 100), (False, True),
+                                                         (False, True)):
+        plan = dispatch.select_decode(**kw, head_dim=d, seqlen_q=rows, causal=causal, paged=paged, variant=bit)
+        assert plan.main.name_expression in every
+
+
+def test_decode_bias_on_a_paged_cache_at_256_takes_two_row_warps():
+    """The (4, 1) grid spills there with a bias or mask (_DECODE_BIAS_TWO_ROW_WARPS); not
+    on a dense cache, nor without them, nor at other head dims."""
+    kw = dict(batch=1, seqlen_q=100, nheads_q=1, nheads_kv=1, max_seqlen_k=4096, dtype="bfloat16", causal=True,
+              vec=True)
+    warps = lambda plan: tuple(int(x) for x in plan.main.args[3:5])  # noqa: E731
+    for bit in (dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK, dispatch.VAR_BIAS | dispatch.VAR_MASK):
+        plan = dispatch.select_decode(**kw, head_dim=256, paged=True, variant=bit)
+        assert warps(plan) == (2, 2) and plan.block_m == 32 and plan.num_m_blocks == 4
+        assert warps(dispatch.select_decode(**kw, head_dim=256, paged=False, variant=bit)) == (4, 1)
+        assert warps(dispatch.select_decode(**kw, head_dim=192, paged=True, variant=bit)) == (4, 1)
+    assert warps(dispatch.select_decode(**kw, head_dim=256, paged=True)) == (4, 1)
 
 
 def test_score_vec_needs_unit_column_stride_and_16_byte_rows():

@@ -31,7 +31,7 @@ import kvcache_cases as cases  # noqa: E402
 from test_kvcache import BAD, FN, _call, _valid  # noqa: E402
 
 import cupyflash  # noqa: E402
-from cupyflash import _interop  # noqa: E402
+from cupyflash import _interop, testing  # noqa: E402
 
 jnp = jax.numpy
 f = cfj.flash_attn_with_kvcache
@@ -381,3 +381,126 @@ def test_gpu_matches_the_reference(rng, name, dtype):
         softmax_scale=args["softmax_scale"], causal=args["causal"])
     assert np.array_equal(np.asarray(k_cache).astype(np.float64), ref_k)
     assert np.array_equal(np.asarray(v_cache).astype(np.float64), ref_v)
+
+
+# ----------------------------------------------------------------------------
+# attn_bias and attn_mask (issue 14): passed through to the core
+# ----------------------------------------------------------------------------
+
+
+def _scores(rng, args, bias_dtype="float32"):
+    """A bias over the cache's key positions (per head and row) and a padding mask."""
+    batch, seqlen_q, nheads, _ = args["q"].shape
+    table = args["block_table"]
+    capacity = args["k_cache"].shape[1] * (1 if table is None else table.shape[1])
+    bias = testing.random_normal(rng, (nheads, seqlen_q, capacity), bias_dtype)
+    return {"attn_bias": bias, "attn_mask": rng.random((batch, 1, 1, capacity)) < 0.8}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", ["dense-append", "paged-shared-prefix-append", "whole-cache"])
+def test_bias_and_mask_match_the_core(rng, name, jit):
+    args = cases.make(name, rng)
+    scores = _scores(rng, args)
+    k_cache, v_cache = args["k_cache"].copy(), args["v_cache"].copy()
+    out, lse = cases.call(cupyflash.flash_attn_with_kvcache, dict(args, k_cache=k_cache, v_cache=v_cache),
+                          return_lse=True, **scores)
+    j = to_jax(scores)
+    if jit:
+        got = jax.jit(lambda bias, mask: cases.call(f, to_jax(args), return_lse=True, attn_bias=bias,
+                                                    attn_mask=mask))(j["attn_bias"], j["attn_mask"])
+    else:
+        got = cases.call(f, to_jax(args), return_lse=True, **j)
+    assert np.array_equal(np.asarray(got[0]), out) and np.array_equal(np.asarray(got[1]), lse)
+    if args["k"] is not None:
+        assert np.array_equal(np.asarray(got[2]), k_cache)
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_bias_and_mask_are_checked_at_trace_time(monkeypatch, gpu):
+    """The core's rules and messages, on the CPU and traced for a GPU."""
+    j = to_jax(_valid())
+    if gpu:
+        monkeypatch.setattr(cfj, "_platform", lambda q: "gpu")
+        j = {n: x.astype(jnp.float16) if x.dtype == jnp.float32 else x for n, x in j.items()}
+    dtype = "float16" if gpu else "float32"
+    run = lambda **scores: jax.eval_shape(lambda: f(j["q"], j["k_cache"], j["v_cache"], j["k"], j["v"],  # noqa: E731
+                                                    cache_seqlens=j["cache_seqlens"], **scores))
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"cupyflash.{FN}: attn_bias must have a last dimension (the key position in a sequence) of 1 or at "
+            f"least the cache's capacity (32 keys per sequence), broadcastable to (batch, nheads_q, seqlen_q, "
+            f"key); got shape (4, 3, 31), whose key dimension is 31.")):
+        run(attn_bias=jnp.zeros((4, 3, 31), dtype))
+    with pytest.raises(TypeError, match="^" + re.escape(
+            f"cupyflash.{FN}: attn_mask must have dtype bool (True = attend; a float mask belongs in attn_bias); "
+            f"got float32.")):
+        run(attn_mask=jnp.zeros((32,), jnp.float32))
+    if gpu:
+        with x64():
+            with pytest.raises(TypeError, match="^" + re.escape(
+                    f"cupyflash.{FN}: attn_bias must have q's dtype (float16) or float32; got float64.")):
+                run(attn_bias=jnp.zeros((32,), jnp.float64))
+    shapes = run(attn_bias=jnp.zeros((2, 1, 3, 40), dtype), attn_mask=jnp.ones((32,), bool))
+    assert [s.shape for s in shapes] == [(2, 3, 4, 16), (2, 32, 2, 16), (2, 32, 2, 16)]
+
+
+@pytest.mark.parametrize("dtype_name,bias_dtype_name,storage", [
+    ("float16", "float16", "float16"), ("bfloat16", "bfloat16", "uint16"), ("bfloat16", "float32", "float32")])
+def test_gpu_callback_views_the_bias_and_mask(monkeypatch, dtype_name, bias_dtype_name, storage):
+    """The bias is viewed in its own dtype (q's storage, or float32), the mask as bool."""
+    from cupyflash import _kvcache
+
+    calls = []
+
+    class View:
+        def __init__(self, buffer, dtype):
+            self.buffer, self.dtype = buffer, np.dtype(dtype)
+
+        def __setitem__(self, key, value):
+            pass
+
+    monkeypatch.setattr(_interop, "_import_cupy", lambda *a: "cupy")
+    monkeypatch.setattr(cfj, "_cuda_device", lambda device_id: _nullcontext())
+    monkeypatch.setattr(_interop, "use_stream", lambda cupy, ptr: _nullcontext())
+    monkeypatch.setattr(cfj, "_cupy_view", lambda cupy, b, dtype, device_id: View(b, dtype))
+    monkeypatch.setattr(_kvcache, "flash_attn_with_kvcache", lambda *a, **kw: calls.append(kw) or ("O", "L"))
+    names = ("q", "k_cache", "v_cache", "attn_bias", "attn_mask")
+    callback = cfj._KVCallback(names, 5, 0.25, False, 0, dtype_name, bias_dtype_name)
+
+    class Ctx:
+        stream = 0
+
+    callback(Ctx, [_FakeBuffer(n, (1,)) for n in ("out", "lse")], *(_FakeBuffer(n, (1,)) for n in names))
+    (kwargs,) = calls
+    assert (kwargs["attn_bias"].buffer.name, kwargs["attn_bias"].dtype.name) == ("attn_bias", storage)
+    assert (kwargs["attn_mask"].buffer.name, kwargs["attn_mask"].dtype.name) == ("attn_mask", "bool")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", pytest.param("bfloat16", marks=pytest.mark.skipif(
+    not _HAS_BF16, reason="bfloat16 needs ml_dtypes"))])
+def test_gpu_bias_and_mask_match_the_cpu_path(rng, dtype):
+    """The decode kernel under jax.jit with a bias (q's dtype and float32) and a mask,
+    against the CPU path on float32 copies (test_gpu_decode's tolerance)."""
+    try:
+        gpu = jax.devices("gpu")[0]
+    except RuntimeError as exc:
+        pytest.skip(f"jax {jax.__version__} has no GPU backend: {exc}")
+    from test_gpu_decode import _assert_close_variant
+
+    args = cases.make("paged-shared-prefix-append", rng, dtype)
+    f32 = {n: (x.astype(np.float32) if isinstance(x, np.ndarray) and x.dtype != np.int32 else x)
+           for n, x in args.items()}
+    for bias_dtype in (dtype, "float32"):
+        scores = _scores(rng, args, bias_dtype)
+        want_out, want_lse = cases.call(cupyflash.flash_attn_with_kvcache, dict(f32), return_lse=True,
+                                        attn_bias=scores["attn_bias"].astype(np.float32),
+                                        attn_mask=scores["attn_mask"])
+        on_gpu = {n: jax.device_put(x, gpu) if isinstance(x, np.ndarray) else x
+                  for n, x in {**args, **scores}.items()}
+        names = [n for n in (*cases.ARRAYS, "attn_bias", "attn_mask") if isinstance(on_gpu.get(n), jax.Array)]
+        static = {n: x for n, x in on_gpu.items() if n not in names}
+        step = jax.jit(lambda *a: cases.call(f, dict(static, **dict(zip(names, a))), return_lse=True))
+        out, lse = jax.block_until_ready(step(*(on_gpu[n] for n in names)))[:2]
+        _assert_close_variant("out", np.asarray(out).astype(np.float32), want_out, dtype)
+        _assert_close_variant("lse", np.asarray(lse), want_lse, dtype)

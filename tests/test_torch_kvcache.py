@@ -22,7 +22,7 @@ cft = pytest.importorskip("cupyflash.torch")
 import kvcache_cases as cases  # noqa: E402
 
 import cupyflash  # noqa: E402
-from cupyflash import _interop  # noqa: E402
+from cupyflash import _interop, testing  # noqa: E402
 
 f = cft.flash_attn_with_kvcache
 FN = "flash_attn_with_kvcache"
@@ -299,3 +299,93 @@ def test_non_tensors_and_malformed_options_are_named(rng, arg, value, error, tex
     args[arg] = args[arg].numpy() if value == "numpy" else value
     with pytest.raises(error, match=r"^cupyflash\.torch\.flash_attn_with_kvcache: " + text):
         cft.flash_attn_with_kvcache(**args)
+
+
+# ----------------------------------------------------------------------------
+# attn_bias and attn_mask (issue 14): passed through to the core
+# ----------------------------------------------------------------------------
+
+
+def _scores(rng, args, bias_dtype="float32"):
+    """A bias over the cache's key positions (per head and row, broadcast over the batch)
+    and a padding mask (per sequence and key), as NumPy arrays."""
+    batch, seqlen_q, nheads, _ = args["q"].shape
+    table = args["block_table"]
+    capacity = args["k_cache"].shape[1] * (1 if table is None else table.shape[1])
+    bias = testing.random_normal(rng, (nheads, seqlen_q, capacity), bias_dtype)
+    return {"attn_bias": bias, "attn_mask": rng.random((batch, 1, 1, capacity)) < 0.8}
+
+
+@pytest.mark.parametrize("name", ["dense-append", "paged-shared-prefix-append", "batch-idx-mqa-append"])
+def test_bias_and_mask_match_the_core(rng, name):
+    args = cases.make(name, rng)
+    scores = _scores(rng, args)
+    k_cache, v_cache = args["k_cache"].copy(), args["v_cache"].copy()
+    out, lse = cases.call(cupyflash.flash_attn_with_kvcache, dict(args, k_cache=k_cache, v_cache=v_cache),
+                          return_lse=True, **scores)
+    t = to_torch(args)
+    got_out, got_lse = cases.call(f, t, return_lse=True, **to_torch(scores))
+    assert np.array_equal(host(got_out), out) and np.array_equal(host(got_lse), lse)
+    assert np.array_equal(host(t["k_cache"]), k_cache)
+
+
+def test_torch_compile_fullgraph_with_bias_and_mask(rng):
+    args = cases.make("paged-shared-prefix-append", rng)
+    scores = to_torch(_scores(rng, args))
+    t = to_torch(args)
+    eager = {n: (x.clone() if isinstance(x, torch.Tensor) else x) for n, x in t.items()}
+    want = cases.call(f, eager, return_lse=True, **scores)
+
+    def step(q, k_cache, v_cache, k, v, lengths, table, bias, mask):
+        return f(q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table, causal=True,
+                 return_lse=True, attn_bias=bias, attn_mask=mask)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    got = compiled(*(t[n] for n in ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "block_table")),
+                   scores["attn_bias"], scores["attn_mask"])
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert torch.equal(t["k_cache"], eager["k_cache"])
+
+
+def test_opcheck_with_bias_and_mask(rng):
+    args = cases.make("paged-shared-prefix-append", rng)
+    scores = to_torch(_scores(rng, args))
+    t = to_torch(args)
+    torch.library.opcheck(
+        torch.ops.cupyflash.flash_attn_with_kvcache.default,
+        (t["q"], t["k_cache"], t["v_cache"], t["k"], t["v"], t["cache_seqlens"], None, None,
+         t["block_table"], 0.25, True, 0, scores["attn_bias"], scores["attn_mask"]),
+        test_utils=("test_schema", "test_faketensor"))
+
+
+def test_bias_and_mask_must_be_tensors(rng):
+    t = to_torch(cases.make("dense-append", rng))
+    for name in ("attn_bias", "attn_mask"):
+        with pytest.raises(TypeError, match="^" + re.escape(
+                f"cupyflash.torch.{FN}: {name} must be None or a torch.Tensor; got numpy.ndarray.") + "$"):
+            cases.call(f, t, **{name: np.zeros((64,), np.float32 if name == "attn_bias" else bool)})
+    message = (f"cupyflash.{FN}: attn_bias must have a last dimension (the key position in a sequence) of 1 or "
+               f"at least the cache's capacity (64 keys per sequence)")
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        cases.call(f, t, attn_bias=torch.zeros(63))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", _BF16])
+@pytest.mark.parametrize("name", ["dense-append", "paged-shared-prefix-append"])
+def test_cuda_bias_and_mask_match_the_cpu_path(cuda, rng, name, dtype):
+    """The decode kernel with a bias (q's dtype and float32) and a mask, against the CPU
+    path on float32 copies (test_gpu_decode's tolerance)."""
+    from test_gpu_decode import _assert_close_variant
+
+    args = cases.make(name, rng, dtype)
+    for bias_dtype in (dtype, "float32"):
+        scores = _scores(rng, args, bias_dtype)
+        t = to_torch(args, cuda)
+        out, lse = cases.call(f, t, return_lse=True, **to_torch(scores, cuda))
+        f32 = {n: (x.astype(np.float32) if isinstance(x, np.ndarray) and x.dtype != np.int32 else x)
+               for n, x in args.items()}
+        host_scores = {"attn_bias": scores["attn_bias"].astype(np.float32), "attn_mask": scores["attn_mask"]}
+        want_out, want_lse = cases.call(cupyflash.flash_attn_with_kvcache, f32, return_lse=True, **host_scores)
+        _assert_close_variant("out", host(out).astype(np.float32), want_out, dtype)
+        _assert_close_variant("lse", host(lse), want_lse, dtype)
