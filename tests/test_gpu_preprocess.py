@@ -84,10 +84,10 @@ def _run_preprocess(monkeypatch, rows, head_dim, zero_dq, call):
 
         __slots__ = ()
 
-        def __init__(self, launches, template, writer, variant=None):
+        def __init__(self, launches, template, writer, variant=None, maps=None):
             pre = [l for l in launches if l.template.endswith("::flash_bwd_preprocess_kernel")]
             seen.extend(pre)
-            super().__init__(pre, template, writer, variant)
+            super().__init__(pre, template, writer, variant, maps)
 
         def __call__(self, stream, *pointers, var=None):
             p = list(pointers)
