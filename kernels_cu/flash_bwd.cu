@@ -344,17 +344,12 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, t = lane % 4;
 
-    // ---- which tile: key blocks of one (batch, KV head, split) are adjacent
-    //      (Q/dO reuse in L2); causal runs the heaviest key blocks (small n) first.
-    const int num_n_blocks = ceil_div(p.seqlen_k, BLOCK_N);
-    const int n_block = blockIdx.x % num_n_blocks;
-    const int split = (blockIdx.x / num_n_blocks) % p.kv_splits;
-    const int bh_kv = blockIdx.x / num_n_blocks / p.kv_splits;
-    const int b = bh_kv / p.nheads_kv, h_kv = bh_kv % p.nheads_kv;
+    // ---- which tile (query_grid.cuh)
+    const KeyTileCoords tc = key_tile_coords(p, BLOCK_N);
+    const int n_block = tc.n_block, split = tc.split, b = tc.b, h_kv = tc.h_kv;
     const SeqLens seq = seq_lens(p, b);
     const int n0 = n_block * BLOCK_N;
-    const int heads = p.nheads_q / p.nheads_kv / p.kv_splits;  // query heads this block visits
-    const int h_first = (h_kv * p.kv_splits + split) * heads;
+    const int heads = tc.heads, h_first = tc.h_first;  // the query heads this block visits
     // <= 0 past the end of a shorter sequence of a packed batch: such a block
     // visits no query block and stores nothing (an early return instead makes
     // ptxas spill in the unaligned variants).

@@ -49,6 +49,7 @@
 #include "variant.cuh"
 #include "warp_mma.cuh"
 #include "wgmma.cuh"
+#include "bwd_sm90.cuh"
 
 namespace cupyflash {
 
@@ -151,15 +152,10 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     const int key_row0 = wg * 64 + (warp % 4) * 16 + g;
     const int dq_row0 = 0, dq_col0 = wg * DQ_COLS;
 
-    // ---- which tile (as flash_bwd_dkdv_kernel): key blocks of one (batch, KV
-    //      head, split) adjacent; causal runs the heaviest key blocks first.
-    const int num_n_blocks = ceil_div(p.seqlen_k, BLOCK_N);
-    const int n_block = blockIdx.x % num_n_blocks;
-    const int split = (blockIdx.x / num_n_blocks) % p.kv_splits;
-    const int bh_kv = blockIdx.x / num_n_blocks / p.kv_splits;
-    const int b = bh_kv / p.nheads_kv, h_kv = bh_kv % p.nheads_kv;
-    const int heads = p.nheads_q / p.nheads_kv / p.kv_splits;
-    const int h_first = (h_kv * p.kv_splits + split) * heads;
+    // ---- which tile (query_grid.cuh)
+    const KeyTileCoords tc = key_tile_coords(p, BLOCK_N);
+    const int n_block = tc.n_block, split = tc.split, b = tc.b, h_kv = tc.h_kv, heads = tc.heads;
+    const int h_first = tc.h_first;
     const SeqLens seq = seq_lens(p, b);
     const int n0 = n_block * BLOCK_N;
     if (n0 >= seq.seqlen_k) return;  // past the end of a shorter sequence of a packed batch
@@ -261,19 +257,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
 
         // ---- Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warpgroup's 64 keys
         float st[M_TILES][4], dpt[M_TILES][4];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            Wgmma<T, BLOCK_M>::template ss<0, 0>(st, desc_k_major<BLOCK_N>(sK_, wg * 64, kk),
-                                                 desc_k_major<BLOCK_M>(sQ(stage), 0, kk), kk > 0);
-        }
-        wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            Wgmma<T, BLOCK_M>::template ss<0, 0>(dpt, desc_k_major<BLOCK_N>(sV_, wg * 64, kk),
-                                                 desc_k_major<BLOCK_M>(sdO(stage), 0, kk), kk > 0);
-        }
-        wgmma_commit();
+        issue_st_dpt<T, BLOCK_M, BLOCK_N, HEAD_DIM>(st, dpt, sK_, sV_, sQ(stage), sdO(stage), wg);
         // The next step's loads, issued while the tensor cores work on Sᵀ and dPᵀ
         // (their address arithmetic would otherwise sit on this step's critical path).
         if (MAP ? h_next < h_end : it + 1 < num_iters) {
@@ -345,13 +329,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         }
         uint32 (&dv_a)[BLOCK_M / 16][4] = DROPOUT ? pv : pa;
         // ---- dV += Pᵀ·dO (∘Z)
-        fence_operands(acc_dv);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-            Wgmma<T, HEAD_DIM>::template rs<1>(acc_dv, dv_a[kk], desc_mn_major<BLOCK_M>(sdO(stage), kk));
-        }
-        wgmma_commit();
+        issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc_dv, dv_a, sdO(stage));
         // dPᵀ; at D=128 dV too: P·dO reads its operand from registers while in flight, so
         // it must stay live until it completes, which costs D=128 registers it lacks;
         // D=64 has them, and computes dS while P·dO runs.
@@ -363,47 +341,14 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         //      fp32 copy would cost D=128 the last 32 registers; softcap: P·(1 − tanh²) rounded)
         const uint32 (&ds_p)[BLOCK_M / 16][4] = SOFTCAP ? pds : pa;
         uint32 dsa[BLOCK_M / 16][4];
-#pragma unroll
-        for (int j = 0; j < M_TILES; ++j) {
-            const float2 delta = *reinterpret_cast<const float2*>(s_delta + j * 8 + 2 * t);
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const float2 pr = TypeTraits<T>::unpack(ds_p[j / 2][(j % 2) * 2 + hh]);
-                float dp0 = dpt[j][2 * hh], dp1 = dpt[j][2 * hh + 1];
-                if constexpr (DROPOUT) {
-                    dp0 = keep(j, 2 * hh) ? dp0 * p.var.dropout_scale : 0.f;
-                    dp1 = keep(j, 2 * hh + 1) ? dp1 * p.var.dropout_scale : 0.f;
-                }
-                dp0 -= delta.x;
-                dp1 -= delta.y;
-                dpt[j][2 * hh] = pr.x * dp0;
-                dpt[j][2 * hh + 1] = pr.y * dp1;
-            }
-        }
+        ds_from_dp<T, M_TILES, DROPOUT>(dpt, ds_p, s_delta, t, keep, p.var.dropout_scale);
         acc_to_a_operand<T>(dpt, dsa);
         // ---- dK += dSᵀ·Q (times softmax_scale in the epilogue)
-        fence_operands(acc_dk);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-            Wgmma<T, HEAD_DIM>::template rs<1>(acc_dk, dsa[kk], desc_mn_major<BLOCK_M>(sQ(stage), kk));
-        }
-        wgmma_commit();
+        issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc_dk, dsa, sQ(stage));
 
         if constexpr (!DETERMINISTIC) {
             // ---- dSᵀ to shared memory (key rows, query columns) for dQ = dS·K
-#pragma unroll
-            for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    // dsa[kk][hh] = (row key_row0 + 8 hh, columns 16 kk + 2t..), [2 + hh] 8 columns on
-                    const uint32 r = key_row0 + hh * 8;
-                    asm volatile("st.shared.u32 [%0], %1;\n"
-                                 :: "r"(sdS_ + DSTile::offset(r, 2 * kk) + t * 4), "r"(dsa[kk][hh]));
-                    asm volatile("st.shared.u32 [%0], %1;\n"
-                                 :: "r"(sdS_ + DSTile::offset(r, 2 * kk + 1) + t * 4), "r"(dsa[kk][2 + hh]));
-                }
-            }
+            store_ds_t<DSTile, BLOCK_M>(sdS_, dsa, key_row0, t);
             fence_proxy_async_smem();
             asm volatile("bar.sync 1, 256;\n" ::: "memory");  // all of dSᵀ written
 
@@ -411,15 +356,7 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
             //      A = dS read MN-major from the dSᵀ tile (its 64-column block of those
             //      query rows), B = K read MN-major (its columns from dq_col0)
             float dq[1][DQ_COLS / 8][4];
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-                Wgmma<T, DQ_COLS>::template ss<1, 1>(
-                    dq[0], desc_mn_major<BLOCK_N>(sdS_ + (dq_row0 / 64) * DSTile::BLOCK_BYTES, kk),
-                    desc_mn_major<BLOCK_N>(sK_ + (dq_col0 / 64) * KVTile::BLOCK_BYTES + (dq_col0 % 64) * 2, kk),
-                    kk > 0);
-            }
-            wgmma_commit();
+            issue_dq<T, BLOCK_N, DQ_COLS, KVTile>(dq[0], sdS_ + (dq_row0 / 64) * DSTile::BLOCK_BYTES, sK_, dq_col0);
             wgmma_wait<0>();
             fence_operands(dq[0]);
             const SeqLens seq = seq_slot.load();
@@ -465,51 +402,14 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
             for (int e = 0; e < 4; ++e) acc_dv[j][e] *= p.var.dropout_scale;
     }
 
-    // ---- epilogue, split GQA group: fp32 partials straight from registers
-    if (p.kv_splits > 1) {
-        const int64 part_rows = key_rows(p);  // rows of one split
-        float* dk_part = p.dkv_accum + (split * part_rows + key_row_index(p, b, h_kv, seq_end, n0)) * HEAD_DIM;
-        float* dv_part = dk_part + p.kv_splits * part_rows * HEAD_DIM;
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int row = key_row0 + hh * 8;
-            if (row >= keys_valid) continue;
-#pragma unroll
-            for (int j = 0; j < D_TILES; ++j) {
-                const int col = row * HEAD_DIM + j * 8 + 2 * t;
-                *reinterpret_cast<float2*>(dk_part + col) =
-                    make_float2(acc_dk[j][2 * hh] * p.softmax_scale, acc_dk[j][2 * hh + 1] * p.softmax_scale);
-                *reinterpret_cast<float2*>(dv_part + col) = make_float2(acc_dv[j][2 * hh], acc_dv[j][2 * hh + 1]);
-            }
-        }
-        return;
-    }
-
-    // ---- epilogue: dK·scale and dV to T, staged through sK / sV for 16-byte stores
-    //      (their addresses made opaque: the staging addresses the prologue's K, V loads
-    //      computed would otherwise be held across the loop, spilled where registers
-    //      are short)
+    // ---- epilogue: dK·scale, dV (staged through sK / sV, their addresses made opaque: the
+    //      staging addresses the prologue's K, V loads computed would otherwise be held
+    //      across the loop, spilled where registers are short)
     uint32 sK_ = sK, sV_ = sV;
     asm volatile("" : "+r"(sK_), "+r"(sV_));
-#pragma unroll
-    for (int j = 0; j < D_TILES; ++j) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int r = key_row0 + hh * 8;
-            const uint32 dk2 = TypeTraits<T>::pack(acc_dk[j][2 * hh] * p.softmax_scale,
-                                                   acc_dk[j][2 * hh + 1] * p.softmax_scale);
-            const uint32 dv2 = TypeTraits<T>::pack(acc_dv[j][2 * hh], acc_dv[j][2 * hh + 1]);
-            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sK_ + KVTile::offset(r, j) + t * 4), "r"(dk2));
-            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sV_ + KVTile::offset(r, j) + t * 4), "r"(dv2));
-        }
-    }
-    __syncthreads();
-    T* dk = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride +
-            int64(seq_end.k_start + n0) * p.dk_row_stride;
-    T* dv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride +
-            int64(seq_end.k_start + n0) * p.dv_row_stride;
-    store_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(dk, p.dk_row_stride, sK_, keys_valid, p.head_dim);
-    store_tile<T, BLOCK_N, HEAD_DIM, NT, true, EVEN_K, KVTile>(dv, p.dv_row_stride, sV_, keys_valid, p.head_dim);
+    store_dkdv<T, BLOCK_N, HEAD_DIM, NT, EVEN_K, KVTile>(p, acc_dk, acc_dv, seq_end, b, h_kv, split, n0, keys_valid,
+                                                         key_row0, t, sK_, sV_, [] { __syncthreads(); },
+                                                         threadIdx.x);
 }
 
 }  // namespace cupyflash

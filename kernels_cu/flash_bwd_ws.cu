@@ -42,11 +42,13 @@
 #include "params.cuh"
 #include "ptx.cuh"
 #include "seqlens.cuh"
+#include "query_grid.cuh"
 #include "bwd_rows.cuh"
 #include "tile_io.cuh"
 #include "variant.cuh"
 #include "wgmma.cuh"
 #include "tma.cuh"
+#include "bwd_sm90.cuh"
 
 namespace cupyflash {
 
@@ -113,15 +115,10 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
     auto full_q = [&](int stage) { return bars + 8 * (1 + stage); };
     auto empty_q = [&](int stage) { return bars + 8 * (1 + STAGES + stage); };
 
-    // ---- which tile (as flash_bwd_dkdv_sm90_kernel): key blocks of one (batch, KV
-    //      head, split) adjacent; causal runs the heaviest key blocks first.
-    const int num_n_blocks = ceil_div(p.seqlen_k, BLOCK_N);
-    const int n_block = blockIdx.x % num_n_blocks;
-    const int split = (blockIdx.x / num_n_blocks) % p.kv_splits;
-    const int bh_kv = blockIdx.x / num_n_blocks / p.kv_splits;
-    const int b = bh_kv / p.nheads_kv, h_kv = bh_kv % p.nheads_kv;
-    const int heads = p.nheads_q / p.nheads_kv / p.kv_splits;
-    const int h_first = (h_kv * p.kv_splits + split) * heads;
+    // ---- which tile (query_grid.cuh)
+    const KeyTileCoords tc = key_tile_coords(p, BLOCK_N);
+    const int n_block = tc.n_block, split = tc.split, b = tc.b, h_kv = tc.h_kv, heads = tc.heads;
+    const int h_first = tc.h_first;
     const SeqLens seq = seq_lens(p, b);
     const int n0 = n_block * BLOCK_N;
     if (n0 >= seq.seqlen_k) return;  // past the end of a shorter sequence of a packed batch
@@ -251,19 +248,7 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
 
         // ---- Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warpgroup's 64 keys
         float st[M_TILES][4], dpt[M_TILES][4];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            Wgmma<T, BLOCK_M>::template ss<0, 0>(st, desc_k_major<BLOCK_N>(sK_, cw * 64, kk),
-                                                 desc_k_major<BLOCK_M>(sQ(stage), 0, kk), kk > 0);
-        }
-        wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            Wgmma<T, BLOCK_M>::template ss<0, 0>(dpt, desc_k_major<BLOCK_N>(sV_, cw * 64, kk),
-                                                 desc_k_major<BLOCK_M>(sdO(stage), 0, kk), kk > 0);
-        }
-        wgmma_commit();
+        issue_st_dpt<T, BLOCK_M, BLOCK_N, HEAD_DIM>(st, dpt, sK_, sV_, sQ(stage), sdO(stage), cw);
         wgmma_wait<1>();
         fence_operands(st);
 
@@ -286,13 +271,7 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
         uint32 pa[BLOCK_M / 16][4];
         acc_to_a_operand<T>(st, pa);
         // ---- dV += Pᵀ·dO
-        fence_operands(acc_dv);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-            Wgmma<T, HEAD_DIM>::template rs<1>(acc_dv, pa[kk], desc_mn_major<BLOCK_M>(sdO(stage), kk));
-        }
-        wgmma_commit();
+        issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc_dv, pa, sdO(stage));
         // dPᵀ; at D=128 dV too (its register operand pa must stay live until it completes:
         // D=128 lacks the registers, D=64 computes dS under it; flash_bwd_sm90.cu)
         constexpr bool DS_UNDER_DV = HEAD_DIM <= 64;
@@ -301,52 +280,20 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
 
         // ---- dSᵀ = Pᵀ∘(dPᵀ − delta), with Pᵀ as rounded for dV
         uint32 dsa[BLOCK_M / 16][4];
-#pragma unroll
-        for (int j = 0; j < M_TILES; ++j) {
-            const float2 delta = *reinterpret_cast<const float2*>(s_delta + j * 8 + 2 * t);
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const float2 pr = TypeTraits<T>::unpack(pa[j / 2][(j % 2) * 2 + hh]);
-                dpt[j][2 * hh] = pr.x * (dpt[j][2 * hh] - delta.x);
-                dpt[j][2 * hh + 1] = pr.y * (dpt[j][2 * hh + 1] - delta.y);
-            }
-        }
+        ds_from_dp<T, M_TILES, false>(dpt, pa, s_delta, t, NoKeep{}, 1.f);
         acc_to_a_operand<T>(dpt, dsa);
         // ---- dK += dSᵀ·Q (times softmax_scale in the epilogue)
-        fence_operands(acc_dk);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-            Wgmma<T, HEAD_DIM>::template rs<1>(acc_dk, dsa[kk], desc_mn_major<BLOCK_M>(sQ(stage), kk));
-        }
-        wgmma_commit();
+        issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc_dk, dsa, sQ(stage));
 
         // ---- dSᵀ to shared memory (key rows, query columns), this step's buffer
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const uint32 r = key_row0 + hh * 8;
-                asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sdS_ + DSTile::offset(r, 2 * kk) + t * 4),
-                             "r"(dsa[kk][hh]));
-                asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sdS_ + DSTile::offset(r, 2 * kk + 1) + t * 4),
-                             "r"(dsa[kk][2 + hh]));
-            }
-        }
+        store_ds_t<DSTile, BLOCK_M>(sdS_, dsa, key_row0, t);
         fence_proxy_async_smem();
         named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::DS_BAR);  // all of dSᵀ written
 
         // ---- dQ[0 .. 64, dq_col0 .. + DQ_COLS] = dS·K over all 128 keys: A = dS read
         //      MN-major from the dSᵀ tile, B = K read MN-major (its columns from dq_col0)
         float dq[DQ_COLS / 8][4];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            Wgmma<T, DQ_COLS>::template ss<1, 1>(
-                dq, desc_mn_major<BLOCK_N>(sdS_, kk),
-                desc_mn_major<BLOCK_N>(sK_ + (dq_col0 / 64) * KVTile::BLOCK_BYTES + (dq_col0 % 64) * 2, kk), kk > 0);
-        }
-        wgmma_commit();
+        issue_dq<T, BLOCK_N, DQ_COLS, KVTile>(dq, sdS_, sK_, dq_col0);
         wgmma_wait<1>();  // dV, dK done: this warp is done with the stage's Q and dO
         __syncwarp();
         if (lane == 0) mbar_arrive(empty_q(stage));
@@ -380,50 +327,12 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
     named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR);  // every consumer is done with sK, sV
     const SeqLens seq_end = seq_slot.load();
 
-    // ---- epilogue, split GQA group: fp32 partials straight from registers
-    if (p.kv_splits > 1) {
-        const int64 part_rows = key_rows(p);  // rows of one split
-        float* dk_part = p.dkv_accum + (split * part_rows + key_row_index(p, b, h_kv, seq_end, n0)) * HEAD_DIM;
-        float* dv_part = dk_part + p.kv_splits * part_rows * HEAD_DIM;
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int row = key_row0 + hh * 8;
-            if (row >= keys_valid) continue;
-#pragma unroll
-            for (int j = 0; j < D_TILES; ++j) {
-                const int col = row * HEAD_DIM + j * 8 + 2 * t;
-                *reinterpret_cast<float2*>(dk_part + col) =
-                    make_float2(acc_dk[j][2 * hh] * p.softmax_scale, acc_dk[j][2 * hh + 1] * p.softmax_scale);
-                *reinterpret_cast<float2*>(dv_part + col) = make_float2(acc_dv[j][2 * hh], acc_dv[j][2 * hh + 1]);
-            }
-        }
-        return;
-    }
-
-    // ---- epilogue: dK·scale and dV to T, staged through sK / sV for 16-byte stores
+    // ---- epilogue: dK·scale, dV (staged through sK / sV; addresses made opaque, as flash_bwd_sm90.cu's)
     uint32 sK_ = sK, sV_ = sV;
     asm volatile("" : "+r"(sK_), "+r"(sV_));
-#pragma unroll
-    for (int j = 0; j < D_TILES; ++j) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int r = key_row0 + hh * 8;
-            const uint32 dk2 = TypeTraits<T>::pack(acc_dk[j][2 * hh] * p.softmax_scale,
-                                                   acc_dk[j][2 * hh + 1] * p.softmax_scale);
-            const uint32 dv2 = TypeTraits<T>::pack(acc_dv[j][2 * hh], acc_dv[j][2 * hh + 1]);
-            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sK_ + KVTile::offset(r, j) + t * 4), "r"(dk2));
-            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sV_ + KVTile::offset(r, j) + t * 4), "r"(dv2));
-        }
-    }
-    named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR);
-    T* dk = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride +
-            int64(seq_end.k_start + n0) * p.dk_row_stride;
-    T* dv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride +
-            int64(seq_end.k_start + n0) * p.dv_row_stride;
-    store_tile<T, BLOCK_N, HEAD_DIM, Tr::CONSUMER_THREADS, true, EVEN_K, KVTile>(dk, p.dk_row_stride, sK_, keys_valid,
-                                                                               p.head_dim, ct);
-    store_tile<T, BLOCK_N, HEAD_DIM, Tr::CONSUMER_THREADS, true, EVEN_K, KVTile>(dv, p.dv_row_stride, sV_, keys_valid,
-                                                                               p.head_dim, ct);
+    store_dkdv<T, BLOCK_N, HEAD_DIM, Tr::CONSUMER_THREADS, EVEN_K, KVTile>(
+        p, acc_dk, acc_dv, seq_end, b, h_kv, split, n0, keys_valid, key_row0, t, sK_, sV_,
+        [] { named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR); }, ct);
 }
 
 }  // namespace cupyflash

@@ -1,7 +1,8 @@
 // query_grid.cuh: which (batch, head, query block) a thread block owns in the
 // kernels parallel over query blocks: the forwards (flash_fwd.cu, flash_fwd_sm90.cu,
 // flash_fwd_ws.cu) and both deterministic dQ kernels (flash_bwd.cu,
-// flash_bwd_sm90.cu), whose block's rows dq_block() finds.
+// flash_bwd_sm90.cu), whose block's rows dq_block() finds; and which (batch, KV head,
+// split, key block) in the dK/dV kernels, parallel over key blocks (key_tile_coords).
 #pragma once
 
 #include "params.cuh"
@@ -65,5 +66,23 @@ __device__ __forceinline__ DqRows<T> dq_rows(const BwdParams& p, const DqBlock& 
                 int64(d.seq.k_start) * p.k_row_stride,
             static_cast<const T*>(p.v) + d.b * p.v_batch_stride + d.h_kv * p.v_head_stride +
                 int64(d.seq.k_start) * p.v_row_stride};
+}
+
+// A dK/dV kernel's block (flash_bwd.cu, flash_bwd_sm90.cu, flash_bwd_ws.cu): key block
+// n_block of (batch b, KV head h_kv), visiting the query heads h_first .. h_first + heads
+// - 1 of the group's share split (of kv_splits). The key blocks of one (batch, KV head,
+// split) are adjacent in the grid (Q/dO reuse in L2); causal runs the heaviest key
+// blocks (small n) first.
+struct KeyTileCoords {
+    int n_block, split, b, h_kv, heads, h_first;
+};
+__device__ __forceinline__ KeyTileCoords key_tile_coords(const BwdParams& p, int block_n) {
+    const int num_n_blocks = ceil_div(p.seqlen_k, block_n);
+    const int n_block = blockIdx.x % num_n_blocks;
+    const int split = (blockIdx.x / num_n_blocks) % p.kv_splits;
+    const int bh_kv = blockIdx.x / num_n_blocks / p.kv_splits;
+    const int b = bh_kv / p.nheads_kv, h_kv = bh_kv % p.nheads_kv;
+    const int heads = p.nheads_q / p.nheads_kv / p.kv_splits;
+    return {n_block, split, b, h_kv, heads, (h_kv * p.kv_splits + split) * heads};
 }
 }  // namespace cupyflash

@@ -88,7 +88,8 @@ def test_quick_selection_covers_the_wgmma_kernels_on_sm90_only():
 @pytest.mark.parametrize("causal", [False, True])
 def test_quick_selection_holds_the_default_plans_wgmma_kernels(head_dim, causal):
     """--quick compiles what an fp16 default call on the H200 launches (at head_dim 64
-    that is the dK/dV variant without dQ, then the dQ kernel)."""
+    that is the dK/dV variant without dQ, then the dQ kernel; at 128 the warp-specialised
+    dK/dV kernel)."""
     from cupyflash import check_kernels, dispatch
 
     quick = {L.name_expression for L in check_kernels._launches((9, 0), True, None)}
@@ -96,7 +97,7 @@ def test_quick_selection_holds_the_default_plans_wgmma_kernels(head_dim, causal)
                  causal=causal, vec=True, cc=(9, 0))
     launches = [dispatch.select_fwd(**shape).main,
                 *dispatch.select_bwd(nheads_kv=8, deterministic=False, **shape).launches]
-    wgmma = [L for L in launches if L.source.endswith("_sm90.cu")]
+    wgmma = [L for L in launches if L.source.endswith(("_sm90.cu", "_ws.cu"))]
     assert len(wgmma) == (3 if head_dim == 64 else 2)  # fwd, dK/dV (, dQ)
     for launch in wgmma:
         assert launch.name_expression in quick, launch.name_expression
