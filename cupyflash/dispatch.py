@@ -1276,6 +1276,10 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     :func:`bwd_block_map_tiles`) unless a bias is on too (_BWD_SM90_MAP_DROPS), the others
     drop it (the mma.sync kernels mask every block; the dbias kernels visit every tile
     of dbias); it changes no other choice.
+
+    ``ws``: whether the warp-specialised dK/dV kernel may serve the call
+    (:func:`uses_ws_bwd`; None: :data:`BWD_WS`); the plan then carries its TMA boxes
+    (``BwdPlan.tma_box_rows``) and takes dQ through dq_accum and the convert kernel.
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
