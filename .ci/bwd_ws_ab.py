@@ -6,7 +6,12 @@ dK/dV, dQ or convert) by ``cupyx.profiler.benchmark`` (``gpu_times``), BWD_WS of
 for each point; the dK/dV launch of each mode is checked. Prints one line per point and
 the ratio (cp.async time / ws time: > 1 means ws is faster), and writes JSON to $OUT.
 
-    python .ci/bwd_ws_ab.py [--quick]
+``--variants``: the variant backwards instead (D=128, a window, softcap, ALiBi, sinks,
+dropout and some of their sets; dispatch.BWD_WS on), dispatch.BWD_WS_VARIANTS off (the
+cp.async kernel) then on (the ws kernel) for each point; TFLOP/s there are the nominal
+dense or causal counts (a window does less).
+
+    python .ci/bwd_ws_ab.py [--quick] [--variants]
 """
 import argparse
 import json
@@ -31,6 +36,12 @@ def rand(rng, dtype, *shape):
 
 def set_ws(on):
     dispatch.BWD_WS = on
+    _gpu.clear_plans()
+
+
+def set_ws_variants(on):
+    dispatch.BWD_WS = True
+    dispatch.BWD_WS_VARIANTS = dispatch.FWD_WS_VARIANTS if on else 0
     _gpu.clear_plans()
 
 
@@ -85,16 +96,56 @@ def cases(quick):
     return out
 
 
+def variant_cases(quick):
+    """D=128, 16k tokens, bf16 (and fp16 at 4096), causal and not: each variant the ws
+    backward takes alone and three of their sets (those dispatch.bwd_ws_takes)."""
+    rng = cp.random.default_rng(0)
+    d, h = 128, 16
+    seed = (0x5EED_0FD2_0901_7ABC, 3)
+    sinks = cp.asarray(np.random.default_rng(2).uniform(1.0, 6.0, h).astype(np.float32))
+    slopes = cp.asarray((2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32))
+    variants = {
+        "window(1024,0)": {"window_size": (1024, 0)},
+        "window(512,512)": {"window_size": (512, 512)},
+        "softcap30": {"softcap": 30.0},
+        "alibi": {"alibi_slopes": slopes},
+        "sinks": {"sinks": sinks},
+        "dropout0.1": {"dropout_p": 0.1, "rng_state": seed},
+        "sinks+window(1024,0)": {"sinks": sinks, "window_size": (1024, 0)},
+        "softcap30+dropout0.1": {"softcap": 30.0, "dropout_p": 0.1, "rng_state": seed},
+        "window(1024,0)+softcap30+sinks": {"window_size": (1024, 0), "softcap": 30.0, "sinks": sinks},
+    }
+    seqlens = (4096, 16384) if quick else (1024, 4096, 16384)
+    out = []
+    for dtype in ("bfloat16", "float16"):
+        kw = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+        for causal in (False, True):
+            for s in seqlens if dtype == "bfloat16" else (4096,):
+                b = TOKENS // s
+                q, k, v, do = (rand(rng, dtype, b, s, h, d) for _ in range(4))
+                flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+                for name, var in variants.items():
+                    if name.startswith("window(512,512)") and causal:
+                        continue
+                    vkw = {"causal": causal, **kw, **var}
+                    out_, lse = cupyflash.flash_attn_fwd(q, k, v, **vkw)
+                    out.append((f"D=128 {dtype:8s} B={b:<3d} S={s:<5d} {'causal' if causal else 'full':6s} {name}",
+                                cupyflash.flash_attn_bwd, (do, q, k, v, out_, lse), vkw, flops))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--variants", action="store_true", help="variant backwards, BWD_WS_VARIANTS off then on")
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
     rows = []
-    for label, fn, args, kwargs, flops in cases(a.quick):
+    switch = set_ws_variants if a.variants else set_ws
+    for label, fn, args, kwargs, flops in (variant_cases if a.variants else cases)(a.quick):
         times, kernels = {}, {}
         for on in (False, True):
-            set_ws(on)
+            switch(on)
             kernels[on] = dkdv_kernel(fn, args, kwargs)
             r = benchmark(fn, args, kwargs, n_repeat=a.reps, n_warmup=3)
             times[on] = float(np.median(r.gpu_times[0])) * 1e3
@@ -102,12 +153,14 @@ def main():
         ratio = times[False] / times[True]
         rows.append({"case": label, "cp_async_ms": times[False], "ws_ms": times[True], "ratio": ratio,
                      "ws_tflops": flops / times[True] * 1e-9, "cp_async_tflops": flops / times[False] * 1e-9})
-        print(f"{label:44s} cp.async {times[False]:8.3f} ms ({rows[-1]['cp_async_tflops']:5.0f})  "
+        width = 70 if a.variants else 44
+        print(f"{label:{width}s} cp.async {times[False]:8.3f} ms ({rows[-1]['cp_async_tflops']:5.0f})  "
               f"ws {times[True]:8.3f} ms ({rows[-1]['ws_tflops']:5.0f})  {ratio:5.2f}x", flush=True)
     ratios = [r["ratio"] for r in rows]
     print(f"ws / cp.async speedup: min {min(ratios):.2f} median {float(np.median(ratios)):.2f} max {max(ratios):.2f}")
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bwd_ws_ab.json"), "w") as f:
+        name = "bwd_ws_ab_variants.json" if a.variants else "bwd_ws_ab.json"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(rows, f, indent=1)
 
 

@@ -155,7 +155,7 @@ _FWD_WS = {
 }
 FWD_WS_BLOCK_M = 128
 FWD_WS_THREADS = 384
-#: The variant bits the warp-specialised forward takes (kernels_cu/flash_fwd_ws.cu
+#: The variant bits the warp-specialised forward takes (kernels_cu/variant.cuh
 #: WS_VARIANTS): those whose code is all in the scores and the softmax. A bias or mask
 #: (staged tiles, a block map) stays on the cp.async wgmma kernel.
 FWD_WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT
@@ -1105,8 +1105,8 @@ def bwd_dkdv_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k:
 # Issue 15: the warp-specialised backward (kernels_cu/flash_bwd_ws.cu): flash_bwd_sm90.cu's
 # dK/dV tile and products, with a producer warpgroup that copies Q and dO with TMA and
 # adds dQ into dq_accum with bulk reduce-adds, so the two consumer warpgroups issue no
-# load and no atomic. Plain attention (no variant), default (atomic dQ) mode, aligned
-# dense batches, at the padded head_dims where it measured faster than the cp.async
+# load and no atomic. Plain attention and the variants of BWD_WS_VARIANTS, default (atomic
+# dQ) mode, aligned dense batches, at the padded head_dims where it measured faster than the cp.async
 # kernels (kernels_cu/PERF.md v23, run 100, the whole backward at 16k tokens): D=128
 # 1.08-1.20x; not D=64 (0.79-0.85x against the cp.async dK/dV with the separate dQ
 # kernel) and not a packed batch (D=128, 14 sequences: 0.94x with the rows of the next
@@ -1117,15 +1117,40 @@ BWD_WS_HEAD_DIMS = (128,)
 BWD_WS_THREADS = 384
 BWD_WS_BLOCK_M, BWD_WS_BLOCK_N, BWD_WS_STAGES = 64, 128, 2
 BWD_WS: bool = os.environ.get("CUPYFLASH_BWD_WS", "") != "0"
+#: The variant bits the warp-specialised backward takes (of the kernel's WS_VARIANTS,
+#: FWD_WS_VARIANTS: a window, softcap, ALiBi, sinks, dropout; their code is the cp.async
+#: kernel's, bwd_sm90.cuh PtOperands). 0 until measured on the GPU: every variant stays on
+#: the cp.async kernels (PERF.md v23, "The ws backward's variants"). Read when a call is planned:
+#: set it, then ``cupyflash._gpu.clear_plans()``.
+BWD_WS_VARIANTS = 0
+#: The variant sets the warp-specialised backward never takes (a call holding all the bits
+#: of one stays on the cp.async kernel), where its consumers' 240 registers spill (nvcc
+#: 13.0, D=128, every set measured: PERF.md v23): ALiBi with dropout (causal 8-40 bytes;
+#: with a window and softcap too, 32 non-causal), softcap with ALiBi and a window with
+#: dropout (4 bytes, fp16 non-causal). Each variant alone fits, causal or not, any dtype.
+BWD_WS_VARIANT_SPILLS = (VAR_ALIBI | VAR_DROPOUT, VAR_SOFTCAP | VAR_ALIBI, VAR_WINDOW | VAR_DROPOUT)
+
+
+def bwd_ws_takes(variant: int) -> bool:
+    """Whether the warp-specialised backward's kernel compiles these variant bits with no
+    spill (FWD_WS_VARIANTS less BWD_WS_VARIANT_SPILLS), whatever BWD_WS_VARIANTS says."""
+    return not variant & ~FWD_WS_VARIANTS and not any(variant & s == s for s in BWD_WS_VARIANT_SPILLS)
+
+
+#: The variants of the warp-specialised backward that check-kernels compiles (at D=128,
+#: causal or not, head_dim 128 or less), whether or not BWD_WS_VARIANTS switches them on:
+#: those of FWD_WS_CHECK_VARIANTS it takes (:func:`bwd_ws_takes`).
+BWD_WS_CHECK_VARIANTS = tuple(bits for bits in FWD_WS_CHECK_VARIANTS if bwd_ws_takes(bits))
 
 
 def uses_ws_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int, deterministic: bool,
                 varlen: bool = False, ws: bool | None = None) -> bool:
     """Whether the warp-specialised dK/dV kernel serves this backward (``ws``: the switch,
-    BWD_WS when None): cc 9.0, aligned, dense, no variant, atomic dQ, at BWD_WS_HEAD_DIMS."""
+    BWD_WS when None): cc 9.0, aligned, dense, no variant outside BWD_WS_VARIANTS (nor a
+    set it spills with: :func:`bwd_ws_takes`), atomic dQ, at BWD_WS_HEAD_DIMS."""
     ws = BWD_WS if ws is None else ws
-    return (ws and cc == (9, 0) and vec and head_dim_padded in BWD_WS_HEAD_DIMS and not variant
-            and not deterministic and not varlen)
+    return (ws and cc == (9, 0) and vec and head_dim_padded in BWD_WS_HEAD_DIMS and not variant & ~BWD_WS_VARIANTS
+            and bwd_ws_takes(variant) and not deterministic and not varlen)
 
 
 def bwd_ws_smem_bytes(head_dim_padded: int) -> int:
@@ -1138,9 +1163,13 @@ def bwd_ws_smem_bytes(head_dim_padded: int) -> int:
 
 
 def bwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
-                  grid: tuple[int, int, int] = (1, 1, 1)) -> Launch:
-    """The warp-specialised dK/dV kernel (cc 9.0): ``<T, HEAD_DIM, IS_CAUSAL, EVEN_K>``."""
-    args = (CTYPES[dtype], str(head_dim_padded), _cbool(causal), _cbool(even_k))
+                  grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0) -> Launch:
+    """The warp-specialised dK/dV kernel (cc 9.0): ``<T, HEAD_DIM, IS_CAUSAL, EVEN_K, VARIANT>``;
+    ``variant``: bits the kernel takes (:func:`bwd_ws_takes`)."""
+    if not bwd_ws_takes(variant):
+        raise ValueError(f"cupyflash: the warp-specialised backward takes the variant bits {FWD_WS_VARIANTS} "
+                         f"less the sets {BWD_WS_VARIANT_SPILLS}; got {variant}")
+    args = (CTYPES[dtype], str(head_dim_padded), _cbool(causal), _cbool(even_k), str(variant))
     return Launch("flash_bwd_ws.cu", "cupyflash::flash_bwd_ws_kernel", args, grid, (BWD_WS_THREADS, 1, 1),
                   bwd_ws_smem_bytes(head_dim_padded))
 
@@ -1312,7 +1341,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     kv_splits = bwd_kv_splits(kv_blocks, nheads_q // nheads_kv, num_sms)
     dkdv_grid = (kv_blocks * kv_splits, 1, 1)
     if ws:
-        launches.append(bwd_ws_launch(dtype, d, causal, even_k, dkdv_grid))
+        launches.append(bwd_ws_launch(dtype, d, causal, even_k, dkdv_grid, variant))
     elif sm90:
         launches.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, separate_dq, dkdv_grid,
                                              bwd_sm90_variant(d, variant | staged, cc) | block_map))
@@ -1393,6 +1422,8 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
                     out.append(bwd_dq_sm90_launch(dtype, d, causal, even_k))
             if uses_ws_bwd(d, True, cc, 0, det, ws=True):
                 out.append(bwd_ws_launch(dtype, d, causal, even_k))
+                # (in every dtype and EVEN_K: fp16 with head_dim < 128 spilled where bf16 fit)
+                out.extend(bwd_ws_launch(dtype, d, causal, even_k, variant=bits) for bits in BWD_WS_CHECK_VARIANTS)
     for dtype, vec in itertools.product(CTYPES, (True, False)):
         lanes = {}  # one preprocess instantiation per ROW_LANES
         for d in HEAD_DIMS:

@@ -1,15 +1,17 @@
 // bwd_sm90.cuh: what both Hopper dK/dV kernels share (flash_bwd_sm90.cu, every warp
 // loads with cp.async; flash_bwd_ws.cu, warp-specialised with TMA): the step's
 // products for one warpgroup's 64 keys of a BLOCK_N-key block against BLOCK_M query
-// rows, computed transposed (keys as rows), and the epilogue that writes dK and dV.
-// Q, dO, K, V and dSᵀ are Swizzle128Tile tiles (wgmma.cuh); every GEMM is one wgmma
-// group, which the caller waits for.
+// rows, computed transposed (keys as rows), the step's Pᵀ with its variant
+// (PtOperands: the variant code of the scores, written once for both kernels), and the
+// epilogue that writes dK and dV. Q, dO, K, V and dSᵀ are Swizzle128Tile tiles
+// (wgmma.cuh); every GEMM is one wgmma group, which the caller waits for.
 #pragma once
 
 #include "params.cuh"
 #include "seqlens.cuh"
 #include "bwd_rows.cuh"
 #include "tile_io.cuh"
+#include "variant.cuh"
 #include "wgmma.cuh"
 
 namespace cupyflash {
@@ -49,9 +51,125 @@ __device__ __forceinline__ void issue_keys_rs(float (&acc)[HEAD_DIM / 8][4], con
     wgmma_commit();
 }
 
-// The keep bits of a kernel without dropout (ds_from_dp's Keep; never asked).
-struct NoKeep {
-    __device__ __forceinline__ bool operator()(int, int) const { return true; }
+// Dropout's keep bits (variant.cuh's Dropout, the forward's counters) of the step's Pᵀ
+// tile, st[j][e] (j < 8: BLOCK_M = 64 query columns): key key0 + g + 8 (e / 2), query
+// q0 + 8 j + (e & 1), with key0 the warp's first key (a multiple of 8) and q0 = m0 + 2 t.
+// One Philox call decides 8 keys of one query: keys key0 + 8 c .. + 7, the rows g = 0
+// .. 7 of one t. Those 8 lanes need the same 32 calls; lane g makes the 4 of n8 tile
+// j = g and the 8 exchange the bits.
+struct KeepBitsT {
+    uint32 w[2];  // element (j, e) kept iff bit 8 e + (j & 3) of w[j / 4]
+
+    __device__ __forceinline__ void draw(const Dropout& drop, int key0, int q0, int g, int t) {
+        uint32 mine = 0;  // byte e: the 8 keys key0 + 8 (e / 2) + 0 .. 7 of query q0 + 8 g + (e & 1)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mine |= drop.keep8(q0 + 8 * g + (e & 1), (key0 + 8 * (e / 2)) >> 3) << (8 * e);
+        // lane (g, t) takes bit g of each byte of lanes (j, t)
+        w[0] = w[1] = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j / 4] |= ((__shfl_sync(0xffffffffu, mine, 4 * j + t) >> g) & 0x01010101u) << (j & 3);
+    }
+    __device__ __forceinline__ bool operator()(int j, int e) const { return (w[j / 4] >> (8 * e + (j & 3))) & 1u; }
+
+    // The A operand of Pᵀ (acc_to_a_operand's layout: a[kk][q] holds n8 tile 2 kk + q / 2,
+    // elements 2 (q & 1) (low half) and 2 (q & 1) + 1) with the dropped entries zeroed.
+    template <int K_STEPS>
+    __device__ __forceinline__ void zero_dropped(const uint32 (&a)[K_STEPS][4], uint32 (&out)[K_STEPS][4]) const {
+#pragma unroll
+        for (int kk = 0; kk < K_STEPS; ++kk) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int j = 2 * kk + q / 2, e = 2 * (q & 1);
+                out[kk][q] = a[kk][q] & (((*this)(j, e) ? 0x0000ffffu : 0u) | ((*this)(j, e + 1) ? 0xffff0000u : 0u));
+            }
+        }
+    }
+};
+
+// The step's Pᵀ (BLOCK_M query columns of this warpgroup's 64 keys) as the A operands of
+// dV += Pᵀ·dO and of dSᵀ = Pᵀ∘(dPᵀ − delta), for the variant (variant.cuh; the score x =
+// ScoreMod(q·k) in log2 units, P = prob(x, lse_log2): sinks are in lse and change nothing
+// here). recompute() turns the Sᵀ accumulator into Pᵀ; then
+//   dv_a(): Pᵀ, with dropout Pᵀ∘Z (its 1/(1-p) comes in the epilogue: the kernel's
+//           acc_dv times dropout_scale),
+//   ds_p(): Pᵀ, with softcap P·(1 − tanh²) rounded like P (dS's factor; an fp32 copy
+//           would cost D=128 the last 32 registers),
+//   keep:   with dropout, Z (ds_from_dp's keep bits: dS takes the undropped P).
+template <typename T, int BLOCK_M, bool IS_CAUSAL, int VARIANT>
+struct PtOperands {
+    static constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0, ALIBI = (VARIANT & VAR_ALIBI) != 0;
+    static constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
+    static constexpr bool STAGED = (VARIANT & VAR_BIAS_STAGED) != 0;
+    static constexpr int M_TILES = BLOCK_M / 8, K_STEPS = BLOCK_M / 16;
+    static_assert(!DROPOUT || M_TILES == 8, "KeepBitsT holds 8 query tiles");
+    using Mod = ScoreMod<VARIANT, T>;
+    uint32 pa[K_STEPS][4], pv[K_STEPS][4], pds[K_STEPS][4];  // Pᵀ; Pᵀ∘Z (dropout); P·(1 − tanh²) (softcap)
+    KeepBitsT keep;
+
+    __device__ __forceinline__ uint32 (&dv_a())[K_STEPS][4] { return DROPOUT ? pv : pa; }
+    __device__ __forceinline__ uint32 (&ds_p())[K_STEPS][4] { return SOFTCAP ? pds : pa; }
+
+    // Pᵀ of query block m0 of head h (batch b) against keys n0 + key_row0 (+ 8) of the
+    // block: element (j, e) of st is key n0 + key_row0 + 8 (e / 2), query m0 + 8 j + 2 t
+    // + (e & 1) (in the sequence), lse_log2 the step's BLOCK_M values at s_lse. MASKED:
+    // the block needs the mask (masked scores give P = 0); ATTN_MASKED: its bool mask is
+    // read (false: the block map's full tile). The sequence's lengths are read back from
+    // seq_slot only where used (the mask, ALiBi's offset, the bias's and mask's clamped
+    // reads). Terms: StagedScoreTermsT where the bias/mask tile is staged
+    // (VAR_BIAS_STAGED; its stage at score_stage, read transposed from the warp's first
+    // key key_row0 - g), else ScoreMod reads them (ElementTerms).
+    template <bool MASKED, bool ATTN_MASKED, typename Terms = ElementTerms>
+    __device__ __forceinline__ void recompute(float (&st)[M_TILES][4], const BwdParams& p, const SeqLensSlot& seq_slot,
+                                              const float* s_lse, uint32 score_stage, int b, int h, int n0,
+                                              int key_row0, int m0, int g, int t) {
+        constexpr bool READS = Mod::BIAS || (Mod::MASK && ATTN_MASKED);
+        SeqLens sl{};
+        if constexpr (MASKED || ALIBI || (READS && !STAGED)) sl = seq_slot.load();
+        const Mask<IS_CAUSAL, VARIANT> mask(p.var, sl.seqlen_q, sl.seqlen_k);
+        const Mod mod(p.var, p.softmax_scale_log2, b, h, sl.seqlen_q, sl.seqlen_k);
+        [[maybe_unused]] Terms terms;
+        if constexpr (STAGED) terms.template load<ATTN_MASKED>(p.var, score_stage, key_row0 - g);
+        KeyRows<IS_CAUSAL, VARIANT> key_rows[2] = {{mask, n0 + key_row0}, {mask, n0 + key_row0 + 8}};
+        // ALiBi along each of the two keys (ScoreMod::AlibiLine): element (j, e) has d = query
+        // + off - key = d0 - c, c = -(8 j + (e & 1)); with causal every element the mask
+        // shows has d >= 0, the linear form (else the abs)
+        [[maybe_unused]] const typename Mod::AlibiLine lines[2] = {
+            mod.template alibi_line<IS_CAUSAL>(m0 + 2 * t + mod.off - (n0 + key_row0), mod.slope_log2),
+            mod.template alibi_line<IS_CAUSAL>(m0 + 2 * t + mod.off - (n0 + key_row0 + 8), mod.slope_log2)};
+        [[maybe_unused]] float pd[M_TILES][4];  // softcap: P·(1 − tanh²), dS's factor in place of P
+#pragma unroll
+        for (int j = 0; j < M_TILES; ++j) {
+            const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + j * 8 + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                [[maybe_unused]] const int key = n0 + key_row0 + (e / 2) * 8, query = m0 + j * 8 + 2 * t + (e & 1);
+                const float lse = (e & 1) ? lse2.y : lse2.x;
+                float x;
+                if constexpr (VARIANT == 0) {
+                    x = fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -lse));
+                } else if constexpr (ALIBI) {
+                    const float y =
+                        mod.template scaled<IS_CAUSAL>(st[j][e], lines[e / 2], -(8 * j + (e & 1)), query, key);
+                    if constexpr (STAGED) x = prob(terms.template apply<ATTN_MASKED>(y, j, e), lse);
+                    else x = prob(mod.template with_terms<ATTN_MASKED>(y, query, key), lse);
+                } else if constexpr (STAGED) {
+                    x = prob(terms.template apply<ATTN_MASKED>(mod.scaled(st[j][e], query, key), j, e), lse);
+                } else {
+                    x = prob(mod.template score<ATTN_MASKED>(st[j][e], query, key), lse);
+                }
+                if (MASKED && !key_rows[e / 2].sees(query)) x = 0.f;  // Mask::visible(query, key)
+                if constexpr (SOFTCAP) pd[j][e] = x * mod.dscore(st[j][e]);
+                st[j][e] = x;
+            }
+        }
+        acc_to_a_operand<T>(st, pa);
+        if constexpr (SOFTCAP) acc_to_a_operand<T>(pd, pds);
+        // the keep bits depend on no score: drawn here, while the tensor cores work on dPᵀ
+        if constexpr (DROPOUT) {
+            keep.draw(Dropout(p.var, b, h, p.nheads_q), n0 + key_row0 - g, m0 + 2 * t, g, t);
+            keep.zero_dropped(pa, pv);
+        }
+    }
 };
 
 // dSᵀ = Pᵀ∘(dPᵀ∘Z·rp − delta) in place of dPᵀ (the fp32 accumulator, query columns 8 j

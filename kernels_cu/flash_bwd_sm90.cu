@@ -14,7 +14,8 @@
 // here, dsinks is the preprocess kernel's), Z the dropout keep mask of the forward's
 // Philox counters, rp = 1/(1-p):
 //   dV += (P∘Z·rp)ᵀ·dO,  dS = P∘(dP∘Z·rp − delta) (∘ (1 − tanh²) with softcap)
-// (dbias is flash_bwd_dbias.cu's kernel).
+// (dbias is flash_bwd_dbias.cu's kernel). The dK/dV kernel's Pᵀ with its variant is
+// bwd_sm90.cuh's PtOperands, which flash_bwd_ws.cu's consumers run too.
 // With the mask's tile map (VAR_BLOCK_MAP, variant.cuh KeyBlockMap / QueryBlockMap, each
 // kernel's map at its own tile) both kernels visit only the tiles the mask keeps
 // somewhere (a skipped tile's P, so its dV, dS, dK and dQ terms, are 0: with atomic dQ
@@ -76,41 +77,6 @@ struct BwdSm90Traits {
     static constexpr int SMEM_BYTES = (STAGED ? SCORE_OFFSET + 2 * SCORE_BYTES : SEQ_OFFSET + SeqLensSlot::BYTES) + 1024;
 };
 
-// Dropout's keep bits (variant.cuh's Dropout, the forward's counters) of the dK/dV
-// kernel's Pᵀ tile, st[j][e] (j < 8: BLOCK_M = 64 query columns): key key0 + g + 8
-// (e / 2), query q0 + 8 j + (e & 1), with key0 the warp's first key (a multiple of 8)
-// and q0 = m0 + 2 t. One Philox call decides 8 keys of one query: keys key0 + 8 c ..
-// + 7, the rows g = 0 .. 7 of one t. Those 8 lanes need the same 32 calls; lane g
-// makes the 4 of n8 tile j = g and the 8 exchange the bits.
-struct KeepBitsT {
-    uint32 w[2];  // element (j, e) kept iff bit 8 e + (j & 3) of w[j / 4]
-
-    __device__ __forceinline__ void draw(const Dropout& drop, int key0, int q0, int g, int t) {
-        uint32 mine = 0;  // byte e: the 8 keys key0 + 8 (e / 2) + 0 .. 7 of query q0 + 8 g + (e & 1)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) mine |= drop.keep8(q0 + 8 * g + (e & 1), (key0 + 8 * (e / 2)) >> 3) << (8 * e);
-        // lane (g, t) takes bit g of each byte of lanes (j, t)
-        w[0] = w[1] = 0;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) w[j / 4] |= ((__shfl_sync(0xffffffffu, mine, 4 * j + t) >> g) & 0x01010101u) << (j & 3);
-    }
-    __device__ __forceinline__ bool operator()(int j, int e) const { return (w[j / 4] >> (8 * e + (j & 3))) & 1u; }
-
-    // The A operand of Pᵀ (acc_to_a_operand's layout: a[kk][q] holds n8 tile 2 kk + q / 2,
-    // elements 2 (q & 1) (low half) and 2 (q & 1) + 1) with the dropped entries zeroed.
-    template <int K_STEPS>
-    __device__ __forceinline__ void zero_dropped(const uint32 (&a)[K_STEPS][4], uint32 (&out)[K_STEPS][4]) const {
-#pragma unroll
-        for (int kk = 0; kk < K_STEPS; ++kk) {
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const int j = 2 * kk + q / 2, e = 2 * (q & 1);
-                out[kk][q] = a[kk][q] & (((*this)(j, e) ? 0x0000ffffu : 0u) | ((*this)(j, e + 1) ? 0xffff0000u : 0u));
-            }
-        }
-    }
-};
-
 template <typename T, int HEAD_DIM, bool IS_CAUSAL, bool EVEN_K, bool DETERMINISTIC, int VARIANT>
 __global__ void __launch_bounds__(256, 1)
 flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
@@ -123,7 +89,6 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
     using DSTile = typename Tr::DSTile;
-    constexpr bool SOFTCAP = (VARIANT & VAR_SOFTCAP) != 0, ALIBI = (VARIANT & VAR_ALIBI) != 0;
     constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
     constexpr bool STAGED = Tr::STAGED;  // the bias/mask tile through shared memory (else ScoreMod's reads)
 
@@ -267,67 +232,14 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         wgmma_wait<1>();
         fence_operands(st);
 
-        // ---- Pᵀ = prob(score, lse): element (j, e) is key n0 + key_row0 + 8 (e / 2), query
-        //      m0 + 8 j + 2 t + (e & 1) (in the sequence); masked scores give P = 0. The
-        //      sequence's lengths are read back only where used (the mask, ALiBi's offset,
-        //      the bias's and mask's clamped reads).
+        // ---- Pᵀ = prob(score, lse) with the variant (bwd_sm90.cuh PtOperands; staged: this
+        //      stage's bias/mask tile, read transposed)
         constexpr bool MASKED = decltype(masked)::value, ATTN_MASKED = decltype(attn_masked)::value;
-        constexpr bool READS = ScoreMod<VARIANT, T>::BIAS || (ScoreMod<VARIANT, T>::MASK && ATTN_MASKED);
-        SeqLens sl{};
-        if constexpr (MASKED || ALIBI || (READS && !STAGED)) sl = seq_slot.load();
-        const Mask<IS_CAUSAL, VARIANT> mask(p.var, sl.seqlen_q, sl.seqlen_k);
-        const ScoreMod<VARIANT, T> mod(p.var, p.softmax_scale_log2, b, h, sl.seqlen_q, sl.seqlen_k);
-        // staged: this stage's tile, read transposed (the warp's keys from wg·64 + 16 (warp % 4))
-        [[maybe_unused]] typename Select<STAGED, StagedScoreTermsT<VARIANT, T, BLOCK_M, BLOCK_N, NT>,
-                                         ElementTerms>::type terms;
-        if constexpr (STAGED) terms.template load<ATTN_MASKED>(p.var, sScore(stage), key_row0 - g);
-        KeyRows<IS_CAUSAL, VARIANT> key_rows[2] = {{mask, n0 + key_row0}, {mask, n0 + key_row0 + 8}};
-        // ALiBi along each of the two keys (ScoreMod::AlibiLine): element (j, e) has d = query
-        // + off - key = d0 - c, c = -(8 j + (e & 1)); with causal every element the mask
-        // shows has d >= 0, the linear form (else the abs)
-        [[maybe_unused]] const typename ScoreMod<VARIANT, T>::AlibiLine lines[2] = {
-            mod.template alibi_line<IS_CAUSAL>(m0 + 2 * t + mod.off - (n0 + key_row0), mod.slope_log2),
-            mod.template alibi_line<IS_CAUSAL>(m0 + 2 * t + mod.off - (n0 + key_row0 + 8), mod.slope_log2)};
-        [[maybe_unused]] float pd[M_TILES][4];  // softcap: P·(1 − tanh²), dS's factor in place of P
-#pragma unroll
-        for (int j = 0; j < M_TILES; ++j) {
-            const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + j * 8 + 2 * t);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                [[maybe_unused]] const int key = n0 + key_row0 + (e / 2) * 8, query = m0 + j * 8 + 2 * t + (e & 1);
-                const float lse = (e & 1) ? lse2.y : lse2.x;
-                float x;
-                if constexpr (VARIANT == 0) {
-                    x = fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -lse));
-                } else if constexpr (ScoreMod<VARIANT, T>::ALIBI) {
-                    const float y =
-                        mod.template scaled<IS_CAUSAL>(st[j][e], lines[e / 2], -(8 * j + (e & 1)), query, key);
-                    if constexpr (STAGED) x = prob(terms.template apply<ATTN_MASKED>(y, j, e), lse);
-                    else x = prob(mod.template with_terms<ATTN_MASKED>(y, query, key), lse);
-                } else if constexpr (STAGED) {
-                    x = prob(terms.template apply<ATTN_MASKED>(mod.scaled(st[j][e], query, key), j, e), lse);
-                } else {
-                    x = prob(mod.template score<ATTN_MASKED>(st[j][e], query, key), lse);
-                }
-                if (MASKED && !key_rows[e / 2].sees(query)) x = 0.f;  // Mask::visible(query, key)
-                if constexpr (SOFTCAP) pd[j][e] = x * mod.dscore(st[j][e]);
-                st[j][e] = x;
-            }
-        }
-        // Pᵀ as the A operand (keys x queries); with dropout, dV's operand is Pᵀ∘Z
-        // (its 1/(1-p) comes in the epilogue) and dS's P is the undropped one; with
-        // softcap dS takes P·(1 − tanh²), rounded like P.
-        uint32 pa[BLOCK_M / 16][4], pv[BLOCK_M / 16][4], pds[BLOCK_M / 16][4];
-        acc_to_a_operand<T>(st, pa);
-        if constexpr (SOFTCAP) acc_to_a_operand<T>(pd, pds);
-        // Dropout's keep bits of this step, drawn while the tensor cores work on dPᵀ
-        [[maybe_unused]] KeepBitsT keep;
-        static_assert(!DROPOUT || M_TILES == 8, "KeepBitsT holds 8 query tiles");
-        if constexpr (DROPOUT) {
-            keep.draw(Dropout(p.var, b, h, p.nheads_q), n0 + key_row0 - g, m0 + 2 * t, g, t);
-            keep.zero_dropped(pa, pv);
-        }
-        uint32 (&dv_a)[BLOCK_M / 16][4] = DROPOUT ? pv : pa;
+        using Terms = typename Select<STAGED, StagedScoreTermsT<VARIANT, T, BLOCK_M, BLOCK_N, NT>, ElementTerms>::type;
+        PtOperands<T, BLOCK_M, IS_CAUSAL, VARIANT> pt;
+        pt.template recompute<MASKED, ATTN_MASKED, Terms>(st, p, seq_slot, s_lse, sScore(stage), b, h, n0, key_row0,
+                                                          m0, g, t);
+        uint32 (&dv_a)[BLOCK_M / 16][4] = pt.dv_a();
         // ---- dV += Pᵀ·dO (∘Z)
         issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc_dv, dv_a, sdO(stage));
         // dPᵀ; at D=128 dV too: P·dO reads its operand from registers while in flight, so
@@ -337,11 +249,9 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
         wgmma_wait<DS_UNDER_DV ? 1 : 0>();
         fence_operands(dpt);
 
-        // ---- dSᵀ = Pᵀ∘(dPᵀ∘Z·rp − delta) (∘(1 − tanh²)), with Pᵀ as rounded for dV (its
-        //      fp32 copy would cost D=128 the last 32 registers; softcap: P·(1 − tanh²) rounded)
-        const uint32 (&ds_p)[BLOCK_M / 16][4] = SOFTCAP ? pds : pa;
+        // ---- dSᵀ = Pᵀ∘(dPᵀ∘Z·rp − delta) (∘(1 − tanh²)), with Pᵀ as rounded for dV
         uint32 dsa[BLOCK_M / 16][4];
-        ds_from_dp<T, M_TILES, DROPOUT>(dpt, ds_p, s_delta, t, keep, p.var.dropout_scale);
+        ds_from_dp<T, M_TILES, DROPOUT>(dpt, pt.ds_p(), s_delta, t, pt.keep, p.var.dropout_scale);
         acc_to_a_operand<T>(dpt, dsa);
         // ---- dK += dSᵀ·Q (times softmax_scale in the epilogue)
         issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc_dk, dsa, sQ(stage));

@@ -32,13 +32,25 @@
 // in Sᵀ (P = 0), and their dK, dV rows are not stored. A block whose keys no query
 // block sees stores zeros and copies nothing.
 //
+// Variants (VARIANT, variant.cuh WS_VARIANTS: a window, softcap, ALiBi, sinks, dropout;
+// those whose code lives in the scores): Pᵀ, its dropout keep bits and softcap's dS factor
+// are flash_bwd_sm90.cu's, written once (bwd_sm90.cuh PtOperands), and so are its
+// equations (see its header; sinks change nothing here, dsinks is the preprocess
+// kernel's). Both warpgroups ask Mask for the query blocks a key block sees (a window's
+// range); the producer copies exactly those steps, and the consumers run those
+// blocks.masked() (key tail, causal diagonal, a window's two edges) with mask code, the
+// rest without. dV's 1/(1-p) is applied once in the epilogue. A bias, a mask or a block
+// map stays on flash_bwd_sm90.cu (their staged tiles are a stream this producer does not
+// copy).
+//
 // Template parameters: T, HEAD_DIM (128; 64 compiles, and measured slower than the
 // cp.async kernels' separate dQ there, PERF.md v23), IS_CAUSAL, EVEN_K (head_dim ==
-// HEAD_DIM: no column predicates in the dK, dV stores). Dense batches only (a packed
-// batch's maps would bring the next sequence's rows into a tile's tail: measured slower
-// with those rows zeroed in shared memory, PERF.md v23), no variants and no
-// deterministic mode: flash_bwd_sm90.cu's kernels serve those. 16-byte aligned data and
-// strides (a TMA requirement).
+// HEAD_DIM: no column predicates in the dK, dV stores), VARIANT (bits of WS_VARIANTS;
+// some sets spill at the consumers' 240 registers: cupyflash/dispatch.py
+// BWD_WS_VARIANT_SPILLS). Dense batches only (a packed batch's maps would bring the next
+// sequence's rows into a tile's tail: measured slower with those rows zeroed in shared
+// memory, PERF.md v23) and no deterministic mode: flash_bwd_sm90.cu's kernels serve
+// those. 16-byte aligned data and strides (a TMA requirement).
 #include "params.cuh"
 #include "ptx.cuh"
 #include "seqlens.cuh"
@@ -88,11 +100,12 @@ struct BwdWsTraits {
     static constexpr int DQ_BAR_THREADS = CONSUMER_THREADS + 32;
 };
 
-template <typename T, int HEAD_DIM, bool IS_CAUSAL, bool EVEN_K>
+template <typename T, int HEAD_DIM, bool IS_CAUSAL, bool EVEN_K, int VARIANT>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
+    static_assert((VARIANT & ~WS_VARIANTS) == 0, "flash_bwd_ws_kernel: no bias, mask or block map");
+    constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
     using Tr = BwdWsTraits<T, HEAD_DIM>;
-    constexpr int VARIANT = 0;
     constexpr int BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N, STAGES = Tr::STAGES, BOX = Tr::BOX_COLS;
     constexpr int D_TILES = HEAD_DIM / 8;  // n8 tiles of dK, dV
     constexpr int M_TILES = BLOCK_M / 8;   // n8 tiles of Sᵀ, dPᵀ (query columns)
@@ -117,7 +130,7 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
 
     // ---- which tile (query_grid.cuh)
     const KeyTileCoords tc = key_tile_coords(p, BLOCK_N);
-    const int n_block = tc.n_block, split = tc.split, b = tc.b, h_kv = tc.h_kv, heads = tc.heads;
+    const int n_block = tc.n_block, b = tc.b, h_kv = tc.h_kv, heads = tc.heads;
     const int h_first = tc.h_first;
     const SeqLens seq = seq_lens(p, b);
     const int n0 = n_block * BLOCK_N;
@@ -125,8 +138,11 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
     const int keys_valid = min(BLOCK_N, seq.seqlen_k - n0);
     const SeqLensSlot seq_slot{base + Tr::SEQ_OFFSET};
 
-    // Query blocks [m_begin, m_end) of each head see these keys; [m_begin, m_masked_end)
-    // need the mask (the causal diagonal; all of them at a key tail).
+    // Query blocks [m_begin, m_end) of each head see these keys (a window's range); those
+    // blocks.masked() need the mask (the causal diagonal, a window's two edges; all of them
+    // at a key tail). Without a window they are [m_begin, m_masked_end): one bound held
+    // across the consumers' loop instead of two (flash_bwd_sm90.cu).
+    constexpr bool WINDOW = Mask<IS_CAUSAL, VARIANT>::WINDOW;
     const BlockRange blocks = Mask<IS_CAUSAL, VARIANT>(p.var, seq.seqlen_q, seq.seqlen_k).query_blocks(
         n0, BLOCK_N, keys_valid, BLOCK_M, ceil_div(seq.seqlen_q, BLOCK_M));
     const int m_begin = blocks.begin, m_end = blocks.end, nm = m_end - m_begin;
@@ -234,7 +250,7 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
         for (int e = 0; e < 4; ++e) { acc_dk[j][e] = 0.f; acc_dv[j][e] = 0.f; }
     if (num_iters > 0) mbar_wait(full_kv, 0);
 
-    auto step = [&](int it, int m_block, auto masked) {
+    auto step = [&](int it, int h, int m_block, auto masked) {
         constexpr bool MASKED = decltype(masked)::value;
         const int stage = it % STAGES;
         const int m0 = m_block * BLOCK_M;
@@ -252,36 +268,25 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
         wgmma_wait<1>();
         fence_operands(st);
 
-        // ---- Pᵀ: element (j, e) is key n0 + key_row0 + 8 (e / 2), query m0 + 8 j + 2 t + (e & 1)
-        SeqLens sl{};
-        if constexpr (MASKED) sl = seq_slot.load();
-        const Mask<IS_CAUSAL, VARIANT> mask(p.var, sl.seqlen_q, sl.seqlen_k);
-        KeyRows<IS_CAUSAL, VARIANT> key_rows[2] = {{mask, n0 + key_row0}, {mask, n0 + key_row0 + 8}};
-#pragma unroll
-        for (int j = 0; j < M_TILES; ++j) {
-            const float2 lse2 = *reinterpret_cast<const float2*>(s_lse + j * 8 + 2 * t);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int query = m0 + j * 8 + 2 * t + (e & 1);
-                float x = fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? lse2.y : lse2.x)));
-                if (MASKED && !key_rows[e / 2].sees(query)) x = 0.f;
-                st[j][e] = x;
-            }
-        }
-        uint32 pa[BLOCK_M / 16][4];
-        acc_to_a_operand<T>(st, pa);
-        // ---- dV += Pᵀ·dO
-        issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc_dv, pa, sdO(stage));
-        // dPᵀ; at D=128 dV too (its register operand pa must stay live until it completes:
-        // D=128 lacks the registers, D=64 computes dS under it; flash_bwd_sm90.cu)
-        constexpr bool DS_UNDER_DV = HEAD_DIM <= 64;
+        // ---- Pᵀ = prob(score, lse) with the variant (bwd_sm90.cuh PtOperands)
+        PtOperands<T, BLOCK_M, IS_CAUSAL, VARIANT> pt;
+        pt.template recompute<MASKED, true>(st, p, seq_slot, s_lse, 0u, b, h, n0, key_row0, m0, g, t);
+        uint32 (&dv_a)[BLOCK_M / 16][4] = pt.dv_a();
+        // dPᵀ, then dSᵀ; dV's GEMM before (D=128: waited for with dPᵀ, its register operand
+        // live until it completes; D=64 computes dS under it; flash_bwd_sm90.cu) or, with
+        // dropout at D=128, after: Pᵀ (dS's) and Pᵀ∘Z (dV's) both live under it spilled
+        // 16-24 bytes (nvcc 13.0); so Pᵀ dies into dSᵀ first, and dV and dK go together.
+        constexpr bool DS_UNDER_DV = HEAD_DIM <= 64, DV_AFTER_DS = DROPOUT && !DS_UNDER_DV;
+        // ---- dV += Pᵀ·dO (∘Z)
+        if constexpr (!DV_AFTER_DS) issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc_dv, dv_a, sdO(stage));
         wgmma_wait<DS_UNDER_DV ? 1 : 0>();
         fence_operands(dpt);
 
-        // ---- dSᵀ = Pᵀ∘(dPᵀ − delta), with Pᵀ as rounded for dV
+        // ---- dSᵀ = Pᵀ∘(dPᵀ∘Z·rp − delta) (∘(1 − tanh²)), with Pᵀ as rounded for dV
         uint32 dsa[BLOCK_M / 16][4];
-        ds_from_dp<T, M_TILES, false>(dpt, pa, s_delta, t, NoKeep{}, 1.f);
+        ds_from_dp<T, M_TILES, DROPOUT>(dpt, pt.ds_p(), s_delta, t, pt.keep, p.var.dropout_scale);
         acc_to_a_operand<T>(dpt, dsa);
+        if constexpr (DV_AFTER_DS) issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc_dv, dv_a, sdO(stage));
         // ---- dK += dSᵀ·Q (times softmax_scale in the epilogue)
         issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc_dk, dsa, sQ(stage));
 
@@ -313,25 +318,38 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
         }
         fence_proxy_async_shared();  // this thread's stores before the copy engine's reads
         named_barrier_arrive<Tr::DQ_BAR_THREADS>(Tr::DQ_FULL_BAR);
-        if constexpr (DS_UNDER_DV) fence_operands(pa);  // live until P·dO completed
+        if constexpr (DS_UNDER_DV) fence_operands(dv_a);  // live until P·dO completed
         fence_operands(acc_dv);
         fence_operands(acc_dk);
     };
 
-    int m_block = m_begin;
+    // the producer's steps, in its order (heads outer)
+    int h = h_first, m_block = m_begin;
     for (int it = 0; it < num_iters; ++it) {
-        if (m_block < m_masked_end) step(it, m_block, Bool<true>{});
-        else step(it, m_block, Bool<false>{});
-        if (++m_block == m_end) m_block = m_begin;
+        if (WINDOW ? blocks.masked(m_block) : m_block < m_masked_end) step(it, h, m_block, Bool<true>{});
+        else step(it, h, m_block, Bool<false>{});
+        if (++m_block == m_end) { m_block = m_begin; ++h; }
     }
     named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR);  // every consumer is done with sK, sV
     const SeqLens seq_end = seq_slot.load();
+    if constexpr (DROPOUT) {  // dV = (P∘Z·rp)ᵀ·dO: rp = 1/(1-p) taken out of the sum
+#pragma unroll
+        for (int j = 0; j < D_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dv[j][e] *= p.var.dropout_scale;
+    }
 
-    // ---- epilogue: dK·scale, dV (staged through sK / sV; addresses made opaque, as flash_bwd_sm90.cu's)
+    // ---- epilogue: dK·scale, dV (staged through sK / sV; addresses made opaque, as flash_bwd_sm90.cu's).
+    //      With a variant the tile's coordinates are recomputed here: its code leaves no
+    //      registers to hold them across the loop (dropout, a window with ALiBi: 8-24 bytes
+    //      of spill, nvcc 13.0); the plain kernel keeps them.
     uint32 sK_ = sK, sV_ = sV;
     asm volatile("" : "+r"(sK_), "+r"(sV_));
+    const KeyTileCoords te = VARIANT ? key_tile_coords_again(p, BLOCK_N) : tc;
+    const int n0_end = VARIANT ? te.n_block * BLOCK_N : n0;
+    const int keys_end = VARIANT ? min(BLOCK_N, seq_end.seqlen_k - n0_end) : keys_valid;
     store_dkdv<T, BLOCK_N, HEAD_DIM, Tr::CONSUMER_THREADS, EVEN_K, KVTile>(
-        p, acc_dk, acc_dv, seq_end, b, h_kv, split, n0, keys_valid, key_row0, t, sK_, sV_,
+        p, acc_dk, acc_dv, seq_end, te.b, te.h_kv, te.split, n0_end, keys_end, key_row0, t, sK_, sV_,
         [] { named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR); }, ct);
 }
 

@@ -118,10 +118,6 @@ struct FwdWsTraits {
     static constexpr int EPILOGUE_BAR = 1, SCHED_BAR = 1 + CONSUMERS;
 };
 
-// The variants this kernel takes (cupyflash/dispatch.py FWD_WS_VARIANTS): those whose
-// code lives in the scores and the softmax, not in extra shared-memory streams.
-constexpr int WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT;
-
 template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool EVEN_K, int VARIANT, bool VARLEN,
           bool PERSISTENT>
 __global__ void __launch_bounds__(384, 1)

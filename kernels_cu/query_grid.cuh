@@ -76,13 +76,23 @@ __device__ __forceinline__ DqRows<T> dq_rows(const BwdParams& p, const DqBlock& 
 struct KeyTileCoords {
     int n_block, split, b, h_kv, heads, h_first;
 };
-__device__ __forceinline__ KeyTileCoords key_tile_coords(const BwdParams& p, int block_n) {
+__device__ __forceinline__ KeyTileCoords key_tile_coords(const BwdParams& p, int block_n, uint32 block) {
     const int num_n_blocks = ceil_div(p.seqlen_k, block_n);
-    const int n_block = blockIdx.x % num_n_blocks;
-    const int split = (blockIdx.x / num_n_blocks) % p.kv_splits;
-    const int bh_kv = blockIdx.x / num_n_blocks / p.kv_splits;
+    const int n_block = block % num_n_blocks;
+    const int split = (block / num_n_blocks) % p.kv_splits;
+    const int bh_kv = block / num_n_blocks / p.kv_splits;
     const int b = bh_kv / p.nheads_kv, h_kv = bh_kv % p.nheads_kv;
     const int heads = p.nheads_q / p.nheads_kv / p.kv_splits;
     return {n_block, split, b, h_kv, heads, (h_kv * p.kv_splits + split) * heads};
+}
+__device__ __forceinline__ KeyTileCoords key_tile_coords(const BwdParams& p, int block_n) {
+    return key_tile_coords(p, block_n, blockIdx.x);
+}
+// The same with %ctaid read through volatile asm: an epilogue recomputes the tile
+// instead of holding the prologue's coordinates across the loop (flash_bwd_ws.cu).
+__device__ __forceinline__ KeyTileCoords key_tile_coords_again(const BwdParams& p, int block_n) {
+    uint32 block;
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(block));
+    return key_tile_coords(p, block_n, block);
 }
 }  // namespace cupyflash

@@ -41,6 +41,10 @@ constexpr int VAR_BIAS_STRIDED = 256;  // bias/mask read element by element (els
 constexpr int VAR_BIAS_STAGED = 512;   // forward: bias/mask tiles staged through shared memory (StagedScoreTerms)
 constexpr int VAR_BLOCK_MAP = 1024;    // forward, with VAR_MASK: the mask's tile map skips empty key blocks
                                        // and runs full ones with no mask (KeyBlockMap)
+// The variants the warp-specialised kernels take (flash_fwd_ws.cu, flash_bwd_ws.cu;
+// cupyflash/dispatch.py FWD_WS_VARIANTS, BWD_WS_VARIANTS): those whose code lives in the
+// scores and the softmax, not in extra shared-memory streams (a bias, a mask, a block map).
+constexpr int WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT;
 
 // The variants' runtime arguments, one member `var` of every params struct
 // (mirrored as VARIANT_PARAMS in cupyflash/_params.py). Fields of a variant that

@@ -1,7 +1,7 @@
 """The warp-specialised backward's plan (dispatch.uses_ws_bwd, bwd_ws_launch, BwdTmaParams),
-without a GPU: where it is chosen (dense plain attention at padded head_dim 128 on cc 9.0),
-its launch and shared memory, the struct that carries its TMA maps, and an NVRTC compile
-with no spill (skipped without NVRTC)."""
+without a GPU: where it is chosen (dense plain attention at padded head_dim 128 on cc 9.0;
+the variants of BWD_WS_VARIANTS, off by default), its launch and shared memory, the struct
+that carries its TMA maps, and NVRTC compiles with no spill (skipped without NVRTC)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_plain_attention_on_hopper_takes_it(head_dim, causal):
     names = [L.template for L in plan.launches]
     assert names == ["cupyflash::flash_bwd_preprocess_kernel", WS, "cupyflash::flash_bwd_convert_dq_kernel"]
     dkdv = plan.launches[1]
-    assert dkdv.args == ("__half", "128", str(causal).lower(), str(head_dim == 128).lower())
+    assert dkdv.args == ("__half", "128", str(causal).lower(), str(head_dim == 128).lower(), "0")
     assert dkdv.block == (384, 1, 1) and dkdv.smem_bytes == dispatch.bwd_ws_smem_bytes(128)
     # the cp.async kernel's grid: one block per (key block, batch, KV head)
     assert dkdv.grid == _plan(head_dim=head_dim, causal=causal, ws=False).launches[1].grid
@@ -61,6 +61,49 @@ def test_the_switch(monkeypatch):
     assert _plan(ws=None).launches[1].template == WS
     monkeypatch.setattr(dispatch, "BWD_WS", False)
     assert _plan(ws=None).launches[1].template == "cupyflash::flash_bwd_dkdv_sm90_kernel"
+
+
+_WS_BITS = (dispatch.VAR_WINDOW, dispatch.VAR_SOFTCAP, dispatch.VAR_ALIBI, dispatch.VAR_SINKS, dispatch.VAR_DROPOUT)
+
+
+def test_variants_stay_off_it_by_default():
+    assert dispatch.BWD_WS_VARIANTS == 0
+    for bit in _WS_BITS:
+        assert all(L.template != WS for L in _plan(variant=bit).launches)
+
+
+@pytest.mark.parametrize("variant", [*_WS_BITS, dispatch.VAR_WINDOW | dispatch.VAR_SINKS,
+                                     dispatch.VAR_SOFTCAP | dispatch.VAR_DROPOUT,
+                                     dispatch.VAR_WINDOW | dispatch.VAR_SOFTCAP | dispatch.VAR_SINKS])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_variants_switch(monkeypatch, variant, causal):
+    """BWD_WS_VARIANTS: the bits it holds take the ws kernel, compiled with them; others do not."""
+    monkeypatch.setattr(dispatch, "BWD_WS_VARIANTS", dispatch.FWD_WS_VARIANTS)
+    dkdv = _plan(variant=variant, causal=causal).launches[1]
+    assert dkdv.template == WS and dkdv.args[-1] == str(variant)
+    monkeypatch.setattr(dispatch, "BWD_WS_VARIANTS", dispatch.FWD_WS_VARIANTS & ~variant)
+    assert _plan(variant=variant, causal=causal).launches[1].template == "cupyflash::flash_bwd_dkdv_sm90_kernel"
+    monkeypatch.setattr(dispatch, "BWD_WS_VARIANTS", variant)
+    assert _plan(variant=variant, causal=causal, ws=False).launches[1].template != WS  # BWD_WS still decides
+
+
+@pytest.mark.parametrize("variant", [*dispatch.BWD_WS_VARIANT_SPILLS, dispatch.FWD_WS_VARIANTS,
+                                     dispatch.VAR_BIAS, dispatch.VAR_MASK, dispatch.VAR_SOFTCAP | dispatch.VAR_MASK])
+def test_variant_sets_it_spills_with_or_never_takes(monkeypatch, variant):
+    monkeypatch.setattr(dispatch, "BWD_WS_VARIANTS", dispatch.FWD_WS_VARIANTS | dispatch.VAR_BIAS | dispatch.VAR_MASK)
+    assert not dispatch.bwd_ws_takes(variant)
+    assert all(L.template != WS for L in _plan(variant=variant, dbias_shape=None).launches)
+    with pytest.raises(ValueError, match="variant bits"):
+        dispatch.bwd_ws_launch("float16", 128, True, True, variant=variant)
+
+
+def test_kernel_takes_the_forwards_ws_variants():
+    """The kernel's static_assert admits variant.cuh's WS_VARIANTS, FWD_WS_VARIANTS."""
+    from cupyflash._sources import kernels_dir
+
+    assert "static_assert((VARIANT & ~WS_VARIANTS) == 0" in (kernels_dir() / "flash_bwd_ws.cu").read_text()
+    assert "constexpr int WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT;" in (
+        kernels_dir() / "variant.cuh").read_text()
 
 
 def test_shared_memory():
@@ -106,7 +149,10 @@ def test_launcher_writes_the_maps_of_the_named_pointers():
 
 def test_check_kernels_lists_every_instantiation():
     ws = [L for L in dispatch.all_bwd_launches((9, 0)) if L.template == WS]
-    assert len({L.args for L in ws}) == 2 * 2 * 2  # dtype, causal, even_k (head_dim 128)
+    # dtype, causal, even_k (head_dim 128), plain and BWD_WS_CHECK_VARIANTS
+    assert len({L.args for L in ws}) == 2 * 2 * 2 * (1 + len(dispatch.BWD_WS_CHECK_VARIANTS))
+    assert {int(L.args[-1]) for L in ws} == {0, *dispatch.BWD_WS_CHECK_VARIANTS}
+    assert set(_WS_BITS) <= set(dispatch.BWD_WS_CHECK_VARIANTS)
     assert not [L for L in dispatch.all_bwd_launches((8, 0)) if L.template == WS]
 
 
@@ -115,3 +161,12 @@ def test_compiles_without_spills(causal, even_k):
     from test_bwd_dispatch import _compile_clean  # sibling module
 
     _compile_clean(dispatch.bwd_ws_launch("bfloat16", 128, causal, even_k), (9, 0))
+
+
+@pytest.mark.parametrize("variant", [dispatch.VAR_WINDOW, dispatch.VAR_DROPOUT,
+                                     dispatch.VAR_SOFTCAP | dispatch.VAR_DROPOUT])
+@pytest.mark.parametrize("causal,even_k", [(True, True), (False, False)])
+def test_variants_compile_without_spills(causal, even_k, variant):
+    from test_bwd_dispatch import _compile_clean  # sibling module
+
+    _compile_clean(dispatch.bwd_ws_launch("float16", 128, causal, even_k, variant=variant), (9, 0))

@@ -86,9 +86,9 @@ def test_ws_takes_the_score_and_softmax_variants(variant, causal):
 
 
 def test_ws_variants_are_the_kernels():
-    """FWD_WS_VARIANTS is flash_fwd_ws.cu's WS_VARIANTS, and every bit of it is one the
+    """FWD_WS_VARIANTS is variant.cuh's WS_VARIANTS, and every bit of it is one the
     kernel's own static_assert lets through."""
-    text = (kernels_dir() / "flash_fwd_ws.cu").read_text()
+    text = (kernels_dir() / "variant.cuh").read_text()
     assert "constexpr int WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT;" in text
     assert dispatch.FWD_WS_VARIANTS == sum(_WS_BITS)
     with pytest.raises(ValueError, match="variant bits"):

@@ -3,8 +3,10 @@ against the float64 reference (the naive rule in the inputs' dtype, cupyflash.te
 with every CuPy allocation poisoned (0xFF: NaN) so that a gradient or scratch row the
 kernels skip shows up. Each test switches the kernel on and checks that it launched:
 tails of both sides, bottom-right causal with rows that see no key, GQA (and a GQA group
-split over several blocks), head_dim below its padded width, strided views. (Packed
-batches and the other head_dims take the cp.async kernels: test_gpu_varlen, test_gpu_bwd.)
+split over several blocks), head_dim below its padded width, strided views; and the
+variants it takes (a window, softcap, ALiBi, sinks, dropout: dispatch.BWD_WS_VARIANTS
+switched on) against the reference with the same mask. (Packed batches and the other
+head_dims take the cp.async kernels: test_gpu_varlen, test_gpu_bwd.)
 Skipped without a GPU, and off compute capability 9.0.
 """
 
@@ -111,3 +113,92 @@ def test_strided_views(ws, rng, head_dim):
     assert WS_KERNEL in ws
     host = [qkv32[:, :, i].astype(np.float32) for i in range(3)] + [dout.get().astype(np.float32)]
     check(host, grads, "float16", scale, True)
+
+
+# ----------------------------------------------------------------------------
+# Variants (dispatch.BWD_WS_VARIANTS switched on): the helpers of test_gpu_variants,
+# forward and backward through the public functions, against the float64 reference with
+# the same window, slopes, sinks and (rng_state's Philox) dropout mask
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ws_variants(ws, monkeypatch):
+    """The ws fixture with every variant the kernel takes switched on."""
+    from cupyflash import dispatch
+
+    monkeypatch.setattr(dispatch, "BWD_WS_VARIANTS", dispatch.FWD_WS_VARIANTS)
+    return ws
+
+
+def _variants_case(name):
+    from test_gpu_variants import OFFSET, SEED, alibi_batch_heads, alibi_heads, sink_logits  # sibling module
+
+    drop = {"dropout_p": 0.17, "rng_state": (SEED, OFFSET)}
+    return {
+        # window edges on both sides of an unmasked bulk: 300 keys left of the diagonal
+        "window+causal": lambda rng, s: {"window_size": (300, -1)},
+        "window-96-40": lambda rng, s: {"window_size": (96, 40)},
+        "softcap": lambda rng, s: {"softcap": 5.0},
+        "alibi": lambda rng, s: {"alibi_slopes": alibi_batch_heads(rng, s[0], s[3])},
+        "alibi-heads": lambda rng, s: {"alibi_slopes": alibi_heads(s[3])},
+        "sinks": lambda rng, s: {"sinks": sink_logits(rng, s[3])},
+        "dropout": lambda rng, s: dict(drop),
+        "dropout-p0.5": lambda rng, s: {"dropout_p": 0.5, "rng_state": (SEED, OFFSET)},
+        "sinks+window": lambda rng, s: {"window_size": (200, 16), "sinks": sink_logits(rng, s[3])},
+        "softcap+dropout": lambda rng, s: {"softcap": 8.0, **drop},
+        "sinks+dropout": lambda rng, s: {"sinks": sink_logits(rng, s[3]), **drop},
+        "window+softcap+sinks": lambda rng, s: {"window_size": (150, 0), "softcap": 8.0,
+                                                "sinks": sink_logits(rng, s[3])},
+    }[name]
+
+
+# (variant case, dtype, (batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim), causal, scale multiple)
+VARIANT_CASES = [
+    ("window+causal", "bfloat16", (1, 1000, 1100, 8, 2, 128), True, 1.0),
+    ("window+causal", "float16", (2, 333, 200, 4, 4, 120), True, 1.0),  # top rows see no key; head_dim 120
+    ("window-96-40", "float16", (2, 700, 517, 4, 2, 128), False, 1.0),
+    ("softcap", "float16", (2, 256, 300, 4, 2, 128), False, 2.0),
+    ("softcap", "bfloat16", (1, 200, 333, 8, 2, 128), True, 2.0),
+    ("alibi", "bfloat16", (1, 200, 333, 8, 2, 128), True, 1.0),
+    ("alibi-heads", "float16", (2, 300, 211, 4, 2, 128), False, 1.0),
+    ("sinks", "float16", (2, 256, 300, 4, 2, 128), False, 1.0),
+    ("sinks", "bfloat16", (1, 333, 200, 8, 2, 128), True, 1.0),
+    ("dropout", "bfloat16", (1, 200, 333, 8, 2, 128), True, 1.0),
+    ("dropout", "float16", (2, 300, 211, 4, 2, 120), False, 1.0),
+    ("dropout-p0.5", "float16", (1, 640, 700, 4, 1, 128), True, 1.0),
+    ("sinks+window", "bfloat16", (1, 400, 390, 8, 2, 128), False, 1.0),
+    ("softcap+dropout", "float16", (1, 200, 333, 8, 2, 128), True, 2.0),
+    ("sinks+dropout", "bfloat16", (2, 256, 300, 4, 2, 128), False, 1.0),
+    ("window+softcap+sinks", "bfloat16", (1, 200, 333, 8, 2, 128), True, 2.0),
+]
+
+
+@pytest.mark.parametrize("name,dtype,shape,causal,scale_mult", VARIANT_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{'x'.join(map(str, c[2]))}{'-causal' if c[3] else ''}"
+                              for c in VARIANT_CASES])
+def test_variants(ws_variants, rng, name, dtype, shape, causal, scale_mult):
+    cp = pytest.importorskip("cupy")
+    from test_gpu_variants import check_dense, run_dense  # sibling module
+
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    variants = _variants_case(name)(rng, shape)
+    scale = scale_mult / math.sqrt(shape[-1])
+    inputs, fwd, grads = run_dense(cp, rng, dtype, shape, causal, variants, scale)
+    assert WS_KERNEL in ws_variants
+    check_dense(inputs, fwd, grads, causal, variants, scale)
+
+
+@pytest.mark.parametrize("name", ["alibi+dropout", "softcap+alibi"])
+def test_variant_sets_that_spill_stay_on_the_cp_async_kernel(ws_variants, rng, name):
+    """dispatch.BWD_WS_VARIANT_SPILLS: switched on, these still run (and pass) on the other kernel."""
+    cp = pytest.importorskip("cupy")
+    from test_gpu_variants import OFFSET, SEED, alibi_heads, check_dense, run_dense  # sibling module
+
+    shape = (1, 200, 333, 8, 2, 128)
+    variants = {"alibi_slopes": alibi_heads(shape[3])}
+    variants.update({"dropout_p": 0.17, "rng_state": (SEED, OFFSET)} if name == "alibi+dropout" else {"softcap": 5.0})
+    inputs, fwd, grads = run_dense(cp, rng, "float16", shape, True, variants)
+    assert WS_KERNEL not in ws_variants and "flash_bwd_dkdv_sm90_kernel" in ws_variants
+    check_dense(inputs, fwd, grads, True, variants)
