@@ -23,15 +23,9 @@ from cupyx.profiler import benchmark
 
 import cupyflash
 from cupyflash import _gpu, dispatch
+from ws_persist_ab import launched, rand  # .ci/, the script's directory
 
 TOKENS = 16384
-
-
-def rand(rng, dtype, *shape):
-    x = rng.standard_normal(shape, dtype=cp.float32)
-    if dtype == "float16":
-        return x.astype(cp.float16)
-    return (x.view(cp.uint32) >> 16).astype(cp.uint16)  # bf16: the top half of fp32 (truncated)
 
 
 def set_ws(on):
@@ -46,18 +40,8 @@ def set_ws_variants(on):
 
 
 def dkdv_kernel(fn, args, kwargs):
-    names = []
-    real = cupyflash._launch.Launcher.__call__
-
-    def call(self, stream, *pointers, var=None):
-        names.extend(spec.template.rsplit("::", 1)[1] for spec in self.launches)
-        real(self, stream, *pointers, var=var)
-
-    cupyflash._launch.Launcher.__call__ = call
-    try:
-        fn(*args, **kwargs)
-    finally:
-        cupyflash._launch.Launcher.__call__ = real
+    """The name of the dK/dV kernel one call launches."""
+    names = (spec.template.rsplit("::", 1)[1] for spec in launched(fn, args, kwargs))
     return next(n for n in names if "dkdv" in n or "bwd_ws" in n)
 
 

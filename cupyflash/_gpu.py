@@ -120,15 +120,11 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
     maps = None
     if plan.tma_box_rows is not None:  # FwdTmaParams: FwdParams, then the maps, rewritten per pointer
         template += bytes(_params.FWD_TMA_PARAMS.itemsize - len(template))
-        maps = (_params.offset_of(_params.FWD_TMA_PARAMS, "q_map"), tma_maps(q, k, v, dtype_name, plan.tma_box_rows))
+        q_rows, kv_rows = plan.tma_box_rows
+        maps = (_params.offset_of(_params.FWD_TMA_PARAMS, "q_map"),
+                _tma.maps_of((q, k, v), dtype_name, (q_rows, kv_rows, kv_rows)))
     return FwdCall(plan, tuple(q.shape), lse_shape, scratch,
                    _launch.Launcher(launches, template, _FWD_WRITER, _VAR_WRITER, maps))
-
-
-def tma_maps(q, k, v, dtype_name: str, box_rows: tuple[int, int]) -> _tma.MapCache:
-    """The TMA maps of q, k, v (box rows ``box_rows``: Q's, K's and V's) per address
-    (:func:`._tma.maps_of`)."""
-    return _tma.maps_of((q, k, v), dtype_name, (box_rows[0], box_rows[1], box_rows[1]))
 
 
 _VAR_WRITER = (_params.offset_of(_params.FWD_PARAMS, "var"), _variant.WRITER)

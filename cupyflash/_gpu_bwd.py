@@ -40,6 +40,8 @@ select_bwd = functools.lru_cache(maxsize=4096)(dispatch.select_bwd)
 BWD_POINTERS = ("q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2", "delta", "dq_accum",
                 "dkv_accum", "cu_seqlens_q", "cu_seqlens_k")
 _BWD_WRITER = _params.FieldWriter(_params.BWD_PARAMS, BWD_POINTERS)
+#: The pointers whose TMA maps BwdTmaParams carries, by their place in BWD_POINTERS.
+_MAP_POINTERS = tuple(BWD_POINTERS.index(name) for name in ("q", "k", "v", "dout"))
 
 
 class BwdCall:
@@ -129,8 +131,7 @@ def plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causa
     if plan.tma_box_rows is not None:  # BwdTmaParams: BwdParams, then the maps of q, k, v, dout
         template += bytes(_params.BWD_TMA_PARAMS.itemsize - len(template))
         maps = (_params.offset_of(_params.BWD_TMA_PARAMS, "q_map"),
-                _tma.maps_of((q, k, v, dout), dtype_name, plan.tma_box_rows),
-                tuple(BWD_POINTERS.index(name) for name in ("q", "k", "v", "dout")))
+                _tma.maps_of((q, k, v, dout), dtype_name, plan.tma_box_rows), _MAP_POINTERS)
     return BwdCall(plan, grad_sizes, scratch,
                    _launch.Launcher(plan.launches, template, _BWD_WRITER, _VAR_WRITER, maps))
 

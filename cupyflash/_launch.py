@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import threading
 
 from . import _compile
@@ -228,7 +229,8 @@ class Launcher:
                                                                                   variant[1].struct.pack_into)
         self._maps_address, self._maps = (0, None) if maps is None else (
             ctypes.addressof(self._buffer) + maps[0], maps[1])
-        self._map_pointers = (0, 1, 2) if maps is None or len(maps) < 3 else tuple(maps[2])
+        # the mapped pointers, picked from a call's by one C call
+        self._map_pointers = operator.itemgetter(*((0, 1, 2) if maps is None or len(maps) < 3 else maps[2]))
         self._lock = threading.Lock()
 
     def __call__(self, stream: int, *pointers: int, var=None) -> None:
@@ -239,7 +241,7 @@ class Launcher:
         with self._lock:
             self._pack_into(self._buffer, 0, *pointers)
             if self._maps is not None:
-                maps = self._maps(*(pointers[i] for i in self._map_pointers))
+                maps = self._maps(*self._map_pointers(pointers))
                 ctypes.memmove(self._maps_address, maps, len(maps))
             if var is not None:
                 self._var_pack_into(self._buffer, self._var_offset, *var)

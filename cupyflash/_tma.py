@@ -138,8 +138,7 @@ def maps_of(arrays, dtype_name: str, box_rows) -> MapCache:
     Dense ``(batch, seqlen, nheads, d)`` tensors map as they are; packed ``(total,
     nheads, d)`` ones as one sequence of ``total`` rows in a batch of 1 (the kernels
     offset their row coordinate by the sequence's start: kernels_cu/flash_fwd_ws.cu),
-    so no copy reads past the packed tensor's last row (the map's
-    bound: zeros)."""
+    so no copy reads past the packed tensor's last row (the map's bound: zeros)."""
     return MapCache(seq_map(dtype_name, tuple(a.shape) if len(a.shape) == 4 else (1, *a.shape), seq_strides(a),
                             a.itemsize, rows)
                     for a, rows in zip(arrays, box_rows, strict=True))

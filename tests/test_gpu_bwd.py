@@ -168,17 +168,25 @@ def test_bwd_fully_masked_rows_get_zero(rng, deterministic, head_dim):
     check(host, grads, "float16", 0.125, True)
 
 
+def strided_problem(rng, head_dim):
+    """fp16 q, k, v as views into one packed (B, S, 3, H, D) device tensor and dout a
+    strided view of a wider one: (host float32 copies of q, k, v, dout; the device views)."""
+    cp = _cp()
+    qkv32 = rng.standard_normal((2, 333, 3, 4, head_dim), dtype=np.float32).astype(np.float16)
+    qkv = cp.asarray(qkv32)
+    dout_big = cp.asarray(rng.standard_normal((2, 333, 4, 2 * head_dim), dtype=np.float32).astype(np.float16))
+    dout = dout_big[..., :head_dim]
+    host = [qkv32[:, :, i].astype(np.float32) for i in range(3)] + [dout.get().astype(np.float32)]
+    return host, (qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dout)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bwd_noncontiguous_qkv_slices(rng, head_dim):
     """q, k, v as views into one packed (B, S, 3, H, D) tensor, dout a strided view too."""
     cp = _cp()
     from cupyflash import _gpu, _gpu_bwd
 
-    qkv32 = rng.standard_normal((2, 333, 3, 4, head_dim), dtype=np.float32).astype(np.float16)
-    qkv = cp.asarray(qkv32)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    dout_big = cp.asarray(rng.standard_normal((2, 333, 4, 2 * head_dim), dtype=np.float32).astype(np.float16))
-    dout = dout_big[..., :head_dim]
+    host, (q, k, v, dout) = strided_problem(rng, head_dim)
     scale = 1.0 / math.sqrt(head_dim)
 
     def grads(q, k, v, dout):
@@ -190,7 +198,6 @@ def test_bwd_noncontiguous_qkv_slices(rng, head_dim):
     for a, b in zip(got, want):
         assert a.flags.c_contiguous
         cp.testing.assert_array_equal(a, b)
-    host = [qkv32[:, :, i].astype(np.float32) for i in range(3)] + [dout.get().astype(np.float32)]
     check(host, got, "float16", scale, True)
 
 

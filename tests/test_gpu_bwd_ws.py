@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from cupyflash import _launch, testing
-from test_gpu_bwd import check, make_problem, run, to_host  # sibling module
+from test_gpu_bwd import check, make_problem, run, strided_problem, to_host  # sibling module
 
 pytestmark = pytest.mark.gpu
 
@@ -99,19 +99,13 @@ def test_gqa_group_splits(ws, rng, monkeypatch, num_sms, splits, head_dim):
 def test_strided_views(ws, rng, head_dim):
     """q, k, v as views into one (B, S, 3, H, D) tensor, dout a strided view: the TMA maps
     take the views' row and head strides."""
-    cp = pytest.importorskip("cupy")
     from cupyflash import _gpu, _gpu_bwd
 
-    qkv32 = rng.standard_normal((2, 333, 3, 4, head_dim), dtype=np.float32).astype(np.float16)
-    qkv = cp.asarray(qkv32)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    dout_big = cp.asarray(rng.standard_normal((2, 333, 4, 2 * head_dim), dtype=np.float32).astype(np.float16))
-    dout = dout_big[..., :head_dim]
+    host, (q, k, v, dout) = strided_problem(rng, head_dim)
     scale = 1.0 / math.sqrt(head_dim)
     out, lse = _gpu.fwd(q, k, v, softmax_scale=scale, causal=True)
     grads = _gpu_bwd.bwd(dout, q, k, v, out, lse, softmax_scale=scale, causal=True)
     assert WS_KERNEL in ws
-    host = [qkv32[:, :, i].astype(np.float32) for i in range(3)] + [dout.get().astype(np.float32)]
     check(host, grads, "float16", scale, True)
 
 

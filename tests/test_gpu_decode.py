@@ -83,6 +83,19 @@ def _table(rng, batch, blocks_per_seq, num_blocks, shared=0):
     return i32(table)
 
 
+def decode_step(rng, dtype, seqlen_q, nheads_q, nheads_kv, head_dim, paged, batch=3, capacity=640, page_size=32):
+    """Host inputs of a batch of decode steps with an append: q, the new k and v, cache
+    lengths 0 / 20 / near the capacity, the block table (None for a dense cache) and the
+    caches' shape; draw fresh caches of that shape for each call (the append writes them)."""
+    q = _host(rng, (batch, seqlen_q, nheads_q, head_dim), dtype)
+    k, v = (_host(rng, (batch, seqlen_q, nheads_kv, head_dim), dtype) for _ in range(2))
+    lengths = i32([0, 20, capacity - seqlen_q - 3])
+    if paged:
+        table = _table(rng, batch, capacity // page_size, batch * capacity // page_size + 2)
+        return q, k, v, lengths, table, (table.max() + 1, page_size, nheads_kv, head_dim)
+    return q, k, v, lengths, None, (batch, capacity, nheads_kv, head_dim)
+
+
 DECODE_CASES = [  # dtype, head_dim, nheads_q, nheads_kv, paged, causal
     ("float16", 128, 8, 2, False, False),
     ("bfloat16", 128, 8, 2, True, True),
@@ -369,16 +382,9 @@ def test_decode_variants(rng, which, seqlen_q, nheads_q, nheads_kv, paged):
     """Decode steps with an append, cache lengths 0 / inside / beyond the window, unsplit and 4 splits."""
     cp = _cp()
     dtype = "bfloat16" if nheads_kv == 8 and nheads_q == 32 else "float16"
-    head_dim, batch, capacity, page_size = (128 if nheads_q == 32 else 64), 3, 640, 32
+    head_dim, batch = (128 if nheads_q == 32 else 64), 3
     options, causal = _variant_options(rng, which, batch, nheads_q, seqlen_q)
-    q = _host(rng, (batch, seqlen_q, nheads_q, head_dim), dtype)
-    k, v = (_host(rng, (batch, seqlen_q, nheads_kv, head_dim), dtype) for _ in range(2))
-    lengths = i32([0, 20, capacity - seqlen_q - 3])
-    if paged:
-        table = _table(rng, batch, capacity // page_size, batch * capacity // page_size + 2)
-        shape = (table.max() + 1, page_size, nheads_kv, head_dim)
-    else:
-        table, shape = None, (batch, capacity, nheads_kv, head_dim)
+    q, k, v, lengths, table, shape = decode_step(rng, dtype, seqlen_q, nheads_q, nheads_kv, head_dim, paged, batch)
     for num_splits in (1, 4):
         k_cache, v_cache = (_host(rng, shape, dtype) for _ in range(2))  # fresh caches: the append writes them
         run_variant_and_check(cp, dtype, q, k_cache, v_cache, k, v, cache_seqlens=lengths, block_table=table,

@@ -13,7 +13,7 @@ import pytest
 
 import cupyflash
 from cupyflash import testing
-from test_gpu_decode import (_assert_close_variant, _back, _cp, _dev, _host, _poison_pool, _table,
+from test_gpu_decode import (_assert_close_variant, _back, _cp, _dev, _host, _poison_pool, _table, decode_step,
                              _variant_options)
 from test_kvcache import i32
 
@@ -114,15 +114,9 @@ def test_decode_bias_and_mask(rng, form, seqlen_q, nheads_q, nheads_kv, paged):
     unsplit and 4 splits."""
     cp = _cp()
     dtype = "bfloat16" if nheads_q == 32 else "float16"
-    head_dim, batch, capacity, page_size = (128 if nheads_q == 32 else 64), 3, 640, 32
-    q = _host(rng, (batch, seqlen_q, nheads_q, head_dim), dtype)
-    k, v = (_host(rng, (batch, seqlen_q, nheads_kv, head_dim), dtype) for _ in range(2))
-    lengths = i32([0, 20, capacity - seqlen_q - 3])
-    if paged:
-        table = _table(rng, batch, capacity // page_size, batch * capacity // page_size + 2)
-        shape = (table.max() + 1, page_size, nheads_kv, head_dim)
-    else:
-        table, shape = None, (batch, capacity, nheads_kv, head_dim)
+    head_dim, batch, capacity = (128 if nheads_q == 32 else 64), 3, 640
+    q, k, v, lengths, table, shape = decode_step(rng, dtype, seqlen_q, nheads_q, nheads_kv, head_dim, paged, batch,
+                                                 capacity)
     scores = _scores(rng, form, dtype, batch, nheads_q, seqlen_q, capacity)
     for num_splits in (1, 4):
         k_cache, v_cache = (_host(rng, shape, dtype) for _ in range(2))  # fresh caches: the append writes them
@@ -190,24 +184,8 @@ def test_bias_past_each_sequence_is_never_read(rng):
     assert np.array_equal(out, p_out) and np.array_equal(lse, p_lse)
 
 
-@pytest.fixture
-def kernel_names(monkeypatch):
-    """The names of the kernels launched."""
-    from cupyflash import _launch
-
-    names = []
-    real_call = _launch.Launcher.__call__
-
-    def call(self, stream, *pointers, var=None):
-        names.extend(spec.template.rsplit("::", 1)[1] for spec in self.launches)
-        real_call(self, stream, *pointers, var=var)
-
-    monkeypatch.setattr(_launch.Launcher, "__call__", call)
-    return names
-
-
 @pytest.mark.parametrize("appended", [False, True])
-def test_long_chunk_with_a_bias_runs_the_decode_kernel(rng, kernel_names, appended):
+def test_long_chunk_with_a_bias_runs_the_decode_kernel(rng, launches, appended):
     """seqlen_q >= DECODE_DENSE_MIN_SEQLEN_Q on a dense cache takes the dense forward
     without a bias; with one, the decode kernel (which indexes it by key position)."""
     cp = _cp()
@@ -223,4 +201,4 @@ def test_long_chunk_with_a_bias_runs_the_decode_kernel(rng, kernel_names, append
     scores = _scores(rng, "bias+padding_mask", dtype, batch, nheads_q, seqlen_q, capacity)
     _run(cp, dtype, q, k_cache, v_cache, k, v, cache_seqlens=i32([100, capacity - seqlen_q - 5]), causal=True,
          scores=scores)
-    assert "flash_decode_kernel" in kernel_names and not any("flash_fwd" in n for n in kernel_names)
+    assert "flash_decode_kernel" in launches and not any("flash_fwd" in n for n in launches)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 
 import numpy as np
@@ -131,7 +132,7 @@ def _recording_launcher(template, maps=None, writer=None):
     launcher._var_offset, launcher._var_pack_into = _gpu._VAR_WRITER[0], _variant.WRITER.struct.pack_into
     launcher._maps_address, launcher._maps = (0, None) if maps is None else (
         ctypes.addressof(launcher._buffer) + maps[0], maps[1])
-    launcher._map_pointers = (0, 1, 2) if maps is None or len(maps) < 3 else tuple(maps[2])
+    launcher._map_pointers = operator.itemgetter(*((0, 1, 2) if maps is None or len(maps) < 3 else maps[2]))
     launcher._lock = threading.Lock()
     return launcher, seen
 
