@@ -1119,10 +1119,10 @@ BWD_WS_BLOCK_M, BWD_WS_BLOCK_N, BWD_WS_STAGES = 64, 128, 2
 BWD_WS: bool = os.environ.get("CUPYFLASH_BWD_WS", "") != "0"
 #: The variant bits the warp-specialised backward takes (of the kernel's WS_VARIANTS,
 #: FWD_WS_VARIANTS: a window, softcap, ALiBi, sinks, dropout; their code is the cp.async
-#: kernel's, bwd_sm90.cuh PtOperands). 0 until measured on the GPU: every variant stays on
-#: the cp.async kernels (PERF.md v23, "The ws backward's variants"). Read when a call is planned:
-#: set it, then ``cupyflash._gpu.clear_plans()``.
-BWD_WS_VARIANTS = 0
+#: kernel's, bwd_sm90.cuh PtOperands): all five, measured faster than the cp.async kernel in
+#: 29 of 30 points (PERF.md v24, run 105: 1.04-1.27x, median 1.14x; one 0.99x). Read when a
+#: call is planned: set it, then ``cupyflash._gpu.clear_plans()``.
+BWD_WS_VARIANTS = FWD_WS_VARIANTS
 #: The variant sets the warp-specialised backward never takes (a call holding all the bits
 #: of one stays on the cp.async kernel), where its consumers' 240 registers spill (nvcc
 #: 13.0, D=128, every set measured: PERF.md v23): ALiBi with dropout (causal 8-40 bytes;
