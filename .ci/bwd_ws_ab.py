@@ -1,7 +1,7 @@
 """The warp-specialised backward (kernels_cu/flash_bwd_ws.cu, dispatch.BWD_WS) against the
-cp.async wgmma kernels it replaces, in one process, on the standard grid: D=64 and 128,
+cp.async wgmma kernels it replaces, in one process, on the standard grid: D=128 (and 64),
 nheads = 2048 / D, 16k tokens (batch x seqlen), fp16 and bf16, causal and not, plus a
-packed (varlen) batch and a GQA 4:1 case. Kernel time of the whole backward (preprocess,
+GQA 4:1 case. Kernel time of the whole backward (preprocess,
 dK/dV, dQ or convert) by ``cupyx.profiler.benchmark`` (``gpu_times``), BWD_WS off then on
 for each point; the dK/dV launch of each mode is checked. Prints one line per point and
 the ratio (cp.async time / ws time: > 1 means ws is faster), and writes JSON to $OUT.
@@ -11,7 +11,7 @@ dropout and some of their sets; dispatch.BWD_WS on), dispatch.BWD_WS_VARIANTS of
 cp.async kernel) then on (the ws kernel) for each point; TFLOP/s there are the nominal
 dense or causal counts (a window does less).
 
-    python .ci/bwd_ws_ab.py [--quick] [--variants]
+    python .ci/bwd_ws_ab.py [--quick] [--variants] [--head-dim 64 --head-dim 128]
 """
 import argparse
 import json
@@ -45,11 +45,11 @@ def dkdv_kernel(fn, args, kwargs):
     return next(n for n in names if "dkdv" in n or "bwd_ws" in n)
 
 
-def cases(quick):
+def cases(quick, head_dims):
     rng = cp.random.default_rng(0)
     seqlens = (1024, 4096, 16384) if quick else (512, 1024, 2048, 4096, 8192, 16384)
     out = []
-    for d in (64, 128):
+    for d in head_dims:
         h = 2048 // d
         for dtype in ("float16", "bfloat16"):
             kw = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
@@ -61,7 +61,7 @@ def cases(quick):
                     flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
                     out.append((f"D={d:<3d} {dtype:8s} B={b:<3d} S={s:<5d} {'causal' if causal else 'full':6s}",
                                 cupyflash.flash_attn_bwd, (do, q, k, v, out_, lse), {"causal": causal, **kw}, flops))
-    for d in (64, 128):  # GQA 4:1 and a packed batch, bf16 causal
+    for d in head_dims:  # GQA 4:1, bf16 causal (a packed batch takes the cp.async kernels)
         h = 2048 // d
         s, b = 4096, 4
         q, do = (rand(rng, "bfloat16", b, s, h, d) for _ in range(2))
@@ -69,14 +69,6 @@ def cases(quick):
         out_, lse = cupyflash.flash_attn_fwd(q, k, v, causal=True, dtype="bfloat16")
         out.append((f"D={d:<3d} bfloat16 B=4   S=4096  causal GQA {h}:{h // 4}", cupyflash.flash_attn_bwd,
                     (do, q, k, v, out_, lse), {"causal": True, "dtype": "bfloat16"}, 2.5 * 4 * b * h * s * s * d / 2))
-        lens = np.random.default_rng(1).integers(256, 2049, size=TOKENS // 1152)
-        cu = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
-        total, mx = int(lens.sum()), int(lens.max())
-        q, k, v, do = (rand(rng, "bfloat16", total, h, d) for _ in range(4))
-        out_, lse = cupyflash.flash_attn_varlen_fwd(q, k, v, cu, cu, mx, mx, causal=True, dtype="bfloat16")
-        flops = 2.5 * 4 * h * d * float((lens.astype(np.float64) ** 2 / 2).sum())
-        out.append((f"D={d:<3d} bfloat16 varlen {len(lens)} seqs causal", cupyflash.flash_attn_varlen_bwd,
-                    (do, q, k, v, out_, lse, cu, cu, mx, mx), {"causal": True, "dtype": "bfloat16"}, flops))
     return out
 
 
@@ -123,10 +115,15 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--variants", action="store_true", help="variant backwards, BWD_WS_VARIANTS off then on")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--head-dim", type=int, action="append", choices=(64, 128),
+                    help="head_dims of the plain cases (repeatable; default 128: the ws kernel's BWD_WS_HEAD_DIMS, "
+                         "widened here to those asked for)")
     a = ap.parse_args()
+    head_dims = tuple(a.head_dim or (128,))
+    dispatch.BWD_WS_HEAD_DIMS = tuple(sorted(set(dispatch.BWD_WS_HEAD_DIMS) | set(head_dims)))
     rows = []
     switch = set_ws_variants if a.variants else set_ws
-    for label, fn, args, kwargs, flops in (variant_cases if a.variants else cases)(a.quick):
+    for label, fn, args, kwargs, flops in (variant_cases(a.quick) if a.variants else cases(a.quick, head_dims)):
         times, kernels = {}, {}
         for on in (False, True):
             switch(on)

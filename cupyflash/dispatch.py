@@ -1155,10 +1155,10 @@ def uses_ws_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: i
 
 def bwd_ws_smem_bytes(head_dim_padded: int) -> int:
     """kernels_cu/flash_bwd_ws.cu BwdWsTraits::SMEM_BYTES: K, V, two dSᵀ tiles, STAGES x
-    (Q, dO), STAGES x (lse_log2, delta), the dQ rows (padded by 16 bytes), the SeqLens
+    (Q, dO), STAGES x (lse_log2, delta), the dQ rows (padded by 32 bytes), the SeqLens
     slot, the mbarriers (full_kv, full_q, empty_q: 8 bytes each), 1 KB of alignment."""
     d, m, n, stages = head_dim_padded, BWD_WS_BLOCK_M, BWD_WS_BLOCK_N, BWD_WS_STAGES
-    return (2 * n * d * 2 + 2 * n * m * 2 + stages * 2 * m * d * 2 + stages * 2 * m * 4 + m * (d * 4 + 16)
+    return (2 * n * d * 2 + 2 * n * m * 2 + stages * 2 * m * d * 2 + stages * 2 * m * 4 + m * (d * 4 + 32)
             + _SEQLENS_SLOT_BYTES + 8 * (1 + 2 * stages) + 1024)
 
 

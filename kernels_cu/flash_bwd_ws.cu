@@ -18,9 +18,10 @@
 //     warp's 32 arrivals), and the 8 consumer warps release it on empty_q[s] once their
 //     last GEMM reading it (dK += dSᵀ·Q) has completed;
 //   * warp 1 adds each step's dQ into dq_accum: the consumers leave their fp32 dQ in
-//     shared memory (sdQ, rows padded by 16 bytes so the fragment stores hit every bank
-//     once per wavefront) and arrive on DQ_FULL; the warp issues one bulk reduce-add
-//     (cp.reduce.async.bulk .add.f32) per row, waits until the engine has read sdQ, and
+//     shared memory (sdQ, rows padded by 32 bytes: a 64-bit fragment store is served a
+//     half-warp at a time, 4 rows of 8 words each, which then fall on 4 disjoint sets
+//     of 8 banks; padded by 16, two of those rows shared banks: PERF.md v24) and arrive
+//     on DQ_FULL; the warp issues one bulk reduce-add (cp.reduce.async.bulk .add.f32) per row, waits until the engine has read sdQ, and
 //     arrives on DQ_EMPTY, which the consumers wait on before they write the next dQ.
 // So the consumers (setmaxnreg 240) issue no load, no atomic and no block-wide barrier:
 // their only synchronisation with each other is dSᵀ (DS_BAR, both warpgroups, once a
@@ -81,7 +82,7 @@ struct BwdWsTraits {
     using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;  // K, V (and the dK, dV staging)
     using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;   // Q, dO
     using DSTile = Swizzle128Tile<T, BLOCK_N, BLOCK_M>;   // dSᵀ: key rows, BLOCK_M query columns
-    static constexpr int DQ_ROW_BYTES = HEAD_DIM * 4 + 16;
+    static constexpr int DQ_ROW_BYTES = HEAD_DIM * 4 + 32;  // row stride 8 banks mod 32 (the header)
     // From the 1024-byte aligned base: K, V, dSᵀ x 2, STAGES x (Q, dO), STAGES x
     // (lse_log2, delta), the dQ rows, the block's SeqLens, the mbarriers (full_kv,
     // full_q[STAGES], empty_q[STAGES]).

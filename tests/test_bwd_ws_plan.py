@@ -107,9 +107,9 @@ def test_kernel_takes_the_forwards_ws_variants():
 
 def test_shared_memory():
     # K, V (128 keys), two dSᵀ (128 x 64), 2 stages of Q and dO (64 rows) and of lse/delta
-    # (64 floats each), 64 dQ rows of head_dim fp32 + 16 bytes, SeqLens, 5 mbarriers, 1 KB
-    assert dispatch.bwd_ws_smem_bytes(128) == 65536 + 32768 + 65536 + 1024 + 64 * 528 + 16 + 40 + 1024
-    assert dispatch.bwd_ws_smem_bytes(64) == 32768 + 32768 + 32768 + 1024 + 64 * 272 + 16 + 40 + 1024
+    # (64 floats each), 64 dQ rows of head_dim fp32 + 32 bytes, SeqLens, 5 mbarriers, 1 KB
+    assert dispatch.bwd_ws_smem_bytes(128) == 65536 + 32768 + 65536 + 1024 + 64 * 544 + 16 + 40 + 1024
+    assert dispatch.bwd_ws_smem_bytes(64) == 32768 + 32768 + 32768 + 1024 + 64 * 288 + 16 + 40 + 1024
     assert dispatch.bwd_ws_smem_bytes(128) <= dispatch.max_smem_per_block((9, 0))
 
 
