@@ -723,8 +723,13 @@ def bwd_preprocess_launch(dtype: str, head_dim_padded: int, vec: bool, rows: int
                   (_BWD_PREPROCESS_THREADS, 1, 1), 0)
 
 
-def bwd_convert_launch(dtype: str, vec: bool, rows: int = 1) -> Launch:
-    return Launch("flash_bwd.cu", "cupyflash::flash_bwd_convert_dq_kernel", (CTYPES[dtype], _cbool(vec)),
+def bwd_convert_launch(dtype: str, vec: bool, rows: int = 1, swizzled: bool = False) -> Launch:
+    """dq = softmax_scale·dq_accum; ``swizzled``: dq_accum in the warp-specialised backward's
+    layout (kernels_cu/bwd_rows.cuh dq_accum_piece; aligned data only, as that kernel's)."""
+    if swizzled and not vec:
+        raise ValueError("cupyflash: the ws backward's dq_accum layout is converted on aligned data only")
+    return Launch("flash_bwd.cu", "cupyflash::flash_bwd_convert_dq_kernel",
+                  (CTYPES[dtype], _cbool(vec), _cbool(swizzled)),
                   (max(1, math.ceil(rows / (_BWD_THREADS_AUX // 32))), 1, 1), (_BWD_THREADS_AUX, 1, 1), 0)
 
 
@@ -1155,10 +1160,10 @@ def uses_ws_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: i
 
 def bwd_ws_smem_bytes(head_dim_padded: int) -> int:
     """kernels_cu/flash_bwd_ws.cu BwdWsTraits::SMEM_BYTES: K, V, two dSᵀ tiles, STAGES x
-    (Q, dO), STAGES x (lse_log2, delta), the dQ rows (padded by 32 bytes), the SeqLens
+    (Q, dO), STAGES x (lse_log2, delta), the dQ rows (unpadded), the SeqLens
     slot, the mbarriers (full_kv, full_q, empty_q: 8 bytes each), 1 KB of alignment."""
     d, m, n, stages = head_dim_padded, BWD_WS_BLOCK_M, BWD_WS_BLOCK_N, BWD_WS_STAGES
-    return (2 * n * d * 2 + 2 * n * m * 2 + stages * 2 * m * d * 2 + stages * 2 * m * 4 + m * (d * 4 + 32)
+    return (2 * n * d * 2 + 2 * n * m * 2 + stages * 2 * m * d * 2 + stages * 2 * m * 4 + m * d * 4
             + _SEQLENS_SLOT_BYTES + 8 * (1 + 2 * stages) + 1024)
 
 
@@ -1308,7 +1313,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
 
     ``ws``: whether the warp-specialised dK/dV kernel may serve the call
     (:func:`uses_ws_bwd`; None: :data:`BWD_WS`); the plan then carries its TMA boxes
-    (``BwdPlan.tma_box_rows``) and takes dQ through dq_accum and the convert kernel.
+    (``BwdPlan.tma_box_rows``) and takes dQ through dq_accum (in its layout) and the convert kernel.
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
@@ -1361,7 +1366,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
                                and bwd_dq_smem_bytes(d, dq_tile, variant | staged) <= smem_limit)
         launches.append(bwd_dq_launch(dtype, d, dq_tile, causal, even_k, vec, dq_grid, dq_variant))
     else:
-        launches.append(bwd_convert_launch(dtype, vec, q_rows[0] * q_rows[1] * nheads_q))
+        launches.append(bwd_convert_launch(dtype, vec, q_rows[0] * q_rows[1] * nheads_q, swizzled=ws))
     if kv_splits > 1:
         launches.append(bwd_convert_dkv_launch(dtype, vec, k_rows[0] * k_rows[1] * nheads_kv))
     if dbias_shape is not None and uses_sm90_dbias_strips(d, vec, cc, dbias_shape, batch, nheads_q, seqlen_q,
@@ -1430,6 +1435,8 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
             lanes.setdefault(bwd_preprocess_row_lanes(d), d)
         out.extend(bwd_preprocess_launch(dtype, d, vec) for d in lanes.values())
         out.append(bwd_convert_launch(dtype, vec))
+        if vec:
+            out.append(bwd_convert_launch(dtype, vec, swizzled=True))
         out.append(bwd_convert_dkv_launch(dtype, vec))
     for dtype, d in itertools.product(CTYPES, HEAD_DIMS):
         for causal, even_k, vec, det in itertools.product((False, True), (True, False), (True, False),

@@ -2,6 +2,9 @@
 // row: lse_log2, delta and dq_accum one row per query row, dkv_accum (per
 // split) one per key row, with no padding, laid out like a contiguous lse:
 // (batch, nheads, seqlen) for a dense batch, (nheads, total) for a packed one.
+// The warp-specialised backward (flash_bwd_ws.cu) keeps its dq_accum rows with their
+// 8-float pieces permuted (dq_accum_piece), which flash_bwd_convert_dq_kernel<.., SWIZZLED>
+// undoes.
 #pragma once
 
 #include "params.cuh"
@@ -24,6 +27,14 @@ __device__ __forceinline__ int64 query_rows(const BwdParams& p) {
 __device__ __forceinline__ int64 key_rows(const BwdParams& p) {
     return int64(p.cu_seqlens_k == nullptr ? p.batch : 1) * p.nheads_kv * key_rows_per_head(p);
 }
+
+// Where logical 8-float piece `piece` of dq_accum's query row m (the row's index in its
+// (batch, head)) lies in the warp-specialised backward's layout: the low two bits XORed
+// with m's. Its consumers store dQ fragments to unpadded shared-memory rows (head_dim·4
+// bytes, a multiple of 128: every row on the same banks), 4 rows per half-warp, one
+// piece each; so permuted, those 4 pieces fall on 4 different 32-byte bank groups, and
+// the block's rows stay contiguous, in the same layout, for one bulk reduce-add of all.
+__device__ __forceinline__ int dq_accum_piece(int piece, int m) { return piece ^ (m & 3); }
 
 // Index in lse_log2 and delta (in rows of dq_accum) of query row m of sequence b, head h.
 __device__ __forceinline__ int64 query_row_index(const BwdParams& p, int b, int h, const SeqLens& seq, int m) {

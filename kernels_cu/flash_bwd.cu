@@ -755,11 +755,13 @@ flash_bwd_dq_kernel(const BwdParams p) {
 
 // ---------------------------------------------------------------------------
 // Convert (default mode): dq = softmax_scale·dq_accum in T. One warp per query
-// row of the row buffers (packed: one head, all total_q rows).
+// row of the row buffers (packed: one head, all total_q rows). SWIZZLED: dq_accum
+// in flash_bwd_ws.cu's layout (bwd_rows.cuh dq_accum_piece).
 // ---------------------------------------------------------------------------
-template <typename T, bool VEC>
+template <typename T, bool VEC, bool SWIZZLED>
 __global__ void __launch_bounds__(256)
 flash_bwd_convert_dq_kernel(const BwdParams p) {
+    static_assert(VEC || !SWIZZLED, "the ws backward, the only writer of that layout, takes aligned data only");
     const int64 rows = query_rows(p);
     const int64 row = int64(blockIdx.x) * 8 + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -774,8 +776,9 @@ flash_bwd_convert_dq_kernel(const BwdParams p) {
     if constexpr (VEC) {
         // one 16-byte chunk (8 elements) per lane covers head_dim <= 256
         if (lane * 8 < p.head_dim) {
-            const float4 x0 = reinterpret_cast<const float4*>(src)[2 * lane];
-            const float4 x1 = reinterpret_cast<const float4*>(src)[2 * lane + 1];
+            const int piece = SWIZZLED ? dq_accum_piece(lane, m) : lane;
+            const float4 x0 = reinterpret_cast<const float4*>(src)[2 * piece];
+            const float4 x1 = reinterpret_cast<const float4*>(src)[2 * piece + 1];
             *reinterpret_cast<uint4*>(dst + lane * 8) = make_uint4(
                 TypeTraits<T>::pack(x0.x * scale, x0.y * scale), TypeTraits<T>::pack(x0.z * scale, x0.w * scale),
                 TypeTraits<T>::pack(x1.x * scale, x1.y * scale), TypeTraits<T>::pack(x1.z * scale, x1.w * scale));

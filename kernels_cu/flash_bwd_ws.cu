@@ -18,11 +18,14 @@
 //     warp's 32 arrivals), and the 8 consumer warps release it on empty_q[s] once their
 //     last GEMM reading it (dK += dSᵀ·Q) has completed;
 //   * warp 1 adds each step's dQ into dq_accum: the consumers leave their fp32 dQ in
-//     shared memory (sdQ, rows padded by 32 bytes: a 64-bit fragment store is served a
-//     half-warp at a time, 4 rows of 8 words each, which then fall on 4 disjoint sets
-//     of 8 banks; padded by 16, two of those rows shared banks: PERF.md v24) and arrive
-//     on DQ_FULL; the warp issues one bulk reduce-add (cp.reduce.async.bulk .add.f32) per row, waits until the engine has read sdQ, and
-//     arrives on DQ_EMPTY, which the consumers wait on before they write the next dQ.
+//     shared memory (sdQ: 64 unpadded rows, in dq_accum's own layout, bwd_rows.cuh
+//     dq_accum_piece, whose permutation keeps the fragment stores free of bank
+//     conflicts) and arrive on DQ_FULL; the warp issues one bulk reduce-add
+//     (cp.reduce.async.bulk .add.f32) of the step's 64 contiguous rows (those before
+//     seqlen_q at a query tail), waits until the engine has read sdQ, and arrives on DQ_EMPTY, which
+//     the consumers wait on before they write the next dQ. (Per-row reduce-adds from
+//     padded rows cost the warp ~50 cycles each to issue, one lane at a time: 64 a step
+//     kept the consumers waiting on DQ_EMPTY, PERF.md v24.)
 // So the consumers (setmaxnreg 240) issue no load, no atomic and no block-wide barrier:
 // their only synchronisation with each other is dSᵀ (DS_BAR, both warpgroups, once a
 // step), double-buffered so that the next step's dSᵀ never waits for this step's dQ GEMM.
@@ -82,7 +85,7 @@ struct BwdWsTraits {
     using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;  // K, V (and the dK, dV staging)
     using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;   // Q, dO
     using DSTile = Swizzle128Tile<T, BLOCK_N, BLOCK_M>;   // dSᵀ: key rows, BLOCK_M query columns
-    static constexpr int DQ_ROW_BYTES = HEAD_DIM * 4 + 32;  // row stride 8 banks mod 32 (the header)
+    static constexpr int DQ_ROW_BYTES = HEAD_DIM * 4;
     // From the 1024-byte aligned base: K, V, dSᵀ x 2, STAGES x (Q, dO), STAGES x
     // (lse_log2, delta), the dQ rows, the block's SeqLens, the mbarriers (full_kv,
     // full_q[STAGES], empty_q[STAGES]).
@@ -217,15 +220,12 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
                 const int rows_valid = seq.seqlen_q - m0;
                 float* dq_accum = p.dq_accum + query_row_index(p, b, h, seq, m0) * HEAD_DIM;
                 named_barrier_sync<Tr::DQ_BAR_THREADS>(Tr::DQ_FULL_BAR);  // the consumers' dQ is in sdQ
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const int r = lane + 32 * i;
-                    if (r < rows_valid) {
-                        bulk_reduce_add_f32(dq_accum + r * HEAD_DIM, sdQ + r * Tr::DQ_ROW_BYTES, HEAD_DIM * 4);
-                    }
+                if (lane == 0) {  // the step's rows of dq_accum and sdQ are contiguous alike
+                    bulk_reduce_add_f32(dq_accum, sdQ, min(rows_valid, BLOCK_M) * Tr::DQ_ROW_BYTES);
                 }
                 bulk_commit();
                 bulk_wait_read<0>();
+                __syncwarp();
                 if (it + 1 < num_iters) named_barrier_arrive<Tr::DQ_BAR_THREADS>(Tr::DQ_EMPTY_BAR);
                 if (++m_block == m_end) { m_block = m_begin; ++h; }
             }
@@ -306,15 +306,19 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
         wgmma_wait<0>();
         fence_operands(dq);
 
-        // ---- dQ to sdQ for warp 1's reduce-add (once it has read the step before's)
+        // ---- dQ to sdQ, in dq_accum's layout, for warp 1's reduce-add (once it has read
+        //      the step before's). This thread's rows (dq_row0, + 8) are alike mod 4 (m0 is
+        //      a multiple of 64), so their pieces are permuted alike: the loop takes the four
+        //      low values of the piece index outermost, one permuted address live at a time.
         named_barrier_sync<Tr::DQ_BAR_THREADS>(Tr::DQ_EMPTY_BAR);
+        const uint32 sdq_row = sdQ + dq_row0 * Tr::DQ_ROW_BYTES + dq_col0 * 4 + t * 8;
 #pragma unroll
         for (int j = 0; j < DQ_COLS / 8; ++j) {
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                const uint32 addr = sdQ + (dq_row0 + 8 * hh) * Tr::DQ_ROW_BYTES + (dq_col0 + 8 * j + 2 * t) * 4;
-                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" :: "r"(addr), "f"(dq[j][2 * hh]),
-                             "f"(dq[j][2 * hh + 1]));
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
+                             :: "r"(sdq_row + dq_accum_piece(j, dq_row0) * 32 + hh * 8 * Tr::DQ_ROW_BYTES),
+                             "f"(dq[j][2 * hh]), "f"(dq[j][2 * hh + 1]));
             }
         }
         fence_proxy_async_shared();  // this thread's stores before the copy engine's reads

@@ -32,7 +32,10 @@ def test_plain_attention_on_hopper_takes_it(head_dim, causal):
     # the cp.async kernel's grid: one block per (key block, batch, KV head)
     assert dkdv.grid == _plan(head_dim=head_dim, causal=causal, ws=False).launches[1].grid
     assert plan.dq_accum and plan.tma_box_rows == (64, 128, 128, 64)
-    assert _plan(head_dim=head_dim, causal=causal, ws=False).tma_box_rows is None
+    # dq_accum in the ws kernel's layout (bwd_rows.cuh dq_accum_piece), converted as such
+    assert plan.launches[2].args == ("__half", "true", "true")
+    cp_async = _plan(head_dim=head_dim, causal=causal, ws=False)
+    assert cp_async.tma_box_rows is None and cp_async.launches[-1].args == ("__half", "true", "false")
 
 
 def test_a_gqa_group_split_keeps_it_with_the_partials_convert():
@@ -44,8 +47,8 @@ def test_a_gqa_group_split_keeps_it_with_the_partials_convert():
 @pytest.mark.parametrize("change", [
     dict(deterministic=True), dict(vec=False), dict(cc=(8, 0)), dict(cc=(10, 0)), dict(head_dim=96),
     dict(head_dim=64), dict(head_dim=40), dict(varlen=True, total_q=1500, total_k=1700),
-    dict(head_dim=256), dict(variant=dispatch.VAR_SOFTCAP), dict(variant=dispatch.VAR_WINDOW),
-    dict(variant=dispatch.VAR_BIAS), dict(variant=dispatch.VAR_DROPOUT), dict(ws=False)],
+    dict(head_dim=256), dict(variant=dispatch.VAR_BIAS), dict(variant=dispatch.VAR_MASK),
+    dict(variant=dispatch.VAR_ALIBI | dispatch.VAR_DROPOUT), dict(ws=False)],
     ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_everything_else_keeps_the_other_kernels(change):
     plan = _plan(**change)
@@ -107,9 +110,9 @@ def test_kernel_takes_the_forwards_ws_variants():
 
 def test_shared_memory():
     # K, V (128 keys), two dSᵀ (128 x 64), 2 stages of Q and dO (64 rows) and of lse/delta
-    # (64 floats each), 64 dQ rows of head_dim fp32 + 32 bytes, SeqLens, 5 mbarriers, 1 KB
-    assert dispatch.bwd_ws_smem_bytes(128) == 65536 + 32768 + 65536 + 1024 + 64 * 544 + 16 + 40 + 1024
-    assert dispatch.bwd_ws_smem_bytes(64) == 32768 + 32768 + 32768 + 1024 + 64 * 288 + 16 + 40 + 1024
+    # (64 floats each), 64 unpadded dQ rows of head_dim fp32, SeqLens, 5 mbarriers, 1 KB
+    assert dispatch.bwd_ws_smem_bytes(128) == 65536 + 32768 + 65536 + 1024 + 64 * 512 + 16 + 40 + 1024
+    assert dispatch.bwd_ws_smem_bytes(64) == 32768 + 32768 + 32768 + 1024 + 64 * 256 + 16 + 40 + 1024
     assert dispatch.bwd_ws_smem_bytes(128) <= dispatch.max_smem_per_block((9, 0))
 
 
