@@ -22,10 +22,10 @@
 //     dq_accum_piece, whose permutation keeps the fragment stores free of bank
 //     conflicts) and arrive on DQ_FULL; the warp issues one bulk reduce-add
 //     (cp.reduce.async.bulk .add.f32) of the step's 64 contiguous rows (those before
-//     seqlen_q at a query tail), waits until the engine has read sdQ, and arrives on DQ_EMPTY, which
-//     the consumers wait on before they write the next dQ. (Per-row reduce-adds from
-//     padded rows cost the warp ~50 cycles each to issue, one lane at a time: 64 a step
-//     kept the consumers waiting on DQ_EMPTY, PERF.md v24.)
+//     seqlen_q at a query tail), waits until the engine has read sdQ, and arrives on
+//     DQ_EMPTY, which the consumers wait on before they write the next dQ. (Per-row
+//     reduce-adds from padded rows cost the warp ~50 cycles each to issue, one lane at a
+//     time: 64 a step kept the consumers waiting on DQ_EMPTY, PERF.md v24.)
 // So the consumers (setmaxnreg 240) issue no load, no atomic and no block-wide barrier:
 // their only synchronisation with each other is dSᵀ (DS_BAR, both warpgroups, once a
 // step), double-buffered so that the next step's dSᵀ never waits for this step's dQ GEMM.
@@ -308,8 +308,9 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
 
         // ---- dQ to sdQ, in dq_accum's layout, for warp 1's reduce-add (once it has read
         //      the step before's). This thread's rows (dq_row0, + 8) are alike mod 4 (m0 is
-        //      a multiple of 64), so their pieces are permuted alike: the loop takes the four
-        //      low values of the piece index outermost, one permuted address live at a time.
+        //      a multiple of 64), so their pieces are permuted alike; and the permutation
+        //      touches the low two bits only, so piece dq_col0 / 8 + j (dq_col0 / 8 is 0 or
+        //      a multiple of 8) lies at dq_col0 / 8 + dq_accum_piece(j, ..).
         named_barrier_sync<Tr::DQ_BAR_THREADS>(Tr::DQ_EMPTY_BAR);
         const uint32 sdq_row = sdQ + dq_row0 * Tr::DQ_ROW_BYTES + dq_col0 * 4 + t * 8;
 #pragma unroll
