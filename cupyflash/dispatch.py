@@ -1137,10 +1137,11 @@ BWD_WS_D64_BLOCK_M = 64
 #: The variant sets that keep 64 query rows per step where BWD_WS_D64_BLOCK_M says 128:
 #: dropout (its keep bits are drawn for 8 query tiles, bwd_sm90.cuh KeepBitsT; and Pᵀ∘Z
 #: would be 32 more registers live), and those whose 128-row step spills at the consumers'
-#: 240 registers (nvcc 13.0, every set compiled, PERF.md v24): softcap (its P·(1 − tanh²)
-#: operand, 32 registers: 16-152 bytes, causal alone 64; FlashAttention-3 takes 96 rows
-#: there for the same reason) and a window with ALiBi (12 bytes, bf16 non-causal).
-BWD_WS_WIDE_SPILLS = (VAR_DROPOUT, VAR_SOFTCAP, VAR_WINDOW | VAR_ALIBI)
+#: 240 registers (every set compiled, PERF.md v24): softcap (its P·(1 − tanh²) operand, 32
+#: registers: 16-152 bytes under nvcc 13.0, causal alone 64; FlashAttention-3 takes 96
+#: rows there for the same reason) and a window (NVRTC 13.5: 16-64 bytes, every dtype and
+#: mask; nvcc 13.0: only with ALiBi, 12). ALiBi and sinks take 128 rows.
+BWD_WS_WIDE_SPILLS = (VAR_DROPOUT, VAR_SOFTCAP, VAR_WINDOW)
 BWD_WS: bool = os.environ.get("CUPYFLASH_BWD_WS", "") != "0"
 #: The variant bits the warp-specialised backward takes (of the kernel's WS_VARIANTS,
 #: FWD_WS_VARIANTS: a window, softcap, ALiBi, sinks, dropout; their code is the cp.async

@@ -205,7 +205,7 @@ def test_d64_wide_step(d64, head_dim):
 @pytest.mark.parametrize("block_m", [64, 128])
 def test_d64_variants(d64, variant, block_m):
     """Every variant set the kernel takes, without dQ; at 128 rows those of BWD_WS_WIDE_SPILLS
-    keep 64 (dropout's keep bits; softcap, a window with ALiBi spill there)."""
+    keep 64 (dropout's keep bits; softcap and a window spill there)."""
     d64.setattr(dispatch, "BWD_WS_D64_BLOCK_M", block_m)
     plan = _plan(head_dim=64, variant=variant)
     dkdv = plan.launches[1]
@@ -216,9 +216,36 @@ def test_d64_variants(d64, variant, block_m):
 
 
 def test_d64_wide_spills_are_the_measured_sets():
-    """PERF.md v24's table: at 128 rows dropout (not compiled), softcap, a window with ALiBi."""
-    assert dispatch.BWD_WS_WIDE_SPILLS == (dispatch.VAR_DROPOUT, dispatch.VAR_SOFTCAP,
-                                           dispatch.VAR_WINDOW | dispatch.VAR_ALIBI)
+    """PERF.md v24's table: at 128 rows dropout (not compiled), softcap, a window spill."""
+    assert dispatch.BWD_WS_WIDE_SPILLS == (dispatch.VAR_DROPOUT, dispatch.VAR_SOFTCAP, dispatch.VAR_WINDOW)
+    wide = [b for b in range(32) if b & dispatch.FWD_WS_VARIANTS == b and dispatch.bwd_ws_takes(b)
+            and dispatch.bwd_ws_block_m(64, False, b, 128) == 128]
+    assert wide == [0, dispatch.VAR_ALIBI, dispatch.VAR_SINKS, dispatch.VAR_ALIBI | dispatch.VAR_SINKS]
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_every_d64_gpu_case_plans_it(d64, block_m):
+    """tests/test_gpu_bwd_ws.py's D=64 cases, as its fixture plans them, take the ws kernel
+    without dQ at the rows per step their checks expect (and the variant bits theirs)."""
+    import test_gpu_bwd_ws as g  # sibling module; its GPU tests skip here
+
+    from cupyflash import _variant
+
+    d64.setattr(dispatch, "BWD_WS_D64_BLOCK_M", block_m)
+    rng = np.random.default_rng(0)
+    cases = [(dtype, (batch, sq, sk, hq, hkv, d), causal, 0)
+             for dtype, d, causal, batch, sq, sk, hq, hkv in g.DENSE_64]
+    cases += [(dtype, shape, causal, _variant.bits(g._variants_case(name)(rng, shape)))
+              for name, dtype, shape, causal, _ in g.VARIANT_CASES_64]
+    for dtype, (batch, sq, sk, hq, hkv, d), causal, bits in cases:
+        plan = _plan(dtype=dtype, batch=batch, seqlen_q=sq, seqlen_k=sk, nheads_q=hq, nheads_kv=hkv, head_dim=d,
+                     causal=causal, variant=bits, num_sms=1)
+        dkdv = plan.launches[1]
+        assert dkdv.template == WS and plan.launches[2].template == DQ, (dtype, sq, sk, d, bits)
+        assert dkdv.args[2] == str(dispatch.bwd_ws_block_m(64, False, bits, block_m)) and dkdv.args[5:] == (
+            "false", str(bits))
+    assert {c[3] for c in cases} >= {0, dispatch.VAR_ALIBI, dispatch.VAR_ALIBI | dispatch.VAR_SINKS,
+                                     dispatch.VAR_SOFTCAP, dispatch.VAR_DROPOUT, dispatch.VAR_WINDOW}
 
 
 @pytest.mark.parametrize("change", [dict(deterministic=True), dict(vec=False), dict(cc=(8, 0)),
@@ -302,7 +329,8 @@ def test_variants_compile_without_spills(causal, even_k, variant):
 
 
 @pytest.mark.parametrize("block_m,variant", [(64, 0), (64, dispatch.VAR_SOFTCAP | dispatch.VAR_DROPOUT),
-                                             (128, 0), (128, dispatch.VAR_WINDOW | dispatch.VAR_SINKS)])
+                                             (64, dispatch.VAR_WINDOW | dispatch.VAR_SINKS),
+                                             (128, 0), (128, dispatch.VAR_ALIBI | dispatch.VAR_SINKS)])
 @pytest.mark.parametrize("causal,even_k", [(True, True), (False, False)])
 def test_d64_compiles_without_spills(causal, even_k, block_m, variant):
     from test_bwd_dispatch import _compile_clean  # sibling module
