@@ -1128,12 +1128,14 @@ BWD_WS_HEAD_DIMS = (128,)
 BWD_WS_KERNEL_HEAD_DIMS = (64, 128)
 BWD_WS_THREADS = 384
 BWD_WS_BLOCK_M, BWD_WS_BLOCK_N, BWD_WS_STAGES = 64, 128, 2
-#: Query rows per step of the ws kernel without dQ at D=64: 64 (BWD_WS_BLOCK_M), or 128,
-#: FlashAttention-3's hdim-64 backward tile (128 x 128; hopper/flash_bwd_launch_template.h),
-#: which halves the per-row share of each step's fixed work (barrier waits, descriptors,
-#: the lse/delta reads) and makes Sᵀ, dPᵀ m64n128 (PERF.md v24: built, not yet measured).
-#: The variant sets of BWD_WS_WIDE_SPILLS keep 64.
+#: Query rows per step of the ws kernel without dQ at D=64, one of BWD_WS_D64_BLOCK_MS (the
+#: kernel's static_assert): 64 (BWD_WS_BLOCK_M), or 128, FlashAttention-3's hdim-64 backward
+#: tile (128 x 128; hopper/flash_bwd_launch_template.h), which halves the per-row share of
+#: each step's fixed work (the stage wait and release, the descriptors, the drain after
+#: dK) and makes Sᵀ, dPᵀ m64n128 (PERF.md v24: built, not yet measured). The variant sets
+#: of BWD_WS_WIDE_SPILLS keep 64.
 BWD_WS_D64_BLOCK_M = 64
+BWD_WS_D64_BLOCK_MS = (64, 128)
 #: The variant sets that keep 64 query rows per step where BWD_WS_D64_BLOCK_M says 128:
 #: dropout (its keep bits are drawn for 8 query tiles, bwd_sm90.cuh KeepBitsT; and Pᵀ∘Z
 #: would be 32 more registers live), and those whose 128-row step spills at the consumers'
@@ -1210,7 +1212,7 @@ def bwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
     if not bwd_ws_takes(variant):
         raise ValueError(f"cupyflash: the warp-specialised backward takes the variant bits {FWD_WS_VARIANTS} "
                          f"less the sets {BWD_WS_VARIANT_SPILLS}; got {variant}")
-    if block_m != bwd_ws_block_m(head_dim_padded, with_dq, variant, block_m):
+    if block_m not in BWD_WS_D64_BLOCK_MS or block_m != bwd_ws_block_m(head_dim_padded, with_dq, variant, block_m):
         raise ValueError(f"cupyflash: the warp-specialised backward takes {block_m} query rows per step only "
                          f"without dQ at head_dim 64 and with none of the variant sets {BWD_WS_WIDE_SPILLS}; "
                          f"got head_dim {head_dim_padded}, with_dq {with_dq}, variant {variant}")
@@ -1223,12 +1225,12 @@ def bwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
 def bwd_ws_check_launches(dtype: str, head_dim_padded: int, causal: bool, even_k: bool) -> list[Launch]:
     """The ws kernel's instantiations at this padded head_dim that a plan may take (for
     check-kernels), whatever the switches say: plain and BWD_WS_CHECK_VARIANTS, in the dQ
-    mode of the head_dim's plan (:func:`_bwd_sm90_separate_dq`), and without dQ at D=64 with
-    64 and 128 query rows per step (BWD_WS_D64_BLOCK_M's two values)."""
+    mode of the head_dim's plan (:func:`_bwd_sm90_separate_dq`), and without dQ at D=64 at
+    each of BWD_WS_D64_BLOCK_MS query rows per step that the set takes."""
     with_dq = not _bwd_sm90_separate_dq(head_dim_padded)
     out = []
     for bits in (0, *BWD_WS_CHECK_VARIANTS):
-        block_ms = {bwd_ws_block_m(head_dim_padded, with_dq, bits, wide) for wide in (BWD_WS_BLOCK_M, 128)}
+        block_ms = {bwd_ws_block_m(head_dim_padded, with_dq, bits, wide) for wide in BWD_WS_D64_BLOCK_MS}
         out.extend(bwd_ws_launch(dtype, head_dim_padded, causal, even_k, variant=bits, with_dq=with_dq, block_m=m)
                    for m in sorted(block_ms))
     return out

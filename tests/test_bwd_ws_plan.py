@@ -263,6 +263,8 @@ def test_d64_everything_else_keeps_the_other_kernels(d64, change):
 def test_the_wide_step_is_refused_elsewhere(head_dim, with_dq, variant):
     with pytest.raises(ValueError, match="query rows per step"):
         dispatch.bwd_ws_launch("float16", head_dim, True, True, variant=variant, with_dq=with_dq, block_m=128)
+    with pytest.raises(ValueError, match="query rows per step"):  # the kernel takes 64 or 128
+        dispatch.bwd_ws_launch("float16", 64, True, True, with_dq=False, block_m=96)
 
 
 def test_params_carry_four_maps_after_bwd_params():
