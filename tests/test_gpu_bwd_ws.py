@@ -210,13 +210,15 @@ def test_variant_sets_that_spill_stay_on_the_cp_async_kernel(ws_variants, rng, n
 @pytest.fixture(params=[64, 128], ids=lambda m: f"block_m{m}")
 def ws_d64(request, ws, monkeypatch):
     """The ws fixture at D=64 with BWD_WS_D64_BLOCK_M = the parameter and every variant the
-    kernel takes; yields (the launched kernels' names, the ws launches' template arguments)."""
-    from cupyflash import _gpu_bwd, dispatch
+    kernel takes; yields (the launched kernels' names, the ws launches' template arguments).
+    Every plan cache (the public entry points' too) is emptied before and after, so that no
+    plan made under these settings outlives them."""
+    from cupyflash import _gpu, dispatch
 
     monkeypatch.setattr(dispatch, "BWD_WS_HEAD_DIMS", (64, 128))
     monkeypatch.setattr(dispatch, "BWD_WS_D64_BLOCK_M", request.param)
     monkeypatch.setattr(dispatch, "BWD_WS_VARIANTS", dispatch.FWD_WS_VARIANTS)
-    _gpu_bwd.clear_plans()
+    _gpu.clear_plans()
     ws_args = []
     recording_call = _launch.Launcher.__call__  # conftest's (it records the names)
 
@@ -225,7 +227,8 @@ def ws_d64(request, ws, monkeypatch):
         recording_call(self, stream, *pointers, var=var)
 
     monkeypatch.setattr(_launch.Launcher, "__call__", call)
-    return ws, ws_args
+    yield ws, ws_args
+    _gpu.clear_plans()
 
 
 def _launched_d64(ws_d64, block_m):
