@@ -12,10 +12,10 @@ cp.async kernel) then on (the ws kernel) for each point; TFLOP/s there are the n
 dense or causal counts (a window does less).
 
 ``--d64``: the D=64 plans (PERF.md v24) on the same grid (``--quick``: S = 1024, 4096,
-16384) and the GQA case, three per point (D64_PLANS): the default (the cp.async dK/dV
+16384) and the GQA case, four per point (D64_PLANS): the default (the cp.async dK/dV
 kernel without dQ), the ws kernel without dQ at 64 query rows per step, and at 128, each
-beside the wgmma dQ kernel; prints the times and each ws plan's ratio to the default.
-With ``--variants``: the variant cases at D=64 instead, the same three plans.
+beside the wgmma dQ kernel, and the ws kernel with its own dQ; prints the times and each
+ws plan's ratio to the default. With ``--variants``: the variant cases at D=64 instead.
 
     python .ci/bwd_ws_ab.py [--quick] [--variants] [--head-dim 64 --head-dim 128]
     python .ci/bwd_ws_ab.py --d64 --quick [--variants]
@@ -117,11 +117,14 @@ def variant_cases(quick, d=128):
     return out
 
 
-#: --d64's plans, the dispatch settings of each: the default first (every ratio is to it)
+#: --d64's plans: the dispatch settings of each and whether its dQ comes from the wgmma dQ
+#: kernel; the default first (every ratio is to it). "ws+dQ": the ws kernel with its own dQ
+#: at D=64 (v23's 0.79-0.85x, before v24's dQ path fixes), for reference.
 D64_PLANS = {
-    "cp.async": {"BWD_WS_HEAD_DIMS": (128,)},
-    "ws m64": {"BWD_WS_HEAD_DIMS": (64, 128), "BWD_WS_D64_BLOCK_M": 64},
-    "ws m128": {"BWD_WS_HEAD_DIMS": (64, 128), "BWD_WS_D64_BLOCK_M": 128},
+    "cp.async": ({"BWD_WS_HEAD_DIMS": (128,), "_BWD_SM90_SEPARATE_DQ": (64,)}, True),
+    "ws m64": ({"BWD_WS_HEAD_DIMS": (64, 128), "BWD_WS_D64_BLOCK_M": 64}, True),
+    "ws m128": ({"BWD_WS_HEAD_DIMS": (64, 128), "BWD_WS_D64_BLOCK_M": 128}, True),
+    "ws+dQ": ({"BWD_WS_HEAD_DIMS": (64, 128), "_BWD_SM90_SEPARATE_DQ": ()}, False),
 }
 
 
@@ -142,13 +145,13 @@ def d64_main(a):
     rows = []
     for label, fn, args, kwargs, flops in (variant_cases(a.quick, 64) if a.variants else cases(a.quick, (64,))):
         row = {"case": label}
-        for plan, settings in D64_PLANS.items():
+        for plan, (settings, dq_kernel) in D64_PLANS.items():
             for name, value in settings.items():
                 setattr(dispatch, name, value)
             _gpu.clear_plans()
             row[plan + " kernel"] = kernel = dkdv_launch(fn, args, kwargs)
             assert kernel[0] == ("flash_bwd_dkdv_sm90_kernel" if plan == "cp.async" else "flash_bwd_ws_kernel")
-            assert kernel[2], f"{label} {plan}: no wgmma dQ kernel"
+            assert kernel[2] == dq_kernel, f"{label} {plan}: {kernel}"
             r = benchmark(fn, args, kwargs, n_repeat=a.reps, n_warmup=3)
             row[plan + " ms"] = float(np.median(r.gpu_times[0])) * 1e3
         base = row["cp.async ms"]
