@@ -15,6 +15,7 @@ Skipped without a GPU, and off compute capability 9.0.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -210,9 +211,8 @@ def test_variant_sets_that_spill_stay_on_the_cp_async_kernel(ws_variants, rng, n
 @pytest.fixture(params=[64, 128], ids=lambda m: f"block_m{m}")
 def ws_d64(request, ws, monkeypatch):
     """The ws fixture at D=64 with BWD_WS_D64_BLOCK_M = the parameter and every variant the
-    kernel takes; yields (the launched kernels' names, the ws launches' template arguments).
-    Every plan cache (the public entry points' too) is emptied before and after, so that no
-    plan made under these settings outlives them."""
+    kernel takes; yields a D64Run. Every plan cache (the public entry points' too) is emptied
+    before and after, so that no plan made under these settings outlives them."""
     from cupyflash import _gpu, dispatch
 
     monkeypatch.setattr(dispatch, "BWD_WS_HEAD_DIMS", (64, 128))
@@ -227,21 +227,25 @@ def ws_d64(request, ws, monkeypatch):
         recording_call(self, stream, *pointers, var=var)
 
     monkeypatch.setattr(_launch.Launcher, "__call__", call)
-    yield ws, ws_args
+    yield D64Run(ws, ws_args, request.param)
     _gpu.clear_plans()
 
 
-def _launched_d64(ws_d64, block_m):
-    """The ws kernel ran without dQ at ``block_m`` rows per step, then the wgmma dQ kernel."""
-    names, ws_args = ws_d64
-    assert WS_KERNEL in names and "flash_bwd_dq_sm90_kernel" in names and "flash_bwd_convert_dq_kernel" not in names
-    assert {(a[1], a[2], a[5]) for a in ws_args} == {("64", str(block_m), "false")}
+@dataclass
+class D64Run:
+    names: list        # the launched kernels' names
+    ws_args: list      # the ws launches' template arguments
+    d64_block_m: int   # BWD_WS_D64_BLOCK_M
 
+    def check_launched(self, variant=0):
+        """The ws kernel ran without dQ at the rows per step ``variant`` takes (dispatch.bwd_ws_block_m),
+        then the wgmma dQ kernel."""
+        from cupyflash import dispatch
 
-def _block_m(ws_d64_param, variant=0):
-    from cupyflash import dispatch
-
-    return dispatch.bwd_ws_block_m(64, False, variant, ws_d64_param)
+        block_m = dispatch.bwd_ws_block_m(64, False, variant, self.d64_block_m)
+        assert WS_KERNEL in self.names and "flash_bwd_dq_sm90_kernel" in self.names
+        assert "flash_bwd_convert_dq_kernel" not in self.names
+        assert {(a[1], a[2], a[5], a[6]) for a in self.ws_args} == {("64", str(block_m), "false", str(variant))}
 
 
 DENSE_64 = [
@@ -258,19 +262,19 @@ DENSE_64 = [
 
 
 @pytest.mark.parametrize("dtype,head_dim,causal,batch,seqlen_q,seqlen_k,nheads_q,nheads_kv", DENSE_64)
-def test_d64_dense(ws_d64, request, rng, dtype, head_dim, causal, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv):
+def test_d64_dense(ws_d64, rng, dtype, head_dim, causal, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv):
     host, dev = make_problem(rng, dtype, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim)
     scale = 1.0 / math.sqrt(head_dim)
     grads = run(dev, dtype, scale, causal, False)
-    _launched_d64(ws_d64, _block_m(request.node.callspec.params["ws_d64"]))
+    ws_d64.check_launched()
     check(host, grads, dtype, scale, causal)
 
 
 @pytest.mark.parametrize("head_dim", [40, 64])
-def test_d64_rows_that_see_no_key(ws_d64, request, rng, head_dim):
+def test_d64_rows_that_see_no_key(ws_d64, rng, head_dim):
     host, dev = make_problem(rng, "bfloat16", 2, 300, 70, 4, 2, head_dim)
     grads = run(dev, "bfloat16", 0.125, True, False)
-    _launched_d64(ws_d64, _block_m(request.node.callspec.params["ws_d64"]))
+    ws_d64.check_launched()
     for g in (to_host(x, "bfloat16") for x in grads):
         assert not np.isnan(g).any()
     np.testing.assert_array_equal(to_host(grads[0], "bfloat16")[:, :230], 0)
@@ -278,7 +282,7 @@ def test_d64_rows_that_see_no_key(ws_d64, request, rng, head_dim):
 
 
 @pytest.mark.parametrize("num_sms,splits", [(3, 1), (100, 4)])
-def test_d64_gqa_group_splits(ws_d64, request, rng, monkeypatch, num_sms, splits):
+def test_d64_gqa_group_splits(ws_d64, rng, monkeypatch, num_sms, splits):
     from cupyflash import _gpu, _gpu_bwd, dispatch
 
     host, dev = make_problem(rng, "float16", 1, 260, 300, 8, 2, 64)
@@ -290,18 +294,18 @@ def test_d64_gqa_group_splits(ws_d64, request, rng, monkeypatch, num_sms, splits
                                cc=(9, 0))
     assert plan.kv_splits == splits
     grads = _gpu_bwd.bwd(dout, q, k, v, out, lse, softmax_scale=0.125, causal=True)
-    _launched_d64(ws_d64, _block_m(request.node.callspec.params["ws_d64"]))
-    assert ("flash_bwd_convert_dkv_kernel" in ws_d64[0]) == (splits > 1)
+    ws_d64.check_launched()
+    assert ("flash_bwd_convert_dkv_kernel" in ws_d64.names) == (splits > 1)
     check(host, grads, "float16", 0.125, True)
 
 
-def test_d64_strided_views(ws_d64, request, rng):
+def test_d64_strided_views(ws_d64, rng):
     from cupyflash import _gpu, _gpu_bwd
 
     host, (q, k, v, dout) = strided_problem(rng, 64)
     out, lse = _gpu.fwd(q, k, v, softmax_scale=0.125, causal=True)
     grads = _gpu_bwd.bwd(dout, q, k, v, out, lse, softmax_scale=0.125, causal=True)
-    _launched_d64(ws_d64, _block_m(request.node.callspec.params["ws_d64"]))
+    ws_d64.check_launched()
     check(host, grads, "float16", 0.125, True)
 
 
@@ -325,7 +329,7 @@ VARIANT_CASES_64 = [
 @pytest.mark.parametrize("name,dtype,shape,causal,scale_mult", VARIANT_CASES_64,
                          ids=[f"{c[0]}-{c[1]}-{'x'.join(map(str, c[2]))}{'-causal' if c[3] else ''}"
                               for c in VARIANT_CASES_64])
-def test_d64_variants(ws_d64, request, rng, name, dtype, shape, causal, scale_mult):
+def test_d64_variants(ws_d64, rng, name, dtype, shape, causal, scale_mult):
     cp = pytest.importorskip("cupy")
     from test_gpu_variants import check_dense, run_dense  # sibling module
 
@@ -336,7 +340,5 @@ def test_d64_variants(ws_d64, request, rng, name, dtype, shape, causal, scale_mu
     variants = _variants_case(name)(rng, shape)
     scale = scale_mult / math.sqrt(shape[-1])
     inputs, fwd, grads = run_dense(cp, rng, dtype, shape, causal, variants, scale)
-    (variant,) = {int(a[-1]) for a in ws_d64[1]}  # the bits the backward's ws kernel ran with
-    assert variant == _variant.bits(variants)
-    _launched_d64(ws_d64, _block_m(request.node.callspec.params["ws_d64"], variant))
+    ws_d64.check_launched(_variant.bits(variants))
     check_dense(inputs, fwd, grads, causal, variants, scale)
