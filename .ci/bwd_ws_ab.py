@@ -11,7 +11,14 @@ dropout and some of their sets; dispatch.BWD_WS on), dispatch.BWD_WS_VARIANTS of
 cp.async kernel) then on (the ws kernel) for each point; TFLOP/s there are the nominal
 dense or causal counts (a window does less).
 
+``--d64``: the D=64 plans (PERF.md v24) on the same grid (``--quick``: S = 1024, 4096,
+16384) and the GQA case, four per point (D64_PLANS): the default (the cp.async dK/dV
+kernel without dQ), the ws kernel without dQ at 64 query rows per step, and at 128, each
+beside the wgmma dQ kernel, and the ws kernel with its own dQ; prints the times and each
+ws plan's ratio to the default. With ``--variants``: the variant cases at D=64 instead.
+
     python .ci/bwd_ws_ab.py [--quick] [--variants] [--head-dim 64 --head-dim 128]
+    python .ci/bwd_ws_ab.py --d64 --quick [--variants]
 """
 import argparse
 import json
@@ -72,11 +79,11 @@ def cases(quick, head_dims):
     return out
 
 
-def variant_cases(quick):
-    """D=128, 16k tokens, bf16 (and fp16 at 4096), causal and not: each variant the ws
+def variant_cases(quick, d=128):
+    """D=d (128), 16k tokens, bf16 (and fp16 at 4096), causal and not: each variant the ws
     backward takes alone and three of their sets (those dispatch.bwd_ws_takes)."""
     rng = cp.random.default_rng(0)
-    d, h = 128, 16
+    h = 2048 // d
     seed = (0x5EED_0FD2_0901_7ABC, 3)
     sinks = cp.asarray(np.random.default_rng(2).uniform(1.0, 6.0, h).astype(np.float32))
     slopes = cp.asarray((2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32))
@@ -105,9 +112,64 @@ def variant_cases(quick):
                         continue
                     vkw = {"causal": causal, **kw, **var}
                     out_, lse = cupyflash.flash_attn_fwd(q, k, v, **vkw)
-                    out.append((f"D=128 {dtype:8s} B={b:<3d} S={s:<5d} {'causal' if causal else 'full':6s} {name}",
+                    out.append((f"D={d:<3d} {dtype:8s} B={b:<3d} S={s:<5d} {'causal' if causal else 'full':6s} {name}",
                                 cupyflash.flash_attn_bwd, (do, q, k, v, out_, lse), vkw, flops))
     return out
+
+
+#: --d64's plans: the dispatch settings of each and whether its dQ comes from the wgmma dQ
+#: kernel; the default first (every ratio is to it). "ws+dQ": the ws kernel with its own dQ
+#: at D=64 (v23's 0.79-0.85x, before v24's dQ path fixes), for reference.
+D64_PLANS = {
+    "cp.async": ({"BWD_WS_HEAD_DIMS": (128,), "_BWD_SM90_SEPARATE_DQ": (64,)}, True),
+    "ws m64": ({"BWD_WS_HEAD_DIMS": (64, 128), "BWD_WS_D64_BLOCK_M": 64}, True),
+    "ws m128": ({"BWD_WS_HEAD_DIMS": (64, 128), "BWD_WS_D64_BLOCK_M": 128}, True),
+    "ws+dQ": ({"BWD_WS_HEAD_DIMS": (64, 128), "_BWD_SM90_SEPARATE_DQ": ()}, False),
+}
+
+
+def dkdv_launch(fn, args, kwargs):
+    """(name, query rows per step) of the dK/dV kernel one call launches, and whether dQ
+    came from the wgmma dQ kernel."""
+    specs = launched(fn, args, kwargs)
+    names = [spec.template.rsplit("::", 1)[1] for spec in specs]
+    dkdv = next(spec for spec, n in zip(specs, names) if "dkdv" in n or "bwd_ws" in n)
+    block_m = int(dkdv.args[2]) if dkdv.source == "flash_bwd_ws.cu" else dispatch.BWD_SM90_BLOCK_M
+    return dkdv.template.rsplit("::", 1)[1], block_m, "flash_bwd_dq_sm90_kernel" in names
+
+
+def d64_main(a):
+    """--d64: each point under each of D64_PLANS."""
+    dispatch.BWD_WS = True
+    dispatch.BWD_WS_VARIANTS = dispatch.FWD_WS_VARIANTS
+    rows = []
+    for label, fn, args, kwargs, flops in (variant_cases(a.quick, 64) if a.variants else cases(a.quick, (64,))):
+        row = {"case": label}
+        for plan, (settings, dq_kernel) in D64_PLANS.items():
+            for name, value in settings.items():
+                setattr(dispatch, name, value)
+            _gpu.clear_plans()
+            row[plan + " kernel"] = kernel = dkdv_launch(fn, args, kwargs)
+            assert kernel[0] == ("flash_bwd_dkdv_sm90_kernel" if plan == "cp.async" else "flash_bwd_ws_kernel")
+            assert kernel[2] == dq_kernel, f"{label} {plan}: {kernel}"
+            r = benchmark(fn, args, kwargs, n_repeat=a.reps, n_warmup=3)
+            row[plan + " ms"] = float(np.median(r.gpu_times[0])) * 1e3
+        base = row["cp.async ms"]
+        for plan in list(D64_PLANS)[1:]:
+            row[plan + " ratio"] = base / row[plan + " ms"]
+        rows.append(row)
+        print(f"{label:{70 if a.variants else 44}s} " + "  ".join(
+            f"{plan} {row[plan + ' ms']:8.3f} ms ({flops / row[plan + ' ms'] * 1e-9:4.0f}, "
+            f"m{row[plan + ' kernel'][1]})" for plan in D64_PLANS) + "  " + "  ".join(
+            f"{plan} {row[plan + ' ratio']:5.2f}x" for plan in list(D64_PLANS)[1:]), flush=True)
+    for plan in list(D64_PLANS)[1:]:
+        ratios = [r[plan + " ratio"] for r in rows]
+        print(f"{plan} / cp.async speedup: min {min(ratios):.2f} median {float(np.median(ratios)):.2f} "
+              f"max {max(ratios):.2f}")
+    if os.environ.get("OUT"):
+        name = "bwd_ws_ab_d64_variants.json" if a.variants else "bwd_ws_ab_d64.json"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 def main():
@@ -118,7 +180,10 @@ def main():
     ap.add_argument("--head-dim", type=int, action="append", choices=(64, 128),
                     help="head_dims of the plain cases (repeatable; default 128: the ws kernel's BWD_WS_HEAD_DIMS, "
                          "widened here to those asked for)")
+    ap.add_argument("--d64", action="store_true", help="the D=64 plans: cp.async, ws at 64 and at 128 rows per step")
     a = ap.parse_args()
+    if a.d64:
+        return d64_main(a)
     head_dims = tuple(a.head_dim or (128,))
     dispatch.BWD_WS_HEAD_DIMS = tuple(sorted(set(dispatch.BWD_WS_HEAD_DIMS) | set(head_dims)))
     rows = []

@@ -364,9 +364,8 @@ def _kernel_info(q, *, batch, seqlen, nheads, head_dim, dtype, causal, bwd):
         if bwd:
             dkdv = _gpu.select_bwd(nheads_kv=nheads, deterministic=False, ws=dispatch.BWD_WS, **common).launches[1]
             info["bwd_kernel"] = {"flash_bwd_ws.cu": "ws", "flash_bwd_sm90.cu": "wgmma"}.get(dkdv.source, "mma.sync")
-            info["bwd_dkdv_block_m"] = {"flash_bwd_ws.cu": dispatch.BWD_WS_BLOCK_M,
-                                        "flash_bwd_sm90.cu": dispatch.BWD_SM90_BLOCK_M}.get(
-                dkdv.source) or int(dkdv.args[2])  # flash_bwd.cu: <T, HEAD_DIM, BLOCK_M, ...>
+            info["bwd_dkdv_block_m"] = {"flash_bwd_sm90.cu": dispatch.BWD_SM90_BLOCK_M}.get(
+                dkdv.source) or int(dkdv.args[2])  # flash_bwd.cu, flash_bwd_ws.cu: <T, HEAD_DIM, BLOCK_M, ...>
     except Exception as e:  # noqa: BLE001 - the plans are internal; the timings stand without them
         return {"kernel_info_error": f"{type(e).__name__}: {str(e)[:200]}"}, None
     return info, WGMMA_CEILING_TFLOPS if wgmma else MMA_SYNC_CEILING_TFLOPS

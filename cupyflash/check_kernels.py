@@ -30,8 +30,8 @@ def _quick_sm90(launch) -> bool:
     args = launch.args
     if launch.template.endswith("flash_fwd_ws_kernel"):  # <..., IS_CAUSAL, EVEN_K, VARIANT>
         return args[0] == "__half" and args[5] == "true"
-    if launch.template.endswith("flash_bwd_ws_kernel"):  # <T, D, IS_CAUSAL, EVEN_K, VARIANT>
-        return args[0] == "__half" and args[3] == "true" and args[4] == "0"
+    if launch.template.endswith("flash_bwd_ws_kernel"):  # <T, D, BLOCK_M, IS_CAUSAL, EVEN_K, WITH_DQ, VARIANT>
+        return args[0] == "__half" and args[4] == "true" and args[6] == "0"
     if not launch.source.endswith("_sm90.cu") or args[0] != "__half":
         return False
     if launch.template.endswith("flash_bwd_dkdv_sm90_kernel"):  # <T, D, CAUSAL, EVEN_K, DETERMINISTIC, VARIANT>

@@ -1113,14 +1113,37 @@ def bwd_dkdv_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k:
 # load and no atomic. Plain attention and the variants of BWD_WS_VARIANTS, default (atomic
 # dQ) mode, aligned dense batches, at the padded head_dims where it measured faster than the cp.async
 # kernels (kernels_cu/PERF.md v23, run 100, the whole backward at 16k tokens): D=128
-# 1.08-1.20x; not D=64 (0.79-0.85x against the cp.async dK/dV with the separate dQ
-# kernel) and not a packed batch (D=128, 14 sequences: 0.94x with the rows of the next
-# sequence zeroed in shared memory; a tile's tail there is not the map's bound).
+# 1.08-1.20x; not D=64 with its own dQ (0.79-0.85x against the cp.async dK/dV with the
+# separate dQ kernel) and not a packed batch (D=128, 14 sequences: 0.94x with the rows of
+# the next sequence zeroed in shared memory; a tile's tail there is not the map's bound).
+# Where the plan takes dQ from the wgmma dQ kernel (_bwd_sm90_separate_dq: D=64) the ws
+# kernel runs without dQ (WITH_DQ false: no dSᵀ tiles, no dQ GEMM, no reduce warp), as the
+# cp.async dK/dV kernel does there: BWD_WS_HEAD_DIMS = (64, 128) takes that plan at D=64
+# (PERF.md v24: built, not yet measured).
 # BWD_WS: True takes it there, False keeps the cp.async kernels (CUPYFLASH_BWD_WS=0 at
 # import; or set here, then ``cupyflash._gpu.clear_plans()``).
 BWD_WS_HEAD_DIMS = (128,)
+#: The padded head_dims the ws kernel is compiled for (check-kernels lists them whatever
+#: BWD_WS_HEAD_DIMS selects), each with the dQ mode its plan would take.
+BWD_WS_KERNEL_HEAD_DIMS = (64, 128)
 BWD_WS_THREADS = 384
 BWD_WS_BLOCK_M, BWD_WS_BLOCK_N, BWD_WS_STAGES = 64, 128, 2
+#: Query rows per step of the ws kernel without dQ at D=64, one of BWD_WS_D64_BLOCK_MS (the
+#: kernel's static_assert): 64 (BWD_WS_BLOCK_M), or 128, FlashAttention-3's hdim-64 backward
+#: tile (128 x 128; hopper/flash_bwd_launch_template.h), which halves the per-row share of
+#: each step's fixed work (the stage wait and release, the descriptors, the drain after
+#: dK) and makes Sᵀ, dPᵀ m64n128 (PERF.md v24: built, not yet measured). The variant sets
+#: of BWD_WS_WIDE_SPILLS keep 64.
+BWD_WS_D64_BLOCK_M = 64
+BWD_WS_D64_BLOCK_MS = (64, 128)
+#: The variant sets that keep 64 query rows per step where BWD_WS_D64_BLOCK_M says 128:
+#: dropout (its keep bits are drawn for 8 query tiles, bwd_sm90.cuh KeepBitsT; and Pᵀ∘Z
+#: would be 32 more registers live), and those whose 128-row step spills at the consumers'
+#: 240 registers (every set compiled, PERF.md v24): softcap (its P·(1 − tanh²) operand, 32
+#: registers: 16-152 bytes under nvcc 13.0, causal alone 64; FlashAttention-3 takes 96
+#: rows there for the same reason) and a window (NVRTC 13.5: 16-64 bytes, every dtype and
+#: mask; nvcc 13.0: only with ALiBi, 12). ALiBi and sinks take 128 rows.
+BWD_WS_WIDE_SPILLS = (VAR_DROPOUT, VAR_SOFTCAP, VAR_WINDOW)
 BWD_WS: bool = os.environ.get("CUPYFLASH_BWD_WS", "") != "0"
 #: The variant bits the warp-specialised backward takes (of the kernel's WS_VARIANTS,
 #: FWD_WS_VARIANTS: a window, softcap, ALiBi, sinks, dropout; their code is the cp.async
@@ -1152,31 +1175,65 @@ def uses_ws_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: i
                 varlen: bool = False, ws: bool | None = None) -> bool:
     """Whether the warp-specialised dK/dV kernel serves this backward (``ws``: the switch,
     BWD_WS when None): cc 9.0, aligned, dense, no variant outside BWD_WS_VARIANTS (nor a
-    set it spills with: :func:`bwd_ws_takes`), atomic dQ, at BWD_WS_HEAD_DIMS."""
+    set it spills with: :func:`bwd_ws_takes`), not deterministic, at BWD_WS_HEAD_DIMS."""
     ws = BWD_WS if ws is None else ws
     return (ws and cc == (9, 0) and vec and head_dim_padded in BWD_WS_HEAD_DIMS and not variant & ~BWD_WS_VARIANTS
             and bwd_ws_takes(variant) and not deterministic and not varlen)
 
 
-def bwd_ws_smem_bytes(head_dim_padded: int) -> int:
-    """kernels_cu/flash_bwd_ws.cu BwdWsTraits::SMEM_BYTES: K, V, two dSᵀ tiles, STAGES x
-    (Q, dO), STAGES x (lse_log2, delta), the dQ rows (unpadded), the SeqLens
-    slot, the mbarriers (full_kv, full_q, empty_q: 8 bytes each), 1 KB of alignment."""
-    d, m, n, stages = head_dim_padded, BWD_WS_BLOCK_M, BWD_WS_BLOCK_N, BWD_WS_STAGES
-    return (2 * n * d * 2 + 2 * n * m * 2 + stages * 2 * m * d * 2 + stages * 2 * m * 4 + m * d * 4
-            + _SEQLENS_SLOT_BYTES + 8 * (1 + 2 * stages) + 1024)
+def bwd_ws_block_m(head_dim_padded: int, with_dq: bool, variant: int = 0,
+                   d64_block_m: int | None = None) -> int:
+    """Query rows per step of the ws kernel (BwdWsTraits::BLOCK_M, its template argument, and
+    the rows of its Q and dO TMA boxes): ``d64_block_m`` (None: BWD_WS_D64_BLOCK_M) without
+    dQ at D=64 unless ``variant`` holds a set of BWD_WS_WIDE_SPILLS, else BWD_WS_BLOCK_M."""
+    wide = BWD_WS_D64_BLOCK_M if d64_block_m is None else d64_block_m
+    if head_dim_padded == 64 and not with_dq and not any(variant & s == s for s in BWD_WS_WIDE_SPILLS):
+        return wide
+    return BWD_WS_BLOCK_M
+
+
+def bwd_ws_smem_bytes(head_dim_padded: int, block_m: int = BWD_WS_BLOCK_M, with_dq: bool = True) -> int:
+    """kernels_cu/flash_bwd_ws.cu BwdWsTraits::SMEM_BYTES: K, V, (with dQ) two dSᵀ tiles,
+    STAGES x (Q, dO), STAGES x (lse_log2, delta), (with dQ) the dQ rows (unpadded), the
+    SeqLens slot, the mbarriers (full_kv, full_q, empty_q: 8 bytes each), 1 KB of alignment."""
+    d, m, n, stages = head_dim_padded, block_m, BWD_WS_BLOCK_N, BWD_WS_STAGES
+    dq = 2 * n * m * 2 + m * d * 4 if with_dq else 0
+    return (2 * n * d * 2 + dq + stages * 2 * m * d * 2 + stages * 2 * m * 4 + _SEQLENS_SLOT_BYTES
+            + 8 * (1 + 2 * stages) + 1024)
 
 
 def bwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
-                  grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0) -> Launch:
-    """The warp-specialised dK/dV kernel (cc 9.0): ``<T, HEAD_DIM, IS_CAUSAL, EVEN_K, VARIANT>``;
-    ``variant``: bits the kernel takes (:func:`bwd_ws_takes`)."""
+                  grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0, with_dq: bool = True,
+                  block_m: int = BWD_WS_BLOCK_M) -> Launch:
+    """The warp-specialised dK/dV kernel (cc 9.0): ``<T, HEAD_DIM, BLOCK_M, IS_CAUSAL, EVEN_K,
+    WITH_DQ, VARIANT>``; ``variant``: bits the kernel takes (:func:`bwd_ws_takes`);
+    ``with_dq``: dQ added into dq_accum by the kernel (False: the wgmma dQ kernel's);
+    ``block_m``: query rows per step (:func:`bwd_ws_block_m`)."""
     if not bwd_ws_takes(variant):
         raise ValueError(f"cupyflash: the warp-specialised backward takes the variant bits {FWD_WS_VARIANTS} "
                          f"less the sets {BWD_WS_VARIANT_SPILLS}; got {variant}")
-    args = (CTYPES[dtype], str(head_dim_padded), _cbool(causal), _cbool(even_k), str(variant))
+    if block_m not in BWD_WS_D64_BLOCK_MS or block_m != bwd_ws_block_m(head_dim_padded, with_dq, variant, block_m):
+        raise ValueError(f"cupyflash: the warp-specialised backward takes {block_m} query rows per step only "
+                         f"without dQ at head_dim 64 and with none of the variant sets {BWD_WS_WIDE_SPILLS}; "
+                         f"got head_dim {head_dim_padded}, with_dq {with_dq}, variant {variant}")
+    args = (CTYPES[dtype], str(head_dim_padded), str(block_m), _cbool(causal), _cbool(even_k), _cbool(with_dq),
+            str(variant))
     return Launch("flash_bwd_ws.cu", "cupyflash::flash_bwd_ws_kernel", args, grid, (BWD_WS_THREADS, 1, 1),
-                  bwd_ws_smem_bytes(head_dim_padded))
+                  bwd_ws_smem_bytes(head_dim_padded, block_m, with_dq))
+
+
+def bwd_ws_check_launches(dtype: str, head_dim_padded: int, causal: bool, even_k: bool) -> list[Launch]:
+    """The ws kernel's instantiations at this padded head_dim that a plan may take (for
+    check-kernels), whatever the switches say: plain and BWD_WS_CHECK_VARIANTS, in the dQ
+    mode of the head_dim's plan (:func:`_bwd_sm90_separate_dq`), and without dQ at D=64 at
+    each of BWD_WS_D64_BLOCK_MS query rows per step that the set takes."""
+    with_dq = not _bwd_sm90_separate_dq(head_dim_padded)
+    out = []
+    for bits in (0, *BWD_WS_CHECK_VARIANTS):
+        block_ms = {bwd_ws_block_m(head_dim_padded, with_dq, bits, wide) for wide in BWD_WS_D64_BLOCK_MS}
+        out.extend(bwd_ws_launch(dtype, head_dim_padded, causal, even_k, variant=bits, with_dq=with_dq, block_m=m)
+                   for m in sorted(block_ms))
+    return out
 
 
 # (head_dim, tile, causal, deterministic, vec) combinations never to select:
@@ -1313,7 +1370,9 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
 
     ``ws``: whether the warp-specialised dK/dV kernel may serve the call
     (:func:`uses_ws_bwd`; None: :data:`BWD_WS`); the plan then carries its TMA boxes
-    (``BwdPlan.tma_box_rows``) and takes dQ through dq_accum (in its layout) and the convert kernel.
+    (``BwdPlan.tma_box_rows``: :func:`bwd_ws_block_m` query rows) and takes dQ through
+    dq_accum (in its layout) and the convert kernel, or, where the plan takes dQ from the wgmma dQ kernel
+    (D=64), from that kernel, the ws kernel running without dQ.
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
@@ -1334,7 +1393,9 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     sm90 = uses_sm90_bwd(d, vec, cc, variant | staged)
     ws = sm90 and uses_ws_bwd(d, vec, cc, variant | staged | block_map, deterministic, varlen, ws)
     # dQ by its own kernel (no atomics): always when deterministic, and where measured faster
-    separate_dq = deterministic or (sm90 and not ws and BWD_DQ_SM90 and _bwd_sm90_separate_dq(d))
+    # (the ws kernel then runs without dQ)
+    separate_dq = deterministic or (sm90 and BWD_DQ_SM90 and _bwd_sm90_separate_dq(d))
+    ws_block_m = bwd_ws_block_m(d, not separate_dq, variant) if ws else None
     if sm90:
         block_n, stages = BWD_SM90_BLOCK_N, 2
     else:
@@ -1346,7 +1407,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     kv_splits = bwd_kv_splits(kv_blocks, nheads_q // nheads_kv, num_sms)
     dkdv_grid = (kv_blocks * kv_splits, 1, 1)
     if ws:
-        launches.append(bwd_ws_launch(dtype, d, causal, even_k, dkdv_grid, variant))
+        launches.append(bwd_ws_launch(dtype, d, causal, even_k, dkdv_grid, variant, not separate_dq, ws_block_m))
     elif sm90:
         launches.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, separate_dq, dkdv_grid,
                                              bwd_sm90_variant(d, variant | staged, cc) | block_map))
@@ -1381,7 +1442,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
         launches.append(bwd_dbias_launch(dtype, d, dbias_tile, dbias_stages, causal, even_k, vec,
                                          bwd_dbias_grid(dbias_tile, dbias_shape, seqlen_q, seqlen_k), variant))
     return BwdPlan(tuple(launches), d, stages, not separate_dq, kv_splits,
-                   (BWD_WS_BLOCK_M, BWD_WS_BLOCK_N, BWD_WS_BLOCK_N, BWD_WS_BLOCK_M) if ws else None)
+                   (ws_block_m, BWD_WS_BLOCK_N, BWD_WS_BLOCK_N, ws_block_m) if ws else None)
 
 
 def bwd_block_map_tiles(plan: BwdPlan) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
@@ -1425,10 +1486,9 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
                 out.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, det))
                 if det:
                     out.append(bwd_dq_sm90_launch(dtype, d, causal, even_k))
-            if uses_ws_bwd(d, True, cc, 0, det, ws=True):
-                out.append(bwd_ws_launch(dtype, d, causal, even_k))
+            if cc == (9, 0) and d in BWD_WS_KERNEL_HEAD_DIMS and not det:
                 # (in every dtype and EVEN_K: fp16 with head_dim < 128 spilled where bf16 fit)
-                out.extend(bwd_ws_launch(dtype, d, causal, even_k, variant=bits) for bits in BWD_WS_CHECK_VARIANTS)
+                out.extend(bwd_ws_check_launches(dtype, d, causal, even_k))
     for dtype, vec in itertools.product(CTYPES, (True, False)):
         lanes = {}  # one preprocess instantiation per ROW_LANES
         for d in HEAD_DIMS:

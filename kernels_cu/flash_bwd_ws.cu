@@ -5,8 +5,8 @@
 //
 // The tile and the products are flash_bwd_sm90.cu's (see its header): a block owns
 // BLOCK_N = 128 keys of one (batch, KV head), consumer warpgroup c (threads 128 +
-// 128c ..) 64 of them, and it loops over the query blocks (BLOCK_M = 64) of the
-// group's query heads, computing everything transposed (keys as rows):
+// 128c ..) 64 of them, and it loops over the query blocks (BLOCK_M = 64 rows; 128 without
+// dQ, below) of the group's query heads, computing everything transposed (keys as rows):
 //   Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ, Pᵀ = exp2(Sᵀ·scale·log2e − lse·log2e), dSᵀ = Pᵀ∘(dPᵀ − delta),
 //   dV += Pᵀ·dO, dK += dSᵀ·Q, dQ = dS·K (dSᵀ through shared memory; warpgroup c takes
 //   columns [c·D/2, (c+1)·D/2) of the 64 query rows, over all 128 keys).
@@ -30,6 +30,13 @@
 // their only synchronisation with each other is dSᵀ (DS_BAR, both warpgroups, once a
 // step), double-buffered so that the next step's dSᵀ never waits for this step's dQ GEMM.
 //
+// Without dQ (WITH_DQ false: the plan takes dQ from flash_bwd_sm90.cu's wgmma dQ kernel,
+// as at D=64, where the per-step dQ reduce-add has half D=128's FLOPs per byte and lost to
+// that kernel, PERF.md v23) there are no dSᵀ tiles, no dQ GEMM, no sdQ and no warp 1:
+// the two consumer warpgroups never wait for each other inside the loop, and each step
+// may take BLOCK_M = 128 query rows (FlashAttention-3's hdim-64 tile), which halves the
+// per-row share of the step's fixed work (PERF.md v24).
+//
 // Rows past seqlen_q arrive as zeros (the map's bound), with lse_log2 = +inf (P = 0,
 // so dV and dK get nothing from them) and delta 0 (dS = 0, so dK and dQ get nothing),
 // and their dQ rows are not added. Keys past seqlen_k arrive as zeros too, are masked
@@ -47,11 +54,12 @@
 // map stays on flash_bwd_sm90.cu (their staged tiles are a stream this producer does not
 // copy).
 //
-// Template parameters: T, HEAD_DIM (128; 64 compiles, and measured slower than the
-// cp.async kernels' separate dQ there, PERF.md v23), IS_CAUSAL, EVEN_K (head_dim ==
-// HEAD_DIM: no column predicates in the dK, dV stores), VARIANT (bits of WS_VARIANTS;
-// some sets spill at the consumers' 240 registers: cupyflash/dispatch.py
-// BWD_WS_VARIANT_SPILLS). Dense batches only (a packed batch's maps would bring the next
+// Template parameters: T, HEAD_DIM (128 with dQ; 64 without: with dQ it measured slower
+// than the cp.async kernels' separate dQ there, PERF.md v23), BLOCK_M (query rows per
+// step: 64, or 128 without dQ), IS_CAUSAL, EVEN_K (head_dim == HEAD_DIM: no column
+// predicates in the dK, dV stores), WITH_DQ, VARIANT (bits of WS_VARIANTS; some sets
+// spill at the consumers' 240 registers: cupyflash/dispatch.py BWD_WS_VARIANT_SPILLS,
+// and at 128 rows BWD_WS_WIDE_SPILLS). Dense batches only (a packed batch's maps would bring the next
 // sequence's rows into a tile's tail: measured slower with those rows zeroed in shared
 // memory, PERF.md v23) and no deterministic mode: flash_bwd_sm90.cu's kernels serve
 // those. 16-byte aligned data and strides (a TMA requirement).
@@ -68,11 +76,16 @@
 
 namespace cupyflash {
 
-template <typename T_, int HEAD_DIM_>
+template <typename T_, int HEAD_DIM_, int BLOCK_M_, bool WITH_DQ_>
 struct BwdWsTraits {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
-    static constexpr int BLOCK_M = 64;   // query rows per step
+    static constexpr bool WITH_DQ = WITH_DQ_;
+    // Query rows per step: 64, or 128 without dQ at D=64 (FlashAttention-3's hdim-64
+    // backward tile, 128 x 128: Sᵀ, dPᵀ m64n128, dV, dK 8 k-steps); dQ's per-step
+    // fragment (64 rows x HEAD_DIM / 2 per warpgroup) is written for 64.
+    static constexpr int BLOCK_M = BLOCK_M_;
+    static_assert(BLOCK_M == 64 || (BLOCK_M == 128 && !WITH_DQ), "64 query rows per step, or 128 without dQ");
     static constexpr int BLOCK_N = 128;  // keys per block, 64 per consumer warpgroup
     static constexpr int STAGES = 2;     // Q, dO, lse_log2, delta in flight
     static constexpr int CONSUMERS = 2;
@@ -86,15 +99,15 @@ struct BwdWsTraits {
     using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;   // Q, dO
     using DSTile = Swizzle128Tile<T, BLOCK_N, BLOCK_M>;   // dSᵀ: key rows, BLOCK_M query columns
     static constexpr int DQ_ROW_BYTES = HEAD_DIM * 4;
-    // From the 1024-byte aligned base: K, V, dSᵀ x 2, STAGES x (Q, dO), STAGES x
-    // (lse_log2, delta), the dQ rows, the block's SeqLens, the mbarriers (full_kv,
+    // From the 1024-byte aligned base: K, V, (WITH_DQ) dSᵀ x 2, STAGES x (Q, dO), STAGES x
+    // (lse_log2, delta), (WITH_DQ) the dQ rows, the block's SeqLens, the mbarriers (full_kv,
     // full_q[STAGES], empty_q[STAGES]).
     static constexpr int DS_OFFSET = 2 * KVTile::BYTES;
-    static constexpr int Q_OFFSET = DS_OFFSET + 2 * DSTile::BYTES;
+    static constexpr int Q_OFFSET = DS_OFFSET + (WITH_DQ ? 2 * DSTile::BYTES : 0);
     static constexpr int STAGE_BYTES = 2 * QTile::BYTES;
     static constexpr int ROWS_OFFSET = Q_OFFSET + STAGES * STAGE_BYTES;
     static constexpr int DQ_OFFSET = ROWS_OFFSET + STAGES * 2 * BLOCK_M * 4;
-    static constexpr int SEQ_OFFSET = DQ_OFFSET + BLOCK_M * DQ_ROW_BYTES;
+    static constexpr int SEQ_OFFSET = DQ_OFFSET + (WITH_DQ ? BLOCK_M * DQ_ROW_BYTES : 0);
     static constexpr int BAR_OFFSET = SEQ_OFFSET + SeqLensSlot::BYTES;
     static constexpr int SMEM_BYTES = BAR_OFFSET + 8 * (1 + 2 * STAGES) + 1024;  // +1024: the alignment
     static_assert(SMEM_BYTES <= 227 * 1024, "more shared memory than a Hopper block has");
@@ -104,12 +117,12 @@ struct BwdWsTraits {
     static constexpr int DQ_BAR_THREADS = CONSUMER_THREADS + 32;
 };
 
-template <typename T, int HEAD_DIM, bool IS_CAUSAL, bool EVEN_K, int VARIANT>
+template <typename T, int HEAD_DIM, int BLOCK_M_, bool IS_CAUSAL, bool EVEN_K, bool WITH_DQ, int VARIANT>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
     static_assert((VARIANT & ~WS_VARIANTS) == 0, "flash_bwd_ws_kernel: no bias, mask or block map");
     constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
-    using Tr = BwdWsTraits<T, HEAD_DIM>;
+    using Tr = BwdWsTraits<T, HEAD_DIM, BLOCK_M_, WITH_DQ>;
     constexpr int BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N, STAGES = Tr::STAGES, BOX = Tr::BOX_COLS;
     constexpr int D_TILES = HEAD_DIM / 8;  // n8 tiles of dK, dV
     constexpr int M_TILES = BLOCK_M / 8;   // n8 tiles of Sᵀ, dPᵀ (query columns)
@@ -196,12 +209,12 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
                         tma_load_4d(sdO(stage) + c * QTile::BLOCK_BYTES, tp.do_map, full_q(stage), c * BOX, m0, h, b);
                     }
                 }
-                // lane l: rows l and l + 32; past the sequence, lse_log2 = +inf (P = 0) and delta = 0
+                // lane l: rows l, l + 32, ..; past the sequence, lse_log2 = +inf (P = 0) and delta = 0
                 const int64 row_index = query_row_index(p, b, h, seq, m0);
                 const int rows_valid = seq.seqlen_q - m0;
                 float* rows = reinterpret_cast<float*>(smem + rows_offset(stage));
 #pragma unroll
-                for (int i = 0; i < 2; ++i) {
+                for (int i = 0; i < BLOCK_M / 32; ++i) {
                     const int r = lane + 32 * i;
                     const bool valid = r < rows_valid;
                     rows[r] = valid ? __ldg(p.lse_log2 + row_index + r) : __int_as_float(0x7f800000);
@@ -210,7 +223,7 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
                 mbar_arrive(full_q(stage));  // (release: this lane's stores)
                 if (++m_block == m_end) { m_block = m_begin; ++h; }
             }
-        } else if (warp == 1) {
+        } else if (WITH_DQ && warp == 1) {
             // ---- dQ: each step's rows added into dq_accum by the copy engine
             if (num_iters > 0) named_barrier_arrive<Tr::DQ_BAR_THREADS>(Tr::DQ_EMPTY_BAR);  // sdQ starts free
             int h = h_first, m_block = m_begin;
@@ -242,7 +255,7 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
     // This thread's fragment rows: keys key_row0 and key_row0 + 8 of the block (Sᵀ, dPᵀ,
     // dK, dV); in dQ, query rows 16 (warp % 4) + g (+ 8) of the step, columns from dq_col0.
     const int key_row0 = cw * 64 + (warp % 4) * 16 + g;
-    const int dq_row0 = (warp % 4) * 16 + g, dq_col0 = cw * DQ_COLS;
+    [[maybe_unused]] const int dq_row0 = (warp % 4) * 16 + g, dq_col0 = cw * DQ_COLS;
 
     float acc_dk[D_TILES][4], acc_dv[D_TILES][4];
 #pragma unroll
@@ -259,7 +272,7 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
         const float* s_delta = s_lse + BLOCK_M;
         // Loop-invariant tile addresses, made opaque so the compiler rebuilds the
         // descriptors each step instead of keeping them live (flash_bwd_sm90.cu).
-        uint32 sK_ = sK, sV_ = sV, sdS_ = sdS(it & 1);
+        uint32 sK_ = sK, sV_ = sV, sdS_ = WITH_DQ ? sdS(it & 1) : 0u;
         asm volatile("" : "+r"(sK_), "+r"(sV_), "+r"(sdS_));
         mbar_wait(full_q(stage), (it / STAGES) & 1);
 
@@ -291,39 +304,45 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
         // ---- dK += dSᵀ·Q (times softmax_scale in the epilogue)
         issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc_dk, dsa, sQ(stage));
 
-        // ---- dSᵀ to shared memory (key rows, query columns), this step's buffer
-        store_ds_t<DSTile, BLOCK_M>(sdS_, dsa, key_row0, t);
-        fence_proxy_async_smem();
-        named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::DS_BAR);  // all of dSᵀ written
+        if constexpr (WITH_DQ) {
+            // ---- dSᵀ to shared memory (key rows, query columns), this step's buffer
+            store_ds_t<DSTile, BLOCK_M>(sdS_, dsa, key_row0, t);
+            fence_proxy_async_smem();
+            named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::DS_BAR);  // all of dSᵀ written
 
-        // ---- dQ[0 .. 64, dq_col0 .. + DQ_COLS] = dS·K over all 128 keys: A = dS read
-        //      MN-major from the dSᵀ tile, B = K read MN-major (its columns from dq_col0)
-        float dq[DQ_COLS / 8][4];
-        issue_dq<T, BLOCK_N, DQ_COLS, KVTile>(dq, sdS_, sK_, dq_col0);
-        wgmma_wait<1>();  // dV, dK done: this warp is done with the stage's Q and dO
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty_q(stage));
-        wgmma_wait<0>();
-        fence_operands(dq);
+            // ---- dQ[0 .. 64, dq_col0 .. + DQ_COLS] = dS·K over all 128 keys: A = dS read
+            //      MN-major from the dSᵀ tile, B = K read MN-major (its columns from dq_col0)
+            float dq[DQ_COLS / 8][4];
+            issue_dq<T, BLOCK_N, DQ_COLS, KVTile>(dq, sdS_, sK_, dq_col0);
+            wgmma_wait<1>();  // dV, dK done: this warp is done with the stage's Q and dO
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty_q(stage));
+            wgmma_wait<0>();
+            fence_operands(dq);
 
-        // ---- dQ to sdQ, in dq_accum's layout, for warp 1's reduce-add (once it has read
-        //      the step before's). This thread's rows (dq_row0, + 8) are alike mod 4 (m0 is
-        //      a multiple of 64), so their pieces are permuted alike; and the permutation
-        //      touches the low two bits only, so piece dq_col0 / 8 + j (dq_col0 / 8 is 0 or
-        //      a multiple of 8) lies at dq_col0 / 8 + dq_accum_piece(j, ..).
-        named_barrier_sync<Tr::DQ_BAR_THREADS>(Tr::DQ_EMPTY_BAR);
-        const uint32 sdq_row = sdQ + dq_row0 * Tr::DQ_ROW_BYTES + dq_col0 * 4 + t * 8;
+            // ---- dQ to sdQ, in dq_accum's layout, for warp 1's reduce-add (once it has read
+            //      the step before's). This thread's rows (dq_row0, + 8) are alike mod 4 (m0 is
+            //      a multiple of 64), so their pieces are permuted alike; and the permutation
+            //      touches the low two bits only, so piece dq_col0 / 8 + j (dq_col0 / 8 is 0 or
+            //      a multiple of 8) lies at dq_col0 / 8 + dq_accum_piece(j, ..).
+            named_barrier_sync<Tr::DQ_BAR_THREADS>(Tr::DQ_EMPTY_BAR);
+            const uint32 sdq_row = sdQ + dq_row0 * Tr::DQ_ROW_BYTES + dq_col0 * 4 + t * 8;
 #pragma unroll
-        for (int j = 0; j < DQ_COLS / 8; ++j) {
+            for (int j = 0; j < DQ_COLS / 8; ++j) {
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
-                             :: "r"(sdq_row + dq_accum_piece(j, dq_row0) * 32 + hh * 8 * Tr::DQ_ROW_BYTES),
-                             "f"(dq[j][2 * hh]), "f"(dq[j][2 * hh + 1]));
+                for (int hh = 0; hh < 2; ++hh) {
+                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
+                                 :: "r"(sdq_row + dq_accum_piece(j, dq_row0) * 32 + hh * 8 * Tr::DQ_ROW_BYTES),
+                                 "f"(dq[j][2 * hh]), "f"(dq[j][2 * hh + 1]));
+                }
             }
+            fence_proxy_async_shared();  // this thread's stores before the copy engine's reads
+            named_barrier_arrive<Tr::DQ_BAR_THREADS>(Tr::DQ_FULL_BAR);
+        } else {
+            wgmma_wait<0>();  // dV, dK done: this warp is done with the stage's Q and dO
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty_q(stage));
         }
-        fence_proxy_async_shared();  // this thread's stores before the copy engine's reads
-        named_barrier_arrive<Tr::DQ_BAR_THREADS>(Tr::DQ_FULL_BAR);
         if constexpr (DS_UNDER_DV) fence_operands(dv_a);  // live until P·dO completed
         fence_operands(acc_dv);
         fence_operands(acc_dk);

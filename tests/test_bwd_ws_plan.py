@@ -1,7 +1,9 @@
 """The warp-specialised backward's plan (dispatch.uses_ws_bwd, bwd_ws_launch, BwdTmaParams),
 without a GPU: where it is chosen (dense plain attention at padded head_dim 128 on cc 9.0;
-the variants of BWD_WS_VARIANTS, all five by default), its launch and shared memory, the struct
-that carries its TMA maps, and NVRTC compiles with no spill (skipped without NVRTC)."""
+the variants of BWD_WS_VARIANTS, all five by default; at D=64 with BWD_WS_HEAD_DIMS holding
+64, without dQ beside the wgmma dQ kernel, 64 or BWD_WS_D64_BLOCK_M query rows per step),
+its launch and shared memory (the kernel's traits, through NVRTC), the struct that carries its
+TMA maps, and NVRTC compiles with no spill (skipped without NVRTC)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def test_plain_attention_on_hopper_takes_it(head_dim, causal):
     names = [L.template for L in plan.launches]
     assert names == ["cupyflash::flash_bwd_preprocess_kernel", WS, "cupyflash::flash_bwd_convert_dq_kernel"]
     dkdv = plan.launches[1]
-    assert dkdv.args == ("__half", "128", str(causal).lower(), str(head_dim == 128).lower(), "0")
+    assert dkdv.args == ("__half", "128", "64", str(causal).lower(), str(head_dim == 128).lower(), "true", "0")
     assert dkdv.block == (384, 1, 1) and dkdv.smem_bytes == dispatch.bwd_ws_smem_bytes(128)
     # the cp.async kernel's grid: one block per (key block, batch, KV head)
     assert dkdv.grid == _plan(head_dim=head_dim, causal=causal, ws=False).launches[1].grid
@@ -114,6 +116,153 @@ def test_shared_memory():
     assert dispatch.bwd_ws_smem_bytes(128) == 65536 + 32768 + 65536 + 1024 + 64 * 512 + 16 + 40 + 1024
     assert dispatch.bwd_ws_smem_bytes(64) == 32768 + 32768 + 32768 + 1024 + 64 * 256 + 16 + 40 + 1024
     assert dispatch.bwd_ws_smem_bytes(128) <= dispatch.max_smem_per_block((9, 0))
+    # without dQ: no dSᵀ tiles, no dQ rows; 128 query rows: twice the stages and rows
+    assert dispatch.bwd_ws_smem_bytes(64, 64, False) == 32768 + 32768 + 1024 + 16 + 40 + 1024
+    assert dispatch.bwd_ws_smem_bytes(64, 128, False) == 32768 + 65536 + 2048 + 16 + 40 + 1024
+
+
+# (head_dim, BLOCK_M, WITH_DQ) of every ws instantiation check-kernels lists
+_TILES = sorted({(int(L.args[1]), int(L.args[2]), L.args[5] == "true") for L in dispatch.all_bwd_launches((9, 0))
+                 if L.template == WS})
+
+
+def test_tiles_are_the_kernels_traits():
+    """bwd_ws_smem_bytes and the TMA boxes' rows are BwdWsTraits' (SMEM_BYTES, BLOCK_M, BLOCK_N),
+    for every tile a plan takes: static_asserts compiled by NVRTC."""
+    from test_bwd_dispatch import _nvrtc_or_skip  # sibling module
+
+    from cupyflash import _compile
+
+    assert _TILES == [(64, 64, False), (64, 128, False), (128, 64, True)]
+    nvrtc = _nvrtc_or_skip()
+    lines = ['#include "flash_bwd_ws.cu"']
+    for d, m, dq in _TILES:
+        tr = f"cupyflash::BwdWsTraits<__half, {d}, {m}, {str(dq).lower()}>"
+        lines += [f'static_assert({tr}::SMEM_BYTES == {dispatch.bwd_ws_smem_bytes(d, m, dq)}, "smem {d} {m}");',
+                  f'static_assert({tr}::BLOCK_M == {m} && {tr}::BLOCK_N == {dispatch.BWD_WS_BLOCK_N}, "tile");',
+                  f'static_assert({tr}::STAGES == {dispatch.BWD_WS_STAGES}, "stages");',
+                  f'static_assert({tr}::NUM_THREADS == {dispatch.BWD_WS_THREADS}, "threads");']
+    prog = nvrtc.createProgram("\n".join(lines) + "\n", "bwd_ws_traits.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, _compile.compile_options((9, 0)))
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+# ----------------------------------------------------------------------------
+# D=64 (BWD_WS_HEAD_DIMS with 64): the ws kernel without dQ, then the wgmma dQ kernel
+# ----------------------------------------------------------------------------
+
+DQ = "cupyflash::flash_bwd_dq_sm90_kernel"
+
+
+@pytest.fixture
+def d64(monkeypatch):
+    monkeypatch.setattr(dispatch, "BWD_WS_HEAD_DIMS", (64, 128))
+    return monkeypatch
+
+
+@pytest.mark.parametrize("head_dim", [40, 64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_d64_takes_it_without_dq_beside_the_dq_kernel(d64, head_dim, causal):
+    plan = _plan(head_dim=head_dim, causal=causal)
+    old = _plan(head_dim=head_dim, causal=causal, ws=False)  # the cp.async dK/dV kernel without dQ
+    assert [L.template for L in old.launches] == ["cupyflash::flash_bwd_preprocess_kernel",
+                                                  "cupyflash::flash_bwd_dkdv_sm90_kernel", DQ]
+    assert [L.template for L in plan.launches] == ["cupyflash::flash_bwd_preprocess_kernel", WS, DQ]
+    dkdv = plan.launches[1]
+    assert dkdv.args == ("__half", "64", "64", str(causal).lower(), str(head_dim == 64).lower(), "false", "0")
+    assert dkdv.smem_bytes == dispatch.bwd_ws_smem_bytes(64, 64, False) and dkdv.grid == old.launches[1].grid
+    assert plan.launches[2] == old.launches[2]  # the same dQ kernel, grid and all
+    assert not plan.dq_accum and plan.tma_box_rows == (64, 128, 128, 64)
+
+
+def test_d64_is_off_by_default():
+    assert dispatch.BWD_WS_HEAD_DIMS == (128,) and dispatch.BWD_WS_D64_BLOCK_M == 64
+    assert all(L.template != WS for L in _plan(head_dim=64).launches)
+
+
+@pytest.mark.parametrize("head_dim", [40, 64])
+def test_d64_wide_step(d64, head_dim):
+    """BWD_WS_D64_BLOCK_M = 128: 128 query rows per step, the Q and dO boxes with them."""
+    d64.setattr(dispatch, "BWD_WS_D64_BLOCK_M", 128)
+    plan = _plan(head_dim=head_dim, causal=True)
+    dkdv = plan.launches[1]
+    assert dkdv.template == WS and dkdv.args[2] == "128" and dkdv.args[5] == "false"
+    assert dkdv.smem_bytes == dispatch.bwd_ws_smem_bytes(64, 128, False)
+    assert plan.tma_box_rows == (128, 128, 128, 128) and plan.launches[2].template == DQ
+    # D=128 keeps its 64 rows and its dQ
+    d128 = _plan(head_dim=128).launches[1]
+    assert d128.args[2] == "64" and d128.args[5] == "true"
+
+
+@pytest.mark.parametrize("variant", [*_WS_BITS, dispatch.VAR_WINDOW | dispatch.VAR_SINKS,
+                                     dispatch.VAR_WINDOW | dispatch.VAR_ALIBI,
+                                     dispatch.VAR_SOFTCAP | dispatch.VAR_DROPOUT])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_d64_variants(d64, variant, block_m):
+    """Every variant set the kernel takes, without dQ; at 128 rows those of BWD_WS_WIDE_SPILLS
+    keep 64 (dropout's keep bits; softcap and a window spill there)."""
+    d64.setattr(dispatch, "BWD_WS_D64_BLOCK_M", block_m)
+    plan = _plan(head_dim=64, variant=variant)
+    dkdv = plan.launches[1]
+    wide = block_m == 128 and not any(variant & s == s for s in dispatch.BWD_WS_WIDE_SPILLS)
+    assert dkdv.template == WS and dkdv.args[5:] == ("false", str(variant))
+    assert dkdv.args[2] == ("128" if wide else "64") and plan.tma_box_rows[0] == int(dkdv.args[2])
+    assert plan.launches[2].template == DQ and plan.launches[2].args[-1] == str(variant)
+
+
+def test_d64_wide_spills_are_the_measured_sets():
+    """PERF.md v24's table: at 128 rows dropout (not compiled), softcap, a window spill."""
+    assert dispatch.BWD_WS_WIDE_SPILLS == (dispatch.VAR_DROPOUT, dispatch.VAR_SOFTCAP, dispatch.VAR_WINDOW)
+    wide = [b for b in range(32) if b & dispatch.FWD_WS_VARIANTS == b and dispatch.bwd_ws_takes(b)
+            and dispatch.bwd_ws_block_m(64, False, b, 128) == 128]
+    assert wide == [0, dispatch.VAR_ALIBI, dispatch.VAR_SINKS, dispatch.VAR_ALIBI | dispatch.VAR_SINKS]
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_every_d64_gpu_case_plans_it(d64, block_m):
+    """tests/test_gpu_bwd_ws.py's D=64 cases, as its fixture plans them, take the ws kernel
+    without dQ at the rows per step their checks expect (and the variant bits theirs)."""
+    import test_gpu_bwd_ws as g  # sibling module; its GPU tests skip here
+
+    from cupyflash import _variant
+
+    d64.setattr(dispatch, "BWD_WS_D64_BLOCK_M", block_m)
+    rng = np.random.default_rng(0)
+    cases = [(dtype, (batch, sq, sk, hq, hkv, d), causal, 0)
+             for dtype, d, causal, batch, sq, sk, hq, hkv in g.DENSE_64]
+    cases += [(dtype, shape, causal, _variant.bits(g._variants_case(name)(rng, shape)))
+              for name, dtype, shape, causal, _ in g.VARIANT_CASES_64]
+    for dtype, (batch, sq, sk, hq, hkv, d), causal, bits in cases:
+        plan = _plan(dtype=dtype, batch=batch, seqlen_q=sq, seqlen_k=sk, nheads_q=hq, nheads_kv=hkv, head_dim=d,
+                     causal=causal, variant=bits, num_sms=1)
+        dkdv = plan.launches[1]
+        assert dkdv.template == WS and plan.launches[2].template == DQ, (dtype, sq, sk, d, bits)
+        assert dkdv.args[2] == str(dispatch.bwd_ws_block_m(64, False, bits, block_m)) and dkdv.args[5:] == (
+            "false", str(bits))
+    assert {c[3] for c in cases} >= {0, dispatch.VAR_ALIBI, dispatch.VAR_ALIBI | dispatch.VAR_SINKS,
+                                     dispatch.VAR_SOFTCAP, dispatch.VAR_DROPOUT, dispatch.VAR_WINDOW}
+
+
+@pytest.mark.parametrize("change", [dict(deterministic=True), dict(vec=False), dict(cc=(8, 0)),
+                                    dict(varlen=True, total_q=1500, total_k=1700), dict(ws=False),
+                                    dict(variant=dispatch.VAR_BIAS)],
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_d64_everything_else_keeps_the_other_kernels(d64, change):
+    plan = _plan(head_dim=64, **change)
+    assert all(L.template != WS for L in plan.launches) and plan.tma_box_rows is None
+
+
+@pytest.mark.parametrize("head_dim,with_dq,variant,block_m", [
+    (128, True, 0, 128), (64, True, 0, 128), (128, False, 0, 128), (64, False, dispatch.VAR_DROPOUT, 128),
+    (64, False, dispatch.VAR_SOFTCAP, 128), (64, False, 0, 96)])  # (the kernel takes 64 or 128)
+def test_the_wide_step_is_refused_elsewhere(head_dim, with_dq, variant, block_m):
+    with pytest.raises(ValueError, match="query rows per step"):
+        dispatch.bwd_ws_launch("float16", head_dim, True, True, variant=variant, with_dq=with_dq, block_m=block_m)
 
 
 def test_params_carry_four_maps_after_bwd_params():
@@ -151,10 +300,15 @@ def test_launcher_writes_the_maps_of_the_named_pointers():
 
 def test_check_kernels_lists_every_instantiation():
     ws = [L for L in dispatch.all_bwd_launches((9, 0)) if L.template == WS]
-    # dtype, causal, even_k (head_dim 128), plain and BWD_WS_CHECK_VARIANTS
-    assert len({L.args for L in ws}) == 2 * 2 * 2 * (1 + len(dispatch.BWD_WS_CHECK_VARIANTS))
-    assert {int(L.args[-1]) for L in ws} == {0, *dispatch.BWD_WS_CHECK_VARIANTS}
-    assert set(_WS_BITS) <= set(dispatch.BWD_WS_CHECK_VARIANTS)
+    bits = (0, *dispatch.BWD_WS_CHECK_VARIANTS)
+    wide = [b for b in bits if not any(b & s == s for s in dispatch.BWD_WS_WIDE_SPILLS)]
+    # dtype, causal, even_k; plain and BWD_WS_CHECK_VARIANTS: D=128 with dQ, D=64 without at
+    # 64 rows, and at 128 those that take them
+    assert len({L.args for L in ws}) == len(ws) == 2 * 2 * 2 * (2 * len(bits) + len(wide))
+    for d, m, dq in _TILES:
+        tile = [L for L in ws if L.args[1:3] == (str(d), str(m)) and L.args[5] == str(dq).lower()]
+        assert {int(L.args[-1]) for L in tile} == set(wide if m == 128 else bits)
+    assert set(_WS_BITS) <= set(dispatch.BWD_WS_CHECK_VARIANTS) and wide
     assert not [L for L in dispatch.all_bwd_launches((8, 0)) if L.template == WS]
 
 
@@ -172,3 +326,14 @@ def test_variants_compile_without_spills(causal, even_k, variant):
     from test_bwd_dispatch import _compile_clean  # sibling module
 
     _compile_clean(dispatch.bwd_ws_launch("float16", 128, causal, even_k, variant=variant), (9, 0))
+
+
+@pytest.mark.parametrize("block_m,variant", [(64, 0), (64, dispatch.VAR_SOFTCAP | dispatch.VAR_DROPOUT),
+                                             (64, dispatch.VAR_WINDOW | dispatch.VAR_SINKS),
+                                             (128, 0), (128, dispatch.VAR_ALIBI | dispatch.VAR_SINKS)])
+@pytest.mark.parametrize("causal,even_k", [(True, True), (False, False)])
+def test_d64_compiles_without_spills(causal, even_k, block_m, variant):
+    from test_bwd_dispatch import _compile_clean  # sibling module
+
+    _compile_clean(dispatch.bwd_ws_launch("bfloat16", 64, causal, even_k, variant=variant, with_dq=False,
+                                          block_m=block_m), (9, 0))

@@ -5,14 +5,17 @@ kernels skip shows up. Each test switches the kernel on and checks that it launc
 tails of both sides, bottom-right causal with rows that see no key, GQA (and a GQA group
 split over several blocks), head_dim below its padded width, strided views; and the
 variants it takes (a window, softcap, ALiBi, sinks, dropout: dispatch.BWD_WS_VARIANTS
-switched on) against the reference with the same mask. (Packed batches and the other
-head_dims take the cp.async kernels: test_gpu_varlen, test_gpu_bwd.)
+switched on) against the reference with the same mask; and at D=64 (BWD_WS_HEAD_DIMS with
+64) the kernel without dQ beside the wgmma dQ kernel, at 64 and 128 query rows per step
+(BWD_WS_D64_BLOCK_M), the same cases. (Packed batches and the other head_dims take the
+cp.async kernels: test_gpu_varlen, test_gpu_bwd.)
 Skipped without a GPU, and off compute capability 9.0.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -140,6 +143,7 @@ def _variants_case(name):
         "dropout": lambda rng, s: dict(drop),
         "dropout-p0.5": lambda rng, s: {"dropout_p": 0.5, "rng_state": (SEED, OFFSET)},
         "sinks+window": lambda rng, s: {"window_size": (200, 16), "sinks": sink_logits(rng, s[3])},
+        "alibi+sinks": lambda rng, s: {"alibi_slopes": alibi_heads(s[3]), "sinks": sink_logits(rng, s[3])},
         "softcap+dropout": lambda rng, s: {"softcap": 8.0, **drop},
         "sinks+dropout": lambda rng, s: {"sinks": sink_logits(rng, s[3]), **drop},
         "window+softcap+sinks": lambda rng, s: {"window_size": (150, 0), "softcap": 8.0,
@@ -196,3 +200,145 @@ def test_variant_sets_that_spill_stay_on_the_cp_async_kernel(ws_variants, rng, n
     inputs, fwd, grads = run_dense(cp, rng, "float16", shape, True, variants)
     assert WS_KERNEL not in ws_variants and "flash_bwd_dkdv_sm90_kernel" in ws_variants
     check_dense(inputs, fwd, grads, True, variants)
+
+
+# ----------------------------------------------------------------------------
+# D=64 (dispatch.BWD_WS_HEAD_DIMS with 64): the ws kernel without dQ, 64 or 128 query rows
+# per step (BWD_WS_D64_BLOCK_M), then the wgmma dQ kernel (no dq_accum, no convert kernel)
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture(params=[64, 128], ids=lambda m: f"block_m{m}")
+def ws_d64(request, ws, monkeypatch):
+    """The ws fixture at D=64 with BWD_WS_D64_BLOCK_M = the parameter and every variant the
+    kernel takes; yields a D64Run. Every plan cache (the public entry points' too) is emptied
+    before and after, so that no plan made under these settings outlives them."""
+    from cupyflash import _gpu, dispatch
+
+    monkeypatch.setattr(dispatch, "BWD_WS_HEAD_DIMS", (64, 128))
+    monkeypatch.setattr(dispatch, "BWD_WS_D64_BLOCK_M", request.param)
+    monkeypatch.setattr(dispatch, "BWD_WS_VARIANTS", dispatch.FWD_WS_VARIANTS)
+    _gpu.clear_plans()
+    ws_args = []
+    recording_call = _launch.Launcher.__call__  # conftest's (it records the names)
+
+    def call(self, stream, *pointers, var=None):
+        ws_args.extend(spec.args for spec in self.launches if spec.template.endswith(WS_KERNEL))
+        recording_call(self, stream, *pointers, var=var)
+
+    monkeypatch.setattr(_launch.Launcher, "__call__", call)
+    yield D64Run(ws, ws_args, request.param)
+    _gpu.clear_plans()
+
+
+@dataclass
+class D64Run:
+    names: list        # the launched kernels' names
+    ws_args: list      # the ws launches' template arguments
+    d64_block_m: int   # BWD_WS_D64_BLOCK_M
+
+    def check_launched(self, variant=0):
+        """The ws kernel ran without dQ at the rows per step ``variant`` takes (dispatch.bwd_ws_block_m),
+        then the wgmma dQ kernel."""
+        from cupyflash import dispatch
+
+        block_m = dispatch.bwd_ws_block_m(64, False, variant, self.d64_block_m)
+        assert WS_KERNEL in self.names and "flash_bwd_dq_sm90_kernel" in self.names
+        assert "flash_bwd_convert_dq_kernel" not in self.names
+        assert {(a[1], a[2], a[5], a[6]) for a in self.ws_args} == {("64", str(block_m), "false", str(variant))}
+
+
+DENSE_64 = [
+    ("float16", 64, False, 2, 384, 384, 4, 2),
+    ("bfloat16", 64, True, 1, 1000, 1500, 4, 2),
+    ("float16", 64, True, 1, 1500, 1000, 4, 1),   # bottom-right: the first 500 rows see no key
+    ("float16", 64, True, 1, 200, 1000, 2, 2),    # 200 rows: one full and one partial 128-row block
+    ("bfloat16", 48, False, 2, 203, 113, 4, 4),   # head_dim 48 and 40 on the 64 kernel
+    ("float16", 40, True, 1, 640, 8, 4, 2),
+    ("float16", 64, False, 3, 1, 17, 2, 1),
+    ("bfloat16", 64, True, 2, 17, 1, 2, 2),
+    ("bfloat16", 64, True, 1, 4096, 4096, 2, 1),  # 32-64 query blocks per key block
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,batch,seqlen_q,seqlen_k,nheads_q,nheads_kv", DENSE_64)
+def test_d64_dense(ws_d64, rng, dtype, head_dim, causal, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv):
+    host, dev = make_problem(rng, dtype, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim)
+    scale = 1.0 / math.sqrt(head_dim)
+    grads = run(dev, dtype, scale, causal, False)
+    ws_d64.check_launched()
+    check(host, grads, dtype, scale, causal)
+
+
+@pytest.mark.parametrize("head_dim", [40, 64])
+def test_d64_rows_that_see_no_key(ws_d64, rng, head_dim):
+    host, dev = make_problem(rng, "bfloat16", 2, 300, 70, 4, 2, head_dim)
+    grads = run(dev, "bfloat16", 0.125, True, False)
+    ws_d64.check_launched()
+    for g in (to_host(x, "bfloat16") for x in grads):
+        assert not np.isnan(g).any()
+    np.testing.assert_array_equal(to_host(grads[0], "bfloat16")[:, :230], 0)
+    check(host, grads, "bfloat16", 0.125, True)
+
+
+@pytest.mark.parametrize("num_sms,splits", [(3, 1), (100, 4)])
+def test_d64_gqa_group_splits(ws_d64, rng, monkeypatch, num_sms, splits):
+    from cupyflash import _gpu, _gpu_bwd, dispatch
+
+    host, dev = make_problem(rng, "float16", 1, 260, 300, 8, 2, 64)
+    q, k, v, dout = dev
+    out, lse = _gpu.fwd(q, k, v, softmax_scale=0.125, causal=True)
+    monkeypatch.setattr(_launch, "num_sms", lambda device_id: num_sms)
+    plan = dispatch.select_bwd(batch=1, seqlen_q=260, seqlen_k=300, nheads_q=8, nheads_kv=2, head_dim=64,
+                               dtype="float16", causal=True, deterministic=False, vec=True, num_sms=num_sms,
+                               cc=(9, 0))
+    assert plan.kv_splits == splits
+    grads = _gpu_bwd.bwd(dout, q, k, v, out, lse, softmax_scale=0.125, causal=True)
+    ws_d64.check_launched()
+    assert ("flash_bwd_convert_dkv_kernel" in ws_d64.names) == (splits > 1)
+    check(host, grads, "float16", 0.125, True)
+
+
+def test_d64_strided_views(ws_d64, rng):
+    from cupyflash import _gpu, _gpu_bwd
+
+    host, (q, k, v, dout) = strided_problem(rng, 64)
+    out, lse = _gpu.fwd(q, k, v, softmax_scale=0.125, causal=True)
+    grads = _gpu_bwd.bwd(dout, q, k, v, out, lse, softmax_scale=0.125, causal=True)
+    ws_d64.check_launched()
+    check(host, grads, "float16", 0.125, True)
+
+
+# (variant case, dtype, shape, causal, scale multiple): every variant at D=64; those of
+# dispatch.BWD_WS_WIDE_SPILLS (softcap, dropout, a window) keep 64 rows per step
+VARIANT_CASES_64 = [
+    ("window+causal", "bfloat16", (1, 1000, 1100, 8, 2, 64), True, 1.0),
+    ("window-96-40", "float16", (2, 700, 517, 4, 2, 64), False, 1.0),
+    ("softcap", "bfloat16", (1, 200, 333, 8, 2, 64), True, 2.0),
+    ("alibi", "bfloat16", (1, 200, 333, 8, 2, 64), True, 1.0),
+    ("alibi-heads", "float16", (2, 300, 211, 4, 2, 40), False, 1.0),
+    ("sinks", "float16", (2, 256, 300, 4, 2, 64), False, 1.0),
+    ("dropout", "bfloat16", (1, 200, 333, 8, 2, 64), True, 1.0),
+    ("sinks+window", "bfloat16", (1, 400, 390, 8, 2, 64), False, 1.0),
+    ("alibi+sinks", "float16", (1, 1500, 1000, 4, 1, 64), True, 1.0),  # bottom-right: rows that see no key
+    ("softcap+dropout", "float16", (1, 200, 333, 8, 2, 64), True, 2.0),
+    ("window+softcap+sinks", "bfloat16", (1, 200, 333, 8, 2, 64), True, 2.0),
+]
+
+
+@pytest.mark.parametrize("name,dtype,shape,causal,scale_mult", VARIANT_CASES_64,
+                         ids=[f"{c[0]}-{c[1]}-{'x'.join(map(str, c[2]))}{'-causal' if c[3] else ''}"
+                              for c in VARIANT_CASES_64])
+def test_d64_variants(ws_d64, rng, name, dtype, shape, causal, scale_mult):
+    cp = pytest.importorskip("cupy")
+    from test_gpu_variants import check_dense, run_dense  # sibling module
+
+    from cupyflash import _variant
+
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    variants = _variants_case(name)(rng, shape)
+    scale = scale_mult / math.sqrt(shape[-1])
+    inputs, fwd, grads = run_dense(cp, rng, dtype, shape, causal, variants, scale)
+    ws_d64.check_launched(_variant.bits(variants))
+    check_dense(inputs, fwd, grads, causal, variants, scale)
