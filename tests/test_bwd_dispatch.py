@@ -270,18 +270,14 @@ def _nvrtc_or_skip():
     return nvrtc
 
 
-def test_bwd_params_offsets_match_c():
-    """Every field offset of the numpy mirror equals offsetof in params.cuh (via NVRTC)."""
+def compile_asserts(lines, name):
+    """Compile ``lines`` (C++ with static_asserts on kernels_cu's facts) with NVRTC for
+    sm_90; a failed assert fails the calling test with the compiler's log (skipped
+    without NVRTC)."""
     nvrtc = _nvrtc_or_skip()
     from cupyflash import _compile
 
-    dt = _params.BWD_PARAMS
-    lines = ['#include "params.cuh"']
-    for name in dt.names:
-        lines.append(f'static_assert(__builtin_offsetof(cupyflash::BwdParams, {name}) == {dt.fields[name][1]}, '
-                     f'"{name}");')
-    lines.append(f'static_assert(sizeof(cupyflash::BwdParams) == {dt.itemsize}, "size");')
-    prog = nvrtc.createProgram("\n".join(lines) + "\n", "bwd_params_offsets.cu", [], [])
+    prog = nvrtc.createProgram("\n".join(lines) + "\n", name, [], [])
     try:
         try:
             nvrtc.compileProgram(prog, _compile.compile_options((9, 0)))
@@ -289,6 +285,17 @@ def test_bwd_params_offsets_match_c():
             pytest.fail(nvrtc.getProgramLog(prog))
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def test_bwd_params_offsets_match_c():
+    """Every field offset of the numpy mirror equals offsetof in params.cuh (via NVRTC)."""
+    dt = _params.BWD_PARAMS
+    lines = ['#include "params.cuh"']
+    for name in dt.names:
+        lines.append(f'static_assert(__builtin_offsetof(cupyflash::BwdParams, {name}) == {dt.fields[name][1]}, '
+                     f'"{name}");')
+    lines.append(f'static_assert(sizeof(cupyflash::BwdParams) == {dt.itemsize}, "size");')
+    compile_asserts(lines, "bwd_params_offsets.cu")
 
 
 # ---------------------------------------------------------------------------

@@ -129,12 +129,9 @@ _TILES = sorted({(int(L.args[1]), int(L.args[2]), L.args[5] == "true") for L in 
 def test_tiles_are_the_kernels_traits():
     """bwd_ws_smem_bytes and the TMA boxes' rows are BwdWsTraits' (SMEM_BYTES, BLOCK_M, BLOCK_N),
     for every tile a plan takes: static_asserts compiled by NVRTC."""
-    from test_bwd_dispatch import _nvrtc_or_skip  # sibling module
-
-    from cupyflash import _compile
+    from test_bwd_dispatch import compile_asserts  # sibling module
 
     assert _TILES == [(64, 64, False), (64, 128, False), (128, 64, True)]
-    nvrtc = _nvrtc_or_skip()
     lines = ['#include "flash_bwd_ws.cu"']
     for d, m, dq in _TILES:
         tr = f"cupyflash::BwdWsTraits<__half, {d}, {m}, {str(dq).lower()}>"
@@ -142,14 +139,7 @@ def test_tiles_are_the_kernels_traits():
                   f'static_assert({tr}::BLOCK_M == {m} && {tr}::BLOCK_N == {dispatch.BWD_WS_BLOCK_N}, "tile");',
                   f'static_assert({tr}::STAGES == {dispatch.BWD_WS_STAGES}, "stages");',
                   f'static_assert({tr}::NUM_THREADS == {dispatch.BWD_WS_THREADS}, "threads");']
-    prog = nvrtc.createProgram("\n".join(lines) + "\n", "bwd_ws_traits.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, _compile.compile_options((9, 0)))
-        except nvrtc.NVRTCError:
-            pytest.fail(nvrtc.getProgramLog(prog))
-    finally:
-        nvrtc.destroyProgram(prog)
+    compile_asserts(lines, "bwd_ws_traits.cu")
 
 
 # ----------------------------------------------------------------------------
