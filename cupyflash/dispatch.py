@@ -166,6 +166,12 @@ FWD_WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT
 #: VAR_BIAS_STRIDED, which stays on the cp.async kernel; never staged: the plan's
 #: VAR_BIAS_STAGED is dropped, :func:`ws_fwd_variant`).
 FWD_WS_MAP_VARIANTS = VAR_MASK | VAR_BLOCK_MAP
+#: The variants that, with the map, spill in the ws kernel (check-kernels sm_90, NVRTC, the
+#: mask's 32 registers of pairs held across the GEMMs next to S, P and O: PERF.md v24): a
+#: window (D=128 8-64 bytes), softcap (causal: D=64 8-20, D=128 varlen 8), dropout (D=64
+#: 60-144, D=128 causal 24). With the map such a call stays on the cp.async kernel; the
+#: mask alone, with ALiBi or with sinks, compiles with none.
+FWD_WS_MAP_SPILLS = VAR_WINDOW | VAR_SOFTCAP | VAR_DROPOUT
 #: The switch that sends those calls (VAR_MASK | VAR_BLOCK_MAP, no bias) to the ws forward:
 #: False (the default until measured on the H200: PERF.md v24; they run on the cp.async
 #: wgmma kernel), True at every head_dim the kernel has (64 and 128 padded), or a tuple of
@@ -252,11 +258,12 @@ def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: i
     packed batch, the consumers asking seqlens.cuh for each sequence's lengths as
     flash_fwd_sm90.cu does; the kernel's VARLEN argument: fwd_ws_launch), aligned, on cc
     9.0, with no variant outside FWD_WS_VARIANTS but a mask with its map (FWD_WS_MAP_VARIANTS,
-    both bits or neither, read in pairs: not VAR_BIAS_STRIDED; ``variant`` as
-    :func:`ws_fwd_variant` compiles it)."""
+    both bits or neither, read in pairs: not VAR_BIAS_STRIDED; not with FWD_WS_MAP_SPILLS;
+    ``variant`` as :func:`ws_fwd_variant` compiles it)."""
     map_bits = variant & FWD_WS_MAP_VARIANTS
     return (cc == (9, 0) and vec and head_dim_padded in _FWD_WS
-            and not variant & ~(FWD_WS_VARIANTS | FWD_WS_MAP_VARIANTS) and map_bits in (0, FWD_WS_MAP_VARIANTS))
+            and not variant & ~(FWD_WS_VARIANTS | FWD_WS_MAP_VARIANTS) and map_bits in (0, FWD_WS_MAP_VARIANTS)
+            and not (map_bits and variant & FWD_WS_MAP_SPILLS))
 
 
 def fwd_ws_tile(head_dim_padded: int, causal: bool) -> tuple[int, int]:
@@ -621,9 +628,9 @@ FWD_STAGED_CHECK_VARIANTS = tuple(VAR_BIAS_STAGED | bits for bits in (
 #: spilling: kernels_cu/flash_fwd_ws.cu KEEP_UNDER_S) and with all the others.
 FWD_WS_CHECK_VARIANTS = (VAR_WINDOW, VAR_SOFTCAP, VAR_ALIBI, VAR_SINKS, VAR_DROPOUT, VAR_SOFTCAP | VAR_ALIBI,
                          VAR_WINDOW | VAR_SINKS, VAR_WINDOW | VAR_DROPOUT, FWD_WS_VARIANTS,
-                         # the mask with its map (FWD_WS_BLOCK_MAP): alone, and with each variant
-                         *(FWD_WS_MAP_VARIANTS | bits for bits in (0, VAR_WINDOW, VAR_SOFTCAP, VAR_ALIBI, VAR_SINKS,
-                                                                   VAR_DROPOUT)))
+                         # the mask with its map (FWD_WS_BLOCK_MAP): alone, and with the variants
+                         # it takes there (not FWD_WS_MAP_SPILLS)
+                         *(FWD_WS_MAP_VARIANTS | bits for bits in (0, VAR_ALIBI, VAR_SINKS, VAR_ALIBI | VAR_SINKS)))
 
 #: The backward's staged bias and mask (VAR_BIAS_STAGED) that check-kernels compiles:
 #: each array alone, both, and a bias with softcap (whose dS recomputes the score).

@@ -63,13 +63,21 @@ def test_the_switch_picks_the_head_dims(ws_block_map, takes):
     assert got == takes
 
 
-@pytest.mark.parametrize("bits", [dispatch.VAR_WINDOW, dispatch.VAR_SOFTCAP, dispatch.VAR_ALIBI, dispatch.VAR_SINKS,
-                                  dispatch.VAR_DROPOUT, dispatch.VAR_WINDOW | dispatch.VAR_SINKS])
+@pytest.mark.parametrize("bits", [dispatch.VAR_ALIBI, dispatch.VAR_SINKS, dispatch.VAR_ALIBI | dispatch.VAR_SINKS])
 def test_with_the_ws_variants(bits):
-    """The variants the ws kernel takes combine with the map, as on the cp.async kernel."""
+    """The variants whose map kernels compile with no spill combine with the map."""
     plan = _plan(variant=MAP | bits, ws_block_map=True)
     assert plan.main.template == WS and int(plan.main.args[6]) == MAP | bits and plan.main.args[8] == "false"
     assert dispatch.fwd_block_map_tile(plan) == (128, 128)
+
+
+@pytest.mark.parametrize("bits", [dispatch.VAR_WINDOW, dispatch.VAR_SOFTCAP, dispatch.VAR_DROPOUT,
+                                  dispatch.VAR_WINDOW | dispatch.VAR_SINKS, dispatch.VAR_ALIBI | dispatch.VAR_DROPOUT])
+def test_the_variants_that_spill_with_the_map_stay_on_the_cp_async_kernel(bits):
+    assert dispatch.FWD_WS_MAP_SPILLS == dispatch.VAR_WINDOW | dispatch.VAR_SOFTCAP | dispatch.VAR_DROPOUT
+    plan = _plan(variant=MAP | bits, ws_block_map=True)
+    assert plan.main.template == SM90 and plan == _plan(variant=MAP | bits)
+    assert _plan(variant=bits, ws=True).main.template == WS  # without the map, the ws kernel's
 
 
 def test_the_staged_bit_is_dropped():
@@ -147,6 +155,6 @@ def test_check_kernels_compiles_the_map_kernels():
     on90 = [L for L in dispatch.all_fwd_launches((9, 0)) if L.template == WS and int(L.args[6]) & MAP]
     got = {(L.args[1], L.args[4], int(L.args[6]), L.args[7], L.args[8]) for L in on90}
     bits = {b for b in dispatch.FWD_WS_CHECK_VARIANTS if b & MAP}
-    assert bits >= {MAP, MAP | dispatch.VAR_WINDOW, MAP | dispatch.VAR_DROPOUT}
+    assert bits == {MAP | b for b in (0, dispatch.VAR_ALIBI, dispatch.VAR_SINKS, dispatch.VAR_ALIBI | dispatch.VAR_SINKS)}
     assert got == {(d, c, b, v, "false") for d in ("64", "128") for c in ("false", "true") for b in bits
                    for v in ("false", "true")}
