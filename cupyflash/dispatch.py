@@ -170,7 +170,7 @@ FWD_WS_MAP_VARIANTS = VAR_MASK | VAR_BLOCK_MAP
 #: mask's 32 registers of pairs held across the GEMMs next to S, P and O: PERF.md v24): a
 #: window (D=128 8-64 bytes), softcap (causal: D=64 8-20, D=128 varlen 8), dropout (D=64
 #: 60-144, D=128 causal 24). With the map such a call stays on the cp.async kernel; the
-#: mask alone, with ALiBi or with sinks, compiles with none.
+#: mask alone, with ALiBi or with sinks, compiles with none (the kernel static_asserts the rest).
 FWD_WS_MAP_SPILLS = VAR_WINDOW | VAR_SOFTCAP | VAR_DROPOUT
 #: The switch that sends those calls (VAR_MASK | VAR_BLOCK_MAP, no bias) to the ws forward:
 #: False (the default until measured on the H200: PERF.md v24; they run on the cp.async
@@ -287,7 +287,8 @@ def fwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
     ``varlen``: a packed batch; ``persistent``: blocks walk the tiles (:func:`fwd_ws_grid`)."""
     if not uses_ws_fwd(head_dim_padded, True, (9, 0), variant):
         raise ValueError(f"cupyflash: the warp-specialised forward takes the variant bits {FWD_WS_VARIANTS}, "
-                         f"optionally with {FWD_WS_MAP_VARIANTS} (a mask with its map), only; got {variant}")
+                         f"optionally with {FWD_WS_MAP_VARIANTS} (a mask with its map, not with "
+                         f"{FWD_WS_MAP_SPILLS}), only; got {variant}")
     block_n, stages = fwd_ws_tile(head_dim_padded, causal)
     args = (CTYPES[dtype], str(head_dim_padded), str(block_n), str(stages), _cbool(causal), _cbool(even_k),
             str(variant), _cbool(varlen), _cbool(persistent))

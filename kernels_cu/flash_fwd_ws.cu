@@ -82,20 +82,20 @@
 // runs (KEEP_UNDER_S) and zero P after the row sums took it, before P·V.
 //
 // Block sparsity (VAR_MASK with VAR_BLOCK_MAP: a bool mask and its map at this kernel's
-// 128 x BLOCK_N tile, variant.cuh KeyBlockMap; cupyflash/_blockmask.py coarsens the 64 x 64
-// cells to it): the producer and the consumers walk the same key blocks, those of the
-// range that the map does not mark EMPTY (KeyBlockMap::prev, from the last down), so an
-// empty block costs no copy and no GEMM, only its byte of the map (a ballot reads 32 of
-// them at once; the producer's walk is therefore its whole first warp's, lane 0 issuing
-// the copies). Of the blocks visited, the range's edges (key tail, causal diagonal, a
-// window's edges) read the mask with the edge's mask code, a FULL block in the bulk runs
-// the plain step, a PARTIAL one reads the mask. A step reads its block's mask in pairs of
-// columns into registers (variant.cuh ScoreTerms: 32 a thread, loaded once the GEMMs are
-// issued, so their latency hides under S_n and P·V; the plan sends masks that cannot be
-// read in pairs, VAR_BIAS_STRIDED, to flash_fwd_sm90.cu). Read element by element from
-// global memory after the S GEMM (ScoreMod::keep_masked), the 64 loads, hoisted together,
-// spilled 72-456 bytes next to S, P and O (nvcc 13.0). The first block, S alone and no
-// O in flight, reads its elements so. A query block whose every tile is empty copies Q
+// 128 x BLOCK_N tile, variant.cuh KeyBlockMap, which cupyflash/_blockmask.py coarsens from
+// its 64 x 64 cells; alone, or with ALiBi or sinks; one block per tile): the producer and
+// the consumers walk the same key blocks, those of the range that the map does not mark
+// EMPTY (KeyBlockMap::prev, from the last down), so an empty block costs no copy and no
+// GEMM, only its byte of the map (a ballot reads 32 of them at once: the producer's walk
+// is therefore its whole first warp's, lane 0 issuing the copies). Of the blocks visited,
+// the range's edges (key tail, causal diagonal) take the edge's mask code and the mask, a
+// FULL block of the bulk the plain step, a PARTIAL one the mask. A step reads its block's
+// mask in pairs of columns into registers (variant.cuh ScoreTerms: 32 a thread, loaded once
+// the GEMMs are issued, so that their latency hides under S_n and P·V; the plan sends masks
+// that cannot be read in pairs, VAR_BIAS_STRIDED, to flash_fwd_sm90.cu). Read element by
+// element after the S GEMM instead (ScoreMod::keep_masked), the 64 loads, hoisted together,
+// spilled 72-456 bytes next to S, P and O (nvcc 13.0); the first block, S alone with no
+// P·V in flight, reads its elements so. A query block whose every tile is empty copies Q
 // only and stores O = 0, lse = -inf, as a row that sees no key.
 #include "params.cuh"
 #include "seqlens.cuh"
@@ -150,6 +150,10 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     // bytes, nvcc 13.0; and a sparse call's tiles are of unequal cost, which one block per
     // tile balances better: cupyflash/dispatch.py uses_persistent_ws, kernels_cu/PERF.md v24)
     static_assert(!PERSISTENT || (VARIANT & VAR_BLOCK_MAP) == 0, "flash_fwd_ws_kernel: not persistent with a map");
+    // (the map's mask pairs next to a window's edges, softcap's or dropout's state spill 8-144
+    // bytes: cupyflash/dispatch.py FWD_WS_MAP_SPILLS, those calls take flash_fwd_sm90.cu)
+    static_assert((VARIANT & VAR_BLOCK_MAP) == 0 || (VARIANT & (VAR_WINDOW | VAR_SOFTCAP | VAR_DROPOUT)) == 0,
+                  "flash_fwd_ws_kernel: the map alone, or with ALiBi or sinks");
     constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
     constexpr bool MAP = KeyBlockMap<VARIANT>::ON;  // the mask's tile map: empty key blocks skipped
     // Dropout's keep bits depend on no score: drawn while the consumer waits for its S
@@ -389,14 +393,14 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                 sched_arrive();
                 if constexpr (DROPOUT && KEEP_UNDER_S) keep.draw(drop, m0 + r0, n * BLOCK_N + 2 * t);
                 // The block's mask (a PARTIAL or edge block), read while the GEMMs run.
+                constexpr bool MASKED = decltype(masked)::value, ATTN_MASKED = decltype(attn_masked)::value;
                 [[maybe_unused]] MaskTerms terms(mod, m0 + r0);
-                if constexpr (MAP) terms.template load<decltype(masked)::value, decltype(attn_masked)::value>(n * BLOCK_N + 2 * t);
+                if constexpr (MAP) terms.template load<MASKED, ATTN_MASKED>(n * BLOCK_N + 2 * t);
                 wgmma_wait<1>();  // S_n (the older group) has completed
                 fence_operands(s[0]);
                 release_k(stage);  // K_n is free: the producer may copy the block STAGES on into it
                 if constexpr (MAP) {
-                    score_tile<decltype(masked)::value, decltype(attn_masked)::value>(s, mod, mask, m0 + r0,
-                                                                                       n * BLOCK_N + 2 * t, terms);
+                    score_tile<MASKED, ATTN_MASKED>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t, terms);
                 } else {
                     score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
                 }
@@ -427,21 +431,15 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                     for (; n >= 0; --n) step(n, Bool<false>{}, Bool<true>{});
                 }
             } else {
-                // The same over the visited blocks (as the producer's walk, its own branch),
-                // a block of the bulk mask-free where the mask keeps it wholly (an edge block
-                // reads the mask whatever its state: three steps compiled, not four).
-                auto step_bulk = [&](int n) {
+                // The same over the visited blocks (as the producer's walk, its own branch; no
+                // window, so the range starts at 0), a block of the bulk mask-free where the
+                // mask keeps it wholly (an edge block reads the mask whatever its state: three
+                // steps compiled, not four).
+                int n = map.prev(n_first, 0);
+                for (; n >= blocks.unmasked_end; n = map.prev(n, 0)) step(n, Bool<true>{}, Bool<true>{});
+                for (; n >= 0; n = map.prev(n, 0)) {
                     if (map.state(n) == BLOCK_FULL) step(n, Bool<false>{}, Bool<false>{});
                     else step(n, Bool<false>{}, Bool<true>{});
-                };
-                const int begin = blocks.begin;
-                int n = map.prev(n_first, begin);
-                for (; n >= blocks.unmasked_end; n = map.prev(n, begin)) step(n, Bool<true>{}, Bool<true>{});
-                if constexpr (Mask<IS_CAUSAL, VARIANT>::WINDOW) {
-                    for (; n >= blocks.unmasked_begin; n = map.prev(n, begin)) step_bulk(n);
-                    for (; n >= begin; n = map.prev(n, begin)) step(n, Bool<true>{}, Bool<true>{});
-                } else {
-                    for (; n >= 0; n = map.prev(n, 0)) step_bulk(n);
                 }
             }
 

@@ -130,6 +130,8 @@ def test_the_map_bits_are_the_kernels():
     ws = (kernels_dir() / "flash_fwd_ws.cu").read_text()
     assert "(VARIANT & ~(WS_VARIANTS | WS_FWD_MAP_VARIANTS)) == 0" in ws
     assert "(VARIANT & WS_FWD_MAP_VARIANTS) == WS_FWD_MAP_VARIANTS" in ws
+    # the variants it never takes with the map: dispatch.FWD_WS_MAP_SPILLS
+    assert "(VARIANT & VAR_BLOCK_MAP) == 0 || (VARIANT & (VAR_WINDOW | VAR_SOFTCAP | VAR_DROPOUT)) == 0" in ws
     dispatch.fwd_ws_launch("float16", 128, False, True, variant=MAP)
     for bad in (dispatch.VAR_MASK, dispatch.VAR_BLOCK_MAP, MAP | dispatch.VAR_BIAS_STRIDED):
         with pytest.raises(ValueError, match="variant bits"):
