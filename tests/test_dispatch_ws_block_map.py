@@ -160,3 +160,26 @@ def test_check_kernels_compiles_the_map_kernels():
     assert bits == {MAP | b for b in (0, dispatch.VAR_ALIBI, dispatch.VAR_SINKS, dispatch.VAR_ALIBI | dispatch.VAR_SINKS)}
     assert got == {(d, c, b, v, "false") for d in ("64", "128") for c in ("false", "true") for b in bits
                    for v in ("false", "true")}
+
+
+@pytest.mark.parametrize("lead", [(), (1, 1), "per-batch", "per-head"])
+def test_every_gpu_test_case_plans_the_ws_kernel(lead):
+    """tests/test_gpu_block_sparse_ws.py's configs, as its fixture plans them (the switch on,
+    one SM), with their masks' plan bits (_variant.plan_bits: an odd key length would read
+    the mask element by element, VAR_BIAS_STRIDED, on the cp.async kernel), take the ws
+    kernel with the map."""
+    import numpy as np
+    from test_block_sparse_plan import _Device  # sibling modules
+    from test_gpu_block_sparse_ws import CONFIGS
+
+    from cupyflash import _variant
+
+    for name, (dtype, (batch, seqlen_q, seqlen_k, nheads, _nheads_kv, head_dim), causal) in CONFIGS.items():
+        shape = {"per-batch": (batch, 1), "per-head": (1, nheads)}.get(lead, lead) + (seqlen_q, seqlen_k)
+        host = np.zeros(shape, bool)
+        mask = _Device(host[(None,) * (4 - host.ndim)], 0x10000)
+        variant = _variant.plan_bits({"attn_mask": mask})
+        assert variant & MAP == MAP and not variant & dispatch.VAR_BIAS_STRIDED, name
+        plan = _plan(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads, head_dim=head_dim,
+                     dtype=dtype, causal=causal, num_sms=1, variant=variant, ws_block_map=True)
+        assert plan.main.template == WS and dispatch.fwd_block_map_tile(plan) == (128, 128), name
