@@ -94,9 +94,8 @@
 // the GEMMs are issued, so that their latency hides under S_n and P·V; the plan sends masks
 // that cannot be read in pairs, VAR_BIAS_STRIDED, to flash_fwd_sm90.cu). Read element by
 // element after the S GEMM instead (ScoreMod::keep_masked), the 64 loads, hoisted together,
-// spilled 72-456 bytes next to S, P and O (nvcc 13.0); the first block, S alone with no
-// P·V in flight, reads its elements so. A query block whose every tile is empty copies Q
-// only and stores O = 0, lse = -inf, as a row that sees no key.
+// spilled 72-456 bytes next to S, P and O (nvcc 13.0). A query block whose every tile is
+// empty copies Q only and stores O = 0, lse = -inf, as a row that sees no key.
 #include "params.cuh"
 #include "seqlens.cuh"
 #include "query_grid.cuh"
@@ -357,15 +356,26 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                 issue_qk<T, BLOCK_M, BLOCK_N, HEAD_DIM>(s[0], sQ, cw, sK0 + stage * KVTile::BYTES);
                 sched_arrive();
                 if constexpr (DROPOUT && KEEP_UNDER_S) keep.draw(drop, m0 + r0, n_first * BLOCK_N + 2 * t);
+                // The block's mask, read while S runs (an edge block reads it whatever its map
+                // state, as in the steps below).
+                const int col0 = n_first * BLOCK_N + 2 * t;
+                const bool edge = blocks.masked(n_first);
+                [[maybe_unused]] const bool full = MAP && !edge && map.state(n_first) == BLOCK_FULL;
+                [[maybe_unused]] MaskTerms terms(mod, m0 + r0);
+                if constexpr (MAP) {
+                    if (edge) terms.template load<true>(col0);
+                    else if (!full) terms.template load<false>(col0);
+                }
                 wgmma_wait<0>();
                 fence_operands(s[0]);
                 release_k(stage);
-                // (an edge block reads the mask whatever its map state, as in the steps below)
-                if (blocks.masked(n_first)) score_tile<true>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
-                else if (MAP && map.state(n_first) == BLOCK_FULL) {
-                    score_tile<false, false>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
+                if constexpr (MAP) {
+                    if (edge) score_tile<true>(s, mod, mask, m0 + r0, col0, terms);
+                    else if (full) score_tile<false, false>(s, mod, mask, m0 + r0, col0, terms);
+                    else score_tile<false>(s, mod, mask, m0 + r0, col0, terms);
                 } else {
-                    score_tile<false>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
+                    if (blocks.masked(n_first)) score_tile<true>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
+                    else score_tile<false>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
                 }
                 softmax.update(s, acc_o, row_sum);
                 if constexpr (DROPOUT) keep.zero_dropped(s);  // the row sums keep the undropped P
