@@ -156,15 +156,16 @@ _FWD_WS = {
 FWD_WS_BLOCK_M = 128
 FWD_WS_THREADS = 384
 #: The variant bits the warp-specialised forward takes (kernels_cu/variant.cuh
-#: WS_VARIANTS): those whose code is all in the scores and the softmax. A bias or mask
-#: (staged tiles, a block map) stays on the cp.async wgmma kernel.
+#: WS_VARIANTS): those whose code is all in the scores and the softmax. A bias stays on the
+#: cp.async wgmma kernel; a mask too, but with its map where FWD_WS_BLOCK_MAP says.
 FWD_WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT
 #: Issue 14 on the ws forward (kernels_cu/variant.cuh WS_FWD_MAP_VARIANTS): a bool mask with
-#: its tile map at the kernel's tile (128 x BLOCK_N; :func:`fwd_block_map_tile`), with any of
-#: FWD_WS_VARIANTS. The kernel walks only the key blocks the map does not mark empty and
-#: reads the mask in the partial ones in pairs of columns (variant.cuh ScoreTerms: not with
-#: VAR_BIAS_STRIDED, which stays on the cp.async kernel; never staged: the plan's
-#: VAR_BIAS_STAGED is dropped, :func:`ws_fwd_variant`).
+#: its tile map at the kernel's tile (128 x BLOCK_N; :func:`fwd_block_map_tile`), alone or
+#: with those of FWD_WS_VARIANTS not in FWD_WS_MAP_SPILLS (ALiBi, sinks). The kernel walks
+#: only the key blocks the map does not mark empty and reads the mask in the partial ones
+#: in pairs of columns (variant.cuh ScoreTerms: not with VAR_BIAS_STRIDED, which stays on
+#: the cp.async kernel; never staged: the plan's VAR_BIAS_STAGED is dropped,
+#: :func:`ws_fwd_variant`).
 FWD_WS_MAP_VARIANTS = VAR_MASK | VAR_BLOCK_MAP
 #: The variants that, with the map, spill in the ws kernel (check-kernels sm_90, NVRTC, the
 #: mask's 32 registers of pairs held across the GEMMs next to S, P and O: PERF.md v24): a
