@@ -586,6 +586,8 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
             CTYPES, HEAD_DIMS, (False, True), (True, False), (False, True), (False, True)):
         if uses_ws_fwd(d, True, cc):
             out.append(fwd_ws_launch(dtype, d, causal, even_k, varlen=varlen, persistent=persistent))
+            if not persistent:  # the mask with its map, in every dtype and EVEN_K too (never persistent)
+                out.append(fwd_ws_launch(dtype, d, causal, even_k, variant=FWD_WS_MAP_VARIANTS, varlen=varlen))
     # Each variant switched on alone (a bias or mask also read element by element), and
     # the combinations of a bias that users run, on the aligned kernels (one dtype: the
     # other's registers are the same).
@@ -596,7 +598,8 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
     # The warp-specialised forward's variants (FWD_WS_CHECK_VARIANTS) at each head_dim it has.
     for bits, d, causal, varlen, persistent in itertools.product(FWD_WS_CHECK_VARIANTS, HEAD_DIMS, (False, True),
                                                                  (False, True), (False, True)):
-        if uses_ws_fwd(d, True, cc, bits) and (uses_persistent_ws(bits) or not persistent):
+        if (uses_ws_fwd(d, True, cc, bits) and (uses_persistent_ws(bits) or not persistent)
+                and bits != FWD_WS_MAP_VARIANTS):  # (the map alone: above)
             out.append(fwd_ws_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bits, varlen=varlen,
                                      persistent=persistent))
     # The staged bias and mask (the wgmma kernel; where the stages do not fit, the

@@ -161,6 +161,10 @@ def test_check_kernels_compiles_the_map_kernels():
     assert bits == {MAP | b for b in with_map}
     assert got == {(d, c, b, v, "false") for d in ("64", "128") for c in ("false", "true") for b in bits
                    for v in ("false", "true")}
+    # the map alone in every dtype and EVEN_K, as the plain kernels (the variants: bf16, even)
+    alone = {(L.args[0], L.args[5]) for L in on90 if int(L.args[6]) == MAP}
+    assert alone == {(t, e) for t in dispatch.CTYPES.values() for e in ("true", "false")}
+    assert len(on90) == len(set(on90))
 
 
 @pytest.mark.parametrize("lead", [(), (1, 1), "per-batch", "per-head"])
