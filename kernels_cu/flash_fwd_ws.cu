@@ -358,8 +358,8 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                 if constexpr (DROPOUT && KEEP_UNDER_S) keep.draw(drop, m0 + r0, n_first * BLOCK_N + 2 * t);
                 // The block's mask, read while S runs (an edge block reads it whatever its map
                 // state, as in the steps below).
-                const int col0 = n_first * BLOCK_N + 2 * t;
-                const bool edge = blocks.masked(n_first);
+                [[maybe_unused]] const int col0 = n_first * BLOCK_N + 2 * t;
+                [[maybe_unused]] const bool edge = blocks.masked(n_first);
                 [[maybe_unused]] const bool full = MAP && !edge && map.state(n_first) == BLOCK_FULL;
                 [[maybe_unused]] MaskTerms terms(mod, m0 + r0);
                 if constexpr (MAP) {
@@ -373,7 +373,7 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                     if (edge) score_tile<true>(s, mod, mask, m0 + r0, col0, terms);
                     else if (full) score_tile<false, false>(s, mod, mask, m0 + r0, col0, terms);
                     else score_tile<false>(s, mod, mask, m0 + r0, col0, terms);
-                } else {
+                } else {  // (written as before the map: the same SASS)
                     if (blocks.masked(n_first)) score_tile<true>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
                     else score_tile<false>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
                 }
