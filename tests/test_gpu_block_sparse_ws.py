@@ -86,9 +86,10 @@ def test_block_sparse_forward(ws_map, cp, rng, mask_shape, form, config):
     q, k, v = _inputs(rng, dtype, shape)
     lead = {"per-batch": (b, 1), "per-head": (1, h), "shared": ()}[mask_shape]
     mask = _block_sparse(rng, (*lead, m, n), block=128, keep=0.4)
+    mask[..., 128:256, :128] = True  # a full tile
+    mask[..., :128, 128:256] = True  # ... and one made partial by:
     mask[..., 70:75, :] = False  # rows that see no key, inside partial tiles
-    if mask_shape == "shared":
-        assert _ws_kinds(cp, mask) == {0, 1, 2}
+    assert _ws_kinds(cp, mask) == {0, 1, 2}
     arg = cupyflash.BlockMask.from_mask(cp.asarray(mask)) if form == "BlockMask" else cp.asarray(mask)
     fwd = _fwd(cp, q, k, v, dtype, causal, {"attn_mask": arg})
     assert np.all(fwd[1][:, :, 70:75] == -np.inf) and np.all(fwd[0][:, 70:75] == 0)
