@@ -156,9 +156,30 @@ _FWD_WS = {
 FWD_WS_BLOCK_M = 128
 FWD_WS_THREADS = 384
 #: The variant bits the warp-specialised forward takes (kernels_cu/variant.cuh
-#: WS_VARIANTS): those whose code is all in the scores and the softmax. A bias or mask
-#: (staged tiles, a block map) stays on the cp.async wgmma kernel.
+#: WS_VARIANTS): those whose code is all in the scores and the softmax. A bias stays on the
+#: cp.async wgmma kernel; a mask too, but with its map where FWD_WS_BLOCK_MAP says.
 FWD_WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT
+#: Issue 14 on the ws forward (kernels_cu/variant.cuh WS_FWD_MAP_VARIANTS): a bool mask with
+#: its tile map at the kernel's tile (128 x BLOCK_N; :func:`fwd_block_map_tile`), alone or
+#: with those of FWD_WS_VARIANTS not in FWD_WS_MAP_SPILLS (ALiBi, sinks). The kernel walks
+#: only the key blocks the map does not mark empty and reads the mask in the partial ones
+#: in pairs of columns (variant.cuh ScoreTerms: not with VAR_BIAS_STRIDED, which stays on
+#: the cp.async kernel; never staged: the plan's VAR_BIAS_STAGED is dropped,
+#: :func:`ws_fwd_variant`).
+FWD_WS_MAP_VARIANTS = VAR_MASK | VAR_BLOCK_MAP
+#: The variants that, with the map, spill in the ws kernel (check-kernels sm_90, NVRTC, the
+#: mask's 32 registers of pairs held across the GEMMs next to S, P and O: PERF.md v24): a
+#: window (D=128 8-64 bytes), softcap (causal: D=64 8-20, D=128 varlen 8), dropout (D=64
+#: 60-144, D=128 causal 24). With the map such a call stays on the cp.async kernel; the
+#: mask alone, with ALiBi or with sinks, compiles with none (the kernel static_asserts the rest).
+FWD_WS_MAP_SPILLS = VAR_WINDOW | VAR_SOFTCAP | VAR_DROPOUT
+#: The switch that sends those calls (VAR_MASK | VAR_BLOCK_MAP, no bias) to the ws forward:
+#: False (the default until measured on the H200: PERF.md v24; they run on the cp.async
+#: wgmma kernel), True at every head_dim the kernel has (64 and 128 padded), or a tuple of
+#: padded head_dims. Independent of FWD_WS (whose D=64 is off for the dense softmax-bound
+#: case; a sparse call's cost is its per-tile fixed costs, which the ws kernel cuts). Read
+#: when a call is planned (cupyflash._gpu plan_fwd): set it, then ``_gpu.clear_plans()``.
+FWD_WS_BLOCK_MAP: bool | tuple[int, ...] = False
 #: The padded head_dims the switch (FWD_WS) sends to the warp-specialised forward: where
 #: it is expected to beat the wgmma kernel. D=64 is softmax-bound at this tile (run 64:
 #: 0.8x the wgmma kernel's two 64-key blocks per SM) and stays off the switch unless
@@ -203,8 +224,11 @@ FWD_WS_NOT_PERSISTENT = VAR_WINDOW | VAR_DROPOUT
 
 
 def uses_persistent_ws(variant: int) -> bool:
-    """Whether the persistent ws forward takes these variant bits (FWD_WS_NOT_PERSISTENT)."""
-    return variant & FWD_WS_NOT_PERSISTENT != FWD_WS_NOT_PERSISTENT
+    """Whether the persistent ws forward takes these variant bits (FWD_WS_NOT_PERSISTENT;
+    never the block map's: kernels_cu/flash_fwd_ws.cu, its walk's state spills there, and
+    a block-sparse call's tiles differ in cost, which the hardware's hand-out of one-tile
+    blocks balances better than the static walk: PERF.md v24)."""
+    return variant & FWD_WS_NOT_PERSISTENT != FWD_WS_NOT_PERSISTENT and not variant & VAR_BLOCK_MAP
 
 
 def fwd_ws_grid(num_m_blocks: int, batch_heads: int, causal: bool, num_sms: int,
@@ -220,13 +244,27 @@ def fwd_ws_grid(num_m_blocks: int, batch_heads: int, causal: bool, num_sms: int,
     return (min(units, num_sms * FWD_WS_BLOCKS_PER_SM), 1, 1)
 
 
+def ws_fwd_variant(variant: int) -> int:
+    """The VARIANT the ws forward is compiled with for a plan's ``variant``: with the mask's
+    map, less VAR_BIAS_STAGED (the kernel reads the mask into registers, never through
+    shared memory, whose K/V stages fill it)."""
+    if variant & FWD_WS_MAP_VARIANTS == FWD_WS_MAP_VARIANTS:
+        return variant & ~VAR_BIAS_STAGED
+    return variant
+
+
 def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int = 0) -> bool:
     """Whether the warp-specialised kernel serves this call (when asked for; before any
     split-KV): dense or packed alike (every variant of FWD_WS_VARIANTS carries over to a
     packed batch, the consumers asking seqlens.cuh for each sequence's lengths as
     flash_fwd_sm90.cu does; the kernel's VARLEN argument: fwd_ws_launch), aligned, on cc
-    9.0, with no variant outside FWD_WS_VARIANTS."""
-    return cc == (9, 0) and vec and head_dim_padded in _FWD_WS and not variant & ~FWD_WS_VARIANTS
+    9.0, with no variant outside FWD_WS_VARIANTS but a mask with its map (FWD_WS_MAP_VARIANTS,
+    both bits or neither, read in pairs: not VAR_BIAS_STRIDED; not with FWD_WS_MAP_SPILLS;
+    ``variant`` as :func:`ws_fwd_variant` compiles it)."""
+    map_bits = variant & FWD_WS_MAP_VARIANTS
+    return (cc == (9, 0) and vec and head_dim_padded in _FWD_WS
+            and not variant & ~(FWD_WS_VARIANTS | FWD_WS_MAP_VARIANTS) and map_bits in (0, FWD_WS_MAP_VARIANTS)
+            and not (map_bits and variant & FWD_WS_MAP_SPILLS))
 
 
 def fwd_ws_tile(head_dim_padded: int, causal: bool) -> tuple[int, int]:
@@ -246,11 +284,12 @@ def fwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
                   persistent: bool = False) -> Launch:
     """The warp-specialised forward kernel (cc 9.0) for one set of compile-time choices:
     ``<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, EVEN_K, VARIANT, VARLEN, PERSISTENT>``;
-    ``variant``: bits of FWD_WS_VARIANTS (:func:`uses_ws_fwd`); ``varlen``: a packed batch;
-    ``persistent``: blocks walk the tiles (:func:`fwd_ws_grid`)."""
-    if variant & ~FWD_WS_VARIANTS:
-        raise ValueError(f"cupyflash: the warp-specialised forward takes the variant bits {FWD_WS_VARIANTS} "
-                         f"only; got {variant}")
+    ``variant``: bits of FWD_WS_VARIANTS, optionally with FWD_WS_MAP_VARIANTS (:func:`uses_ws_fwd`);
+    ``varlen``: a packed batch; ``persistent``: blocks walk the tiles (:func:`fwd_ws_grid`)."""
+    if not uses_ws_fwd(head_dim_padded, True, (9, 0), variant):
+        raise ValueError(f"cupyflash: the warp-specialised forward takes the variant bits {FWD_WS_VARIANTS}, "
+                         f"optionally with {FWD_WS_MAP_VARIANTS} (a mask with its map, not with "
+                         f"{FWD_WS_MAP_SPILLS}), only; got {variant}")
     block_n, stages = fwd_ws_tile(head_dim_padded, causal)
     args = (CTYPES[dtype], str(head_dim_padded), str(block_n), str(stages), _cbool(causal), _cbool(even_k),
             str(variant), _cbool(varlen), _cbool(persistent))
@@ -426,13 +465,21 @@ def fwd_sm90_tile(head_dim_padded: int, causal: bool, variant: int = 0) -> tuple
     return block_n, ctas_per_sm
 
 
+#: The VARIANT template argument's place in each forward that takes a block map (the
+#: kernels' template orders, this module's docstring), and their BLOCK_M; BLOCK_N is
+#: argument 2 of both.
+_FWD_MAP_KERNELS = {"flash_fwd_sm90.cu": (6, SM90_BLOCK_M), "flash_fwd_ws.cu": (6, FWD_WS_BLOCK_M)}
+
+
 def fwd_block_map_tile(plan: FwdPlan) -> tuple[int, int] | None:
     """(BLOCK_M, BLOCK_N) of the tile map ``plan``'s kernel reads (VAR_BLOCK_MAP: the
-    wgmma kernel with a mask), or None where its kernel takes no map."""
+    wgmma kernels with a mask, cp.async or warp-specialised), or None where its kernel
+    takes no map."""
     main = plan.main
-    if main.source != "flash_fwd_sm90.cu" or not int(main.args[-1]) & VAR_BLOCK_MAP:
+    where = _FWD_MAP_KERNELS.get(main.source)
+    if where is None or not int(main.args[where[0]]) & VAR_BLOCK_MAP:
         return None
-    return SM90_BLOCK_M, int(main.args[2])
+    return where[1], int(main.args[2])
 
 
 def uses_sm90_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int]) -> bool:
@@ -461,7 +508,8 @@ def num_splits_heuristic(work_blocks: int, n_blocks: int, num_sms: int) -> int:
 def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_dim: int,
                dtype: str, causal: bool, vec: bool, num_sms: int = 132,
                cc: tuple[int, int] = (9, 0), varlen: bool = False, variant: int = 0,
-               ws: bool | tuple[int, ...] = False, persistent: bool | str = False) -> FwdPlan:
+               ws: bool | tuple[int, ...] = False, persistent: bool | str = False,
+               ws_block_map: bool | tuple[int, ...] = False) -> FwdPlan:
     """Choose the forward kernel, its grid and whether to split the keys.
 
     ``vec`` says 16-byte accesses are legal (data pointers 16-byte aligned,
@@ -477,22 +525,27 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     ``persistent``: that kernel's persistent form (:data:`FWD_WS_PERSISTENT`), on a grid of
     ``num_sms`` blocks at most, where it takes the variant (:func:`uses_persistent_ws`);
     "auto": where it pays (:func:`persistent_ws_pays`).
+    ``ws_block_map``: as ``ws``, for a call with a mask and its map (VAR_MASK |
+    VAR_BLOCK_MAP, no bias), in place of ``ws`` (:data:`FWD_WS_BLOCK_MAP`).
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
     if cc < ARCHS[0]:
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
     d = padded_head_dim(head_dim)
-    if (ws is True or (ws and d in ws)) and uses_ws_fwd(d, vec, cc, variant):
+    ws_variant = ws_fwd_variant(variant)
+    if ws_variant & FWD_WS_MAP_VARIANTS:
+        ws = ws_block_map
+    if (ws is True or (ws and d in ws)) and uses_ws_fwd(d, vec, cc, ws_variant):
         block_n = fwd_ws_tile(d, causal)[0]
         num_m_blocks = math.ceil(seqlen_q / FWD_WS_BLOCK_M)
         n_blocks = math.ceil(seqlen_k / block_n)
         if varlen or num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms) == 1:
             if persistent == "auto":
-                persistent = persistent_ws_pays(variant, varlen)
-            persistent = bool(persistent) and uses_persistent_ws(variant)
+                persistent = persistent_ws_pays(ws_variant, varlen)
+            persistent = bool(persistent) and uses_persistent_ws(ws_variant)
             grid = fwd_ws_grid(num_m_blocks, batch * nheads_q, causal, num_sms, persistent)
-            main = fwd_ws_launch(dtype, d, causal, head_dim == d, grid, variant, varlen, persistent)
+            main = fwd_ws_launch(dtype, d, causal, head_dim == d, grid, ws_variant, varlen, persistent)
             return FwdPlan(main, None, d, num_m_blocks, 1, n_blocks, (FWD_WS_BLOCK_M, block_n))
     if uses_sm90_fwd(d, vec, cc):
         block_m, block_n = SM90_BLOCK_M, fwd_sm90_tile(d, causal, variant)[0]
@@ -533,6 +586,8 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
             CTYPES, HEAD_DIMS, (False, True), (True, False), (False, True), (False, True)):
         if uses_ws_fwd(d, True, cc):
             out.append(fwd_ws_launch(dtype, d, causal, even_k, varlen=varlen, persistent=persistent))
+            if not persistent:  # the mask with its map, in every dtype and EVEN_K too (never persistent)
+                out.append(fwd_ws_launch(dtype, d, causal, even_k, variant=FWD_WS_MAP_VARIANTS, varlen=varlen))
     # Each variant switched on alone (a bias or mask also read element by element), and
     # the combinations of a bias that users run, on the aligned kernels (one dtype: the
     # other's registers are the same).
@@ -543,7 +598,8 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
     # The warp-specialised forward's variants (FWD_WS_CHECK_VARIANTS) at each head_dim it has.
     for bits, d, causal, varlen, persistent in itertools.product(FWD_WS_CHECK_VARIANTS, HEAD_DIMS, (False, True),
                                                                  (False, True), (False, True)):
-        if uses_ws_fwd(d, True, cc, bits) and (uses_persistent_ws(bits) or not persistent):
+        if (uses_ws_fwd(d, True, cc, bits) and (uses_persistent_ws(bits) or not persistent)
+                and bits != FWD_WS_MAP_VARIANTS):  # (the map alone: above)
             out.append(fwd_ws_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bits, varlen=varlen,
                                      persistent=persistent))
     # The staged bias and mask (the wgmma kernel; where the stages do not fit, the
@@ -576,7 +632,10 @@ FWD_STAGED_CHECK_VARIANTS = tuple(VAR_BIAS_STAGED | bits for bits in (
 #: ALiBi, and a window with sinks, with dropout (the combination that came closest to
 #: spilling: kernels_cu/flash_fwd_ws.cu KEEP_UNDER_S) and with all the others.
 FWD_WS_CHECK_VARIANTS = (VAR_WINDOW, VAR_SOFTCAP, VAR_ALIBI, VAR_SINKS, VAR_DROPOUT, VAR_SOFTCAP | VAR_ALIBI,
-                         VAR_WINDOW | VAR_SINKS, VAR_WINDOW | VAR_DROPOUT, FWD_WS_VARIANTS)
+                         VAR_WINDOW | VAR_SINKS, VAR_WINDOW | VAR_DROPOUT, FWD_WS_VARIANTS,
+                         # the mask with its map (FWD_WS_BLOCK_MAP): alone, and with the variants
+                         # it takes there (not FWD_WS_MAP_SPILLS)
+                         *(FWD_WS_MAP_VARIANTS | bits for bits in (0, VAR_ALIBI, VAR_SINKS, VAR_ALIBI | VAR_SINKS)))
 
 #: The backward's staged bias and mask (VAR_BIAS_STAGED) that check-kernels compiles:
 #: each array alone, both, and a bias with softcap (whose dS recomputes the score).

@@ -44,7 +44,8 @@
 //   IS_CAUSAL  bottom-right aligned causal mask
 //   EVEN_K     head_dim == HEAD_DIM (no column predicates in the O stores)
 //   VARIANT    variant.cuh's VAR_* bits: WS_VARIANTS (softcap, ALiBi, a window, sinks,
-//              dropout) or none; a bias or mask goes to flash_fwd_sm90.cu
+//              dropout) or none, each optionally with WS_FWD_MAP_VARIANTS (a bool mask
+//              with its tile map, below); a bias goes to flash_fwd_sm90.cu
 //   VARLEN     a packed batch (cu_seqlens); false: dense, whose code is then as if
 //              packing did not exist (as a runtime branch it reordered the dense main
 //              loop: 2.028 against 1.947 ms at S=8192, PERF.md runs 86-87)
@@ -79,6 +80,22 @@
 // ALiBi are score_tile's (ScoreMod); sinks start the running max and join the sums in
 // finalize; dropout's keep bits (they depend on no score) are drawn while the S GEMM
 // runs (KEEP_UNDER_S) and zero P after the row sums took it, before P·V.
+//
+// Block sparsity (VAR_MASK with VAR_BLOCK_MAP: a bool mask and its map at this kernel's
+// 128 x BLOCK_N tile, variant.cuh KeyBlockMap, which cupyflash/_blockmask.py coarsens from
+// its 64 x 64 cells; alone, or with ALiBi or sinks; one block per tile): the producer and
+// the consumers walk the same key blocks, those of the range that the map does not mark
+// EMPTY (KeyBlockMap::prev, from the last down), so an empty block costs no copy and no
+// GEMM, only its byte of the map (a ballot reads 32 of them at once: the producer's walk
+// is therefore its whole first warp's, lane 0 issuing the copies). Of the blocks visited,
+// the range's edges (key tail, causal diagonal) take the edge's mask code and the mask, a
+// FULL block of the bulk the plain step, a PARTIAL one the mask. A step reads its block's
+// mask in pairs of columns into registers (variant.cuh ScoreTerms: 32 a thread, loaded once
+// the GEMMs are issued, so that their latency hides under S_n and P·V; the plan sends masks
+// that cannot be read in pairs, VAR_BIAS_STRIDED, to flash_fwd_sm90.cu). Read element by
+// element after the S GEMM instead (ScoreMod::keep_masked), the 64 loads, hoisted together,
+// spilled 72-456 bytes next to S, P and O (nvcc 13.0). A query block whose every tile is
+// empty copies Q only and stores O = 0, lse = -inf, as a row that sees no key.
 #include "params.cuh"
 #include "seqlens.cuh"
 #include "query_grid.cuh"
@@ -122,11 +139,22 @@ template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, boo
           bool PERSISTENT>
 __global__ void __launch_bounds__(384, 1)
 flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
-    static_assert((VARIANT & ~WS_VARIANTS) == 0, "flash_fwd_ws_kernel: no bias, mask or block map");
+    static_assert((VARIANT & ~(WS_VARIANTS | WS_FWD_MAP_VARIANTS)) == 0, "flash_fwd_ws_kernel: no bias");
+    static_assert((VARIANT & WS_FWD_MAP_VARIANTS) == 0 || (VARIANT & WS_FWD_MAP_VARIANTS) == WS_FWD_MAP_VARIANTS,
+                  "flash_fwd_ws_kernel: a mask with its block map, or neither");
     // (the walk's state spills next to a window's and dropout's: cupyflash/dispatch.py FWD_WS_NOT_PERSISTENT)
     static_assert(!PERSISTENT || (VARIANT & (VAR_WINDOW | VAR_DROPOUT)) != (VAR_WINDOW | VAR_DROPOUT),
                   "flash_fwd_ws_kernel: not persistent with a window and dropout");
+    // (nor with the block map: the walk's state next to the map's and the mask's spills 40-72
+    // bytes, nvcc 13.0; and a sparse call's tiles are of unequal cost, which one block per
+    // tile balances better: cupyflash/dispatch.py uses_persistent_ws, kernels_cu/PERF.md v24)
+    static_assert(!PERSISTENT || (VARIANT & VAR_BLOCK_MAP) == 0, "flash_fwd_ws_kernel: not persistent with a map");
+    // (the map's mask pairs next to a window's edges, softcap's or dropout's state spill 8-144
+    // bytes: cupyflash/dispatch.py FWD_WS_MAP_SPILLS, those calls take flash_fwd_sm90.cu)
+    static_assert((VARIANT & VAR_BLOCK_MAP) == 0 || (VARIANT & (VAR_WINDOW | VAR_SOFTCAP | VAR_DROPOUT)) == 0,
+                  "flash_fwd_ws_kernel: the map alone, or with ALiBi or sinks");
     constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
+    constexpr bool MAP = KeyBlockMap<VARIANT>::ON;  // the mask's tile map: empty key blocks skipped
     // Dropout's keep bits depend on no score: drawn while the consumer waits for its S
     // GEMM; with a window, whose edges leave no room for the Philox rounds next to S's
     // accumulators (20 bytes of spill, nvcc 13.0), before the GEMMs are issued.
@@ -135,6 +163,8 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     constexpr int BLOCK_M = Tr::BLOCK_M, N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES, BOX = Tr::BOX_COLS;
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
+    // With the map, a block's mask pairs in registers (variant.cuh ScoreTerms, read in pairs)
+    using MaskTerms = ScoreTerms<VARIANT, T, 1, N_TILES>;
     const FwdParams& p = tp.fwd;
 
     extern __shared__ __align__(16) unsigned char smem[];
@@ -177,23 +207,29 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
 
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
-        // ================= producer: one thread issues every copy
+        // ================= producer: one thread issues every copy (with the block map,
+        // its warp walks the key blocks with it: the map's reads are warp-wide ballots)
         setmaxnreg_dec<Tr::PRODUCER_REGS>();
-        if (threadIdx.x == 0) {
-            tma_prefetch_desc(tp.q_map);
-            tma_prefetch_desc(tp.k_map);
-            tma_prefetch_desc(tp.v_map);
+        if (MAP ? threadIdx.x < 32 : threadIdx.x == 0) {
+            const bool issues = !MAP || threadIdx.x == 0;  // the thread that issues the copies
+            if (issues) {
+                tma_prefetch_desc(tp.q_map);
+                tma_prefetch_desc(tp.k_map);
+                tma_prefetch_desc(tp.v_map);
+            }
             // Key block n of a tile goes to stage (its position in the block's whole walk,
             // over all its tiles) % STAGES, K and V alike; K runs one block ahead of V:
-            // K_first, then (K_{n-1}, V_n) for each n.
+            // K_first, then (K_{n'}, V_n) for each visited n, n' the one visited after it.
             int k_stage = 0, v_stage = 0;
             uint32 k_phase = 0, v_phase = 0, q_phase = 0;
             do {
                 const int b = tile.tc.b, h_kv = tile.tc.h_kv, m0 = tile.m0;
+                const KeyBlockMap<VARIANT> map(p.var, b, tile.tc.h, tile.tc.m_block);
                 // The maps' (row, batch) coordinates of the sequence: (start row, 0) packed, (0, b) dense.
                 const int map_b = VARLEN ? 0 : b, q_row0 = VARLEN ? tile.seq.q_start + m0 : m0;
                 const int k_row0 = VARLEN ? tile.seq.k_start : 0;
                 auto load_q = [&] {
+                    if (!issues) return;
                     mbar_arrive_expect_tx(full_q, QTile::BYTES);
 #pragma unroll
                     for (int c = 0; c < HEAD_DIM / BOX; ++c) {
@@ -204,40 +240,60 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                 auto load_k = [&](int n) {
                     mbar_wait(empty_k(k_stage), k_phase ^ 1);  // both consumers' S GEMMs of the round before are done
                     const uint32 sK = sK0 + k_stage * KVTile::BYTES;
-                    mbar_arrive_expect_tx(full_k(k_stage), KVTile::BYTES);
+                    if (issues) {
+                        mbar_arrive_expect_tx(full_k(k_stage), KVTile::BYTES);
 #pragma unroll
-                    for (int c = 0; c < HEAD_DIM / BOX; ++c) {
-                        tma_load_4d(sK + c * KVTile::BLOCK_BYTES, tp.k_map, full_k(k_stage), c * BOX,
-                                    k_row0 + n * BLOCK_N, h_kv, map_b);
+                        for (int c = 0; c < HEAD_DIM / BOX; ++c) {
+                            tma_load_4d(sK + c * KVTile::BLOCK_BYTES, tp.k_map, full_k(k_stage), c * BOX,
+                                        k_row0 + n * BLOCK_N, h_kv, map_b);
+                        }
                     }
                     if (++k_stage == STAGES) { k_stage = 0; k_phase ^= 1; }
                 };
                 auto load_v = [&](int n) {
                     mbar_wait(empty_v(v_stage), v_phase ^ 1);  // both consumers' P·V of the round before are done
                     const uint32 sV = sV0 + v_stage * KVTile::BYTES;
-                    mbar_arrive_expect_tx(full_v(v_stage), KVTile::BYTES);
+                    if (issues) {
+                        mbar_arrive_expect_tx(full_v(v_stage), KVTile::BYTES);
 #pragma unroll
-                    for (int c = 0; c < HEAD_DIM / BOX; ++c) {
-                        tma_load_4d(sV + c * KVTile::BLOCK_BYTES, tp.v_map, full_v(v_stage), c * BOX,
-                                    k_row0 + n * BLOCK_N, h_kv, map_b);
+                        for (int c = 0; c < HEAD_DIM / BOX; ++c) {
+                            tma_load_4d(sV + c * KVTile::BLOCK_BYTES, tp.v_map, full_v(v_stage), c * BOX,
+                                        k_row0 + n * BLOCK_N, h_kv, map_b);
+                        }
                     }
                     if (++v_stage == STAGES) { v_stage = 0; v_phase ^= 1; }
                 };
-                if constexpr (PERSISTENT) {
-                    // The tile's first K goes out while the consumers may still be on the
-                    // tile before (its ring stage came free after that tile's S GEMMs); Q
-                    // waits for both consumers' O to have left sQ.
-                    if (blocks.end - 1 >= blocks.begin) load_k(blocks.end - 1);
-                    mbar_wait(empty_q, q_phase ^ 1);
-                    q_phase ^= 1;
-                    load_q();
+                if constexpr (!MAP) {
+                    if constexpr (PERSISTENT) {
+                        // The tile's first K goes out while the consumers may still be on the
+                        // tile before (its ring stage came free after that tile's S GEMMs); Q
+                        // waits for both consumers' O to have left sQ.
+                        if (blocks.end - 1 >= blocks.begin) load_k(blocks.end - 1);
+                        mbar_wait(empty_q, q_phase ^ 1);
+                        q_phase ^= 1;
+                        load_q();
+                    } else {
+                        load_q();
+                        if (blocks.end - 1 >= blocks.begin) load_k(blocks.end - 1);
+                    }
+                    for (int n = blocks.end - 1; n >= blocks.begin; --n) {
+                        if (n - 1 >= blocks.begin) load_k(n - 1);
+                        load_v(n);
+                    }
                 } else {
+                    // The same over the blocks the map does not mark EMPTY (never persistent),
+                    // the first of them found once Q's copy has gone out. (Its own branch: the
+                    // walk above written with prev(n) = n - 1 compiles to other SASS for the
+                    // kernels with no map.)
                     load_q();
-                    if (blocks.end - 1 >= blocks.begin) load_k(blocks.end - 1);
-                }
-                for (int n = blocks.end - 1; n >= blocks.begin; --n) {
-                    if (n - 1 >= blocks.begin) load_k(n - 1);
-                    load_v(n);
+                    const int n_first = map.prev(blocks.end, blocks.begin);
+                    if (n_first >= blocks.begin) load_k(n_first);
+                    for (int n = n_first; n >= blocks.begin;) {
+                        const int n_next = map.prev(n, blocks.begin);
+                        if (n_next >= blocks.begin) load_k(n_next);
+                        load_v(n);
+                        n = n_next;
+                    }
                 }
             } while (next_tile());
         }
@@ -283,7 +339,9 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
         softmax.init(sink);
 
         mbar_wait(full_q, q_phase);  // also before the epilogue overwrites sQ with O
-        const int n_first = blocks.end - 1;
+        // The visited blocks, from the last down, as the producer walks them.
+        const KeyBlockMap<VARIANT> map(p.var, b, h, tile.tc.m_block);
+        const int n_first = MAP ? map.prev(blocks.end, blocks.begin) : blocks.end - 1;
         if (n_first >= blocks.begin) {
             if (cw == 1) sched_arrive();
             uint32 pa[BLOCK_N / 16][4];  // P of the block before, the A operand of its P·V
@@ -298,11 +356,27 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                 issue_qk<T, BLOCK_M, BLOCK_N, HEAD_DIM>(s[0], sQ, cw, sK0 + stage * KVTile::BYTES);
                 sched_arrive();
                 if constexpr (DROPOUT && KEEP_UNDER_S) keep.draw(drop, m0 + r0, n_first * BLOCK_N + 2 * t);
+                // The block's mask, read while S runs (an edge block reads it whatever its map
+                // state, as in the steps below).
+                [[maybe_unused]] const int col0 = n_first * BLOCK_N + 2 * t;
+                [[maybe_unused]] const bool edge = blocks.masked(n_first);
+                [[maybe_unused]] const bool full = MAP && !edge && map.state(n_first) == BLOCK_FULL;
+                [[maybe_unused]] MaskTerms terms(mod, m0 + r0);
+                if constexpr (MAP) {
+                    if (edge) terms.template load<true>(col0);
+                    else if (!full) terms.template load<false>(col0);
+                }
                 wgmma_wait<0>();
                 fence_operands(s[0]);
                 release_k(stage);
-                if (blocks.masked(n_first)) score_tile<true>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
-                else score_tile<false>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
+                if constexpr (MAP) {
+                    if (edge) score_tile<true>(s, mod, mask, m0 + r0, col0, terms);
+                    else if (full) score_tile<false, false>(s, mod, mask, m0 + r0, col0, terms);
+                    else score_tile<false>(s, mod, mask, m0 + r0, col0, terms);
+                } else {  // (written as before the map: the same SASS)
+                    if (blocks.masked(n_first)) score_tile<true>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
+                    else score_tile<false>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
+                }
                 softmax.update(s, acc_o, row_sum);
                 if constexpr (DROPOUT) keep.zero_dropped(s);  // the row sums keep the undropped P
                 acc_to_a_operand<T>(s[0], pa);
@@ -311,10 +385,12 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
             uint32 prev_phase = phase;
             if (++stage == STAGES) { stage = 0; phase ^= 1; }
 
-            // ---- block n: S_n issued with P_{n-1}·V_{n-1}; softmax of S_n under that GEMM
+            // ---- block n: S_n issued with P_{n'}·V_{n'} (n' the block visited before it);
+            // softmax of S_n under that GEMM. masked: the range's edge mask code; attn_masked:
+            // the bool mask's (a block the map has FULL takes none).
             // (score_tile is called in place: a generic lambda capturing mod and mask crashes
             // the NVRTC 13.0 / nvcc 13.0 device compiler, cicc, even when never called)
-            auto step = [&](int n, auto masked) {
+            auto step = [&](int n, auto masked, auto attn_masked) {
                 float s[1][N_TILES][4];
                 [[maybe_unused]] DropoutBits<1, N_TILES> keep;
                 const Dropout drop(p.var, b, h, p.nheads_q);
@@ -326,10 +402,18 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                 issue_pv<T, BLOCK_N, HEAD_DIM>(acc_o[0], pa, sV0 + prev_stage * KVTile::BYTES);
                 sched_arrive();
                 if constexpr (DROPOUT && KEEP_UNDER_S) keep.draw(drop, m0 + r0, n * BLOCK_N + 2 * t);
+                // The block's mask (a PARTIAL or edge block), read while the GEMMs run.
+                constexpr bool MASKED = decltype(masked)::value, ATTN_MASKED = decltype(attn_masked)::value;
+                [[maybe_unused]] MaskTerms terms(mod, m0 + r0);
+                if constexpr (MAP) terms.template load<MASKED, ATTN_MASKED>(n * BLOCK_N + 2 * t);
                 wgmma_wait<1>();  // S_n (the older group) has completed
                 fence_operands(s[0]);
                 release_k(stage);  // K_n is free: the producer may copy the block STAGES on into it
-                score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
+                if constexpr (MAP) {
+                    score_tile<MASKED, ATTN_MASKED>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t, terms);
+                } else {
+                    score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
+                }
                 float alpha[1][2];
                 softmax.update_sums(s, row_sum, alpha);
                 // P_{n-1}·V_{n-1} has completed: pa and V stage prev_stage are free. (Pinned
@@ -347,13 +431,26 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
             };
             // Masked blocks (key tail, causal diagonal) first, then the bulk with no mask
             // code, then (a window's) masked left edge.
-            int n = n_first - 1;
-            for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{});
-            if constexpr (Mask<IS_CAUSAL, VARIANT>::WINDOW) {
-                for (; n >= blocks.unmasked_begin; --n) step(n, Bool<false>{});
-                for (; n >= blocks.begin; --n) step(n, Bool<true>{});
+            if constexpr (!MAP) {
+                int n = n_first - 1;
+                for (; n >= blocks.unmasked_end; --n) step(n, Bool<true>{}, Bool<true>{});
+                if constexpr (Mask<IS_CAUSAL, VARIANT>::WINDOW) {
+                    for (; n >= blocks.unmasked_begin; --n) step(n, Bool<false>{}, Bool<true>{});
+                    for (; n >= blocks.begin; --n) step(n, Bool<true>{}, Bool<true>{});
+                } else {
+                    for (; n >= 0; --n) step(n, Bool<false>{}, Bool<true>{});
+                }
             } else {
-                for (; n >= 0; --n) step(n, Bool<false>{});
+                // The same over the visited blocks (as the producer's walk, its own branch; no
+                // window, so the range starts at 0), a block of the bulk mask-free where the
+                // mask keeps it wholly (an edge block reads the mask whatever its state: three
+                // steps compiled, not four).
+                int n = map.prev(n_first, 0);
+                for (; n >= blocks.unmasked_end; n = map.prev(n, 0)) step(n, Bool<true>{}, Bool<true>{});
+                for (; n >= 0; n = map.prev(n, 0)) {
+                    if (map.state(n) == BLOCK_FULL) step(n, Bool<false>{}, Bool<false>{});
+                    else step(n, Bool<false>{}, Bool<true>{});
+                }
             }
 
             // ---- the last block's P·V

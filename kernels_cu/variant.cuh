@@ -45,6 +45,9 @@ constexpr int VAR_BLOCK_MAP = 1024;    // forward, with VAR_MASK: the mask's til
 // cupyflash/dispatch.py FWD_WS_VARIANTS, BWD_WS_VARIANTS): those whose code lives in the
 // scores and the softmax, not in extra shared-memory streams (a bias, a mask, a block map).
 constexpr int WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT;
+// ... and, the forward only, a bool mask with its tile map (the map's walk skips the empty
+// key blocks; cupyflash/dispatch.py FWD_WS_MAP_VARIANTS, FWD_WS_BLOCK_MAP).
+constexpr int WS_FWD_MAP_VARIANTS = VAR_MASK | VAR_BLOCK_MAP;
 
 // The variants' runtime arguments, one member `var` of every params struct
 // (mirrored as VARIANT_PARAMS in cupyflash/_params.py). Fields of a variant that
