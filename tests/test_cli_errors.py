@@ -199,3 +199,46 @@ def test_usable_gpu_refuses_a_device_older_than_the_kernels(monkeypatch, cc, usa
     else:
         assert cupy is None
         assert why == "Some GPU, sm_75 has compute capability 7.5; cupyflash's kernels need 8.0 or newer"
+
+
+# ----------------------------------------------------------------------------
+# check-kernels with bad arguments
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--arch", "7.5"], "argument --arch: must be a compute capability MAJOR.MINOR, 8.0 or newer "
+                        "(e.g. 8.0, 9.0); got 7.5"),
+    (["--arch", "abc"], "argument --arch: must be a compute capability MAJOR.MINOR, 8.0 or newer "
+                        "(e.g. 8.0, 9.0); got 'abc'"),
+    (["--arch", "9"], "argument --arch: must be a compute capability MAJOR.MINOR, 8.0 or newer "
+                      "(e.g. 8.0, 9.0); got '9'"),
+    (["-j", "0"], "argument -j/--jobs: must be a positive integer; got 0"),
+    (["--jobs", "x"], "argument -j/--jobs: must be a positive integer; got 'x'"),
+])
+def test_bad_check_kernels_argument_is_one_line(capsys, monkeypatch, args, expected):
+    """Found by QA: ``--arch 7.5`` ended in a NotImplementedError traceback from
+    dispatch.select_bwd, ``--arch abc`` in int()'s ValueError, and ``-j 0`` ran with one job."""
+    from cupyflash import check_kernels
+
+    def must_not_run(*a, **k):
+        raise AssertionError("check-kernels ran with a bad argument")
+
+    monkeypatch.setattr(check_kernels, "run", must_not_run)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check-kernels", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"cupyflash check-kernels: error: {expected} (see cupyflash check-kernels --help)"]
+
+
+def test_check_kernels_arch_parses_to_the_tuple_run_takes(monkeypatch):
+    pytest.importorskip("cupy.cuda.nvrtc", reason="check-kernels needs cupy and NVRTC")
+    from cupyflash import check_kernels
+
+    seen = []
+    monkeypatch.setattr(check_kernels, "run", lambda archs, **kw: seen.append((archs, kw["jobs"])) or 0)
+    assert cli.main(["check-kernels", "--arch", "8.6", "--arch", "9.0", "-j", "3"]) == 0
+    assert cli.main(["check-kernels"]) == 0
+    assert seen[0] == ([(8, 6), (9, 0)], 3)
+    assert seen[1][0] == [(8, 0), (9, 0)]
