@@ -13,6 +13,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import cupyflash
@@ -103,6 +104,26 @@ def test_unexpected_errors_keep_their_traceback(monkeypatch, exc_type):
     monkeypatch.setattr(cupyflash, "flash_attn_fwd", broken)
     with pytest.raises(exc_type, match="something internal"):
         cli.main(["demo", "--device", "cpu", "--seqlen", "32", "--nheads", "2"])
+
+
+def test_a_shape_too_large_for_any_memory_is_one_line(capsys):
+    """Found by QA: ``--seqlen 99999999999999999999`` ended in numpy's "Maximum allowed
+    dimension exceeded" traceback."""
+    line = _demo_error(capsys, "--seqlen", "99999999999999999999")
+    assert "GiB of inputs, outputs and gradients, more than any memory" in line
+    assert "reduce --batch, --seqlen" in line
+
+
+def test_a_shape_that_does_not_fit_in_memory_is_one_line(capsys, monkeypatch):
+    """Found by QA: ``--batch 100000000`` ended in numpy's _ArrayMemoryError traceback."""
+    def no_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 191. TiB for an array")  # as numpy's _ArrayMemoryError
+
+    from cupyflash import testing
+    monkeypatch.setattr(testing, "random_qkv", no_memory)
+    line = _demo_error(capsys, "--batch", "3")
+    assert line.startswith("cupyflash demo: error: the problem does not fit in memory (")
+    assert "reduce --batch, --seqlen" in line
 
 
 def test_unrecognized_argument_is_one_line(capsys):
