@@ -98,6 +98,11 @@ def _compile_one(item):
 def run(archs, quick=False, match=None, jobs=1, use_cache=True, out=sys.stdout) -> int:
     per_arch = {a: _launches(a, quick, match) for a in archs}
     items = [(L.source, L.name_expression, a, use_cache) for a in archs for L in per_arch[a]]
+    if not items:  # a --match that matches nothing checked nothing: that is no pass
+        print(f"cupyflash check-kernels: error: no kernel variant matches --match {match!r}"
+              f"{' with --quick' if quick else ''} for {', '.join(f'sm_{a}{b}' for a, b in archs)}; "
+              f"nothing was compiled", file=sys.stderr)
+        return 2
     smem = {L.name_expression: L.smem_bytes for a in archs for L in per_arch[a]}
     failures = 0
     print(f"compiling {len(items)} variants for {', '.join(f'sm_{a}{b}' for a, b in archs)} "

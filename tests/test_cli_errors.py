@@ -266,3 +266,14 @@ def test_check_kernels_arch_parses_to_the_tuple_run_takes(monkeypatch):
     assert cli.main(["check-kernels"]) == 0
     assert seen[0] == ([(8, 6), (9, 0)], 3)
     assert seen[1][0] == [(8, 0), (9, 0)]
+
+
+def test_check_kernels_match_that_matches_nothing_is_an_error(capsys):
+    """Found by QA: ``check-kernels --match <typo>`` printed "0 of 0 variants compile with
+    no spills" and exited 0, a pass with nothing checked."""
+    from cupyflash import check_kernels
+
+    assert check_kernels.run([(9, 0)], quick=True, match="no_such_kernel") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["cupyflash check-kernels: error: no kernel variant matches --match 'no_such_kernel' "
+                   "with --quick for sm_90; nothing was compiled"]
