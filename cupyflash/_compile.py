@@ -33,7 +33,7 @@ def cache_dir() -> Path:
     """Where compiled cubins live: $CUPYFLASH_CACHE_DIR or ~/.cache/cupyflash."""
     env = os.environ.get("CUPYFLASH_CACHE_DIR")
     if env:
-        return Path(env)
+        return Path(env).expanduser()  # a quoted "~/..." reaches us unexpanded
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "cupyflash"
 
