@@ -257,11 +257,12 @@ def merge_by_lse(out, lse, part_out, part_lse):
     """
     _check_merge("merge_by_lse", out, lse, part_out, part_lse)
     xp = _xp(lse)
-    new = xp.logaddexp(lse, part_lse)
-    safe = xp.where(xp.isneginf(new), xp.float32(0), new)  # -inf - -inf would be NaN
-    w_old = xp.exp(lse - safe).transpose(0, 2, 1)[..., None]
-    w_part = xp.exp(part_lse - safe).transpose(0, 2, 1)[..., None]
-    return (w_old * out + w_part * part_out).astype(out.dtype, copy=False), new.astype(xp.float32, copy=False)
+    with np.errstate(under="ignore"):  # a far smaller part's weight underflows to 0 by design
+        new = xp.logaddexp(lse, part_lse)
+        safe = xp.where(xp.isneginf(new), xp.float32(0), new)  # -inf - -inf would be NaN
+        w_old = xp.exp(lse - safe).transpose(0, 2, 1)[..., None]
+        w_part = xp.exp(part_lse - safe).transpose(0, 2, 1)[..., None]
+        return (w_old * out + w_part * part_out).astype(out.dtype, copy=False), new.astype(xp.float32, copy=False)
 
 
 # ---------------------------------------------------------------- the schedule
