@@ -47,6 +47,7 @@ CuPy arrays, which are copied to the host.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -695,3 +696,23 @@ def naive_attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, dtype=N
     if dbias is not None:
         grads += (dbias,)
     return tuple(g.astype(r.dtype) for g in grads)
+
+
+def _underflow_is_zero(fn):
+    """``fn`` with float underflow ignored whatever the caller's ``np.seterr`` (as in
+    :mod:`cupyflash.cpu`): far-below-max probabilities and the naive path's rounding to
+    float16 / bfloat16 underflow by design."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with np.errstate(under="ignore"):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+attention_fwd = _underflow_is_zero(attention_fwd)
+attention_bwd = _underflow_is_zero(attention_bwd)
+attention_probs = _underflow_is_zero(attention_probs)
+attention_with_kvcache = _underflow_is_zero(attention_with_kvcache)
+naive_attention = _underflow_is_zero(naive_attention)
+naive_attention_bwd = _underflow_is_zero(naive_attention_bwd)

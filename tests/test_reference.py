@@ -252,3 +252,21 @@ def test_reference_names_a_layout_mismatch(fn, q_shape, k_shape, v_shape, messag
         pytest.skip("attention_probs takes no v")
     with pytest.raises(ValueError, match=f"cupyflash.reference.{fn}: {message}"):
         getattr(reference, fn)(*args)
+
+
+def test_the_reference_and_the_rule_work_under_seterr_raise():
+    """Found by QA: under ``np.errstate(all="raise")`` the float64 reference raised
+    FloatingPointError (scipy's logsumexp underflowing on far-below-max scores), so
+    ``testing.assert_*_matches_reference`` could not check an ALiBi call."""
+    import cupyflash
+
+    rng = np.random.default_rng(0)
+    q, k, v = testing.random_qkv(rng, 2, 40, 33, 4, 2, 32, "float32")
+    q = q * 10
+    kw = dict(alibi_slopes=np.full(4, 30.0, np.float32), causal=True)
+    with np.errstate(all="raise"):
+        out, lse = cupyflash.flash_attn_fwd(q, k, v, **kw)
+        testing.assert_fwd_matches_reference(q, k, v, out, lse, **kw)
+        grads = cupyflash.flash_attn_bwd(out, q, k, v, out, lse, **kw)
+        testing.assert_bwd_matches_reference(out, q, k, v, *grads, **kw)
+        reference.naive_attention(q, k, v, None, True, "float16", alibi_slopes=kw["alibi_slopes"])
