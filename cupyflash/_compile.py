@@ -10,6 +10,7 @@ device. Compilation needs NVRTC but no GPU, which ``check-kernels`` relies on.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -17,6 +18,7 @@ import os
 import re
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +33,7 @@ def cache_dir() -> Path:
     """Where compiled cubins live: $CUPYFLASH_CACHE_DIR or ~/.cache/cupyflash."""
     env = os.environ.get("CUPYFLASH_CACHE_DIR")
     if env:
-        return Path(env)
+        return Path(env).expanduser()  # a quoted "~/..." reaches us unexpanded
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "cupyflash"
 
@@ -135,9 +137,10 @@ def compile_variant(source: str, name_expression: str, arch: tuple[int, int],
     key = _cache_key(source, name_expression, options)
     cdir = cache_dir()
     cubin_path, meta_path = cdir / f"{key}.cubin", cdir / f"{key}.json"
-    if use_cache and cubin_path.is_file() and meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        return Compiled(cubin_path.read_bytes(), meta["lowered_name"], meta.get("log", ""))
+    if use_cache:
+        cached = _read_cached(cubin_path, meta_path)
+        if cached is not None:
+            return cached
 
     nvrtc = _nvrtc()
     code = f'#include "{source}"\n'
@@ -160,14 +163,47 @@ def compile_variant(source: str, name_expression: str, arch: tuple[int, int],
         nvrtc.destroyProgram(prog)
 
     if use_cache:
+        _write_cached(cdir, cubin_path, cubin, meta_path, json.dumps({"lowered_name": lowered, "log": log}).encode())
+    return Compiled(cubin, lowered, log)
+
+
+def _read_cached(cubin_path: Path, meta_path: Path) -> Compiled | None:
+    """The cached compile, or None when it is missing or unreadable (then compiled again)."""
+    try:
+        if not (cubin_path.is_file() and meta_path.is_file()):
+            return None
+        meta = json.loads(meta_path.read_text())
+        return Compiled(cubin_path.read_bytes(), meta["lowered_name"], meta.get("log", ""))
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable, or a damaged JSON file
+        return None
+
+
+#: Cache directories already warned about (one warning per directory and process).
+_unwritable: set[str] = set()
+
+
+def _write_cached(cdir: Path, cubin_path: Path, cubin: bytes, meta_path: Path, meta: bytes) -> None:
+    """Store a compile in the cache; a cache that cannot be written only costs the
+    recompile next time (one warning), never the call."""
+    try:
         cdir.mkdir(parents=True, exist_ok=True)
         # Write atomically so concurrent processes never read half a file.
-        for path, data in ((cubin_path, cubin), (meta_path, json.dumps({"lowered_name": lowered, "log": log}).encode())):
+        for path, data in ((cubin_path, cubin), (meta_path, meta)):
             fd, tmp = tempfile.mkstemp(dir=cdir)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-    return Compiled(cubin, lowered, log)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+    except OSError as exc:
+        if str(cdir) not in _unwritable:
+            _unwritable.add(str(cdir))
+            warnings.warn(f"cupyflash: cannot write the kernel cache in {cdir} ({type(exc).__name__}: {exc}); "
+                          f"kernels are compiled again in every process. Set CUPYFLASH_CACHE_DIR to a writable "
+                          f"directory to keep them.", RuntimeWarning, stacklevel=3)
 
 
 def get_function(source: str, name_expression: str, smem_bytes: int):

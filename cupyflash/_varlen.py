@@ -85,11 +85,18 @@ def _check_cu_seqlens(fn, name, cu, q, total, total_name):
     return values
 
 
+#: The longest sequence a max_seqlen may name (int32 in the kernels' params).
+_MAX_SEQLEN = 2**31 - 1
+
+
 def _check_max_seqlen(fn, name, value, cu_values, what):
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         fail(TypeError, fn, f"{name} must be an int; got {_checks._type_name(value)}.")
     if int(value) < 0:
         fail(ValueError, fn, f"{name} must be >= 0; got {int(value)}.")
+    if int(value) > _MAX_SEQLEN:  # the kernels' params and grids hold it as an int32
+        fail(ValueError, fn, f"{name} must be at most 2**31 - 1 (the kernels index sequences in int32); "
+                             f"got {int(value)}.")
     lengths = np.diff(cu_values)
     if lengths.size and int(value) < lengths.max():
         i = int(np.argmax(lengths))
@@ -490,7 +497,7 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         also when a ``cu_seqlens`` is not 1-D, empty, not contiguous, does not
         start at 0, decreases, or does not end at the number of tokens; when
         the two ``cu_seqlens`` differ in length; or when a ``max_seqlen`` is
-        smaller than the longest sequence.  A variant option is malformed as
+        smaller than the longest sequence or above ``2**31 - 1``.  A variant option is malformed as
         for :func:`cupyflash.flash_attn_fwd` (``alibi_slopes`` of shape
         (batch, nheads_q), ``attn_bias`` and ``attn_mask`` count ``batch =
         len(cu_seqlens_q) - 1``).

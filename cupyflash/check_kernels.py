@@ -14,14 +14,40 @@ import sys
 import time
 
 
+def _arch(text: str) -> tuple[int, int]:
+    """An argparse type: a compute capability ``MAJOR.MINOR`` the kernels support (8.0 or newer)."""
+    from .dispatch import ARCHS  # noqa: PLC0415
+
+    oldest = ".".join(map(str, ARCHS[0]))
+    rule = f"must be a compute capability MAJOR.MINOR, {oldest} or newer (e.g. 8.0, 9.0)"
+    parts = text.split(".")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{rule}; got {text!r}")
+    arch = (int(parts[0]), int(parts[1]))
+    if arch < ARCHS[0] or arch[1] > 9:
+        raise argparse.ArgumentTypeError(f"{rule}; got {text}")
+    return arch
+
+
+def _jobs(text: str) -> int:
+    """An argparse type: a positive number of parallel compiles."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--arch", action="append", default=None, metavar="MAJOR.MINOR",
+    parser.add_argument("--arch", action="append", type=_arch, default=None, metavar="MAJOR.MINOR",
                         help="target compute capability (repeatable); default 8.0 and 9.0")
     parser.add_argument("--quick", action="store_true",
                         help="only the even, aligned, unsplit fp16 variants (one per head_dim, causal or not)")
     parser.add_argument("--match", default=None, help="only variants whose name contains this text")
     parser.add_argument("--no-cache", action="store_true", help="compile cold (measures compile time)")
-    parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
+    parser.add_argument("-j", "--jobs", type=_jobs, default=os.cpu_count() or 1, help="parallel compiles")
 
 
 def _quick_sm90(launch) -> bool:
@@ -72,6 +98,11 @@ def _compile_one(item):
 def run(archs, quick=False, match=None, jobs=1, use_cache=True, out=sys.stdout) -> int:
     per_arch = {a: _launches(a, quick, match) for a in archs}
     items = [(L.source, L.name_expression, a, use_cache) for a in archs for L in per_arch[a]]
+    if not items:  # a --match that matches nothing checked nothing: that is no pass
+        print(f"cupyflash check-kernels: error: no kernel variant matches --match {match!r}"
+              f"{' with --quick' if quick else ''} for {', '.join(f'sm_{a}{b}' for a, b in archs)}; "
+              f"nothing was compiled", file=sys.stderr)
+        return 2
     smem = {L.name_expression: L.smem_bytes for a in archs for L in per_arch[a]}
     failures = 0
     print(f"compiling {len(items)} variants for {', '.join(f'sm_{a}{b}' for a, b in archs)} "
@@ -94,5 +125,5 @@ def main(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"check-kernels needs cupy and NVRTC (pip install 'cupyflash[cuda13]'): {e}", file=sys.stderr)
         return 2
-    archs = [tuple(int(x) for x in a.split(".")) for a in (args.arch or ["8.0", "9.0"])]
+    archs = args.arch or [(8, 0), (9, 0)]
     return run(archs, quick=args.quick, match=args.match, jobs=args.jobs, use_cache=not args.no_cache)

@@ -194,6 +194,9 @@ def _demo_config_error(cfg, args):
         nheads = "--nheads" if args.nheads is not None else "the default --nheads"
         return (f"argument --nheads-kv: must divide {nheads} ({cfg['nheads_q']}); "
                 f"got {cfg['nheads_kv']} (see cupyflash demo --help)")
+    if _demo_bytes(cfg) > _DEMO_MAX_BYTES:
+        return (f"the shape needs {_demo_bytes(cfg) / 2**30:.3g} GiB of inputs, outputs and gradients, "
+                f"more than any memory; reduce --batch, --seqlen, --seqlen-k, --nheads or --head-dim")
     if cfg["dtype"] == "bfloat16":
         try:
             import ml_dtypes  # noqa: F401
@@ -204,6 +207,18 @@ def _demo_config_error(cfg, args):
             return (f"argument --dtype: bfloat16 needs the ml_dtypes package, which {why}; "
                     f"install it with: pip install \"cupyflash[bf16]\"")
     return None
+
+
+def _demo_bytes(cfg):
+    """Bytes of the demo's q, k, v, dout, out, dq, dk and dv (Python ints: no overflow)."""
+    itemsize = 8 if cfg["dtype"] == "float64" else 4 if cfg["dtype"] == "float32" else 2
+    q = cfg["batch"] * cfg["seqlen_q"] * cfg["nheads_q"] * cfg["head_dim"]
+    kv = cfg["batch"] * cfg["seqlen_k"] * cfg["nheads_kv"] * cfg["head_dim"]
+    return (4 * q + 4 * kv) * itemsize
+
+
+#: Larger than any memory (and than what numpy can index): such a shape is refused up front.
+_DEMO_MAX_BYTES = 1 << 60
 
 
 def _flops(cfg, causal):
@@ -285,6 +300,11 @@ def _run_demo(args):
         (dq, dk, dv), t_bwd = _timed(
             lambda: cupyflash.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal),
             sync, repeat)
+    except MemoryError as exc:  # numpy's _ArrayMemoryError, cupy's OutOfMemoryError
+        print(f"cupyflash demo: error: the problem does not fit in memory ({_demo_bytes(cfg) / 2**30:.3g} GiB "
+              f"of inputs, outputs and gradients; {type(exc).__name__}: {exc}); reduce --batch, --seqlen, "
+              f"--seqlen-k, --nheads or --head-dim", file=sys.stderr)
+        return 2
     except (ValueError, TypeError, NotImplementedError) as exc:
         # cupyflash's own argument errors ("cupyflash.<fn>: ..." / "cupyflash: ...") say
         # what the arguments broke; anything else is a bug and keeps its traceback.

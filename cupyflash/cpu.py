@@ -84,6 +84,8 @@ them through :func:`cupyflash.flash_attn_fwd` and :func:`cupyflash.flash_attn_bw
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import _blockmask, _philox
@@ -468,6 +470,23 @@ def _finalize_with_sink(acc, row_max, row_sum, score_unit, lse_scale, sink):
     return acc, lse
 
 
+def _underflow_is_zero(fn):
+    """Run ``fn`` with float underflow ignored, whatever the caller's ``np.seterr``.
+
+    exp2 of a far-below-max score and the rounding of tiny values into float16 /
+    bfloat16 outputs underflow by design (to 0 or a subnormal, as on the GPU);
+    under a caller's ``np.seterr(all="raise")`` (a common way to hunt NaNs) they
+    raised FloatingPointError on ordinary inputs.  Overflow and invalid
+    operations keep the caller's settings."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with np.errstate(under="ignore"):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_underflow_is_zero
 def fwd(q, k, v, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,
         alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None, batch_start=0,
         attn_bias=None, attn_mask=None, block_mask=None):
@@ -616,6 +635,7 @@ def _bwd_tile(k_tile, v_tile, dk_acc, dv_acc, dq_acc, q, dout, lse_log2, delta,
     dk_acc += ds.swapaxes(-1, -2) @ q_tile
 
 
+@_underflow_is_zero
 def bwd(dout, q, k, v, out, lse, softmax_scale, causal, *, window_size=(-1, -1), softcap=0.0,
         alibi_slopes=None, sinks=None, dropout_p=0.0, rng_state=None, batch_start=0,
         attn_bias=None, attn_mask=None, return_dbias=False, block_mask=None):

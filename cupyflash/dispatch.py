@@ -366,6 +366,8 @@ class FwdPlan:
 
 def padded_head_dim(head_dim: int) -> int:
     """The smallest compiled specialisation that holds ``head_dim``."""
+    if head_dim < 1:
+        raise ValueError(f"cupyflash: head_dim must be at least 1; got {head_dim}")
     for d in HEAD_DIMS:
         if head_dim <= d:
             return d
@@ -505,6 +507,19 @@ def num_splits_heuristic(work_blocks: int, n_blocks: int, num_sms: int) -> int:
     return max(1, min(want, n_blocks // 2, 128))
 
 
+def _check_launch_dims(fn: str, **dims: int) -> None:
+    """A plan is for a launch: each of ``dims`` >= 1 (empty problems never reach the
+    planners: the API returns their results without launching anything), and a
+    ``nheads_kv`` that divides ``nheads_q``."""
+    for name, value in dims.items():
+        if value < 1:
+            raise ValueError(f"cupyflash: {fn} plans a launch and needs {name} >= 1 (an empty problem has "
+                             f"nothing to launch); got {value}")
+    if "nheads_kv" in dims and dims["nheads_q"] % dims["nheads_kv"]:
+        raise ValueError(f"cupyflash: {fn} needs nheads_kv dividing nheads_q ({dims['nheads_q']}); "
+                         f"got {dims['nheads_kv']}")
+
+
 def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_dim: int,
                dtype: str, causal: bool, vec: bool, num_sms: int = 132,
                cc: tuple[int, int] = (9, 0), varlen: bool = False, variant: int = 0,
@@ -532,6 +547,7 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
     if cc < ARCHS[0]:
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
+    _check_launch_dims("select_fwd", batch=batch, seqlen_q=seqlen_q, nheads_q=nheads_q)
     d = padded_head_dim(head_dim)
     ws_variant = ws_fwd_variant(variant)
     if ws_variant & FWD_WS_MAP_VARIANTS:
@@ -1442,6 +1458,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     variant &= ~VAR_BLOCK_MAP
     if varlen and (total_q < 1 or total_k < 1):
         raise ValueError(f"cupyflash: a packed batch needs total_q and total_k >= 1; got {total_q} and {total_k}")
+    _check_launch_dims("select_bwd", batch=batch, seqlen_q=seqlen_q, nheads_q=nheads_q, nheads_kv=nheads_kv)
     # The row buffers' (batches, rows per head): a packed batch is one sequence of total rows.
     q_rows = (1, total_q) if varlen else (batch, seqlen_q)
     k_rows = (1, total_k) if varlen else (batch, seqlen_k)
@@ -1788,6 +1805,7 @@ def select_decode(*, batch: int, seqlen_q: int, nheads_q: int, nheads_kv: int, h
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
     if cc < ARCHS[0]:
         raise NotImplementedError(f"cupyflash: needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]}")
+    _check_launch_dims("select_decode", batch=batch, nheads_q=nheads_q, nheads_kv=nheads_kv)
     if variant & (VAR_DROPOUT | sum(_QUALIFIER_BITS)):
         raise ValueError(f"cupyflash: the decode kernel takes no dropout, and reads a bias or mask element by "
                          f"element (no VAR_BIAS_STRIDED, VAR_BIAS_STAGED or VAR_BLOCK_MAP); got variant {variant}")

@@ -645,6 +645,10 @@ def _variant_call(q, k, v, scale, causal, deterministic, dropout_p, window_size,
     """:func:`flash_attention` with a variant argument given: validated at trace time
     with the core's rules (on NumPy specs of the arrays), then the variant callbacks."""
     key = rng_state if _is_key(rng_state) else None
+    if key is not None and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape != ():
+        _checks.fail(TypeError, _FN, f"rng_state must be one JAX PRNG key (shape ()) or a (seed, offset) pair; "
+                                     f"got a key array of shape {tuple(key.shape)} (index it, e.g. "
+                                     f"jax.random.split(key)[0], to take one key per call).")
     arrays = {name: _optional_array(name, x) for name, x in (
         ("alibi_slopes", alibi_slopes), ("sinks", sinks), ("attn_bias", attn_bias), ("attn_mask", attn_mask))}
     specs = {name: None if x is None else _value_spec(x) for name, x in arrays.items()}

@@ -201,6 +201,29 @@ def _check_shards(fn, shards):
 # ---------------------------------------------------------------- the merge
 
 
+def _check_merge(fn, out, lse, part_out, part_lse):
+    arrays = (("out", out), ("lse", lse), ("part_out", part_out), ("part_lse", part_lse))
+    for name, x in arrays:
+        if _checks._kind(x) is None:
+            fail(TypeError, fn, f"{name} must be a numpy or cupy array; got {_checks._type_name(x)}.")
+        if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
+            fail(TypeError, fn, f"{name} must have a float dtype; got {_checks.dtype_desc(x.dtype)}.")
+    for name, x in arrays[1:]:
+        if _checks._kind(x) != _checks._kind(out):
+            fail(TypeError, fn, f"{name} must be a {_checks._kind(out)} array like out; got "
+                                f"{_checks._type_name(x)}.")
+    if out.ndim != 4:
+        fail(ValueError, fn, f"out must have 4 dimensions (batch, seqlen_q, nheads_q, head_dim); got "
+                             f"{out.ndim} with shape {tuple(out.shape)}.")
+    if part_out.shape != out.shape:
+        fail(ValueError, fn, f"part_out must have out's shape {tuple(out.shape)}; got {tuple(part_out.shape)}.")
+    batch, seqlen_q, nheads_q, _ = out.shape
+    for name, x in arrays[1::2]:
+        if x.shape != (batch, nheads_q, seqlen_q):
+            fail(ValueError, fn, f"{name} must have shape (batch, nheads_q, seqlen_q) = "
+                                 f"{(batch, nheads_q, seqlen_q)} (out's); got {tuple(x.shape)}.")
+
+
 def merge_by_lse(out, lse, part_out, part_lse):
     """Merge two partial attentions over disjoint key sets into one, exactly.
 
@@ -220,13 +243,26 @@ def merge_by_lse(out, lse, part_out, part_lse):
     -------
     out : array, dtype of ``out``
     lse : array, float32
+
+    Raises
+    ------
+    TypeError
+        An argument is not a numpy or cupy array, the four are not of one kind,
+        or one has a non-float dtype.
+    ValueError
+        ``out`` is not 4-D, ``part_out`` does not have its shape, or ``lse`` and
+        ``part_lse`` do not have the shape ``(batch, nheads_q, seqlen_q)`` of
+        ``out`` (nothing is broadcast: a mismatched partial would be merged
+        silently into every row or head).
     """
+    _check_merge("merge_by_lse", out, lse, part_out, part_lse)
     xp = _xp(lse)
-    new = xp.logaddexp(lse, part_lse)
-    safe = xp.where(xp.isneginf(new), xp.float32(0), new)  # -inf - -inf would be NaN
-    w_old = xp.exp(lse - safe).transpose(0, 2, 1)[..., None]
-    w_part = xp.exp(part_lse - safe).transpose(0, 2, 1)[..., None]
-    return (w_old * out + w_part * part_out).astype(out.dtype, copy=False), new.astype(xp.float32, copy=False)
+    with np.errstate(under="ignore"):  # a far smaller part's weight underflows to 0 by design
+        new = xp.logaddexp(lse, part_lse)
+        safe = xp.where(xp.isneginf(new), xp.float32(0), new)  # -inf - -inf would be NaN
+        w_old = xp.exp(lse - safe).transpose(0, 2, 1)[..., None]
+        w_part = xp.exp(part_lse - safe).transpose(0, 2, 1)[..., None]
+        return (w_old * out + w_part * part_out).astype(out.dtype, copy=False), new.astype(xp.float32, copy=False)
 
 
 # ---------------------------------------------------------------- the schedule

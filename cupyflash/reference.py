@@ -47,6 +47,7 @@ CuPy arrays, which are copied to the host.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -100,6 +101,28 @@ def visible_keys(seqlen_q, seqlen_k, causal, *, window_size=(-1, -1)):
     if right >= 0:
         visible &= cols <= diag + right
     return visible
+
+
+def _check_shapes(fn, q, k, v=None, dout=None):
+    """The layout rules of the fast paths, so that a mismatch is named instead of
+    broadcast (a k of batch 1 against a q of batch 2) or failed deep in numpy."""
+    def fail(message):
+        raise ValueError(f"cupyflash.reference.{fn}: {message}")
+
+    named = [("q", q), ("k", k)] + ([("v", v)] if v is not None else []) + (
+        [("dout", dout)] if dout is not None else [])
+    for name, x in named:
+        if np.ndim(x) != 4:
+            fail(f"{name} must have 4 dimensions (batch, seqlen, nheads, head_dim); got shape {np.shape(x)}.")
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        fail(f"k must have q's batch ({q.shape[0]}) and head_dim ({q.shape[3]}); got shape {k.shape}.")
+    if v is not None and v.shape[:3] != k.shape[:3]:  # (its head_dim may differ: the math allows it)
+        fail(f"v must have k's (batch, seqlen, nheads) {k.shape[:3]}; got shape {v.shape}.")
+    if dout is not None and dout.shape != q.shape:
+        fail(f"dout must have q's shape {q.shape}; got {dout.shape}.")
+    nheads, nheads_kv = q.shape[2], k.shape[2]
+    if (nheads_kv == 0 and nheads != 0) or (nheads_kv and nheads % nheads_kv):
+        fail(f"k must have a number of heads that divides q's ({nheads}); got {nheads_kv}.")
 
 
 def _heads_first(x, nheads):
@@ -287,6 +310,7 @@ def attention_fwd(q, k, v, softmax_scale=None, causal=False, *, window_size=(-1,
         no key and has no sink.
     """
     q, k, v = (_host(x, np.float64) for x in (q, k, v))
+    _check_shapes("attention_fwd", q, k, v)
     p, lse, *_ = _probs64(q, k, softmax_scale, causal, window_size, softcap,
                           alibi_slopes, sinks, attn_bias, attn_mask)
     keep = _keep_scale(dropout_p, dropout_mask)
@@ -315,6 +339,7 @@ def attention_probs(q, k, softmax_scale=None, causal=False, *, window_size=(-1, 
         than 1 (the sink's share is not a column).
     """
     q, k = (_host(x, np.float64) for x in (q, k))
+    _check_shapes("attention_probs", q, k)
     return _probs64(q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks, attn_bias,
                     attn_mask)[0]
 
@@ -361,6 +386,7 @@ def attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, *, window_siz
     if return_dbias and attn_bias is None:
         raise ValueError("return_dbias needs attn_bias")
     dout, q, k, v = (_host(x, np.float64) for x in (dout, q, k, v))
+    _check_shapes("attention_bwd", q, k, v, dout)
     nheads, nheads_kv = q.shape[2], k.shape[2]
     p, _, scale, tanh, p_sink, distance = _probs64(
         q, k, softmax_scale, causal, window_size, softcap, alibi_slopes, sinks, attn_bias, attn_mask)
@@ -603,6 +629,7 @@ def naive_attention(q, k, v, softmax_scale=None, causal=False, dtype=None, *, wi
     """
     r = _Rounding(_host(q).dtype if dtype is None else dtype)
     q, k, v = (r.load(x) for x in (q, k, v))
+    _check_shapes("naive_attention", q, k, v)
     p, lse, *_ = _naive_probs(r, q, k, softmax_scale, causal, window_size, softcap, alibi_slopes,
                               sinks, attn_bias, attn_mask)
     keep = _keep_scale(dropout_p, dropout_mask)
@@ -641,6 +668,7 @@ def naive_attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, dtype=N
         raise ValueError("return_dbias needs attn_bias")
     r = _Rounding(_host(q).dtype if dtype is None else dtype)
     dout, q, k, v = (r.load(x) for x in (dout, q, k, v))
+    _check_shapes("naive_attention_bwd", q, k, v, dout)
     nheads, nheads_kv = q.shape[2], k.shape[2]
     p, _, scale, tanh, p_sink = _naive_probs(r, q, k, softmax_scale, causal, window_size, softcap,
                                              alibi_slopes, sinks, attn_bias, attn_mask)
@@ -668,3 +696,23 @@ def naive_attention_bwd(dout, q, k, v, softmax_scale=None, causal=False, dtype=N
     if dbias is not None:
         grads += (dbias,)
     return tuple(g.astype(r.dtype) for g in grads)
+
+
+def _underflow_is_zero(fn):
+    """``fn`` with float underflow ignored whatever the caller's ``np.seterr`` (as in
+    :mod:`cupyflash.cpu`): far-below-max probabilities and the naive path's rounding to
+    float16 / bfloat16 underflow by design."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with np.errstate(under="ignore"):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+attention_fwd = _underflow_is_zero(attention_fwd)
+attention_bwd = _underflow_is_zero(attention_bwd)
+attention_probs = _underflow_is_zero(attention_probs)
+attention_with_kvcache = _underflow_is_zero(attention_with_kvcache)
+naive_attention = _underflow_is_zero(naive_attention)
+naive_attention_bwd = _underflow_is_zero(naive_attention_bwd)

@@ -293,3 +293,31 @@ def test_testing_helpers_are_an_attribute_of_the_package():
     code = "import cupyflash; print(cupyflash.testing.GRAD_FACTOR)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "3.0"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("variant", [dict(), dict(alibi_slopes=np.full(4, 8.0, np.float32), causal=True),
+                                     dict(sinks=np.full(4, -50.0, np.float32)), dict(dropout_p=0.3, rng_state=(1, 2))],
+                         ids=["plain", "alibi-causal", "sinks", "dropout"])
+def test_a_callers_seterr_raise_does_not_break_ordinary_inputs(dtype, variant):
+    """Found by QA: under ``np.seterr(all="raise")`` / ``np.errstate(all="raise")`` (a usual
+    way to hunt NaNs in one's own code) the CPU path raised FloatingPointError on ordinary
+    finite inputs: exp2 of scores far below the row max, and the float16 / bfloat16 rounding
+    of tiny gradients, underflow by design. Underflow is now ignored inside the CPU path
+    (and parallel.merge_by_lse); overflow and invalid operations keep the caller's setting."""
+    from cupyflash import parallel, testing
+
+    if dtype == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(0)
+    with np.errstate(all="ignore"):
+        q, k, v = testing.random_qkv(rng, 2, 40, 33, 4, 2, 32, dtype)
+        q = (q.astype(np.float32) * 4).astype(q.dtype)  # sharp rows: most probabilities underflow
+    with np.errstate(all="raise"):
+        out, lse = cupyflash.flash_attn_fwd(q, k, v, **variant)
+        grads = cupyflash.flash_attn_bwd(out, q, k, v, out, lse, **variant)
+        cu = np.array([0, 40], np.int32), np.array([0, 33], np.int32)
+        cupyflash.flash_attn_varlen_fwd(q[0], k[0], v[0], *cu, 40, 33, **variant)
+        half = [cupyflash.flash_attn_fwd(q, k[:, s], v[:, s]) for s in (slice(0, 16), slice(16, 33))]
+        parallel.merge_by_lse(half[0][0].astype(np.float32), half[0][1], *half[1])
+    assert all(np.isfinite(np.asarray(x, np.float64)).all() for x in (out, *grads))

@@ -101,3 +101,39 @@ def test_quick_selection_holds_the_default_plans_wgmma_kernels(head_dim, causal)
     assert len(wgmma) == (3 if head_dim == 64 else 2)  # fwd, dK/dV (, dQ)
     for launch in wgmma:
         assert launch.name_expression in quick, launch.name_expression
+
+
+def test_an_unwritable_cache_costs_a_warning_not_the_compile(tmp_path, monkeypatch):
+    """Found by QA: with CUPYFLASH_CACHE_DIR (or ~/.cache) not writable -- a read-only home
+    in a container or on a cluster -- compile_variant raised the OSError of its cache
+    write, so every first call of a kernel failed on the GPU. The cache is only an
+    optimisation: the compile now returns, with one RuntimeWarning per directory."""
+    _compile = _nvrtc_or_skip()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("CUPYFLASH_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(_compile, "_unwritable", set())
+    launch = dispatch.combine_launch("float16", 64)
+    with pytest.warns(RuntimeWarning, match=r"cannot write the kernel cache in .*a-file/cache .*CUPYFLASH_CACHE_DIR"):
+        first = _compile.compile_variant(launch.source, launch.name_expression, (9, 0))
+    assert first.cubin[:4] == b"\x7fELF"
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per directory
+        again = _compile.compile_variant(launch.source, launch.name_expression, (9, 0))
+    assert again.cubin[:4] == b"\x7fELF" and again.lowered_name == first.lowered_name  # (cubins of two
+    # compiles may differ in bytes NVRTC embeds)
+
+
+def test_a_damaged_cache_entry_is_compiled_again(tmp_path, monkeypatch):
+    """A cache entry whose JSON is damaged (a full disk, a hand edit) is recompiled and
+    rewritten instead of failing the call with a JSONDecodeError."""
+    _compile = _nvrtc_or_skip()
+    monkeypatch.setenv("CUPYFLASH_CACHE_DIR", str(tmp_path))
+    launch = dispatch.combine_launch("float16", 64)
+    first = _compile.compile_variant(launch.source, launch.name_expression, (9, 0))
+    (meta,) = tmp_path.glob("*.json")
+    meta.write_text('{"lowered_na')
+    again = _compile.compile_variant(launch.source, launch.name_expression, (9, 0))
+    assert again.cubin[:4] == b"\x7fELF" and again.lowered_name == first.lowered_name
+    assert '"lowered_name"' in meta.read_text()

@@ -41,6 +41,18 @@ def test_info_default_cache_dir(monkeypatch, capsys):
     assert os.path.join(".cache", "cupyflash") in capsys.readouterr().out
 
 
+def test_cache_dir_expands_a_quoted_tilde(monkeypatch, tmp_path, capsys):
+    """Found by QA: ``export CUPYFLASH_CACHE_DIR="~/kcache"`` (quoted, so the shell leaves
+    the tilde) made the cache a directory literally named "~" under the working directory."""
+    from cupyflash import _compile
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("CUPYFLASH_CACHE_DIR", "~/kcache")
+    assert _compile.cache_dir() == tmp_path / "kcache"
+    assert cli.main(["info"]) == 0
+    assert str(tmp_path / "kcache") in capsys.readouterr().out
+
+
 def test_demo_cpu_small():
     result = _run("demo", "--device", "cpu", "--seqlen", "200", "--seqlen-k", "300",
                   "--nheads", "4", "--nheads-kv", "2", "--head-dim", "40", "--causal",

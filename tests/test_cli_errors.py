@@ -13,6 +13,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import cupyflash
@@ -103,6 +104,26 @@ def test_unexpected_errors_keep_their_traceback(monkeypatch, exc_type):
     monkeypatch.setattr(cupyflash, "flash_attn_fwd", broken)
     with pytest.raises(exc_type, match="something internal"):
         cli.main(["demo", "--device", "cpu", "--seqlen", "32", "--nheads", "2"])
+
+
+def test_a_shape_too_large_for_any_memory_is_one_line(capsys):
+    """Found by QA: ``--seqlen 99999999999999999999`` ended in numpy's "Maximum allowed
+    dimension exceeded" traceback."""
+    line = _demo_error(capsys, "--seqlen", "99999999999999999999")
+    assert "GiB of inputs, outputs and gradients, more than any memory" in line
+    assert "reduce --batch, --seqlen" in line
+
+
+def test_a_shape_that_does_not_fit_in_memory_is_one_line(capsys, monkeypatch):
+    """Found by QA: ``--batch 100000000`` ended in numpy's _ArrayMemoryError traceback."""
+    def no_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 191. TiB for an array")  # as numpy's _ArrayMemoryError
+
+    from cupyflash import testing
+    monkeypatch.setattr(testing, "random_qkv", no_memory)
+    line = _demo_error(capsys, "--batch", "3")
+    assert line.startswith("cupyflash demo: error: the problem does not fit in memory (")
+    assert "reduce --batch, --seqlen" in line
 
 
 def test_unrecognized_argument_is_one_line(capsys):
@@ -199,3 +220,60 @@ def test_usable_gpu_refuses_a_device_older_than_the_kernels(monkeypatch, cc, usa
     else:
         assert cupy is None
         assert why == "Some GPU, sm_75 has compute capability 7.5; cupyflash's kernels need 8.0 or newer"
+
+
+# ----------------------------------------------------------------------------
+# check-kernels with bad arguments
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--arch", "7.5"], "argument --arch: must be a compute capability MAJOR.MINOR, 8.0 or newer "
+                        "(e.g. 8.0, 9.0); got 7.5"),
+    (["--arch", "abc"], "argument --arch: must be a compute capability MAJOR.MINOR, 8.0 or newer "
+                        "(e.g. 8.0, 9.0); got 'abc'"),
+    (["--arch", "9"], "argument --arch: must be a compute capability MAJOR.MINOR, 8.0 or newer "
+                      "(e.g. 8.0, 9.0); got '9'"),
+    (["-j", "0"], "argument -j/--jobs: must be a positive integer; got 0"),
+    (["--jobs", "x"], "argument -j/--jobs: must be a positive integer; got 'x'"),
+])
+def test_bad_check_kernels_argument_is_one_line(capsys, monkeypatch, args, expected):
+    """Found by QA: ``--arch 7.5`` ended in a NotImplementedError traceback from
+    dispatch.select_bwd, ``--arch abc`` in int()'s ValueError, and ``-j 0`` ran with one job."""
+    from cupyflash import check_kernels
+
+    def must_not_run(*a, **k):
+        raise AssertionError("check-kernels ran with a bad argument")
+
+    monkeypatch.setattr(check_kernels, "run", must_not_run)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check-kernels", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"cupyflash check-kernels: error: {expected} (see cupyflash check-kernels --help)"]
+
+
+def test_check_kernels_arch_parses_to_the_tuple_run_takes(monkeypatch):
+    try:
+        from cupy.cuda import nvrtc  # noqa: F401  (check_kernels.main's own test)
+    except ImportError as exc:
+        pytest.skip(f"check-kernels needs cupy and NVRTC: {exc}")
+    from cupyflash import check_kernels
+
+    seen = []
+    monkeypatch.setattr(check_kernels, "run", lambda archs, **kw: seen.append((archs, kw["jobs"])) or 0)
+    assert cli.main(["check-kernels", "--arch", "8.6", "--arch", "9.0", "-j", "3"]) == 0
+    assert cli.main(["check-kernels"]) == 0
+    assert seen[0] == ([(8, 6), (9, 0)], 3)
+    assert seen[1][0] == [(8, 0), (9, 0)]
+
+
+def test_check_kernels_match_that_matches_nothing_is_an_error(capsys):
+    """Found by QA: ``check-kernels --match <typo>`` printed "0 of 0 variants compile with
+    no spills" and exited 0, a pass with nothing checked."""
+    from cupyflash import check_kernels
+
+    assert check_kernels.run([(9, 0)], quick=True, match="no_such_kernel") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["cupyflash check-kernels: error: no kernel variant matches --match 'no_such_kernel' "
+                   "with --quick for sm_90; nothing was compiled"]

@@ -639,3 +639,37 @@ def test_staged_needs_a_bias_or_mask_and_not_strided():
         dispatch.variant_bits(staged=True)
     with pytest.raises(ValueError, match="not staged"):
         dispatch.variant_bits(mask=True, strided=True, staged=True)
+
+
+_FWD_SHAPE = dict(batch=2, seqlen_q=1024, seqlen_k=1024, nheads_q=8, head_dim=64, dtype="float16",
+                  causal=False, vec=True)
+
+
+@pytest.mark.parametrize("name", ["batch", "seqlen_q", "nheads_q"])
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
+def test_planners_refuse_an_empty_problem_by_name(name, cc):
+    """Found by QA: select_fwd with batch, seqlen_q or nheads_q 0 died in a ZeroDivisionError
+    (num_splits_heuristic), select_bwd returned zero-sized grids, and select_decode with
+    nheads_kv 0 divided by zero. The API never plans an empty problem (it returns the
+    empty results itself); a direct call now says what is wrong."""
+    with pytest.raises(ValueError, match=f"select_fwd plans a launch and needs {name} >= 1 .*; got 0"):
+        dispatch.select_fwd(**{**_FWD_SHAPE, name: 0}, cc=cc)
+    with pytest.raises(ValueError, match=f"select_bwd plans a launch and needs {name} >= 1 .*; got 0"):
+        dispatch.select_bwd(**{**_FWD_SHAPE, name: 0}, nheads_kv=2, deterministic=False, cc=cc)
+
+
+def test_planners_refuse_kv_heads_that_do_not_divide():
+    with pytest.raises(ValueError, match=r"select_bwd needs nheads_kv dividing nheads_q \(8\); got 3"):
+        dispatch.select_bwd(**_FWD_SHAPE, nheads_kv=3, deterministic=False)
+    decode = dict(batch=2, seqlen_q=1, nheads_q=8, head_dim=64, max_seqlen_k=1000, dtype="float16",
+                  causal=False, paged=False, vec=True)
+    with pytest.raises(ValueError, match="select_decode plans a launch and needs nheads_kv >= 1 .*; got 0"):
+        dispatch.select_decode(**decode, nheads_kv=0)
+    with pytest.raises(ValueError, match=r"select_decode needs nheads_kv dividing nheads_q \(8\); got 3"):
+        dispatch.select_decode(**decode, nheads_kv=3)
+    assert dispatch.select_decode(**{**decode, "seqlen_q": 0}, nheads_kv=2).num_m_blocks == 1  # appends
+
+
+def test_padded_head_dim_rejects_below_1():
+    with pytest.raises(ValueError, match="head_dim must be at least 1; got 0"):
+        dispatch.padded_head_dim(0)

@@ -132,6 +132,18 @@ def test_dropout_key_may_be_traced_and_changes_the_mask(rng):
     assert not np.array_equal(np.asarray(out_a), np.asarray(out_b))
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_batch_of_keys_is_refused_by_name(rng, jit):
+    """Found by QA: ``rng_state=jax.random.split(key)`` (a key array of shape (2,), the
+    index forgotten) died in jax.random.bits' own "bits accepts a single key" error."""
+    q, k, v, _ = (jnp.asarray(x) for x in _inputs(rng))
+    call = lambda key: flash_attention(q, k, v, dropout_p=0.1, rng_state=key)  # noqa: E731
+    with pytest.raises(TypeError, match=r"^cupyflash\.jax\.flash_attention: rng_state must be one JAX PRNG key "
+                                        r"\(shape \(\)\) or a \(seed, offset\) pair; got a key array of shape \(2,\)"):
+        (jax.jit(call) if jit else call)(jax.random.split(jax.random.key(0)))
+    assert call(jax.random.split(jax.random.key(0))[0]).shape == q.shape
+
+
 def test_variants_are_checked_at_trace_time(rng):
     q, k, v, _ = (jnp.asarray(x) for x in _inputs(rng))
     with pytest.raises(ValueError, match=r"^cupyflash\.jax\.flash_attention: sinks must have shape \(4,\)"):

@@ -285,3 +285,26 @@ def test_ring_on_gpu_loopback(rng, n_ranks, causal):
     assert isinstance(out, cp.ndarray) and out.dtype == cp.float16
     testing.assert_fwd_matches_reference(q, k, v, out, lse, causal=causal)
     testing.assert_bwd_matches_reference(dout, q, k, v, dq, dk, dv, causal=causal, out=out)
+
+
+@pytest.mark.parametrize("change,exc_type,message", [
+    (dict(part_lse=np.zeros((1, 1, 16), np.float32)), ValueError,
+     r"part_lse must have shape \(batch, nheads_q, seqlen_q\) = \(1, 2, 16\) \(out's\); got \(1, 1, 16\)"),
+    (dict(lse=np.zeros((1, 16, 2), np.float32)), ValueError,
+     r"lse must have shape \(batch, nheads_q, seqlen_q\) = \(1, 2, 16\) \(out's\); got \(1, 16, 2\)"),
+    (dict(part_out=np.zeros((1, 8, 2, 8), np.float32)), ValueError,
+     r"part_out must have out's shape \(1, 16, 2, 8\); got \(1, 8, 2, 8\)"),
+    (dict(part_out=np.zeros((1, 1, 2, 8), np.float32)), ValueError, "part_out must have out's shape"),
+    (dict(out=np.zeros((16, 2, 8), np.float32)), ValueError, "out must have 4 dimensions"),
+    (dict(part_lse=[0.0]), TypeError, "part_lse must be a numpy or cupy array; got list"),
+    (dict(lse=np.zeros((1, 2, 16), np.int32)), TypeError, "lse must have a float dtype; got int32"),
+])
+def test_merge_by_lse_refuses_mismatched_parts(change, exc_type, message):
+    """Found by QA: merge_by_lse broadcast whatever it was given: a part_lse of shape
+    (batch, 1, seqlen_q) was merged silently into every head, and other mismatches ended in
+    numpy's bare "operands could not be broadcast together"."""
+    args = dict(out=np.zeros((1, 16, 2, 8), np.float32), lse=np.zeros((1, 2, 16), np.float32),
+                part_out=np.zeros((1, 16, 2, 8), np.float32), part_lse=np.zeros((1, 2, 16), np.float32))
+    args.update(change)
+    with pytest.raises(exc_type, match=f"cupyflash.merge_by_lse: {message}"):
+        merge_by_lse(**args)

@@ -229,3 +229,44 @@ def test_random_qkv_and_poison(rng, dtype):
 def test_naive_dtype_for_float64_is_float32():
     assert testing.naive_dtype(np.float64) == np.float32
     assert testing.naive_dtype("float16") == np.float16
+
+
+@pytest.mark.parametrize("fn", ["attention_fwd", "naive_attention", "attention_bwd", "naive_attention_bwd",
+                                "attention_probs"])
+@pytest.mark.parametrize("q_shape,k_shape,v_shape,message", [
+    ((2, 8, 2, 8), (1, 8, 2, 8), (1, 8, 2, 8), r"k must have q's batch \(2\) and head_dim \(8\); got shape"),
+    ((1, 8, 4, 8), (1, 8, 3, 8), (1, 8, 3, 8), r"k must have a number of heads that divides q's \(4\); got 3"),
+    ((1, 8, 2, 8), (1, 8, 4, 8), (1, 8, 4, 8), r"k must have a number of heads that divides q's \(2\); got 4"),
+    ((1, 8, 2, 8), (1, 8, 2, 16), (1, 8, 2, 16), r"k must have q's batch \(1\) and head_dim \(8\)"),
+    ((1, 8, 2, 8), (1, 8, 2, 8), (1, 9, 2, 8), r"v must have k's \(batch, seqlen, nheads\) \(1, 8, 2\); got shape \(1, 9, 2, 8\)"),
+    ((8, 2, 8), (1, 8, 2, 8), (1, 8, 2, 8), r"q must have 4 dimensions"),
+])
+def test_reference_names_a_layout_mismatch(fn, q_shape, k_shape, v_shape, message):
+    """Found by QA: the reference broadcast a k of batch 1 against a q of batch 2
+    (a result where the fast paths refuse the call) and failed deep in numpy
+    ("operands could not be broadcast together") for GQA heads that do not divide."""
+    q, k, v = np.ones(q_shape), np.ones(k_shape), np.ones(v_shape)
+    args = {"attention_fwd": (q, k, v), "naive_attention": (q, k, v), "attention_probs": (q, k),
+            "attention_bwd": (q, q, k, v), "naive_attention_bwd": (q, q, k, v)}[fn]
+    if fn == "attention_probs" and "v must" in message:
+        pytest.skip("attention_probs takes no v")
+    with pytest.raises(ValueError, match=f"cupyflash.reference.{fn}: {message}"):
+        getattr(reference, fn)(*args)
+
+
+def test_the_reference_and_the_rule_work_under_seterr_raise():
+    """Found by QA: under ``np.errstate(all="raise")`` the float64 reference raised
+    FloatingPointError (scipy's logsumexp underflowing on far-below-max scores), so
+    ``testing.assert_*_matches_reference`` could not check an ALiBi call."""
+    import cupyflash
+
+    rng = np.random.default_rng(0)
+    q, k, v = testing.random_qkv(rng, 2, 40, 33, 4, 2, 32, "float32")
+    q = q * 10
+    kw = dict(alibi_slopes=np.full(4, 30.0, np.float32), causal=True)
+    with np.errstate(all="raise"):
+        out, lse = cupyflash.flash_attn_fwd(q, k, v, **kw)
+        testing.assert_fwd_matches_reference(q, k, v, out, lse, **kw)
+        grads = cupyflash.flash_attn_bwd(out, q, k, v, out, lse, **kw)
+        testing.assert_bwd_matches_reference(out, q, k, v, *grads, **kw)
+        reference.naive_attention(q, k, v, None, True, "float16", alibi_slopes=kw["alibi_slopes"])

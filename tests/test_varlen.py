@@ -429,6 +429,11 @@ CASES = [
      _set(max_seqlen_k=lambda a: 5), {}),
     ("max_q-negative", ValueError, "max_seqlen_q", "must be >= 0; got -1.",
      _set(max_seqlen_q=lambda a: -1), {}),
+    # found by QA: accepted, the GPU path then died packing it into an int32 param (OverflowError)
+    ("max_q-int32", ValueError, "max_seqlen_q",
+     "must be at most 2**31 - 1 (the kernels index sequences in int32); got 2147483648.",
+     _set(max_seqlen_q=lambda a: 2**31), {}),
+    ("max_k-huge", ValueError, "max_seqlen_k", "must be at most 2**31 - 1", _set(max_seqlen_k=lambda a: 10**12), {}),
     ("max_q-float", TypeError, "max_seqlen_q", "must be an int; got float.",
      _set(max_seqlen_q=lambda a: 7.0), {}),
     ("max_k-bool", TypeError, "max_seqlen_k", "must be an int; got bool.",
