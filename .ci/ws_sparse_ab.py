@@ -25,6 +25,7 @@ from cupyx.profiler import benchmark
 import cupyflash
 from cupyflash import _compile, _gpu, _launch, dispatch
 from cupyflash._bench_bias import BIAS_TOKENS, SPARSE_BAR, sparse_block_map, sparse_mask
+from ws_persist_ab import launched  # .ci/, the script's directory
 
 N = 4096
 MAP = dispatch.VAR_MASK | dispatch.VAR_BLOCK_MAP
@@ -62,22 +63,6 @@ def plan(d, on, variant):
 def set_mode(on):
     dispatch.FWD_WS_BLOCK_MAP = on
     _gpu.clear_plans()
-
-
-def launched(fn, args, kwargs):
-    """The Launch specs of one call (Launcher.__call__ wrapped for it alone)."""
-    specs, real = [], _launch.Launcher.__call__
-
-    def record(self, *a, **k):
-        specs.extend(self.launches)
-        return real(self, *a, **k)
-
-    _launch.Launcher.__call__ = record
-    try:
-        fn(*args, **kwargs)
-    finally:
-        _launch.Launcher.__call__ = real
-    return specs
 
 
 def check_mode(fn, args, kwargs, on):

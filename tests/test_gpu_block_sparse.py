@@ -141,11 +141,17 @@ def test_blockmask_tile_maps_are_kept(cp, rng):
                                             ("float16", 96)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_block_sparse(cp, rng, causal, dtype, head_dim):
+    check_varlen_block_sparse(cp, rng, causal, dtype, head_dim)
+
+
+def check_varlen_block_sparse(cp, rng, causal, dtype, head_dim, block=64):
+    """A packed batch (an empty sequence, one of one row, tails) with a BlockMask of
+    ``block``-tiles against the float64 reference (out, lse)."""
     lens_q, lens_k = [200, 0, 390, 1, 129], [300, 12, 260, 65, 129]
     nheads, nheads_kv = 4, 2
     q, k, v = packed_inputs(rng, lens_q, lens_k, nheads, nheads_kv, head_dim, dtype)
     max_q, max_k = max(lens_q) + 3, max(lens_k) + 16
-    mask = _block_sparse(rng, (len(lens_q), 1, max_q, max_k))
+    mask = _block_sparse(rng, (len(lens_q), 1, max_q, max_k), block=block)
     d_q, d_k, d_v = (dev(cp, x) for x in (q, k, v))
     out, lse = cupyflash.flash_attn_varlen_fwd(
         d_q, d_k, d_v, cp.asarray(cu_seqlens(lens_q)), cp.asarray(cu_seqlens(lens_k)), max_q, max_k,

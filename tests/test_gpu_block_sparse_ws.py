@@ -19,13 +19,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_cpu_bias import SCALE as PACKED_SCALE  # sibling modules
-from test_cpu_bias import _packed_reference
-from test_gpu_bias import FLOOR, _check, _fwd, _inputs, _params, cp  # noqa: F401 (cp: fixture)
-from test_gpu_block_sparse import _block_sparse, _kinds
+from test_gpu_bias import _check, _fwd, _inputs, _params, cp  # noqa: F401 (cp: fixture)  # sibling modules
+from test_gpu_block_sparse import _block_sparse, _kinds, check_varlen_block_sparse
 from test_gpu_fwd_ws import WS_KERNEL, record_ws_modes
-from test_gpu_variants import _NO_BF16, dev, dtype_kw, host
-from test_varlen import cu_seqlens, packed_inputs
+from test_gpu_variants import _NO_BF16
 
 import cupyflash
 from cupyflash import testing
@@ -185,21 +182,7 @@ def test_block_sparse_with_other_variants(ws_map, cp, rng, combo, config):
 @pytest.mark.parametrize("dtype,head_dim", [("float16", 64), pytest.param("bfloat16", 128, marks=_NO_BF16)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_block_sparse(ws_map, cp, rng, causal, dtype, head_dim):
-    lens_q, lens_k = [200, 0, 390, 1, 129], [300, 12, 260, 65, 129]
-    nheads, nheads_kv = 4, 2
-    q, k, v = packed_inputs(rng, lens_q, lens_k, nheads, nheads_kv, head_dim, dtype)
-    max_q, max_k = max(lens_q) + 3, max(lens_k) + 16
-    mask = _block_sparse(rng, (len(lens_q), 1, max_q, max_k), block=128)
-    d_q, d_k, d_v = (dev(cp, x) for x in (q, k, v))
-    out, lse = cupyflash.flash_attn_varlen_fwd(
-        d_q, d_k, d_v, cp.asarray(cu_seqlens(lens_q)), cp.asarray(cu_seqlens(lens_k)), max_q, max_k,
-        softmax_scale=PACKED_SCALE, causal=causal, **dtype_kw(cp, dtype),
-        attn_mask=cupyflash.BlockMask.from_mask(cp.asarray(mask)))
-    refs = _packed_reference(q, k, v, testing.random_normal(rng, q.shape, dtype), lens_q, lens_k, causal,
-                             attn_mask=mask)
-    for key, got in (("out", host(out, dtype)), ("lse", host(lse))):
-        ref64, naive = refs[key]
-        testing.assert_close_to_reference(key, got, ref64, naive, testing.OUT_FACTOR, FLOOR)
+    check_varlen_block_sparse(cp, rng, causal, dtype, head_dim, block=128)
 
 
 def test_a_strided_mask_stays_on_the_cp_async_kernel(cp, rng, launches, monkeypatch):
