@@ -174,12 +174,12 @@ FWD_WS_MAP_VARIANTS = VAR_MASK | VAR_BLOCK_MAP
 #: mask alone, with ALiBi or with sinks, compiles with none (the kernel static_asserts the rest).
 FWD_WS_MAP_SPILLS = VAR_WINDOW | VAR_SOFTCAP | VAR_DROPOUT
 #: The switch that sends those calls (VAR_MASK | VAR_BLOCK_MAP, no bias) to the ws forward:
-#: False (the default until measured on the H200: PERF.md v24; they run on the cp.async
-#: wgmma kernel), True at every head_dim the kernel has (64 and 128 padded), or a tuple of
+#: True (the default: 1.08-1.27x the cp.async wgmma kernel, PERF.md v25, run 116) at every
+#: head_dim the kernel has (64 and 128 padded), False (the cp.async kernel), or a tuple of
 #: padded head_dims. Independent of FWD_WS (whose D=64 is off for the dense softmax-bound
 #: case; a sparse call's cost is its per-tile fixed costs, which the ws kernel cuts). Read
 #: when a call is planned (cupyflash._gpu plan_fwd): set it, then ``_gpu.clear_plans()``.
-FWD_WS_BLOCK_MAP: bool | tuple[int, ...] = False
+FWD_WS_BLOCK_MAP: bool | tuple[int, ...] = True
 #: The padded head_dims the switch (FWD_WS) sends to the warp-specialised forward: where
 #: it is expected to beat the wgmma kernel. D=64 is softmax-bound at this tile (run 64:
 #: 0.8x the wgmma kernel's two 64-key blocks per SM) and stays off the switch unless
@@ -1193,11 +1193,11 @@ def bwd_dkdv_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k:
 # the next sequence zeroed in shared memory; a tile's tail there is not the map's bound).
 # Where the plan takes dQ from the wgmma dQ kernel (_bwd_sm90_separate_dq: D=64) the ws
 # kernel runs without dQ (WITH_DQ false: no dSᵀ tiles, no dQ GEMM, no reduce warp), as the
-# cp.async dK/dV kernel does there: BWD_WS_HEAD_DIMS = (64, 128) takes that plan at D=64
-# (PERF.md v24: built, not yet measured).
+# cp.async dK/dV kernel does there: at D=64 with 128 query rows per step it measured
+# 1.13-1.22x that plan (PERF.md v25, run 116, median 1.17x over 13 points).
 # BWD_WS: True takes it there, False keeps the cp.async kernels (CUPYFLASH_BWD_WS=0 at
 # import; or set here, then ``cupyflash._gpu.clear_plans()``).
-BWD_WS_HEAD_DIMS = (128,)
+BWD_WS_HEAD_DIMS = (64, 128)
 #: The padded head_dims the ws kernel is compiled for (check-kernels lists them whatever
 #: BWD_WS_HEAD_DIMS selects), each with the dQ mode its plan would take.
 BWD_WS_KERNEL_HEAD_DIMS = (64, 128)
@@ -1207,9 +1207,9 @@ BWD_WS_BLOCK_M, BWD_WS_BLOCK_N, BWD_WS_STAGES = 64, 128, 2
 #: kernel's static_assert): 64 (BWD_WS_BLOCK_M), or 128, FlashAttention-3's hdim-64 backward
 #: tile (128 x 128; hopper/flash_bwd_launch_template.h), which halves the per-row share of
 #: each step's fixed work (the stage wait and release, the descriptors, the drain after
-#: dK) and makes Sᵀ, dPᵀ m64n128 (PERF.md v24: built, not yet measured). The variant sets
-#: of BWD_WS_WIDE_SPILLS keep 64.
-BWD_WS_D64_BLOCK_M = 64
+#: dK) and makes Sᵀ, dPᵀ m64n128: 128 measured 1.13-1.22x the cp.async plan, 64 only
+#: 1.01-1.06x (PERF.md v25, run 116). The variant sets of BWD_WS_WIDE_SPILLS keep 64.
+BWD_WS_D64_BLOCK_M = 128
 BWD_WS_D64_BLOCK_MS = (64, 128)
 #: The variant sets that keep 64 query rows per step where BWD_WS_D64_BLOCK_M says 128:
 #: dropout (its keep bits are drawn for 8 query tiles, bwd_sm90.cuh KeepBitsT; and Pᵀ∘Z

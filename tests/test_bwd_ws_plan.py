@@ -48,7 +48,7 @@ def test_a_gqa_group_split_keeps_it_with_the_partials_convert():
 
 @pytest.mark.parametrize("change", [
     dict(deterministic=True), dict(vec=False), dict(cc=(8, 0)), dict(cc=(10, 0)), dict(head_dim=96),
-    dict(head_dim=64), dict(head_dim=40), dict(varlen=True, total_q=1500, total_k=1700),
+    dict(varlen=True, total_q=1500, total_k=1700),
     dict(head_dim=256), dict(variant=dispatch.VAR_BIAS), dict(variant=dispatch.VAR_MASK),
     dict(variant=dispatch.VAR_ALIBI | dispatch.VAR_DROPOUT), dict(ws=False)],
     ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
@@ -151,7 +151,9 @@ DQ = "cupyflash::flash_bwd_dq_sm90_kernel"
 
 @pytest.fixture
 def d64(monkeypatch):
+    """D=64 on the ws kernel at 64 query rows per step (the tests that want 128 set it)."""
     monkeypatch.setattr(dispatch, "BWD_WS_HEAD_DIMS", (64, 128))
+    monkeypatch.setattr(dispatch, "BWD_WS_D64_BLOCK_M", 64)
     return monkeypatch
 
 
@@ -170,9 +172,12 @@ def test_d64_takes_it_without_dq_beside_the_dq_kernel(d64, head_dim, causal):
     assert not plan.dq_accum and plan.tma_box_rows == (64, 128, 128, 64)
 
 
-def test_d64_is_off_by_default():
-    assert dispatch.BWD_WS_HEAD_DIMS == (128,) and dispatch.BWD_WS_D64_BLOCK_M == 64
-    assert all(L.template != WS for L in _plan(head_dim=64).launches)
+def test_d64_is_on_by_default_at_128_rows_per_step():
+    """The defaults (PERF.md v25, run 116): D=64 on the ws kernel without dQ, 128 rows per step."""
+    assert dispatch.BWD_WS_HEAD_DIMS == (64, 128) and dispatch.BWD_WS_D64_BLOCK_M == 128
+    plan = _plan(head_dim=64)
+    assert [L.template for L in plan.launches] == ["cupyflash::flash_bwd_preprocess_kernel", WS, DQ]
+    assert plan.launches[1].args[1:3] == ("64", "128") and plan.launches[1].args[5] == "false"
 
 
 @pytest.mark.parametrize("head_dim", [40, 64])

@@ -1,6 +1,6 @@
 """Dispatch of block-sparse forwards (a bool mask with its tile map: VAR_MASK |
 VAR_BLOCK_MAP) to the warp-specialised forward (kernels_cu/flash_fwd_ws.cu), behind
-dispatch.FWD_WS_BLOCK_MAP (off by default): which calls it takes, with which template
+dispatch.FWD_WS_BLOCK_MAP (on by default): which calls it takes, with which template
 arguments, and the tile of the map they read. No GPU."""
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ def _plan(**kw):
     return dispatch.select_fwd(**args)
 
 
-def test_off_by_default():
-    """The switch is off: a mask with its map stays on the cp.async wgmma kernel, whatever
-    FWD_WS says for the plain calls."""
-    assert dispatch.FWD_WS_BLOCK_MAP is False
+def test_on_by_default_and_off_keeps_the_cp_async_kernel():
+    """The switch is on by default (PERF.md v25, run 116); off (select_fwd's ws_block_map
+    False) a mask with its map stays on the cp.async wgmma kernel, whatever FWD_WS says for
+    the plain calls."""
+    assert dispatch.FWD_WS_BLOCK_MAP is True
     for ws in (dispatch.FWD_WS_WINS, True):
         plan = _plan(ws=ws)
         assert plan.main.template == SM90 and dispatch.fwd_block_map_tile(plan) == (128, 64)
