@@ -1066,6 +1066,16 @@ def _bwd_sm90_separate_dq(head_dim_padded: int) -> bool:
     return head_dim_padded in _BWD_SM90_SEPARATE_DQ
 
 
+def bwd_ws_separate_dq(head_dim_padded: int, variant: int) -> bool:
+    """Whether the warp-specialised backward runs without dQ, beside the wgmma dQ kernel:
+    at the head_dims of :func:`_bwd_sm90_separate_dq`, for plain attention only. With a
+    variant it takes dQ itself (its reduce warp's bulk adds into dq_accum): at D=64 that
+    measured 1.10-1.48x the cp.async plan over 36 variant points, against 1.01-1.24x
+    without dQ (PERF.md v25, run 117); plain, without dQ at 128 rows per step is the faster
+    (1.13-1.22x against 1.06-1.25x, run 116)."""
+    return _bwd_sm90_separate_dq(head_dim_padded) and not variant
+
+
 def bwd_dq_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
                        grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0) -> Launch:
     """The wgmma deterministic dQ kernel (cc 9.0)."""
@@ -1191,8 +1201,8 @@ def bwd_dkdv_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k:
 # 1.08-1.20x; not D=64 with its own dQ (0.79-0.85x against the cp.async dK/dV with the
 # separate dQ kernel) and not a packed batch (D=128, 14 sequences: 0.94x with the rows of
 # the next sequence zeroed in shared memory; a tile's tail there is not the map's bound).
-# Where the plan takes dQ from the wgmma dQ kernel (_bwd_sm90_separate_dq: D=64) the ws
-# kernel runs without dQ (WITH_DQ false: no dSᵀ tiles, no dQ GEMM, no reduce warp), as the
+# Where the plan takes dQ from the wgmma dQ kernel (bwd_ws_separate_dq: plain attention at
+# D=64; a variant there takes dQ in the ws kernel) the ws kernel runs without dQ (WITH_DQ false: no dSᵀ tiles, no dQ GEMM, no reduce warp), as the
 # cp.async dK/dV kernel does there: at D=64 with 128 query rows per step it measured
 # 1.13-1.22x that plan (PERF.md v25, run 116, median 1.17x over 13 points).
 # BWD_WS: True takes it there, False keeps the cp.async kernels (CUPYFLASH_BWD_WS=0 at
@@ -1208,17 +1218,10 @@ BWD_WS_BLOCK_M, BWD_WS_BLOCK_N, BWD_WS_STAGES = 64, 128, 2
 #: tile (128 x 128; hopper/flash_bwd_launch_template.h), which halves the per-row share of
 #: each step's fixed work (the stage wait and release, the descriptors, the drain after
 #: dK) and makes Sᵀ, dPᵀ m64n128: 128 measured 1.13-1.22x the cp.async plan, 64 only
-#: 1.01-1.06x (PERF.md v25, run 116). The variant sets of BWD_WS_WIDE_SPILLS keep 64.
+#: 1.01-1.06x (PERF.md v25, run 116). Plain attention only: with a variant the ws kernel
+#: takes dQ itself, at 64 rows (:func:`bwd_ws_separate_dq`).
 BWD_WS_D64_BLOCK_M = 128
 BWD_WS_D64_BLOCK_MS = (64, 128)
-#: The variant sets that keep 64 query rows per step where BWD_WS_D64_BLOCK_M says 128:
-#: dropout (its keep bits are drawn for 8 query tiles, bwd_sm90.cuh KeepBitsT; and Pᵀ∘Z
-#: would be 32 more registers live), and those whose 128-row step spills at the consumers'
-#: 240 registers (every set compiled, PERF.md v24): softcap (its P·(1 − tanh²) operand, 32
-#: registers: 16-152 bytes under nvcc 13.0, causal alone 64; FlashAttention-3 takes 96
-#: rows there for the same reason) and a window (NVRTC 13.5: 16-64 bytes, every dtype and
-#: mask; nvcc 13.0: only with ALiBi, 12). ALiBi and sinks take 128 rows.
-BWD_WS_WIDE_SPILLS = (VAR_DROPOUT, VAR_SOFTCAP, VAR_WINDOW)
 BWD_WS: bool = os.environ.get("CUPYFLASH_BWD_WS", "") != "0"
 #: The variant bits the warp-specialised backward takes (of the kernel's WS_VARIANTS,
 #: FWD_WS_VARIANTS: a window, softcap, ALiBi, sinks, dropout; their code is the cp.async
@@ -1256,14 +1259,12 @@ def uses_ws_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: i
             and bwd_ws_takes(variant) and not deterministic and not varlen)
 
 
-def bwd_ws_block_m(head_dim_padded: int, with_dq: bool, variant: int = 0,
-                   d64_block_m: int | None = None) -> int:
+def bwd_ws_block_m(head_dim_padded: int, with_dq: bool, d64_block_m: int | None = None) -> int:
     """Query rows per step of the ws kernel (BwdWsTraits::BLOCK_M, its template argument, and
     the rows of its Q and dO TMA boxes): ``d64_block_m`` (None: BWD_WS_D64_BLOCK_M) without
-    dQ at D=64 unless ``variant`` holds a set of BWD_WS_WIDE_SPILLS, else BWD_WS_BLOCK_M."""
-    wide = BWD_WS_D64_BLOCK_M if d64_block_m is None else d64_block_m
-    if head_dim_padded == 64 and not with_dq and not any(variant & s == s for s in BWD_WS_WIDE_SPILLS):
-        return wide
+    dQ at D=64 (plain attention: :func:`bwd_ws_separate_dq`), else BWD_WS_BLOCK_M."""
+    if head_dim_padded == 64 and not with_dq:
+        return BWD_WS_D64_BLOCK_M if d64_block_m is None else d64_block_m
     return BWD_WS_BLOCK_M
 
 
@@ -1287,9 +1288,10 @@ def bwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
     if not bwd_ws_takes(variant):
         raise ValueError(f"cupyflash: the warp-specialised backward takes the variant bits {FWD_WS_VARIANTS} "
                          f"less the sets {BWD_WS_VARIANT_SPILLS}; got {variant}")
-    if block_m not in BWD_WS_D64_BLOCK_MS or block_m != bwd_ws_block_m(head_dim_padded, with_dq, variant, block_m):
+    if block_m not in BWD_WS_D64_BLOCK_MS or block_m != bwd_ws_block_m(head_dim_padded, with_dq, block_m) or (
+            block_m != BWD_WS_BLOCK_M and variant):
         raise ValueError(f"cupyflash: the warp-specialised backward takes {block_m} query rows per step only "
-                         f"without dQ at head_dim 64 and with none of the variant sets {BWD_WS_WIDE_SPILLS}; "
+                         f"without dQ at head_dim 64 for plain attention (variant 0); "
                          f"got head_dim {head_dim_padded}, with_dq {with_dq}, variant {variant}")
     args = (CTYPES[dtype], str(head_dim_padded), str(block_m), _cbool(causal), _cbool(even_k), _cbool(with_dq),
             str(variant))
@@ -1300,12 +1302,12 @@ def bwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
 def bwd_ws_check_launches(dtype: str, head_dim_padded: int, causal: bool, even_k: bool) -> list[Launch]:
     """The ws kernel's instantiations at this padded head_dim that a plan may take (for
     check-kernels), whatever the switches say: plain and BWD_WS_CHECK_VARIANTS, in the dQ
-    mode of the head_dim's plan (:func:`_bwd_sm90_separate_dq`), and without dQ at D=64 at
-    each of BWD_WS_D64_BLOCK_MS query rows per step that the set takes."""
-    with_dq = not _bwd_sm90_separate_dq(head_dim_padded)
+    mode of the set's plan (:func:`bwd_ws_separate_dq`), and, plain at D=64 (without dQ), at
+    each of BWD_WS_D64_BLOCK_MS query rows per step."""
     out = []
     for bits in (0, *BWD_WS_CHECK_VARIANTS):
-        block_ms = {bwd_ws_block_m(head_dim_padded, with_dq, bits, wide) for wide in BWD_WS_D64_BLOCK_MS}
+        with_dq = not bwd_ws_separate_dq(head_dim_padded, bits)
+        block_ms = {bwd_ws_block_m(head_dim_padded, with_dq, wide) for wide in BWD_WS_D64_BLOCK_MS}
         out.extend(bwd_ws_launch(dtype, head_dim_padded, causal, even_k, variant=bits, with_dq=with_dq, block_m=m)
                    for m in sorted(block_ms))
     return out
@@ -1470,8 +1472,9 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     ws = sm90 and uses_ws_bwd(d, vec, cc, variant | staged | block_map, deterministic, varlen, ws)
     # dQ by its own kernel (no atomics): always when deterministic, and where measured faster
     # (the ws kernel then runs without dQ)
-    separate_dq = deterministic or (sm90 and BWD_DQ_SM90 and _bwd_sm90_separate_dq(d))
-    ws_block_m = bwd_ws_block_m(d, not separate_dq, variant) if ws else None
+    separate_dq = deterministic or (sm90 and BWD_DQ_SM90 and (bwd_ws_separate_dq(d, variant) if ws
+                                                              else _bwd_sm90_separate_dq(d)))
+    ws_block_m = bwd_ws_block_m(d, not separate_dq) if ws else None
     if sm90:
         block_n, stages = BWD_SM90_BLOCK_N, 2
     else:

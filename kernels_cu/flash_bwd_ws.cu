@@ -54,12 +54,12 @@
 // map stays on flash_bwd_sm90.cu (their staged tiles are a stream this producer does not
 // copy).
 //
-// Template parameters: T, HEAD_DIM (128 with dQ; 64 without: with dQ it measured slower
-// than the cp.async kernels' separate dQ there, PERF.md v23), BLOCK_M (query rows per
-// step: 64, or 128 without dQ), IS_CAUSAL, EVEN_K (head_dim == HEAD_DIM: no column
-// predicates in the dK, dV stores), WITH_DQ, VARIANT (bits of WS_VARIANTS; some sets
-// spill at the consumers' 240 registers: cupyflash/dispatch.py BWD_WS_VARIANT_SPILLS,
-// and at 128 rows BWD_WS_WIDE_SPILLS). Dense batches only (a packed batch's maps would bring the next
+// Template parameters: T, HEAD_DIM (128 with dQ; 64 with dQ for the variants, without
+// it, beside the wgmma dQ kernel, for plain attention: cupyflash/dispatch.py
+// bwd_ws_separate_dq), BLOCK_M (query rows per step: 64, or 128 without dQ), IS_CAUSAL,
+// EVEN_K (head_dim == HEAD_DIM: no column predicates in the dK, dV stores), WITH_DQ,
+// VARIANT (bits of WS_VARIANTS; some sets spill at the consumers' 240 registers:
+// cupyflash/dispatch.py BWD_WS_VARIANT_SPILLS). Dense batches only (a packed batch's maps would bring the next
 // sequence's rows into a tile's tail: measured slower with those rows zeroed in shared
 // memory, PERF.md v23) and no deterministic mode: flash_bwd_sm90.cu's kernels serve
 // those. 16-byte aligned data and strides (a TMA requirement).

@@ -131,7 +131,7 @@ def test_tiles_are_the_kernels_traits():
     for every tile a plan takes: static_asserts compiled by NVRTC."""
     from test_bwd_dispatch import compile_asserts  # sibling module
 
-    assert _TILES == [(64, 64, False), (64, 128, False), (128, 64, True)]
+    assert _TILES == [(64, 64, False), (64, 64, True), (64, 128, False), (128, 64, True)]
     lines = ['#include "flash_bwd_ws.cu"']
     for d, m, dq in _TILES:
         tr = f"cupyflash::BwdWsTraits<__half, {d}, {m}, {str(dq).lower()}>"
@@ -198,30 +198,26 @@ def test_d64_wide_step(d64, head_dim):
                                      dispatch.VAR_WINDOW | dispatch.VAR_ALIBI,
                                      dispatch.VAR_SOFTCAP | dispatch.VAR_DROPOUT])
 @pytest.mark.parametrize("block_m", [64, 128])
-def test_d64_variants(d64, variant, block_m):
-    """Every variant set the kernel takes, without dQ; at 128 rows those of BWD_WS_WIDE_SPILLS
-    keep 64 (dropout's keep bits; softcap and a window spill there)."""
+def test_d64_variants_take_dq_in_the_ws_kernel(d64, variant, block_m):
+    """Every variant set the kernel takes, at D=64: the ws kernel with its own dQ (64 rows per
+    step, dq_accum in its layout, the convert kernel), whatever BWD_WS_D64_BLOCK_M says
+    (dispatch.bwd_ws_separate_dq: PERF.md v25, run 117)."""
     d64.setattr(dispatch, "BWD_WS_D64_BLOCK_M", block_m)
     plan = _plan(head_dim=64, variant=variant)
     dkdv = plan.launches[1]
-    wide = block_m == 128 and not any(variant & s == s for s in dispatch.BWD_WS_WIDE_SPILLS)
-    assert dkdv.template == WS and dkdv.args[5:] == ("false", str(variant))
-    assert dkdv.args[2] == ("128" if wide else "64") and plan.tma_box_rows[0] == int(dkdv.args[2])
-    assert plan.launches[2].template == DQ and plan.launches[2].args[-1] == str(variant)
-
-
-def test_d64_wide_spills_are_the_measured_sets():
-    """PERF.md v24's table: at 128 rows dropout (not compiled), softcap, a window spill."""
-    assert dispatch.BWD_WS_WIDE_SPILLS == (dispatch.VAR_DROPOUT, dispatch.VAR_SOFTCAP, dispatch.VAR_WINDOW)
-    wide = [b for b in range(32) if b & dispatch.FWD_WS_VARIANTS == b and dispatch.bwd_ws_takes(b)
-            and dispatch.bwd_ws_block_m(64, False, b, 128) == 128]
-    assert wide == [0, dispatch.VAR_ALIBI, dispatch.VAR_SINKS, dispatch.VAR_ALIBI | dispatch.VAR_SINKS]
+    assert [L.template for L in plan.launches] == [
+        "cupyflash::flash_bwd_preprocess_kernel", WS, "cupyflash::flash_bwd_convert_dq_kernel"]
+    assert dkdv.args[1:3] == ("64", "64") and dkdv.args[5:] == ("true", str(variant))
+    assert dkdv.smem_bytes == dispatch.bwd_ws_smem_bytes(64, 64, True)
+    assert plan.dq_accum and plan.tma_box_rows == (64, 128, 128, 64)
+    assert dispatch.bwd_ws_separate_dq(64, 0) and not dispatch.bwd_ws_separate_dq(64, variant)
+    assert not dispatch.bwd_ws_separate_dq(128, 0)
 
 
 @pytest.mark.parametrize("block_m", [64, 128])
 def test_every_d64_gpu_case_plans_it(d64, block_m):
     """tests/test_gpu_bwd_ws.py's D=64 cases, as its fixture plans them, take the ws kernel
-    without dQ at the rows per step their checks expect (and the variant bits theirs)."""
+    in the dQ mode and at the rows per step their checks expect (D64Run.expected)."""
     import test_gpu_bwd_ws as g  # sibling module; its GPU tests skip here
 
     from cupyflash import _variant
@@ -235,10 +231,11 @@ def test_every_d64_gpu_case_plans_it(d64, block_m):
     for dtype, (batch, sq, sk, hq, hkv, d), causal, bits in cases:
         plan = _plan(dtype=dtype, batch=batch, seqlen_q=sq, seqlen_k=sk, nheads_q=hq, nheads_kv=hkv, head_dim=d,
                      causal=causal, variant=bits, num_sms=1)
+        names = {L.template.split("::")[1] for L in plan.launches}
+        ws_args, present, absent = g.D64Run.expected(bits, block_m)
         dkdv = plan.launches[1]
-        assert dkdv.template == WS and plan.launches[2].template == DQ, (dtype, sq, sk, d, bits)
-        assert dkdv.args[2] == str(dispatch.bwd_ws_block_m(64, False, bits, block_m)) and dkdv.args[5:] == (
-            "false", str(bits))
+        assert dkdv.template == WS and (dkdv.args[1], dkdv.args[2], dkdv.args[5], dkdv.args[6]) == ws_args
+        assert present in names and absent not in names, (dtype, sq, sk, d, bits)
     assert {c[3] for c in cases} >= {0, dispatch.VAR_ALIBI, dispatch.VAR_ALIBI | dispatch.VAR_SINKS,
                                      dispatch.VAR_SOFTCAP, dispatch.VAR_DROPOUT, dispatch.VAR_WINDOW}
 
@@ -254,7 +251,7 @@ def test_d64_everything_else_keeps_the_other_kernels(d64, change):
 
 @pytest.mark.parametrize("head_dim,with_dq,variant,block_m", [
     (128, True, 0, 128), (64, True, 0, 128), (128, False, 0, 128), (64, False, dispatch.VAR_DROPOUT, 128),
-    (64, False, dispatch.VAR_SOFTCAP, 128), (64, False, 0, 96)])  # (the kernel takes 64 or 128)
+    (64, False, dispatch.VAR_ALIBI, 128), (64, False, 0, 96)])  # (the kernel takes 64 or 128)
 def test_the_wide_step_is_refused_elsewhere(head_dim, with_dq, variant, block_m):
     with pytest.raises(ValueError, match="query rows per step"):
         dispatch.bwd_ws_launch("float16", head_dim, True, True, variant=variant, with_dq=with_dq, block_m=block_m)
@@ -296,14 +293,14 @@ def test_launcher_writes_the_maps_of_the_named_pointers():
 def test_check_kernels_lists_every_instantiation():
     ws = [L for L in dispatch.all_bwd_launches((9, 0)) if L.template == WS]
     bits = (0, *dispatch.BWD_WS_CHECK_VARIANTS)
-    wide = [b for b in bits if not any(b & s == s for s in dispatch.BWD_WS_WIDE_SPILLS)]
-    # dtype, causal, even_k; plain and BWD_WS_CHECK_VARIANTS: D=128 with dQ, D=64 without at
-    # 64 rows, and at 128 those that take them
-    assert len({L.args for L in ws}) == len(ws) == 2 * 2 * 2 * (2 * len(bits) + len(wide))
+    # dtype, causal, even_k; plain and BWD_WS_CHECK_VARIANTS with dQ at 64 rows (D=128; D=64's
+    # variants), and D=64 plain without dQ at 64 and at 128 rows
+    assert len({L.args for L in ws}) == len(ws) == 2 * 2 * 2 * (2 * len(bits) - 1 + 2)
     for d, m, dq in _TILES:
         tile = [L for L in ws if L.args[1:3] == (str(d), str(m)) and L.args[5] == str(dq).lower()]
-        assert {int(L.args[-1]) for L in tile} == set(wide if m == 128 else bits)
-    assert set(_WS_BITS) <= set(dispatch.BWD_WS_CHECK_VARIANTS) and wide
+        assert {int(L.args[-1]) for L in tile} == ({0} if d == 64 and not dq else
+                                                   set(bits) - {0} if d == 64 else set(bits))
+    assert set(_WS_BITS) <= set(dispatch.BWD_WS_CHECK_VARIANTS)
     assert not [L for L in dispatch.all_bwd_launches((8, 0)) if L.template == WS]
 
 
@@ -323,12 +320,12 @@ def test_variants_compile_without_spills(causal, even_k, variant):
     _compile_clean(dispatch.bwd_ws_launch("float16", 128, causal, even_k, variant=variant), (9, 0))
 
 
-@pytest.mark.parametrize("block_m,variant", [(64, 0), (64, dispatch.VAR_SOFTCAP | dispatch.VAR_DROPOUT),
-                                             (64, dispatch.VAR_WINDOW | dispatch.VAR_SINKS),
-                                             (128, 0), (128, dispatch.VAR_ALIBI | dispatch.VAR_SINKS)])
+@pytest.mark.parametrize("block_m,variant,with_dq", [(64, 0, False), (128, 0, False),
+                                                     (64, dispatch.VAR_SOFTCAP | dispatch.VAR_DROPOUT, True),
+                                                     (64, dispatch.VAR_WINDOW | dispatch.VAR_SINKS, True)])
 @pytest.mark.parametrize("causal,even_k", [(True, True), (False, False)])
-def test_d64_compiles_without_spills(causal, even_k, block_m, variant):
+def test_d64_compiles_without_spills(causal, even_k, block_m, variant, with_dq):
     from test_bwd_dispatch import _compile_clean  # sibling module
 
-    _compile_clean(dispatch.bwd_ws_launch("bfloat16", 64, causal, even_k, variant=variant, with_dq=False,
+    _compile_clean(dispatch.bwd_ws_launch("bfloat16", 64, causal, even_k, variant=variant, with_dq=with_dq,
                                           block_m=block_m), (9, 0))

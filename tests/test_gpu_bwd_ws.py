@@ -6,8 +6,8 @@ tails of both sides, bottom-right causal with rows that see no key, GQA (and a G
 split over several blocks), head_dim below its padded width, strided views; and the
 variants it takes (a window, softcap, ALiBi, sinks, dropout: dispatch.BWD_WS_VARIANTS
 switched on) against the reference with the same mask; and at D=64 (BWD_WS_HEAD_DIMS with
-64) the kernel without dQ beside the wgmma dQ kernel, at 64 and 128 query rows per step
-(BWD_WS_D64_BLOCK_M), the same cases. (Packed batches and the other head_dims take the
+64) plain attention without dQ beside the wgmma dQ kernel, at 64 and 128 query rows per
+step (BWD_WS_D64_BLOCK_M), and the variants with the kernel's own dQ, the same cases. (Packed batches and the other head_dims take the
 cp.async kernels: test_gpu_varlen, test_gpu_bwd.)
 Skipped without a GPU, and off compute capability 9.0.
 """
@@ -203,8 +203,9 @@ def test_variant_sets_that_spill_stay_on_the_cp_async_kernel(ws_variants, rng, n
 
 
 # ----------------------------------------------------------------------------
-# D=64 (dispatch.BWD_WS_HEAD_DIMS with 64): the ws kernel without dQ, 64 or 128 query rows
-# per step (BWD_WS_D64_BLOCK_M), then the wgmma dQ kernel (no dq_accum, no convert kernel)
+# D=64 (dispatch.BWD_WS_HEAD_DIMS with 64): plain, the ws kernel without dQ, 64 or 128 query
+# rows per step (BWD_WS_D64_BLOCK_M), then the wgmma dQ kernel (no dq_accum, no convert
+# kernel); with a variant, the ws kernel with its own dQ (dq_accum, the convert kernel)
 # ----------------------------------------------------------------------------
 
 
@@ -237,15 +238,21 @@ class D64Run:
     ws_args: list      # the ws launches' template arguments
     d64_block_m: int   # BWD_WS_D64_BLOCK_M
 
-    def check_launched(self, variant=0):
-        """The ws kernel ran without dQ at the rows per step ``variant`` takes (dispatch.bwd_ws_block_m),
-        then the wgmma dQ kernel."""
-        from cupyflash import dispatch
+    @staticmethod
+    def expected(variant, d64_block_m):
+        """What a D=64 plan launches (dispatch.bwd_ws_separate_dq): plain, the ws kernel
+        without dQ at ``d64_block_m`` rows per step, then the wgmma dQ kernel; with a variant,
+        the ws kernel with its own dQ at 64 rows, then the convert kernel. Returns the ws
+        launch's (HEAD_DIM, BLOCK_M, WITH_DQ, VARIANT), a kernel that ran and one that did not."""
+        if variant:
+            return ("64", "64", "true", str(variant)), "flash_bwd_convert_dq_kernel", "flash_bwd_dq_sm90_kernel"
+        return ("64", str(d64_block_m), "false", "0"), "flash_bwd_dq_sm90_kernel", "flash_bwd_convert_dq_kernel"
 
-        block_m = dispatch.bwd_ws_block_m(64, False, variant, self.d64_block_m)
-        assert WS_KERNEL in self.names and "flash_bwd_dq_sm90_kernel" in self.names
-        assert "flash_bwd_convert_dq_kernel" not in self.names
-        assert {(a[1], a[2], a[5], a[6]) for a in self.ws_args} == {("64", str(block_m), "false", str(variant))}
+    def check_launched(self, variant=0):
+        """The ws kernel ran in the dQ mode and at the rows per step ``variant`` takes (expected)."""
+        ws_args, present, absent = self.expected(variant, self.d64_block_m)
+        assert WS_KERNEL in self.names and present in self.names and absent not in self.names
+        assert {(a[1], a[2], a[5], a[6]) for a in self.ws_args} == {ws_args}
 
 
 DENSE_64 = [
@@ -309,8 +316,8 @@ def test_d64_strided_views(ws_d64, rng):
     check(host, grads, "float16", 0.125, True)
 
 
-# (variant case, dtype, shape, causal, scale multiple): every variant at D=64; those of
-# dispatch.BWD_WS_WIDE_SPILLS (softcap, dropout, a window) keep 64 rows per step
+# (variant case, dtype, shape, causal, scale multiple): every variant at D=64 (the ws kernel
+# with its own dQ, at 64 rows per step)
 VARIANT_CASES_64 = [
     ("window+causal", "bfloat16", (1, 1000, 1100, 8, 2, 64), True, 1.0),
     ("window-96-40", "float16", (2, 700, 517, 4, 2, 64), False, 1.0),
