@@ -1,0 +1,98 @@
+"""The warp-specialised kernels under compute-sanitizer: small shapes with tails on both
+sides (rows and keys not multiples of the tiles), GQA, each case asserted to launch the
+ws kernel it is meant for and to give finite outputs. Run it under the tool:
+
+    compute-sanitizer --tool memcheck --error-exitcode 3 python3 .ci/sanitize_ws.py
+    compute-sanitizer --tool racecheck --error-exitcode 3 python3 .ci/sanitize_ws.py [--quick]
+
+Cases: the ws backward at D=128 (dQ by the reduce warp), at D=64 plain (no dQ, 128 query
+rows per step, then the wgmma dQ kernel) and with variants (its own dQ); the ws forward
+one block per tile, persistent, with a block-sparse mask (its map) and packed (varlen).
+Prints "ok" last. ``--quick``: the first case of each kernel only (racecheck is slow).
+"""
+import sys
+
+import cupy as cp
+import numpy as np
+
+import cupyflash
+from cupyflash import _launch
+
+names = []
+_real_call = _launch.Launcher.__call__
+
+
+def _recording_call(self, stream, *pointers, var=None):
+    names.extend(spec.template.rsplit("::", 1)[1] for spec in self.launches)
+    _real_call(self, stream, *pointers, var=var)
+
+
+_launch.Launcher.__call__ = _recording_call
+rng = np.random.default_rng(7)
+
+
+def rand(*shape):
+    return cp.asarray(rng.standard_normal(shape).astype(np.float16))
+
+
+def finite(*arrays):
+    for a in arrays:
+        assert bool(cp.isfinite(a).all()), "non-finite output"
+
+
+def backward(shape, causal, expect, **variants):
+    batch, sq, sk, hq, hkv, d = shape
+    q, k, v, dout = rand(batch, sq, hq, d), rand(batch, sk, hkv, d), rand(batch, sk, hkv, d), rand(batch, sq, hq, d)
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, causal=causal, **variants)[:2]
+    del names[:]
+    grads = cupyflash.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, **variants)
+    assert set(expect) <= set(names), (expect, names)
+    finite(*[g for g in grads if g is not None])
+
+
+def forward(shape, causal, expect, **kw):
+    batch, sq, sk, hq, hkv, d = shape
+    q, k, v = rand(batch, sq, hq, d), rand(batch, sk, hkv, d), rand(batch, sk, hkv, d)
+    del names[:]
+    out = cupyflash.flash_attn_fwd(q, k, v, causal=causal, **kw)[0]
+    assert set(expect) <= set(names), (expect, names)
+    finite(out)
+
+
+WS_BWD = "flash_bwd_ws_kernel"
+WS_FWD = "flash_fwd_ws_kernel"
+alibi = cp.asarray(np.linspace(0.1, 0.6, 4, dtype=np.float32))
+sinks = cp.asarray(np.linspace(-1.0, 1.0, 4, dtype=np.float32))
+mask = cp.asarray(rng.random((1, 1, 300, 430)) < 0.5)
+mask[..., :128, 128:256] = False  # an empty tile, next to random ones
+
+cases = [
+    (backward, ((1, 200, 300, 4, 2, 128), True, [WS_BWD, "flash_bwd_convert_dq_kernel"])),
+    (backward, ((2, 300, 200, 4, 2, 64), False, [WS_BWD, "flash_bwd_dq_sm90_kernel"])),
+    (backward, ((1, 200, 333, 4, 2, 64), True, [WS_BWD, "flash_bwd_convert_dq_kernel"]), dict(softcap=30.0)),
+    (backward, ((1, 260, 190, 4, 1, 64), True, [WS_BWD, "flash_bwd_convert_dq_kernel"]),
+     dict(alibi_slopes=alibi, sinks=sinks)),
+    (backward, ((1, 300, 250, 4, 2, 128), False, [WS_BWD]), dict(window_size=(100, 40))),
+    (forward, ((1, 300, 430, 4, 2, 128), False, [WS_FWD]), dict(attn_mask=mask)),
+    (forward, ((1, 300, 430, 4, 2, 64), False, [WS_FWD]), dict(attn_mask=mask)),
+    (forward, ((2, 700, 650, 4, 2, 128), True, [WS_FWD])),
+    (forward, ((1, 513, 1000, 4, 4, 128), False, [WS_FWD]), dict(window_size=(200, 0), softcap=20.0)),
+]
+quick = "--quick" in sys.argv
+seen = set()
+for fn, args, *kw in cases:
+    if quick and fn in seen:
+        continue
+    seen.add(fn)
+    fn(*args, **(kw[0] if kw else {}))
+    print(fn.__name__, args[0], kw[0].keys() if kw else "", "done", flush=True)
+
+cu_q = cp.asarray(np.array([0, 130, 131, 520], np.int32))
+cu_k = cp.asarray(np.array([0, 200, 517, 700], np.int32))
+q, k, v = rand(520, 4, 128), rand(700, 2, 128), rand(700, 2, 128)
+del names[:]
+out = cupyflash.flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, 389, 317, causal=True)[0]
+assert WS_FWD in names, names
+finite(out)
+cp.cuda.Device().synchronize()
+print("ok")
