@@ -8,7 +8,8 @@ ws kernel it is meant for and to give finite outputs. Run it under the tool:
 Cases: the ws backward at D=128 (dQ by the reduce warp), at D=64 plain (no dQ, 128 query
 rows per step, then the wgmma dQ kernel) and with variants (its own dQ); the ws forward
 one block per tile, persistent, with a block-sparse mask (its map) and packed (varlen).
-Prints "ok" last. ``--quick``: the first case of each kernel only (racecheck is slow).
+The device reports one SM to the planner (no split-KV, as in the GPU tests). Prints "ok"
+last. ``--quick``: the first case of each kernel only (racecheck is slow).
 """
 import sys
 
@@ -28,6 +29,9 @@ def _recording_call(self, stream, *pointers, var=None):
 
 
 _launch.Launcher.__call__ = _recording_call
+# One SM, as the GPU tests' fixtures do: the plans then never split the keys (small shapes
+# would take split-KV, whose forward is the mma.sync kernel)
+_launch.num_sms = lambda device_id: 1
 rng = np.random.default_rng(7)
 
 
