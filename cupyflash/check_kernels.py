@@ -54,8 +54,8 @@ def _quick_sm90(launch) -> bool:
     """The wgmma kernels (cc 9.0) in --quick: fp16, even head_dim, the variants the
     default (non-deterministic) mode launches."""
     args = launch.args
-    if launch.template.endswith("flash_fwd_ws_kernel"):  # <..., IS_CAUSAL, EVEN_K, VARIANT>
-        return args[0] == "__half" and args[5] == "true"
+    if launch.template.endswith("flash_fwd_ws_kernel"):  # <T, D, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, EVEN_K, ..>
+        return args[0] == "__half" and args[6] == "true"
     if launch.template.endswith("flash_bwd_ws_kernel"):  # <T, D, BLOCK_M, IS_CAUSAL, EVEN_K, WITH_DQ, VARIANT>
         return args[0] == "__half" and args[4] == "true" and args[6] == "0"
     if not launch.source.endswith("_sm90.cu") or args[0] != "__half":

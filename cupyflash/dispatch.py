@@ -5,8 +5,8 @@ unit-tested in ``tests/test_dispatch.py``. The template-argument order follows
 ``kernels_cu/flash_fwd.cu``: ``<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS,
 IS_CAUSAL, EVEN_K, VEC, IS_SPLIT, VARIANT>``, and ``kernels_cu/flash_fwd_sm90.cu``:
 ``<T, HEAD_DIM, BLOCK_N, CTAS_PER_SM, IS_CAUSAL, EVEN_K, VARIANT>``, and
-``kernels_cu/flash_fwd_ws.cu``: ``<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, EVEN_K,
-VARIANT>``; every
+``kernels_cu/flash_fwd_ws.cu``: ``<T, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL,
+EVEN_K, VARIANT, VARLEN, PERSISTENT>``; every
 attention kernel takes the variant bits (``VARIANT``, kernels_cu/variant.cuh) last.
 """
 
@@ -155,6 +155,41 @@ _FWD_WS = {
 }
 FWD_WS_BLOCK_M = 128
 FWD_WS_THREADS = 384
+#: Query rows per tile of the ws forward at D=64 (FwdWsTraits::BLOCK_M, 64 per consumer
+#: warpgroup), one of FWD_WS_BLOCK_MS: 128 (two consumer warpgroups; the default) or 192,
+#: FlashAttention-3's hdim-64 tile (three, at 160 registers each: at D=64 a block's GEMMs
+#: take half of D=128's time against the same softmax, so two warpgroups leave the tensor
+#: cores waiting; PERF.md v25: built, not yet measured). 192 takes plain attention and the
+#: variant sets of FWD_WS_WIDE_VARIANTS less FWD_WS_WIDE_SPILLS, one block per tile; the
+#: rest (persistent, a window, a map, which spill there: nvcc 13.0) keep 128.
+FWD_WS_D64_BLOCK_M = 128
+FWD_WS_BLOCK_MS = (128, 192)
+#: The variant bits the 192-row tile takes, and the sets among them that spill at its
+#: consumers' 160 registers (nvcc 13.0, every subset compiled, dense and packed, fp16 and
+#: bf16, causal or not: ALiBi with softcap 24-124 bytes, ALiBi with dropout 80-124).
+FWD_WS_WIDE_VARIANTS = VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT
+FWD_WS_WIDE_SPILLS = (VAR_ALIBI | VAR_SOFTCAP, VAR_ALIBI | VAR_DROPOUT)
+
+
+def fwd_ws_wide_takes(variant: int) -> bool:
+    """Whether the ws forward's 192-row tile compiles these variant bits with no spill."""
+    return not variant & ~FWD_WS_WIDE_VARIANTS and not any(variant & s == s for s in FWD_WS_WIDE_SPILLS)
+
+
+def fwd_ws_block_m(head_dim_padded: int, variant: int, persistent: bool = False,
+                   d64_block_m: int | None = None) -> int:
+    """Query rows per tile of the ws forward for this call: ``d64_block_m`` (None:
+    FWD_WS_D64_BLOCK_M) at D=64 where that tile takes the variant (:func:`fwd_ws_wide_takes`)
+    and the call runs one block per tile, else FWD_WS_BLOCK_M."""
+    wide = FWD_WS_D64_BLOCK_M if d64_block_m is None else d64_block_m
+    if head_dim_padded == 64 and not persistent and fwd_ws_wide_takes(variant):
+        return wide
+    return FWD_WS_BLOCK_M
+
+
+def fwd_ws_threads(block_m: int) -> int:
+    """FwdWsTraits::NUM_THREADS: the producer warpgroup and one consumer per 64 rows."""
+    return 128 * (1 + block_m // 64)
 #: The variant bits the warp-specialised forward takes (kernels_cu/variant.cuh
 #: WS_VARIANTS): those whose code is all in the scores and the softmax. A bias stays on the
 #: cp.async wgmma kernel; a mask too, but with its map where FWD_WS_BLOCK_MAP says.
@@ -272,29 +307,35 @@ def fwd_ws_tile(head_dim_padded: int, causal: bool) -> tuple[int, int]:
     return _FWD_WS[head_dim_padded][int(causal)]
 
 
-def fwd_ws_smem_bytes(head_dim_padded: int, block_n: int, stages: int) -> int:
+def fwd_ws_smem_bytes(head_dim_padded: int, block_n: int, stages: int, block_m: int = FWD_WS_BLOCK_M) -> int:
     """kernels_cu/flash_fwd_ws.cu FwdWsTraits::SMEM_BYTES: Q, STAGES x (K, V), the
     mbarriers (full_q, full_k, full_v, empty_k, empty_v, empty_q: 8 bytes each), 1 KB of
     alignment."""
-    return 2 * head_dim_padded * (FWD_WS_BLOCK_M + 2 * stages * block_n) + 8 * (2 + 4 * stages) + 1024
+    return 2 * head_dim_padded * (block_m + 2 * stages * block_n) + 8 * (2 + 4 * stages) + 1024
 
 
 def fwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
                   grid: tuple[int, int, int] = (1, 1, 1), variant: int = 0, varlen: bool = False,
-                  persistent: bool = False) -> Launch:
+                  persistent: bool = False, block_m: int = FWD_WS_BLOCK_M) -> Launch:
     """The warp-specialised forward kernel (cc 9.0) for one set of compile-time choices:
-    ``<T, HEAD_DIM, BLOCK_N, STAGES, IS_CAUSAL, EVEN_K, VARIANT, VARLEN, PERSISTENT>``;
+    ``<T, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, EVEN_K, VARIANT, VARLEN, PERSISTENT>``;
     ``variant``: bits of FWD_WS_VARIANTS, optionally with FWD_WS_MAP_VARIANTS (:func:`uses_ws_fwd`);
-    ``varlen``: a packed batch; ``persistent``: blocks walk the tiles (:func:`fwd_ws_grid`)."""
+    ``varlen``: a packed batch; ``persistent``: blocks walk the tiles (:func:`fwd_ws_grid`);
+    ``block_m``: query rows per tile (:func:`fwd_ws_block_m`)."""
     if not uses_ws_fwd(head_dim_padded, True, (9, 0), variant):
         raise ValueError(f"cupyflash: the warp-specialised forward takes the variant bits {FWD_WS_VARIANTS}, "
                          f"optionally with {FWD_WS_MAP_VARIANTS} (a mask with its map, not with "
                          f"{FWD_WS_MAP_SPILLS}), only; got {variant}")
+    if block_m not in FWD_WS_BLOCK_MS or block_m != fwd_ws_block_m(head_dim_padded, variant, persistent, block_m):
+        raise ValueError(f"cupyflash: the warp-specialised forward takes {block_m} query rows per tile only at "
+                         f"head_dim 64, one block per tile, with variant bits of {FWD_WS_WIDE_VARIANTS} less the "
+                         f"sets {FWD_WS_WIDE_SPILLS}; got head_dim {head_dim_padded}, variant {variant}, "
+                         f"persistent {persistent}")
     block_n, stages = fwd_ws_tile(head_dim_padded, causal)
-    args = (CTYPES[dtype], str(head_dim_padded), str(block_n), str(stages), _cbool(causal), _cbool(even_k),
-            str(variant), _cbool(varlen), _cbool(persistent))
-    return Launch("flash_fwd_ws.cu", "cupyflash::flash_fwd_ws_kernel", args, grid, (FWD_WS_THREADS, 1, 1),
-                  fwd_ws_smem_bytes(head_dim_padded, block_n, stages))
+    args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(stages), _cbool(causal),
+            _cbool(even_k), str(variant), _cbool(varlen), _cbool(persistent))
+    return Launch("flash_fwd_ws.cu", "cupyflash::flash_fwd_ws_kernel", args, grid, (fwd_ws_threads(block_m), 1, 1),
+                  fwd_ws_smem_bytes(head_dim_padded, block_n, stages, block_m))
 
 # Variants whose code does not fit the default tiles' registers (check-kernels,
 # NVRTC 13.0: a window's two edges, ALiBi's distances, dropout's Philox rounds) take
@@ -467,10 +508,10 @@ def fwd_sm90_tile(head_dim_padded: int, causal: bool, variant: int = 0) -> tuple
     return block_n, ctas_per_sm
 
 
-#: The VARIANT template argument's place in each forward that takes a block map (the
-#: kernels' template orders, this module's docstring), and their BLOCK_M; BLOCK_N is
-#: argument 2 of both.
-_FWD_MAP_KERNELS = {"flash_fwd_sm90.cu": (6, SM90_BLOCK_M), "flash_fwd_ws.cu": (6, FWD_WS_BLOCK_M)}
+#: The places of the VARIANT, BLOCK_M and BLOCK_N template arguments in each forward that
+#: takes a block map (the kernels' template orders, this module's docstring); BLOCK_M None:
+#: the kernel's is fixed, SM90_BLOCK_M.
+_FWD_MAP_KERNELS = {"flash_fwd_sm90.cu": (6, None, 2), "flash_fwd_ws.cu": (7, 2, 3)}
 
 
 def fwd_block_map_tile(plan: FwdPlan) -> tuple[int, int] | None:
@@ -481,7 +522,7 @@ def fwd_block_map_tile(plan: FwdPlan) -> tuple[int, int] | None:
     where = _FWD_MAP_KERNELS.get(main.source)
     if where is None or not int(main.args[where[0]]) & VAR_BLOCK_MAP:
         return None
-    return where[1], int(main.args[2])
+    return (SM90_BLOCK_M if where[1] is None else int(main.args[where[1]])), int(main.args[where[2]])
 
 
 def uses_sm90_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int]) -> bool:
@@ -554,15 +595,16 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
         ws = ws_block_map
     if (ws is True or (ws and d in ws)) and uses_ws_fwd(d, vec, cc, ws_variant):
         block_n = fwd_ws_tile(d, causal)[0]
-        num_m_blocks = math.ceil(seqlen_q / FWD_WS_BLOCK_M)
+        block_m = fwd_ws_block_m(d, ws_variant)  # (192 rows: one block per tile)
+        num_m_blocks = math.ceil(seqlen_q / block_m)
         n_blocks = math.ceil(seqlen_k / block_n)
         if varlen or num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms) == 1:
             if persistent == "auto":
                 persistent = persistent_ws_pays(ws_variant, varlen)
-            persistent = bool(persistent) and uses_persistent_ws(ws_variant)
+            persistent = bool(persistent) and uses_persistent_ws(ws_variant) and block_m == FWD_WS_BLOCK_M
             grid = fwd_ws_grid(num_m_blocks, batch * nheads_q, causal, num_sms, persistent)
-            main = fwd_ws_launch(dtype, d, causal, head_dim == d, grid, ws_variant, varlen, persistent)
-            return FwdPlan(main, None, d, num_m_blocks, 1, n_blocks, (FWD_WS_BLOCK_M, block_n))
+            main = fwd_ws_launch(dtype, d, causal, head_dim == d, grid, ws_variant, varlen, persistent, block_m)
+            return FwdPlan(main, None, d, num_m_blocks, 1, n_blocks, (block_m, block_n))
     if uses_sm90_fwd(d, vec, cc):
         block_m, block_n = SM90_BLOCK_M, fwd_sm90_tile(d, causal, variant)[0]
     else:
@@ -604,6 +646,10 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
             out.append(fwd_ws_launch(dtype, d, causal, even_k, varlen=varlen, persistent=persistent))
             if not persistent:  # the mask with its map, in every dtype and EVEN_K too (never persistent)
                 out.append(fwd_ws_launch(dtype, d, causal, even_k, variant=FWD_WS_MAP_VARIANTS, varlen=varlen))
+                # the 192-row tile at D=64, whatever FWD_WS_D64_BLOCK_M selects
+                for block_m in FWD_WS_BLOCK_MS[1:]:
+                    if fwd_ws_block_m(d, 0, False, block_m) == block_m:
+                        out.append(fwd_ws_launch(dtype, d, causal, even_k, varlen=varlen, block_m=block_m))
     # Each variant switched on alone (a bias or mask also read element by element), and
     # the combinations of a bias that users run, on the aligned kernels (one dtype: the
     # other's registers are the same).
@@ -618,6 +664,10 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
                 and bits != FWD_WS_MAP_VARIANTS):  # (the map alone: above)
             out.append(fwd_ws_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bits, varlen=varlen,
                                      persistent=persistent))
+            for block_m in FWD_WS_BLOCK_MS[1:]:
+                if not persistent and fwd_ws_block_m(d, bits, False, block_m) == block_m:
+                    out.append(fwd_ws_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bits, varlen=varlen,
+                                             block_m=block_m))
     # The staged bias and mask (the wgmma kernel; where the stages do not fit, the
     # register path it takes instead).
     for bit, d, causal in itertools.product(FWD_STAGED_CHECK_VARIANTS, HEAD_DIMS, (False, True)):

@@ -4,8 +4,8 @@
 // warpgroups only compute (wgmma, online softmax).
 //
 // A thread block computes a tile, BLOCK_M = 128 query rows of one (batch, head) (or,
-// persistent, several tiles in turn): consumer warpgroup c (threads 128 + 128c ..)
-// owns 64 of them. Warpgroup 0 gives its registers away (setmaxnreg.dec to 24) and
+// persistent, several tiles in turn), or 192 (below): consumer warpgroup c (threads
+// 128 + 128c ..) owns 64 of them. Warpgroup 0 gives its registers away (setmaxnreg.dec to 24) and
 // one of its threads issues every copy: Q once a tile, then each key block's K and
 // V tiles into a STAGES-deep ring of 128-byte-swizzled stages (the layout wgmma's
 // descriptors read, wgmma.cuh Swizzle128Tile, with no copy through registers). Each
@@ -35,10 +35,15 @@
 // FA3 at D=128 takes the same tile (128 x 128, two stages, both overlaps). Two
 // stages of 128-key K and V tiles are 128 KB (+32 KB Q); a third fits (224 KB) and
 // is the table's to choose (cupyflash/dispatch.py _FWD_WS: three at D=128).
+// BLOCK_M = 192 is FA3's hdim-64 tile: three consumer warpgroups (setmaxnreg 160) take
+// turns at the tensor cores in a ring (c issues after c - 1, mod 3). At D=64 a block's
+// GEMMs take half of D=128's time against the same softmax, so with two warpgroups the
+// tensor cores wait on the softmax; with three, two softmaxes run under each GEMM phase.
 //
 // Template parameters, in order:
 //   T          __half or __nv_bfloat16
 //   HEAD_DIM   padded head dimension, 64 or 128; runtime head_dim <= HEAD_DIM
+//   BLOCK_M    query rows per tile: 64 per consumer warpgroup, 128 (two) or 192 (three)
 //   BLOCK_N    keys per tile
 //   STAGES     K/V ring depth
 //   IS_CAUSAL  bottom-right aligned causal mask
@@ -67,7 +72,7 @@
 // several tiles, the scheduler's, one after the other. The K/V ring's stages and
 // phases run on across tiles, so the producer copies the next tile's first K while
 // the consumers finish this tile's last GEMMs and epilogue; Q waits on empty_q, where
-// the 8 consumer warps arrive once their O has left sQ (the epilogue stages O there).
+// every consumer warp arrives once its O has left sQ (the epilogue stages O there).
 // seqused_k: keys past a sequence's count are masked in S (P = 0), but their rows
 // are still read (up to seqlen_k) and must hold finite values, as P·V multiplies them.
 //
@@ -108,17 +113,19 @@
 
 namespace cupyflash {
 
-template <typename T_, int HEAD_DIM_, int BLOCK_N_, int STAGES_>
+template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int STAGES_>
 struct FwdWsTraits {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
-    static constexpr int BLOCK_M = 128;
+    static constexpr int BLOCK_M = BLOCK_M_;
     static constexpr int BLOCK_N = BLOCK_N_;
     static constexpr int STAGES = STAGES_;
-    static constexpr int CONSUMERS = 2;                          // consumer warpgroups, 64 rows each
+    static_assert(BLOCK_M == 128 || BLOCK_M == 192, "two or three consumer warpgroups");
+    static constexpr int CONSUMERS = BLOCK_M / 64;               // consumer warpgroups, 64 rows each
     static constexpr int NUM_THREADS = 128 * (1 + CONSUMERS);   // + the producer warpgroup
     static constexpr int PRODUCER_REGS = 24;
-    static constexpr int CONSUMER_REGS = 240;
+    // (three: (65536 - 24 x 128) / 384, down to a multiple of 8)
+    static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 240 : 160;
     static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * CONSUMERS <= 65536, "more registers than an SM has");
     static constexpr int N_TILES = BLOCK_N / 8;
     static constexpr int D_TILES = HEAD_DIM / 8;
@@ -135,9 +142,9 @@ struct FwdWsTraits {
     static constexpr int EPILOGUE_BAR = 1, SCHED_BAR = 1 + CONSUMERS;
 };
 
-template <typename T, int HEAD_DIM, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool EVEN_K, int VARIANT, bool VARLEN,
-          bool PERSISTENT>
-__global__ void __launch_bounds__(384, 1)
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool EVEN_K, int VARIANT,
+          bool VARLEN, bool PERSISTENT>
+__global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1)
 flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     static_assert((VARIANT & ~(WS_VARIANTS | WS_FWD_MAP_VARIANTS)) == 0, "flash_fwd_ws_kernel: no bias");
     static_assert((VARIANT & WS_FWD_MAP_VARIANTS) == 0 || (VARIANT & WS_FWD_MAP_VARIANTS) == WS_FWD_MAP_VARIANTS,
@@ -159,8 +166,8 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     // GEMM; with a window, whose edges leave no room for the Philox rounds next to S's
     // accumulators (20 bytes of spill, nvcc 13.0), before the GEMMs are issued.
     constexpr bool KEEP_UNDER_S = !Mask<IS_CAUSAL, VARIANT>::WINDOW;
-    using Tr = FwdWsTraits<T, HEAD_DIM, BLOCK_N, STAGES>;
-    constexpr int BLOCK_M = Tr::BLOCK_M, N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES, BOX = Tr::BOX_COLS;
+    using Tr = FwdWsTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES>;
+    constexpr int N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES, BOX = Tr::BOX_COLS;
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     // With the map, a block's mask pairs in registers (variant.cuh ScoreTerms, read in pairs)
@@ -308,11 +315,14 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     const int r0 = cw * 64 + (threadIdx.x / 32 % 4) * 16 + g;
 
     // Ping-pong: consumer cw issues GEMMs between sync on its own barrier and arrive
-    // on the other's. Each does one sync and one arrive per GEMM phase; in each tile
-    // consumer 1 arrives once up front (consumer 0 goes first) and skips its last
-    // arrive, so no arrival is left over.
+    // on the next one's (the other's; of three, cw + 1 mod 3). Each does one sync and
+    // one arrive per GEMM phase; in each tile the last consumer arrives once up front
+    // (consumer 0 goes first) and skips its last arrive, so no arrival is left over.
+    constexpr int LAST = Tr::CONSUMERS - 1;
     auto sched_sync = [&] { named_barrier_sync<256>(Tr::SCHED_BAR + cw); };
-    auto sched_arrive = [&] { named_barrier_arrive<256>(Tr::SCHED_BAR + (1 - cw)); };
+    auto sched_arrive = [&] {
+        named_barrier_arrive<256>(Tr::SCHED_BAR + (Tr::CONSUMERS == 2 ? 1 - cw : (cw + 1) % Tr::CONSUMERS));
+    };
     // This warp's wgmma reads of a stage's K (V) are done (its wait_group has returned).
     auto release_k = [&](int s) {
         __syncwarp();
@@ -343,7 +353,7 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
         const KeyBlockMap<VARIANT> map(p.var, b, h, tile.tc.m_block);
         const int n_first = MAP ? map.prev(blocks.end, blocks.begin) : blocks.end - 1;
         if (n_first >= blocks.begin) {
-            if (cw == 1) sched_arrive();
+            if (cw == LAST) sched_arrive();
             uint32 pa[BLOCK_N / 16][4];  // P of the block before, the A operand of its P·V
             // ---- the first block (masked, unless the range has no masked block): S alone
             {
@@ -403,7 +413,8 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                 sched_arrive();
                 if constexpr (DROPOUT && KEEP_UNDER_S) keep.draw(drop, m0 + r0, n * BLOCK_N + 2 * t);
                 // The block's mask (a PARTIAL or edge block), read while the GEMMs run.
-                constexpr bool MASKED = decltype(masked)::value, ATTN_MASKED = decltype(attn_masked)::value;
+                [[maybe_unused]] constexpr bool MASKED = decltype(masked)::value;
+                [[maybe_unused]] constexpr bool ATTN_MASKED = decltype(attn_masked)::value;
                 [[maybe_unused]] MaskTerms terms(mod, m0 + r0);
                 if constexpr (MAP) terms.template load<MASKED, ATTN_MASKED>(n * BLOCK_N + 2 * t);
                 wgmma_wait<1>();  // S_n (the older group) has completed
@@ -457,7 +468,7 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
             mbar_wait(full_v(prev_stage), prev_phase);
             sched_sync();
             issue_pv<T, BLOCK_N, HEAD_DIM>(acc_o[0], pa, sV0 + prev_stage * KVTile::BYTES);
-            if (cw == 0) sched_arrive();
+            if (Tr::CONSUMERS == 2 ? cw == 0 : cw != LAST) sched_arrive();
             wgmma_wait<0>();
             fence_operands(acc_o[0]);
             fence_operands(pa);

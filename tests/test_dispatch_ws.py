@@ -60,7 +60,7 @@ def test_ws_serves_plain_dense_aligned_hopper_calls(dtype, head_dim, causal):
     d = dispatch.padded_head_dim(head_dim)
     block_n, stages = dispatch.fwd_ws_tile(d, causal)
     assert plan.main.template == WS and plan.combine is None and plan.num_splits == 1
-    assert plan.main.args == (dispatch.CTYPES[dtype], str(d), str(block_n), str(stages),
+    assert plan.main.args == (dispatch.CTYPES[dtype], str(d), "128", str(block_n), str(stages),
                               str(causal).lower(), str(head_dim == d).lower(), "0", "false", "false")
     assert plan.main.block == (384, 1, 1)
     assert plan.main.grid == (128 * 16, 1, 1) and plan.num_m_blocks == 128
@@ -145,26 +145,46 @@ def test_ws_small_grids_still_split_on_the_mma_sync_kernel():
 def test_ws_kernels_are_checked_on_sm90_only():
     on90 = [L for L in dispatch.all_fwd_launches((9, 0)) if L.template == WS]
     assert {L.args[1] for L in on90} == {"64", "128"}
-    plain = [L for L in on90 if L.args[6] == "0"]
+    rows128 = [L for L in on90 if L.args[2] == "128"]
+    plain = [L for L in rows128 if L.args[7] == "0"]
     assert len(plain) == 2 * 2 * 2 * 2 * 2 * 2  # dtype x head_dim x causal x even_k x varlen x persistent
-    assert {L.args[7] for L in on90 if L.args[6] != "0"} == {"false", "true"}
-    assert {L.args[8] for L in on90 if L.args[6] != "0"} == {"false", "true"}
-    variants = {(L.args[1], L.args[4], int(L.args[6])) for L in on90 if L.args[6] != "0"}
+    assert {L.args[8] for L in rows128 if L.args[7] != "0"} == {"false", "true"}
+    assert {L.args[9] for L in rows128 if L.args[7] != "0"} == {"false", "true"}
+    variants = {(L.args[1], L.args[5], int(L.args[7])) for L in rows128 if L.args[7] != "0"}
     assert variants == {(d, c, bits) for d in ("64", "128") for c in ("false", "true")
                         for bits in dispatch.FWD_WS_CHECK_VARIANTS}
+    # the 192-row tile (D=64, one block per tile): plain in every dtype, EVEN_K and VARLEN;
+    # the check variants it takes
+    rows192 = [L for L in on90 if L.args[2] == "192"]
+    assert {(L.args[1], L.args[9]) for L in rows192} == {("64", "false")}
+    assert len([L for L in rows192 if L.args[7] == "0"]) == 2 * 2 * 2 * 2
+    assert {(L.args[5], int(L.args[7])) for L in rows192 if L.args[7] != "0"} == {
+        (c, bits) for c in ("false", "true") for bits in dispatch.FWD_WS_CHECK_VARIANTS
+        if dispatch.fwd_ws_wide_takes(bits)}
+    assert len(on90) == len(set(on90))
     # each bit alone, and all of them together
     assert set(_WS_BITS) | {dispatch.FWD_WS_VARIANTS} <= set(dispatch.FWD_WS_CHECK_VARIANTS)
     assert not [L for L in dispatch.all_fwd_launches((8, 0)) if L.template == WS]
 
 
 def test_ws_smem_bytes_are_the_kernel_traits():
-    """fwd_ws_smem_bytes spells out FwdWsTraits::SMEM_BYTES: Q, the K/V stages, the
-    4 STAGES + 2 mbarriers, 1 KB of alignment; BLOCK_M as the kernel's."""
-    text = (kernels_dir() / "flash_fwd_ws.cu").read_text()
-    assert re.search(rf"BLOCK_M = {dispatch.FWD_WS_BLOCK_M};", text)
-    assert "SMEM_BYTES = QTile::BYTES + 2 * STAGES * KVTile::BYTES + BARRIER_BYTES + 1024" in text
-    assert "BARRIER_BYTES = 8 * (2 + 4 * STAGES)" in text
+    """fwd_ws_smem_bytes and fwd_ws_threads are FwdWsTraits' SMEM_BYTES and NUM_THREADS (Q,
+    the K/V stages, the 4 STAGES + 2 mbarriers, 1 KB of alignment; a producer and one consumer
+    warpgroup per 64 rows) at every tile a plan takes: static_asserts compiled by NVRTC."""
+    from test_bwd_dispatch import compile_asserts  # sibling module
+
     assert dispatch.fwd_ws_smem_bytes(128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 80 + 1024
+    assert dispatch.fwd_ws_threads(128) == dispatch.FWD_WS_THREADS == 384 and dispatch.fwd_ws_threads(192) == 512
+    tiles = sorted({(int(L.args[1]), int(L.args[2]), int(L.args[3]), int(L.args[4]))
+                    for L in dispatch.all_fwd_launches((9, 0)) if L.template == WS})
+    assert {m for _, m, _, _ in tiles} == set(dispatch.FWD_WS_BLOCK_MS)
+    lines = ['#include "flash_fwd_ws.cu"']
+    for d, m, n, stages in tiles:
+        tr = f"cupyflash::FwdWsTraits<__half, {d}, {m}, {n}, {stages}>"
+        lines += [f'static_assert({tr}::SMEM_BYTES == {dispatch.fwd_ws_smem_bytes(d, n, stages, m)}, "smem");',
+                  f'static_assert({tr}::NUM_THREADS == {dispatch.fwd_ws_threads(m)}, "threads");',
+                  f'static_assert({tr}::BLOCK_M == {m} && {tr}::BLOCK_N == {n}, "tile");']
+    compile_asserts(lines, "fwd_ws_traits.cu")
     # the table's choices fit a block's 227 KB with the kernel's 16 bytes of static shared memory
     for d in (64, 128):
         for causal in (False, True):
@@ -210,7 +230,7 @@ def test_every_gpu_variant_case_plans_the_ws_kernel():
         plan = dispatch.select_fwd(batch=batch, seqlen_q=sq, seqlen_k=sk, nheads_q=nheads, head_dim=d,
                                    dtype="float16", causal=causal, vec=True, num_sms=1, cc=(9, 0), variant=bits,
                                    ws=True)
-        assert plan.main.template == WS and plan.main.args[6] == str(bits), (shape, sorted(variants))
+        assert plan.main.template == WS and plan.main.args[7] == str(bits), (shape, sorted(variants))
 
 
 def test_every_gpu_varlen_case_plans_the_ws_kernel():
@@ -231,7 +251,7 @@ def test_every_gpu_varlen_case_plans_the_ws_kernel():
         plan = dispatch.select_fwd(batch=len(lens_q), seqlen_q=max(lens_q), seqlen_k=max(lens_k), nheads_q=nheads,
                                    head_dim=d, dtype=dtype, causal=causal, vec=True, cc=(9, 0), varlen=True,
                                    variant=bits, ws=True)
-        assert plan.main.template == WS and plan.combine is None and plan.main.args[6:] == (str(bits), "true", "false")
+        assert plan.main.template == WS and plan.combine is None and plan.main.args[7:] == (str(bits), "true", "false")
 
 
 # ----------------------------------------------------------------------------
@@ -304,7 +324,7 @@ def test_persistent_not_with_a_window_and_dropout(variant):
     assert not dispatch.uses_persistent_ws(variant)
     assert _plan(ws=True, variant=variant, persistent=True) == _plan(ws=True, variant=variant)
     assert not [L for L in dispatch.all_fwd_launches((9, 0)) if L.template == WS and L.args[-1] == "true"
-                and not dispatch.uses_persistent_ws(int(L.args[6]))]
+                and not dispatch.uses_persistent_ws(int(L.args[7]))]
     text = (kernels_dir() / "flash_fwd_ws.cu").read_text()
     assert "static_assert(!PERSISTENT || (VARIANT & (VAR_WINDOW | VAR_DROPOUT)) != (VAR_WINDOW | VAR_DROPOUT)," in text
     assert dispatch.FWD_WS_NOT_PERSISTENT == dispatch.VAR_WINDOW | dispatch.VAR_DROPOUT
@@ -359,3 +379,72 @@ def test_causal_units_balance_the_blocks(seqlen):
     assert max(loads) <= 1.04 * mean
     round_robin = [sum(m_blocks - t % m_blocks for t in range(b, heads * m_blocks, 132)) for b in range(132)]
     assert max(round_robin) >= 1.05 * mean
+
+
+# ----------------------------------------------------------------------------
+# D=64's 192-row tile (dispatch.FWD_WS_D64_BLOCK_M: three consumer warpgroups)
+# ----------------------------------------------------------------------------
+
+_WIDE_TAKES = (0, dispatch.VAR_SOFTCAP, dispatch.VAR_ALIBI, dispatch.VAR_SINKS, dispatch.VAR_DROPOUT,
+               dispatch.VAR_ALIBI | dispatch.VAR_SINKS, dispatch.VAR_SOFTCAP | dispatch.VAR_SINKS,
+               dispatch.VAR_SOFTCAP | dispatch.VAR_DROPOUT, dispatch.VAR_SINKS | dispatch.VAR_DROPOUT,
+               dispatch.VAR_SOFTCAP | dispatch.VAR_SINKS | dispatch.VAR_DROPOUT)
+_WIDE_REFUSES = (dispatch.VAR_WINDOW, dispatch.VAR_SOFTCAP | dispatch.VAR_ALIBI, dispatch.VAR_ALIBI | dispatch.VAR_DROPOUT,
+                 dispatch.VAR_WINDOW | dispatch.VAR_SINKS, dispatch.FWD_WS_VARIANTS,
+                 dispatch.VAR_MASK | dispatch.VAR_BLOCK_MAP)
+
+
+def test_d64_keeps_128_rows_by_default():
+    assert dispatch.FWD_WS_D64_BLOCK_M == 128 and dispatch.FWD_WS_BLOCK_MS == (128, 192)
+    plan = _plan(head_dim=64, ws=True, persistent=False)
+    assert plan.main.args[2] == "128" and plan.main.block == (384, 1, 1) and plan.tma_box_rows[0] == 128
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("variant", _WIDE_TAKES)
+@pytest.mark.parametrize("persistent", [False, True, "auto"])
+def test_d64_192_rows(monkeypatch, causal, variant, persistent):
+    """FWD_WS_D64_BLOCK_M = 192: a D=64 call whose variant the tile takes runs 192 query rows
+    per tile, one block per tile whatever the persistent switch says (512 threads, Q's TMA
+    box and the grid at 192 rows, its shared memory); D=128 keeps 128."""
+    monkeypatch.setattr(dispatch, "FWD_WS_D64_BLOCK_M", 192)
+    plan = _plan(head_dim=64, ws=True, causal=causal, variant=variant, persistent=persistent)
+    block_n, stages = dispatch.fwd_ws_tile(64, causal)
+    assert plan.main.template == WS and plan.main.args[1:5] == ("64", "192", str(block_n), str(stages))
+    assert plan.main.args[7:] == (str(variant), "false", "false")
+    assert plan.main.block == (512, 1, 1) and plan.tma_box_rows == (192, block_n)
+    assert plan.num_m_blocks == -(-16384 // 192) and plan.main.grid == (plan.num_m_blocks * 16, 1, 1)
+    assert plan.main.smem_bytes == dispatch.fwd_ws_smem_bytes(64, block_n, stages, 192) <= 227 * 1024
+    assert _plan(head_dim=128, ws=True, causal=causal, variant=variant).main.args[2] == "128"
+
+
+@pytest.mark.parametrize("variant", _WIDE_REFUSES)
+def test_d64_192_rows_not_for_the_sets_that_spill(monkeypatch, variant):
+    """A window, a map, ALiBi with softcap or with dropout keep 128 rows (they spill at 160
+    registers: FWD_WS_WIDE_SPILLS), and fwd_ws_launch refuses them 192, as it refuses 192 at
+    D=128, persistent, or a tile size the kernel does not have."""
+    monkeypatch.setattr(dispatch, "FWD_WS_D64_BLOCK_M", 192)
+    assert not dispatch.fwd_ws_wide_takes(variant)
+    plan = _plan(head_dim=64, ws=True, ws_block_map=True, variant=variant, persistent=False)
+    assert plan.main.template == WS and plan.main.args[2] == "128"
+    with pytest.raises(ValueError, match="query rows per tile"):
+        dispatch.fwd_ws_launch("float16", 64, False, True, variant=dispatch.ws_fwd_variant(variant), block_m=192)
+    for kw in (dict(head_dim_padded=128), dict(persistent=True), dict(block_m=256)):
+        args = dict(dtype="float16", head_dim_padded=64, causal=False, even_k=True, block_m=192) | kw
+        with pytest.raises(ValueError, match="query rows per tile"):
+            dispatch.fwd_ws_launch(**args)
+
+
+def test_d64_192_rows_spill_facts():
+    assert dispatch.FWD_WS_WIDE_VARIANTS == (dispatch.VAR_SOFTCAP | dispatch.VAR_ALIBI | dispatch.VAR_SINKS
+                                             | dispatch.VAR_DROPOUT)
+    taken = {b for b in range(32) if dispatch.fwd_ws_wide_takes(b)}
+    assert taken == set(_WIDE_TAKES) | {dispatch.VAR_ALIBI | dispatch.VAR_SINKS}
+
+
+@pytest.mark.parametrize("causal,variant", [(False, 0), (True, 0), (True, dispatch.VAR_SOFTCAP),
+                                            (False, dispatch.VAR_SINKS | dispatch.VAR_DROPOUT)])
+def test_d64_192_rows_compile_without_spills(causal, variant):
+    from test_bwd_dispatch import _compile_clean  # sibling module
+
+    _compile_clean(dispatch.fwd_ws_launch("bfloat16", 64, causal, True, variant=variant, block_m=192), (9, 0))

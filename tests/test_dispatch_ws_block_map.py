@@ -48,7 +48,7 @@ def test_on_the_ws_kernel_at_its_plain_tile_one_block_per_tile(dtype, head_dim, 
     d = dispatch.padded_head_dim(head_dim)
     block_n, stages = dispatch.fwd_ws_tile(d, causal)
     assert plan.main.template == WS and plan.combine is None and plan.num_splits == 1
-    assert plan.main.args == (dispatch.CTYPES[dtype], str(d), str(block_n), str(stages), str(causal).lower(),
+    assert plan.main.args == (dispatch.CTYPES[dtype], str(d), "128", str(block_n), str(stages), str(causal).lower(),
                               str(head_dim == d).lower(), str(MAP), "false", "false")
     assert plan.main.grid == (32 * 4 * 16, 1, 1) and plan.num_m_blocks == 32
     assert dispatch.fwd_block_map_tile(plan) == (dispatch.FWD_WS_BLOCK_M, block_n) == plan.tma_box_rows
@@ -68,7 +68,7 @@ def test_the_switch_picks_the_head_dims(ws_block_map, takes):
 def test_with_the_ws_variants(bits):
     """The variants whose map kernels compile with no spill combine with the map."""
     plan = _plan(variant=MAP | bits, ws_block_map=True)
-    assert plan.main.template == WS and int(plan.main.args[6]) == MAP | bits and plan.main.args[8] == "false"
+    assert plan.main.template == WS and int(plan.main.args[7]) == MAP | bits and plan.main.args[9] == "false"
     assert dispatch.fwd_block_map_tile(plan) == (128, 128)
 
 
@@ -140,30 +140,32 @@ def test_the_map_bits_are_the_kernels():
 
 
 def test_the_map_tile_is_the_kernels():
-    """fwd_block_map_tile reads each kernel's VARIANT at its place in the template (both
-    forwards that take a map: <T, HEAD_DIM, BLOCK_N, ..., VARIANT at 6, ...>) and BLOCK_M as
-    the kernels' traits have it."""
-    for source, (at, block_m) in dispatch._FWD_MAP_KERNELS.items():  # noqa: SLF001
-        text = (kernels_dir() / source).read_text()
-        assert re.search(rf"static constexpr int BLOCK_M = {block_m};", text), source
+    """fwd_block_map_tile reads each kernel's VARIANT, BLOCK_M and BLOCK_N at their places in
+    its template (flash_fwd_sm90.cu <T, HEAD_DIM, BLOCK_N, ..., VARIANT at 6>, BLOCK_M its
+    traits' SM90_BLOCK_M; flash_fwd_ws.cu <T, HEAD_DIM, BLOCK_M, BLOCK_N, ..., VARIANT at 7>)."""
+    assert dispatch._FWD_MAP_KERNELS == {"flash_fwd_sm90.cu": (6, None, 2), "flash_fwd_ws.cu": (7, 2, 3)}  # noqa: SLF001
+    text = (kernels_dir() / "flash_fwd_sm90.cu").read_text()
+    assert re.search(rf"static constexpr int BLOCK_M = {dispatch.SM90_BLOCK_M};", text)
+    assert "template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool IS_CAUSAL" in (
+        kernels_dir() / "flash_fwd_ws.cu").read_text()
     sm90 = dispatch.fwd_sm90_launch("float16", 128, False, True, variant=MAP)
     ws = dispatch.fwd_ws_launch("float16", 128, False, True, variant=MAP)
-    assert sm90.args[6] == ws.args[6] == str(MAP)
-    assert sm90.args[2] == "64" and ws.args[2] == "128"
+    assert sm90.args[6] == ws.args[7] == str(MAP)
+    assert sm90.args[2] == "64" and ws.args[3] == "128"
 
 
 def test_check_kernels_compiles_the_map_kernels():
     """check-kernels compiles the map with each ws variant, at both head_dims, causal or
     not, dense and packed, never persistent."""
-    on90 = [L for L in dispatch.all_fwd_launches((9, 0)) if L.template == WS and int(L.args[6]) & MAP]
-    got = {(L.args[1], L.args[4], int(L.args[6]), L.args[7], L.args[8]) for L in on90}
+    on90 = [L for L in dispatch.all_fwd_launches((9, 0)) if L.template == WS and int(L.args[7]) & MAP]
+    got = {(L.args[1], L.args[5], int(L.args[7]), L.args[8], L.args[9]) for L in on90}
     bits = {b for b in dispatch.FWD_WS_CHECK_VARIANTS if b & MAP}
     with_map = (0, dispatch.VAR_ALIBI, dispatch.VAR_SINKS, dispatch.VAR_ALIBI | dispatch.VAR_SINKS)
     assert bits == {MAP | b for b in with_map}
     assert got == {(d, c, b, v, "false") for d in ("64", "128") for c in ("false", "true") for b in bits
                    for v in ("false", "true")}
     # the map alone in every dtype and EVEN_K, as the plain kernels (the variants: bf16, even)
-    alone = {(L.args[0], L.args[5]) for L in on90 if int(L.args[6]) == MAP}
+    alone = {(L.args[0], L.args[6]) for L in on90 if int(L.args[7]) == MAP}
     assert alone == {(t, e) for t in dispatch.CTYPES.values() for e in ("true", "false")}
     assert len(on90) == len(set(on90))
 

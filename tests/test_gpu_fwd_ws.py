@@ -1,8 +1,10 @@
 """The warp-specialised TMA forward (kernels_cu/flash_fwd_ws.cu) on the GPU against
 the float64 reference, switched on (dispatch.FWD_WS) at every head_dim it has for each
-test, each test run twice: one block per tile, and persistent (dispatch.FWD_WS_PERSISTENT:
-the fixture's one SM gives a grid of one block, which walks every tile); skipped without
-a GPU, and off compute capability 9.0.
+test, each test run three times: one block per tile, persistent (dispatch.FWD_WS_PERSISTENT:
+the fixture's one SM gives a grid of one block, which walks every tile), and one block per
+tile with D=64 on its 192-row tile (dispatch.FWD_WS_D64_BLOCK_M: three consumer
+warpgroups, where it takes the variant); skipped without a GPU, and off compute
+capability 9.0.
 
 Every case must run that kernel: the fixture reports one SM, so the split-KV heuristic
 (which the warp-specialised kernel does not serve) never splits the small grids here,
@@ -34,17 +36,20 @@ pytestmark = pytest.mark.gpu
 WS_KERNEL = "flash_fwd_ws_kernel"
 
 
-def record_ws_modes(monkeypatch):
+def record_ws_modes(monkeypatch, tiles=None):
     """The PERSISTENT template argument, the VARIANT bits and the grid of every ws kernel
-    launched from now on (Launcher.__call__ wrapped, over conftest's ``launches`` recorder)."""
+    launched from now on (Launcher.__call__ wrapped, over conftest's ``launches`` recorder);
+    and into ``tiles``, if given, each launch's (HEAD_DIM, BLOCK_M, VARIANT)."""
     from cupyflash import _launch
 
     modes = []
     real_call = _launch.Launcher.__call__
 
     def call(self, stream, *pointers, var=None):
-        modes.extend((spec.args[-1] == "true", int(spec.args[6]), spec.grid[0]) for spec in self.launches
-                     if spec.template.endswith(WS_KERNEL))
+        ws = [spec for spec in self.launches if spec.template.endswith(WS_KERNEL)]
+        modes.extend((spec.args[-1] == "true", int(spec.args[7]), spec.grid[0]) for spec in ws)
+        if tiles is not None:
+            tiles.extend((int(spec.args[1]), int(spec.args[2]), int(spec.args[7])) for spec in ws)
         real_call(self, stream, *pointers, var=var)
 
     monkeypatch.setattr(_launch.Launcher, "__call__", call)
@@ -76,18 +81,26 @@ def switch_ws_on(monkeypatch, persistent, num_sms):
     _gpu.clear_plans()
 
 
-@pytest.fixture(params=[False, True], ids=["grid", "persistent"])
+@pytest.fixture(params=["grid", "persistent", "rows192"])
 def ws_on(request, monkeypatch, launches):
-    """The switch on at every head_dim, one block per tile or persistent (every test here
-    runs both), plans made afresh (conftest's fresh_plans), on a cc 9.0 device that
-    reports one SM (no split-KV; a persistent grid of one block, which walks every tile);
-    yields the names of the kernels launched, and checks the mode of every ws launch."""
-    from cupyflash import _gpu
+    """The switch on at every head_dim, one block per tile, persistent, or one block per
+    tile with D=64's 192-row tile (dispatch.FWD_WS_D64_BLOCK_M; every test here runs all
+    three), plans made afresh (conftest's fresh_plans), on a cc 9.0 device that reports one
+    SM (no split-KV; a persistent grid of one block, which walks every tile); yields the
+    names of the kernels launched, and checks the mode and the tile of every ws launch."""
+    from cupyflash import _gpu, dispatch
 
-    switch_ws_on(monkeypatch, request.param, 1)
-    modes = record_ws_modes(monkeypatch)
+    persistent = request.param == "persistent"
+    switch_ws_on(monkeypatch, persistent, 1)
+    d64_block_m = 192 if request.param == "rows192" else 128
+    monkeypatch.setattr(dispatch, "FWD_WS_D64_BLOCK_M", d64_block_m)
+    tiles = []
+    modes = record_ws_modes(monkeypatch, tiles)
     yield launches
-    check_ws_modes(modes, request.param, 1)
+    check_ws_modes(modes, persistent, 1)
+    want = [dispatch.fwd_ws_block_m(d, bits, persistent and dispatch.uses_persistent_ws(bits), d64_block_m)
+            for d, _, bits in tiles]
+    assert [m for _, m, _ in tiles] == want, tiles
     _gpu.clear_plans()
 
 

@@ -37,22 +37,30 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(params=[False, True], ids=["grid", "persistent"])
+@pytest.fixture(params=["grid", "persistent", "rows192"])
 def ws_launches(request, monkeypatch, launches):
-    """The switch on at every head_dim (fresh plans), one block per tile or persistent
-    (every test here runs both; persistent on a device that reports 3 SMs, so that each
-    block walks many tiles, some past their sequence's end), on a cc 9.0 device; every
-    CuPy allocation NaN-poisoned; yields the names of the kernels launched, and checks the
-    mode of every ws launch (packed batches are never split, whatever the SM count)."""
+    """The switch on at every head_dim (fresh plans), one block per tile, persistent, or
+    one block per tile with D=64's 192-row tile (dispatch.FWD_WS_D64_BLOCK_M; every test
+    here runs all three; persistent on a device that reports 3 SMs, so that each block
+    walks many tiles, some past their sequence's end), on a cc 9.0 device; every CuPy
+    allocation NaN-poisoned; yields the names of the kernels launched, and checks the mode
+    and the tile of every ws launch (packed batches are never split, whatever the SM count)."""
     cp = pytest.importorskip("cupy")
-    from cupyflash import _gpu, _launch
+    from cupyflash import _gpu, _launch, dispatch
 
-    num_sms = 3 if request.param else _launch.num_sms(cp.cuda.Device().id)
-    switch_ws_on(monkeypatch, request.param, num_sms)
-    modes = record_ws_modes(monkeypatch)
+    persistent = request.param == "persistent"
+    num_sms = 3 if persistent else _launch.num_sms(cp.cuda.Device().id)
+    switch_ws_on(monkeypatch, persistent, num_sms)
+    d64_block_m = 192 if request.param == "rows192" else 128
+    monkeypatch.setattr(dispatch, "FWD_WS_D64_BLOCK_M", d64_block_m)
+    tiles = []
+    modes = record_ws_modes(monkeypatch, tiles)
     with testing.poisoned_allocations(cp):
         yield launches
-    check_ws_modes(modes, request.param, num_sms)
+    check_ws_modes(modes, persistent, num_sms)
+    want = [dispatch.fwd_ws_block_m(d, bits, persistent and dispatch.uses_persistent_ws(bits), d64_block_m)
+            for d, _, bits in tiles]
+    assert [m for _, m, _ in tiles] == want, tiles
     _gpu.clear_plans()
 
 
