@@ -231,6 +231,22 @@ __device__ __forceinline__ void issue_dq(float (&dq)[DQ_COLS / 8][4], uint32 sdS
     wgmma_commit();
 }
 
+// Between the last step and store_dkdv, in both kernels: dV takes dropout's rp = 1/(1-p),
+// kept out of the sum (PtOperands::dv_a is Pᵀ∘Z), and the staging addresses sK, sV are
+// made opaque: the ones the prologue's K, V loads computed would otherwise be held
+// across the loop, spilled where registers are short.
+template <bool DROPOUT, int D_TILES>
+__device__ __forceinline__ void prepare_store_dkdv(const BwdParams& p, float (&acc_dv)[D_TILES][4], uint32& sK,
+                                                   uint32& sV) {
+    if constexpr (DROPOUT) {
+#pragma unroll
+        for (int j = 0; j < D_TILES; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dv[j][e] *= p.var.dropout_scale;
+    }
+    asm volatile("" : "+r"(sK), "+r"(sV));
+}
+
 // The epilogue of the block's keys n0 .. n0 + keys_valid - 1 of (batch b, KV head h_kv):
 // dK·softmax_scale and dV, this thread's rows key_row0 and key_row0 + 8. A GQA group
 // split over several blocks (kv_splits > 1) writes fp32 partials (split's rows of

@@ -44,6 +44,7 @@
 // Rows that see no key (lse = -inf) get lse_log2 = +inf, so P = 0 there, with
 // no NaN. Key tails, the causal diagonal and the window's edges are masked.
 #include "params.cuh"
+#include "block_traits.cuh"
 #include "ptx.cuh"
 #include "seqlens.cuh"
 #include "query_grid.cuh"
@@ -259,15 +260,9 @@ flash_bwd_preprocess_kernel(const BwdParams p) {
 // Runtime: p.num_stages = 2 double-buffers Q, dO, lse, delta (the next query
 // block loads during the whole step); 1 halves that memory and loads the next
 // block during the dQ GEMM only (for GPUs with less shared memory).
-template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_, int WARPS_M_SDP_,
-          int WARPS_N_DKV_, int WARPS_M_DQ_, int VARIANT_ = 0>
-struct BwdTraits {
-    using T = T_;
-    static constexpr int HEAD_DIM = HEAD_DIM_;
-    static constexpr int BLOCK_M = BLOCK_M_;
-    static constexpr int BLOCK_N = BLOCK_N_;
-    static constexpr int NUM_WARPS = NUM_WARPS_;
-    static constexpr int NUM_THREADS = NUM_WARPS * 32;
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int WARPS_M_SDP_, int WARPS_N_DKV_,
+          int WARPS_M_DQ_, int VARIANT_ = 0>
+struct BwdTraits : BlockTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS * 32> {
 
     // S and dP: (BLOCK_M x BLOCK_N) in a WARPS_M_SDP x (NUM_WARPS / WARPS_M_SDP) grid of warp tiles
     static constexpr int SDP_ROWS = BLOCK_M / WARPS_M_SDP_;
@@ -292,7 +287,8 @@ struct BwdTraits {
     // and (VAR_BIAS_STAGED) the query block's bias/mask tile (ScoreTileStage, BLOCK_M x BLOCK_N).
     static constexpr bool STAGED = (VARIANT_ & VAR_BIAS_STAGED) != 0;
     static constexpr int SCORE_OFFSET = 2 * QTile::BYTES + 2 * BLOCK_M * 4;  // in a stage
-    static constexpr int SCORE_BYTES = ScoreStageBytes<STAGED, VARIANT_, T, BLOCK_M, BLOCK_N, NUM_THREADS>::value;
+    static constexpr int SCORE_BYTES =
+        ScoreStageBytes<STAGED, VARIANT_, T, BLOCK_M, BLOCK_N, BwdTraits::NUM_THREADS>::value;
     static constexpr int STAGE_BYTES = SCORE_OFFSET + SCORE_BYTES;
     static constexpr int FIXED_BYTES = 2 * KVTile::BYTES + 2 * PTile::BYTES + SeqLensSlot::BYTES;
 
@@ -301,7 +297,7 @@ struct BwdTraits {
     static_assert(SDP_ROWS % 16 == 0 && DKV_ROWS % 16 == 0 && DQ_ROWS % 16 == 0, "warp tiles hold whole m16 tiles");
     static_assert(SDP_COLS % 16 == 0 && DKV_COLS % 16 == 0 && DQ_COLS % 16 == 0, "warp tiles hold n8 tile pairs");
     static_assert(BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0 && HEAD_DIM % 16 == 0, "k16 steps");
-    static_assert(BLOCK_M <= NUM_THREADS, "one thread per row of lse_log2 and delta");
+    static_assert(BLOCK_M <= BwdTraits::NUM_THREADS, "one thread per row of lse_log2 and delta");
 };
 
 // At least one block per SM, said explicitly: without it ptxas capped the D=96
@@ -579,14 +575,8 @@ flash_bwd_dkdv_kernel(const BwdParams p) {
 //
 // Template parameters: T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, IS_CAUSAL,
 // EVEN_K, VEC, VARIANT as for flash_bwd_dkdv_kernel.
-template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_, int VARIANT_ = 0>
-struct BwdDqTraits {
-    using T = T_;
-    static constexpr int HEAD_DIM = HEAD_DIM_;
-    static constexpr int BLOCK_M = BLOCK_M_;
-    static constexpr int BLOCK_N = BLOCK_N_;
-    static constexpr int NUM_WARPS = NUM_WARPS_;
-    static constexpr int NUM_THREADS = NUM_WARPS * 32;
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int VARIANT_ = 0>
+struct BwdDqTraits : BlockTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS * 32> {
     static constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;
     static constexpr int M_TILES = ROWS_PER_WARP / 16;
     static constexpr int N_TILES = BLOCK_N / 8;
@@ -595,9 +585,10 @@ struct BwdDqTraits {
     using KVTile = SmemTile<T, BLOCK_N, HEAD_DIM>;  // K (two buffers) and V
     // (VAR_BIAS_STAGED) two buffers of the key block's bias/mask tile, beside K's
     static constexpr bool STAGED = (VARIANT_ & VAR_BIAS_STAGED) != 0;
-    using Terms = typename Select<STAGED, StagedScoreTerms<VARIANT_, T, M_TILES, N_TILES, BLOCK_M, NUM_THREADS>,
-                                  ElementTerms>::type;
-    static constexpr int SCORE_BYTES = ScoreStageBytes<STAGED, VARIANT_, T, BLOCK_M, BLOCK_N, NUM_THREADS>::value;
+    using Terms = typename Select<
+        STAGED, StagedScoreTerms<VARIANT_, T, M_TILES, N_TILES, BLOCK_M, BwdDqTraits::NUM_THREADS>, ElementTerms>::type;
+    static constexpr int SCORE_BYTES =
+        ScoreStageBytes<STAGED, VARIANT_, T, BLOCK_M, BLOCK_N, BwdDqTraits::NUM_THREADS>::value;
     static constexpr int SMEM_BYTES = 2 * QTile::BYTES + 3 * KVTile::BYTES + 2 * SCORE_BYTES;
 
     static_assert(ROWS_PER_WARP % 16 == 0, "each warp owns whole m16 tiles");

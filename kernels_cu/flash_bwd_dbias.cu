@@ -46,6 +46,7 @@
 // operands from 128-byte-swizzled shared tiles, issued together: P is computed under
 // dP's product. Two stages, 16-byte loads (VEC) only.
 #include "params.cuh"
+#include "block_traits.cuh"
 #include "ptx.cuh"
 #include "seqlens.cuh"
 #include "bwd_rows.cuh"
@@ -65,15 +66,9 @@ template <typename T, int ROWS, int HEAD_DIM> struct DbiasTile<true, T, ROWS, HE
     using type = Swizzle128Tile<T, ROWS, HEAD_DIM>;
 };
 
-template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_, int WARPS_M_, int STAGES_,
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int WARPS_M_, int STAGES_,
           bool WGMMA_ = false>
-struct BwdDbiasTraits {
-    using T = T_;
-    static constexpr int HEAD_DIM = HEAD_DIM_;
-    static constexpr int BLOCK_M = BLOCK_M_;
-    static constexpr int BLOCK_N = BLOCK_N_;
-    static constexpr int NUM_WARPS = NUM_WARPS_;
-    static constexpr int NUM_THREADS = NUM_WARPS * 32;
+struct BwdDbiasTraits : BlockTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS * 32> {
     static constexpr int STAGES = STAGES_;
     // S, dP and the dbias accumulator: (BLOCK_M x BLOCK_N) in warp tiles of WARP_ROWS x WARP_COLS
     static constexpr int WARP_ROWS = BLOCK_M / WARPS_M_;
@@ -97,7 +92,7 @@ struct BwdDbiasTraits {
     static_assert(NUM_WARPS % WARPS_M_ == 0, "the warp grid uses every warp");
     static_assert(WARP_ROWS % 16 == 0 && WARP_COLS % 16 == 0, "warp tiles of whole m16 tiles and n8 tile pairs");
     static_assert(HEAD_DIM % 16 == 0, "k16 steps");
-    static_assert(BLOCK_M <= NUM_THREADS, "one thread per row of lse_log2 and delta");
+    static_assert(BLOCK_M <= BwdDbiasTraits::NUM_THREADS, "one thread per row of lse_log2 and delta");
     static_assert(STAGES == 1 || STAGES == 2, "one or two stages");
     static_assert(!WGMMA || (NUM_WARPS % 4 == 0 && WARPS_M_ == NUM_WARPS && BLOCK_M == 16 * NUM_WARPS &&
                              STAGES == 2 && (BLOCK_N == 32 || BLOCK_N == 64 || BLOCK_N == 128)),

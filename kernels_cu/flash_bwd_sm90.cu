@@ -305,18 +305,10 @@ flash_bwd_dkdv_sm90_kernel(const BwdParams p) {
     cp_async_wait<0>();
     __syncthreads();  // seq_slot stored (when the loop ran no step); every warpgroup is done with sK, sV
     const SeqLens seq_end = seq_slot.load();
-    if constexpr (DROPOUT) {  // dV = (P∘Z·rp)ᵀ·dO: rp = 1/(1-p) taken out of the sum
-#pragma unroll
-        for (int j = 0; j < D_TILES; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dv[j][e] *= p.var.dropout_scale;
-    }
 
-    // ---- epilogue: dK·scale, dV (staged through sK / sV, their addresses made opaque: the
-    //      staging addresses the prologue's K, V loads computed would otherwise be held
-    //      across the loop, spilled where registers are short)
+    // ---- epilogue: dK·scale, dV (staged through sK / sV)
     uint32 sK_ = sK, sV_ = sV;
-    asm volatile("" : "+r"(sK_), "+r"(sV_));
+    prepare_store_dkdv<DROPOUT>(p, acc_dv, sK_, sV_);
     store_dkdv<T, BLOCK_N, HEAD_DIM, NT, EVEN_K, KVTile>(p, acc_dk, acc_dv, seq_end, b, h_kv, split, n0, keys_valid,
                                                          key_row0, t, sK_, sV_, [] { __syncthreads(); },
                                                          threadIdx.x);

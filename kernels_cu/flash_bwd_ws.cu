@@ -357,19 +357,13 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
     }
     named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR);  // every consumer is done with sK, sV
     const SeqLens seq_end = seq_slot.load();
-    if constexpr (DROPOUT) {  // dV = (P∘Z·rp)ᵀ·dO: rp = 1/(1-p) taken out of the sum
-#pragma unroll
-        for (int j = 0; j < D_TILES; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dv[j][e] *= p.var.dropout_scale;
-    }
 
-    // ---- epilogue: dK·scale, dV (staged through sK / sV; addresses made opaque, as flash_bwd_sm90.cu's).
+    // ---- epilogue: dK·scale, dV (staged through sK / sV).
     //      With a variant the tile's coordinates are recomputed here: its code leaves no
     //      registers to hold them across the loop (dropout, a window with ALiBi: 8-24 bytes
     //      of spill, nvcc 13.0); the plain kernel keeps them.
     uint32 sK_ = sK, sV_ = sV;
-    asm volatile("" : "+r"(sK_), "+r"(sV_));
+    prepare_store_dkdv<DROPOUT>(p, acc_dv, sK_, sV_);
     const KeyTileCoords te = VARIANT ? key_tile_coords_again(p, BLOCK_N) : tc;
     const int n0_end = VARIANT ? te.n_block * BLOCK_N : n0;
     const int keys_end = VARIANT ? min(BLOCK_N, seq_end.seqlen_k - n0_end) : keys_valid;

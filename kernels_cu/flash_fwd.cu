@@ -21,6 +21,7 @@
 // Dense and packed (varlen) batches run the same instantiations: seqlens.cuh
 // gives each block its sequence's rows and lengths (split-KV: dense only).
 #include "params.cuh"
+#include "block_traits.cuh"
 #include "ptx.cuh"
 #include "seqlens.cuh"
 #include "query_grid.cuh"
@@ -31,14 +32,8 @@
 
 namespace cupyflash {
 
-template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int NUM_WARPS_>
-struct FwdTraits {
-    using T = T_;
-    static constexpr int HEAD_DIM = HEAD_DIM_;
-    static constexpr int BLOCK_M = BLOCK_M_;
-    static constexpr int BLOCK_N = BLOCK_N_;
-    static constexpr int NUM_WARPS = NUM_WARPS_;
-    static constexpr int NUM_THREADS = NUM_WARPS * 32;
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS>
+struct FwdTraits : BlockTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS * 32> {
     static constexpr int ROWS_PER_WARP = BLOCK_M / NUM_WARPS;
     static constexpr int M_TILES = ROWS_PER_WARP / 16;  // m16 tiles per warp
     static constexpr int N_TILES = BLOCK_N / 8;         // n8 tiles of S per warp
