@@ -154,7 +154,6 @@ _FWD_WS = {
     128: ((128, 3), (128, 3)),
 }
 FWD_WS_BLOCK_M = 128
-FWD_WS_THREADS = 384
 #: Query rows per tile of the ws forward at D=64 (FwdWsTraits::BLOCK_M, 64 per consumer
 #: warpgroup), one of FWD_WS_BLOCK_MS: 128 (two consumer warpgroups; the default) or 192,
 #: FlashAttention-3's hdim-64 tile (three, at 160 registers each: at D=64 a block's GEMMs
@@ -1252,9 +1251,10 @@ def bwd_dkdv_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k:
 # separate dQ kernel) and not a packed batch (D=128, 14 sequences: 0.94x with the rows of
 # the next sequence zeroed in shared memory; a tile's tail there is not the map's bound).
 # Where the plan takes dQ from the wgmma dQ kernel (bwd_ws_separate_dq: plain attention at
-# D=64; a variant there takes dQ in the ws kernel) the ws kernel runs without dQ (WITH_DQ false: no dSᵀ tiles, no dQ GEMM, no reduce warp), as the
-# cp.async dK/dV kernel does there: at D=64 with 128 query rows per step it measured
-# 1.13-1.22x that plan (PERF.md v25, run 116, median 1.17x over 13 points).
+# D=64; a variant there takes dQ in the ws kernel) the ws kernel runs without dQ (WITH_DQ
+# false: no dSᵀ tiles, no dQ GEMM, no reduce warp), as the cp.async dK/dV kernel does
+# there: at D=64 with 128 query rows per step it measured 1.13-1.22x that plan (PERF.md
+# v25, run 116, median 1.17x over 13 points).
 # BWD_WS: True takes it there, False keeps the cp.async kernels (CUPYFLASH_BWD_WS=0 at
 # import; or set here, then ``cupyflash._gpu.clear_plans()``).
 BWD_WS_HEAD_DIMS = (64, 128)

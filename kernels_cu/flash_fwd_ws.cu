@@ -102,6 +102,7 @@
 // spilled 72-456 bytes next to S, P and O (nvcc 13.0). A query block whose every tile is
 // empty copies Q only and stores O = 0, lse = -inf, as a row that sees no key.
 #include "params.cuh"
+#include "block_traits.cuh"
 #include "seqlens.cuh"
 #include "query_grid.cuh"
 #include "variant.cuh"
@@ -113,16 +114,12 @@
 
 namespace cupyflash {
 
-template <typename T_, int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int STAGES_>
-struct FwdWsTraits {
-    using T = T_;
-    static constexpr int HEAD_DIM = HEAD_DIM_;
-    static constexpr int BLOCK_M = BLOCK_M_;
-    static constexpr int BLOCK_N = BLOCK_N_;
+// NUM_THREADS: the producer warpgroup and one consumer warpgroup per 64 rows.
+template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES_>
+struct FwdWsTraits : BlockTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, 128 * (1 + BLOCK_M / 64)> {
     static constexpr int STAGES = STAGES_;
     static_assert(BLOCK_M == 128 || BLOCK_M == 192, "two or three consumer warpgroups");
     static constexpr int CONSUMERS = BLOCK_M / 64;               // consumer warpgroups, 64 rows each
-    static constexpr int NUM_THREADS = 128 * (1 + CONSUMERS);   // + the producer warpgroup
     static constexpr int PRODUCER_REGS = 24;
     // (three: (65536 - 24 x 128) / 384, down to a multiple of 8)
     static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 240 : 160;
@@ -144,7 +141,7 @@ struct FwdWsTraits {
 
 template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool IS_CAUSAL, bool EVEN_K, int VARIANT,
           bool VARLEN, bool PERSISTENT>
-__global__ void __launch_bounds__(128 * (1 + BLOCK_M / 64), 1)
+__global__ void __launch_bounds__((FwdWsTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES>::NUM_THREADS), 1)
 flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     static_assert((VARIANT & ~(WS_VARIANTS | WS_FWD_MAP_VARIANTS)) == 0, "flash_fwd_ws_kernel: no bias");
     static_assert((VARIANT & WS_FWD_MAP_VARIANTS) == 0 || (VARIANT & WS_FWD_MAP_VARIANTS) == WS_FWD_MAP_VARIANTS,

@@ -174,7 +174,7 @@ def test_ws_smem_bytes_are_the_kernel_traits():
     from test_bwd_dispatch import compile_asserts  # sibling module
 
     assert dispatch.fwd_ws_smem_bytes(128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 80 + 1024
-    assert dispatch.fwd_ws_threads(128) == dispatch.FWD_WS_THREADS == 384 and dispatch.fwd_ws_threads(192) == 512
+    assert dispatch.fwd_ws_threads(128) == 384 and dispatch.fwd_ws_threads(192) == 512
     tiles = sorted({(int(L.args[1]), int(L.args[2]), int(L.args[3]), int(L.args[4]))
                     for L in dispatch.all_fwd_launches((9, 0)) if L.template == WS})
     assert {m for _, m, _, _ in tiles} == set(dispatch.FWD_WS_BLOCK_MS)
