@@ -7,7 +7,8 @@ ws kernel it is meant for and to give finite outputs. Run it under the tool:
 
 Cases: the ws backward at D=128 (dQ by the reduce warp), at D=64 plain (no dQ, 128 query
 rows per step, then the wgmma dQ kernel) and with variants (its own dQ); the ws forward
-one block per tile, persistent, with a block-sparse mask (its map) and packed (varlen).
+one block per tile, persistent, with a block-sparse mask (its map), D=64's 192-row tile and
+packed (varlen, D=128 and 64).
 The device reports one SM to the planner (no split-KV, as in the GPU tests). Prints "ok"
 last. ``--quick``: the first case of each kernel only (racecheck is slow).
 """
@@ -81,6 +82,7 @@ cases = [
     (forward, ((1, 300, 430, 4, 2, 64), False, [WS_FWD]), dict(attn_mask=mask)),
     (forward, ((2, 700, 650, 4, 2, 128), True, [WS_FWD])),
     (forward, ((1, 513, 1000, 4, 4, 128), False, [WS_FWD]), dict(window_size=(200, 0), softcap=20.0)),
+    (forward, ((1, 2100, 1900, 3, 1, 64), True, [WS_FWD])),  # D=64's 192-row tile (seqlen_q >= 2048)
 ]
 quick = "--quick" in sys.argv
 seen = set()
@@ -91,12 +93,14 @@ for fn, args, *kw in cases:
     fn(*args, **(kw[0] if kw else {}))
     print(fn.__name__, args[0], kw[0].keys() if kw else "", "done", flush=True)
 
+# packed: key tails inside the next sequence (the producer zeroes their V rows), D=128 and 64
 cu_q = cp.asarray(np.array([0, 130, 131, 520], np.int32))
 cu_k = cp.asarray(np.array([0, 200, 517, 700], np.int32))
-q, k, v = rand(520, 4, 128), rand(700, 2, 128), rand(700, 2, 128)
-del names[:]
-out = cupyflash.flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, 389, 317, causal=True)[0]
-assert WS_FWD in names, names
-finite(out)
+for d in (128, 64):
+    q, k, v = rand(520, 4, d), rand(700, 2, d), rand(700, 2, d)
+    del names[:]
+    out = cupyflash.flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, 389, 317, causal=True)[0]
+    assert WS_FWD in names, names
+    finite(out)
 cp.cuda.Device().synchronize()
 print("ok")

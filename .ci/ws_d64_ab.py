@@ -1,13 +1,14 @@
-"""The D=64 forward on three plans, in one process: the cp.async wgmma kernel (the
-default: dispatch.FWD_WS leaves D=64 off), the warp-specialised kernel at 128 query rows
-per tile (two consumer warpgroups) and at 192 (three: dispatch.FWD_WS_D64_BLOCK_M = 192,
-FlashAttention-3's hdim-64 tile; PERF.md v25). Standard grid: nheads 32, 16k tokens,
-seqlen 1024 / 4096 / 16384, causal or not, fp16 and bf16, and (bf16, 4096 and 16384,
-causal) softcap 30, ALiBi, sinks, dropout 0.1. Kernel time by ``cupyx.profiler.benchmark``
-(``gpu_times``), best of two interleaved rounds; each timed call is asserted to launch the
-kernel (and the rows per tile) of its plan. The kernels are compiled up front in parallel
-(the disk cache). Prints a table, the speed-ups' min / median / max over cp.async last,
-and writes JSON under $OUT when it is set.
+"""The D=64 forward on four plans, in one process: the cp.async wgmma kernel, the
+warp-specialised kernel at 128 query rows per tile (two consumer warpgroups; persistent
+where FWD_WS_PERSISTENT "auto" says), at 192 where that tile takes the call (three:
+FlashAttention-3's hdim-64 tile; FWD_WS_WIDE_LOSES ignored), and the library's default
+(dispatch.FWD_WS_D64_BLOCK_M, FWD_WS_WIDE_LOSES; PERF.md v26). Standard grid: nheads 32,
+16k tokens, seqlen 1024 / 2048 / 4096 / 16384, causal or not, fp16 and bf16, and (bf16, 4096 and
+16384, causal) softcap 30, ALiBi, sinks, dropout 0.1, a window (1024, 0). Kernel time by
+``cupyx.profiler.benchmark`` (``gpu_times``), best of two interleaved rounds; each timed
+call is asserted to launch its plan's kernel and template arguments. The kernels are
+compiled up front in parallel (the disk cache). Prints a table, the speed-ups' min /
+median / max over cp.async last, and writes JSON under $OUT when it is set.
 
     python .ci/ws_d64_ab.py [--quick]     # --quick: seqlen 4096 and 16384 only
 """
@@ -26,10 +27,11 @@ from cupyflash import _compile, _gpu, _launch, _variant, dispatch
 from ws_persist_ab import launched  # .ci/, the script's directory
 
 H, D, TOKENS = 32, 64, 16384
-#: mode -> (FWD_WS, FWD_WS_D64_BLOCK_M), and the kernel and rows its launch must have
-MODES = {"cp.async": (False, 128), "ws128": ((64, 128), 128), "ws192": ((64, 128), 192)}
-KERNEL = {"cp.async": ("cupyflash::flash_fwd_sm90_kernel", None), "ws128": ("cupyflash::flash_fwd_ws_kernel", "128"),
-          "ws192": ("cupyflash::flash_fwd_ws_kernel", "192")}
+#: mode -> (FWD_WS, FWD_WS_D64_BLOCK_M, FWD_WS_WIDE_LOSES, FWD_WS_D64_WIDE_MIN_SEQLEN);
+#: "default": the library's choice
+MODES = {"cp.async": (False, 128, 0, 0), "ws128": ((64, 128), 128, 0, 0), "ws192": ((64, 128), 192, 0, 0),
+         "default": (dispatch.FWD_WS, dispatch.FWD_WS_D64_BLOCK_M, dispatch.FWD_WS_WIDE_LOSES,
+                     dispatch.FWD_WS_D64_WIDE_MIN_SEQLEN)}
 
 
 def rand(rng, dtype, *shape):
@@ -43,19 +45,19 @@ def variant_kwargs(name):
     slopes = np.exp2(-8.0 * np.arange(1, H + 1) / H).astype(np.float32)
     return {"plain": {}, "softcap": {"softcap": 30.0}, "alibi": {"alibi_slopes": cp.asarray(slopes)},
             "sinks": {"sinks": cp.asarray(np.linspace(-1, 1, H, dtype=np.float32))},
-            "dropout": {"dropout_p": 0.1}}[name]
+            "dropout": {"dropout_p": 0.1}, "window": {"window_size": (1024, 0)}}[name]
 
 
 def cases(quick):
     rng = cp.random.default_rng(0)
     out = []
-    seqlens = (4096, 16384) if quick else (1024, 4096, 16384)
+    seqlens = (4096, 16384) if quick else (1024, 2048, 4096, 16384)
     for dtype in ("float16", "bfloat16"):
         for s in seqlens:
             for causal in (False, True):
                 out.append((dtype, s, causal, "plain"))
     for s in (4096, 16384):
-        for name in ("softcap", "alibi", "sinks", "dropout"):
+        for name in ("softcap", "alibi", "sinks", "dropout", "window"):
             out.append(("bfloat16", s, True, name))
     built = []
     for dtype, s, causal, name in out:
@@ -69,7 +71,8 @@ def cases(quick):
 
 
 def set_mode(mode):
-    dispatch.FWD_WS, dispatch.FWD_WS_D64_BLOCK_M = MODES[mode]
+    (dispatch.FWD_WS, dispatch.FWD_WS_D64_BLOCK_M, dispatch.FWD_WS_WIDE_LOSES,
+     dispatch.FWD_WS_D64_WIDE_MIN_SEQLEN) = MODES[mode]
     _gpu.clear_plans()
 
 
@@ -98,15 +101,17 @@ def main():
         list(pool.map(compile_one, [L.source for L in launches], [L.name_expression for L in launches]))
     fn = cupyflash.flash_attn_fwd
     results = []
-    print("dtype    seqlen causal variant | " + "  ".join(f"{m:>9} ms" for m in MODES) + " | ws128 x  ws192 x")
+    print("dtype    seqlen causal variant | " + "  ".join(f"{m:>9} ms" for m in MODES)
+          + " | ws128 x  ws192 x  default x")
     for label, arrays, kw in built:
         times = {m: [] for m in MODES}
         for _ in range(2):
             for mode in MODES:
                 set_mode(mode)
                 got = launched(fn, arrays, kw)
-                want, rows = KERNEL[mode]
-                assert got[0].template == want and (rows is None or got[0].args[2] == rows), (mode, got[0])
+                want = plan_of(label, mode).main
+                assert got[0].template == want.template and got[0].args == want.args, (mode, got[0], want)
+                assert mode == "cp.async" or got[0].template == "cupyflash::flash_fwd_ws_kernel", (mode, got[0])
                 r = benchmark(fn, arrays, kw, n_repeat=20, n_warmup=3)
                 times[mode].append(float(np.median(r.gpu_times)) * 1e3)
         best = {m: min(t) for m, t in times.items()}
@@ -117,8 +122,9 @@ def main():
                **{f"{m}_tflops": flops / best[m] / 1e9 for m in MODES}}
         results.append(row)
         print(f"{dtype:8} {s:6d} {causal!s:6} {name:7} | " + "  ".join(f"{best[m]:12.4f}" for m in MODES)
-              + f" | {best['cp.async'] / best['ws128']:7.3f} {best['cp.async'] / best['ws192']:7.3f}")
-    for m in ("ws128", "ws192"):
+              + "".join(f" {best['cp.async'] / best[m]:8.3f}" for m in ("ws128", "ws192", "default"))
+              + f"  (default: {plan_of(label, 'default').main.args[2]} rows)")
+    for m in ("ws128", "ws192", "default"):
         x = sorted(r["cp.async_ms"] / r[f"{m}_ms"] for r in results)
         print(f"{m} / cp.async speed-up: min {x[0]:.3f} median {x[len(x) // 2]:.3f} max {x[-1]:.3f}")
     if os.environ.get("OUT"):

@@ -155,19 +155,29 @@ _FWD_WS = {
 }
 FWD_WS_BLOCK_M = 128
 #: Query rows per tile of the ws forward at D=64 (FwdWsTraits::BLOCK_M, 64 per consumer
-#: warpgroup), one of FWD_WS_BLOCK_MS: 128 (two consumer warpgroups; the default) or 192,
-#: FlashAttention-3's hdim-64 tile (three, at 160 registers each: at D=64 a block's GEMMs
-#: take half of D=128's time against the same softmax, so two warpgroups leave the tensor
-#: cores waiting; PERF.md v25: built, not yet measured). 192 takes plain attention and the
-#: variant sets of FWD_WS_WIDE_VARIANTS less FWD_WS_WIDE_SPILLS, one block per tile; the
-#: rest (persistent, a window, a map, which spill there: nvcc 13.0) keep 128.
-FWD_WS_D64_BLOCK_M = 128
+#: warpgroup), one of FWD_WS_BLOCK_MS: 192 (the default), FlashAttention-3's hdim-64 tile
+#: (three consumer warpgroups in a ring at 160 registers each: at D=64 a block's GEMMs take
+#: half of D=128's time against the same softmax, so two warpgroups leave the tensor cores
+#: waiting), or 128 (two). Run 121 (PERF.md v26, .ci/ws_d64_ab.py, kernel time, 16k
+#: tokens): plain 1.09-1.25x the cp.async kernel at 4096-16384, against 1.05-1.15x at 128
+#: rows. 192 takes plain attention and the variant sets of FWD_WS_WIDE_VARIANTS less
+#: FWD_WS_WIDE_SPILLS, one block per tile, and is chosen where it pays (less
+#: FWD_WS_WIDE_LOSES); the rest (persistent, a window, a map, which spill there: nvcc
+#: 13.0) keep 128.
+FWD_WS_D64_BLOCK_M = 192
 FWD_WS_BLOCK_MS = (128, 192)
 #: The variant bits the 192-row tile takes, and the sets among them that spill at its
 #: consumers' 160 registers (nvcc 13.0, every subset compiled, dense and packed, fp16 and
 #: bf16, causal or not: ALiBi with softcap 24-124 bytes, ALiBi with dropout 80-124).
 FWD_WS_WIDE_VARIANTS = VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT
 FWD_WS_WIDE_SPILLS = (VAR_ALIBI | VAR_SOFTCAP, VAR_ALIBI | VAR_DROPOUT)
+#: The variant bits for which the 192-row tile takes but measured slower than 128 rows
+#: (run 121, bf16 causal, speed-up over the cp.async kernel at 4096 / 16384, 128 rows
+#: persistent against 192): softcap 1.082 / 1.132 against 1.046 / 1.149, dropout
+#: 1.177 / 1.183 against 1.070 / 1.151 (the extra work per score fills the third
+#: warpgroup's slack; ALiBi 1.32-1.34 against 1.37-1.63, sinks 1.02-1.08 against
+#: 1.04-1.18 gain). The choice (:func:`fwd_ws_block_m`) keeps them at 128.
+FWD_WS_WIDE_LOSES = VAR_SOFTCAP | VAR_DROPOUT
 
 
 def fwd_ws_wide_takes(variant: int) -> bool:
@@ -175,14 +185,24 @@ def fwd_ws_wide_takes(variant: int) -> bool:
     return not variant & ~FWD_WS_WIDE_VARIANTS and not any(variant & s == s for s in FWD_WS_WIDE_SPILLS)
 
 
+#: The shortest seqlen_q (a packed batch: max_seqlen_q) at which D=64 takes the 192-row
+#: tile: run 121 measured it slower than 128 rows at 1024 (0.85-0.99x the cp.async kernel,
+#: causal worst: 6 tiles a head, the last a third empty) and faster from 4096 up.
+FWD_WS_D64_WIDE_MIN_SEQLEN = 2048
+
+
 def fwd_ws_block_m(head_dim_padded: int, variant: int, persistent: bool = False,
-                   d64_block_m: int | None = None) -> int:
-    """Query rows per tile of the ws forward for this call: ``d64_block_m`` (None:
-    FWD_WS_D64_BLOCK_M) at D=64 where that tile takes the variant (:func:`fwd_ws_wide_takes`)
-    and the call runs one block per tile, else FWD_WS_BLOCK_M."""
-    wide = FWD_WS_D64_BLOCK_M if d64_block_m is None else d64_block_m
+                   d64_block_m: int | None = None, seqlen_q: int | None = None) -> int:
+    """Query rows per tile of the ws forward: FWD_WS_D64_BLOCK_M at D=64 where that tile
+    takes the variant (:func:`fwd_ws_wide_takes`), pays (not FWD_WS_WIDE_LOSES, and
+    ``seqlen_q`` at least FWD_WS_D64_WIDE_MIN_SEQLEN when given) and the call runs one block
+    per tile, else FWD_WS_BLOCK_M. ``d64_block_m`` given: the rows a launch of that many may
+    have (what the tile takes, paying or not)."""
     if head_dim_padded == 64 and not persistent and fwd_ws_wide_takes(variant):
-        return wide
+        if d64_block_m is not None:
+            return d64_block_m
+        if not variant & FWD_WS_WIDE_LOSES and (seqlen_q is None or seqlen_q >= FWD_WS_D64_WIDE_MIN_SEQLEN):
+            return FWD_WS_D64_BLOCK_M
     return FWD_WS_BLOCK_M
 
 
@@ -215,10 +235,11 @@ FWD_WS_MAP_SPILLS = VAR_WINDOW | VAR_SOFTCAP | VAR_DROPOUT
 #: when a call is planned (cupyflash._gpu plan_fwd): set it, then ``_gpu.clear_plans()``.
 FWD_WS_BLOCK_MAP: bool | tuple[int, ...] = True
 #: The padded head_dims the switch (FWD_WS) sends to the warp-specialised forward: where
-#: it is expected to beat the wgmma kernel. D=64 is softmax-bound at this tile (run 64:
-#: 0.8x the wgmma kernel's two 64-key blocks per SM) and stays off the switch unless
-#: CUPYFLASH_FWD_WS=all.
-FWD_WS_WINS = (128,)
+#: it is expected to beat the wgmma kernel. D=128 since run 69 (1.20-1.23x); D=64 since run
+#: 121 (PERF.md v26: 1.04-1.63x the cp.async kernel, 192 rows where FWD_WS_D64_BLOCK_M
+#: takes the call, 128 persistent elsewhere; run 64's 0.8x was two stages, K and V
+#: released together).
+FWD_WS_WINS = (64, 128)
 #: What select_fwd's callers (cupyflash._gpu) pass as ``ws``: FWD_WS_WINS (the default:
 #: run 69 measured D=128 at 1.20-1.23x the cp.async kernel, PERF.md v19); from the
 #: environment when cupyflash is imported (read once): CUPYFLASH_FWD_WS=0: False (off);
@@ -257,12 +278,16 @@ FWD_WS_BLOCKS_PER_SM = 1
 FWD_WS_NOT_PERSISTENT = VAR_WINDOW | VAR_DROPOUT
 
 
-def uses_persistent_ws(variant: int) -> bool:
+def uses_persistent_ws(variant: int, varlen: bool = False) -> bool:
     """Whether the persistent ws forward takes these variant bits (FWD_WS_NOT_PERSISTENT;
     never the block map's: kernels_cu/flash_fwd_ws.cu, its walk's state spills there, and
     a block-sparse call's tiles differ in cost, which the hardware's hand-out of one-tile
-    blocks balances better than the static walk: PERF.md v24)."""
-    return variant & FWD_WS_NOT_PERSISTENT != FWD_WS_NOT_PERSISTENT and not variant & VAR_BLOCK_MAP
+    blocks balances better than the static walk: PERF.md v24), and a packed batch
+    (``varlen``): never (the producer's zeroing of a sequence's last V rows next to the
+    walk's state spills 40-112 bytes at its 24 registers, nvcc 13.0; and run 94 measured
+    packed batches 0.97x one block per tile)."""
+    return (variant & FWD_WS_NOT_PERSISTENT != FWD_WS_NOT_PERSISTENT and not variant & VAR_BLOCK_MAP
+            and not varlen)
 
 
 def fwd_ws_grid(num_m_blocks: int, batch_heads: int, causal: bool, num_sms: int,
@@ -308,9 +333,9 @@ def fwd_ws_tile(head_dim_padded: int, causal: bool) -> tuple[int, int]:
 
 def fwd_ws_smem_bytes(head_dim_padded: int, block_n: int, stages: int, block_m: int = FWD_WS_BLOCK_M) -> int:
     """kernels_cu/flash_fwd_ws.cu FwdWsTraits::SMEM_BYTES: Q, STAGES x (K, V), the
-    mbarriers (full_q, full_k, full_v, empty_k, empty_v, empty_q: 8 bytes each), 1 KB of
-    alignment."""
-    return 2 * head_dim_padded * (block_m + 2 * stages * block_n) + 8 * (2 + 4 * stages) + 1024
+    mbarriers (full_q, full_k, full_v, empty_k, empty_v, empty_q, tail_v: 8 bytes each),
+    1 KB of alignment."""
+    return 2 * head_dim_padded * (block_m + 2 * stages * block_n) + 8 * (3 + 4 * stages) + 1024
 
 
 def fwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
@@ -594,13 +619,13 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
         ws = ws_block_map
     if (ws is True or (ws and d in ws)) and uses_ws_fwd(d, vec, cc, ws_variant):
         block_n = fwd_ws_tile(d, causal)[0]
-        block_m = fwd_ws_block_m(d, ws_variant)  # (192 rows: one block per tile)
+        block_m = fwd_ws_block_m(d, ws_variant, seqlen_q=seqlen_q)  # (192 rows: one block per tile)
         num_m_blocks = math.ceil(seqlen_q / block_m)
         n_blocks = math.ceil(seqlen_k / block_n)
         if varlen or num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms) == 1:
             if persistent == "auto":
                 persistent = persistent_ws_pays(ws_variant, varlen)
-            persistent = bool(persistent) and uses_persistent_ws(ws_variant) and block_m == FWD_WS_BLOCK_M
+            persistent = bool(persistent) and uses_persistent_ws(ws_variant, varlen) and block_m == FWD_WS_BLOCK_M
             grid = fwd_ws_grid(num_m_blocks, batch * nheads_q, causal, num_sms, persistent)
             main = fwd_ws_launch(dtype, d, causal, head_dim == d, grid, ws_variant, varlen, persistent, block_m)
             return FwdPlan(main, None, d, num_m_blocks, 1, n_blocks, (block_m, block_n))
@@ -641,7 +666,7 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
             out.append(fwd_sm90_launch(dtype, d, causal, even_k))
     for dtype, d, causal, even_k, varlen, persistent in itertools.product(
             CTYPES, HEAD_DIMS, (False, True), (True, False), (False, True), (False, True)):
-        if uses_ws_fwd(d, True, cc):
+        if uses_ws_fwd(d, True, cc) and (uses_persistent_ws(0, varlen) or not persistent):
             out.append(fwd_ws_launch(dtype, d, causal, even_k, varlen=varlen, persistent=persistent))
             if not persistent:  # the mask with its map, in every dtype and EVEN_K too (never persistent)
                 out.append(fwd_ws_launch(dtype, d, causal, even_k, variant=FWD_WS_MAP_VARIANTS, varlen=varlen))
@@ -659,7 +684,7 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
     # The warp-specialised forward's variants (FWD_WS_CHECK_VARIANTS) at each head_dim it has.
     for bits, d, causal, varlen, persistent in itertools.product(FWD_WS_CHECK_VARIANTS, HEAD_DIMS, (False, True),
                                                                  (False, True), (False, True)):
-        if (uses_ws_fwd(d, True, cc, bits) and (uses_persistent_ws(bits) or not persistent)
+        if (uses_ws_fwd(d, True, cc, bits) and (uses_persistent_ws(bits, varlen) or not persistent)
                 and bits != FWD_WS_MAP_VARIANTS):  # (the map alone: above)
             out.append(fwd_ws_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bits, varlen=varlen,
                                      persistent=persistent))

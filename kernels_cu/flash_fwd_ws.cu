@@ -55,18 +55,20 @@
 //              packing did not exist (as a runtime branch it reordered the dense main
 //              loop: 2.028 against 1.947 ms at S=8192, PERF.md runs 86-87)
 //   PERSISTENT one block per SM walking the query tiles (tile_scheduler.cuh; not with
-//              a window and dropout together); false: one block per tile
+//              a window and dropout together, a map, or packed); false: one block per tile
 // Dense and packed (varlen) batches alike (seqlens.cuh), 16-byte aligned data and
 // strides (a TMA requirement). A packed batch's maps describe its (total, nheads,
 // head_dim) tensors as one sequence of a batch of 1 (cupyflash/_gpu.py tma_maps):
 // the copies start at the sequence's first row (q_start + m0, k_start + n BLOCK_N) of
 // batch 0, as FA3 does. Rows past a sequence's end then come from the next sequence
 // (past the last, the map's bound: zeros): its keys are masked as the dense key tail
-// is (Mask asks the sequence's seqlen_k; P = 0 on them, and P·V multiplies that with
-// the next sequence's finite V rows), its queries are computed and never stored (the
-// epilogue's stores are masked to the sequence's rows, store_fwd_rows). A tile past
-// the end of a shorter sequence is skipped (tile_scheduler.cuh; a block with no tile
-// returns at once, as in flash_fwd_sm90.cu).
+// is (Mask asks the sequence's seqlen_k; P = 0 on them), and the producer's warp zeroes
+// those V rows before the consumers' P·V reads them (they may hold anything, NaN
+// included, and 0 x NaN is NaN; the copy completes on tail_v, the warp zeroes, then
+// arrives on full_v); its queries are computed and never stored (the epilogue's stores
+// are masked to the sequence's rows, store_fwd_rows). A tile past the end of a shorter
+// sequence is skipped (tile_scheduler.cuh; a block with no tile returns at once, as in
+// flash_fwd_sm90.cu). Packed batches are never persistent.
 //
 // Persistent (PERSISTENT; FlashAttention-3's persistent kernels): a block computes
 // several tiles, the scheduler's, one after the other. The K/V ring's stages and
@@ -74,7 +76,8 @@
 // the consumers finish this tile's last GEMMs and epilogue; Q waits on empty_q, where
 // every consumer warp arrives once its O has left sQ (the epilogue stages O there).
 // seqused_k: keys past a sequence's count are masked in S (P = 0), but their rows
-// are still read (up to seqlen_k) and must hold finite values, as P·V multiplies them.
+// are still read (up to seqlen_k) and must hold finite values, as P·V multiplies them
+// (but those of the last key block, which a packed batch's producer zeroes).
 //
 // Variants (variant.cuh, as flash_fwd_sm90.cu takes them): both warpgroups ask Mask for
 // the key blocks the query block sees (a window's range); the producer copies exactly
@@ -130,8 +133,8 @@ struct FwdWsTraits : BlockTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, 128 * (1 + BLOCK
     using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;
     static constexpr int BOX_COLS = 64;  // elements per TMA box row: the 128-byte swizzle span (cupyflash/_tma.py)
     // mbarriers: full_q, full_k[STAGES], full_v[STAGES], empty_k[STAGES], empty_v[STAGES], empty_q
-    // (the persistent kernel's; its 8 bytes reserved either way)
-    static constexpr int BARRIER_BYTES = 8 * (2 + 4 * STAGES);
+    // (the persistent kernel's), tail_v (a packed batch's; both 8 bytes reserved either way)
+    static constexpr int BARRIER_BYTES = 8 * (3 + 4 * STAGES);
     // +1024: the window is aligned up to the swizzle atom (cupyflash/dispatch.py fwd_ws_smem_bytes)
     static constexpr int SMEM_BYTES = QTile::BYTES + 2 * STAGES * KVTile::BYTES + BARRIER_BYTES + 1024;
     static_assert(SMEM_BYTES <= 227 * 1024, "more shared memory than a Hopper block has");
@@ -153,6 +156,9 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     // bytes, nvcc 13.0; and a sparse call's tiles are of unequal cost, which one block per
     // tile balances better: cupyflash/dispatch.py uses_persistent_ws, kernels_cu/PERF.md v24)
     static_assert(!PERSISTENT || (VARIANT & VAR_BLOCK_MAP) == 0, "flash_fwd_ws_kernel: not persistent with a map");
+    // (nor packed: the producer's zeroing of a sequence's last V rows next to the walk's
+    // state spills 40-112 bytes at its 24 registers: cupyflash/dispatch.py uses_persistent_ws)
+    static_assert(!PERSISTENT || !VARLEN, "flash_fwd_ws_kernel: not persistent with a packed batch");
     // (the map's mask pairs next to a window's edges, softcap's or dropout's state spill 8-144
     // bytes: cupyflash/dispatch.py FWD_WS_MAP_SPILLS, those calls take flash_fwd_sm90.cu)
     static_assert((VARIANT & VAR_BLOCK_MAP) == 0 || (VARIANT & (VAR_WINDOW | VAR_SOFTCAP | VAR_DROPOUT)) == 0,
@@ -182,6 +188,7 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     auto empty_k = [&](int s) { return bars + 8 * (1 + 2 * STAGES + s); };
     auto empty_v = [&](int s) { return bars + 8 * (1 + 3 * STAGES + s); };
     const uint32 empty_q = bars + 8 * (1 + 4 * STAGES);  // persistent only: sQ free for the next tile's Q
+    const uint32 tail_v = bars + 8 * (2 + 4 * STAGES);   // packed only: a last V block's copy, before its zeroing
 
     const FwdTileScheduler<BLOCK_M, IS_CAUSAL, VARLEN, PERSISTENT> scheduler{p};
     FwdTile tile;
@@ -205,6 +212,7 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
             mbar_init(empty_v(s), 4 * Tr::CONSUMERS);
         }
         if constexpr (PERSISTENT) mbar_init(empty_q, 4 * Tr::CONSUMERS);
+        if constexpr (VARLEN) mbar_init(tail_v, 1);
         fence_barrier_init();
     }
     __syncthreads();
@@ -257,11 +265,16 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                 auto load_v = [&](int n) {
                     mbar_wait(empty_v(v_stage), v_phase ^ 1);  // both consumers' P·V of the round before are done
                     const uint32 sV = sV0 + v_stage * KVTile::BYTES;
+                    // Packed, a sequence's last key block (the first visited) completes on
+                    // tail_v: the producer's second warp zeroes its rows past the sequence
+                    // and releases it to the consumers on full_v (below).
+                    const bool tail = VARLEN && tile.seq.seqlen_k - n * BLOCK_N < BLOCK_N;
+                    const uint32 done = tail ? tail_v : full_v(v_stage);
                     if (issues) {
-                        mbar_arrive_expect_tx(full_v(v_stage), KVTile::BYTES);
+                        mbar_arrive_expect_tx(done, KVTile::BYTES);
 #pragma unroll
                         for (int c = 0; c < HEAD_DIM / BOX; ++c) {
-                            tma_load_4d(sV + c * KVTile::BLOCK_BYTES, tp.v_map, full_v(v_stage), c * BOX,
+                            tma_load_4d(sV + c * KVTile::BLOCK_BYTES, tp.v_map, done, c * BOX,
                                         k_row0 + n * BLOCK_N, h_kv, map_b);
                         }
                     }
@@ -300,6 +313,27 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                     }
                 }
             } while (next_tile());
+        }
+        if constexpr (VARLEN) {
+            // Packed (one tile per block: never persistent): a sequence's last key block runs
+            // on into the next sequence's rows, which may hold anything; P is 0 there, but
+            // 0 x NaN is not. When the tile visits that block it is the first visited, in
+            // V's stage 0 (phase 0), and its copy completes on tail_v: this warp zeroes the
+            // rows past the sequence, then releases the stage to the consumers on full_v.
+            // (Dense: the copy engine fills past the sequence, the maps' end, with zeros.)
+            if (threadIdx.x / 32 == 1) {
+                const KeyBlockMap<VARIANT> map(p.var, tile.tc.b, tile.tc.h, tile.tc.m_block);
+                const int n_first = MAP ? map.prev(blocks.end, blocks.begin) : blocks.end - 1;
+                const int rows = tile.seq.seqlen_k - n_first * BLOCK_N;
+                if (n_first >= blocks.begin && rows < BLOCK_N) {
+                    const int lane = threadIdx.x % 32;
+                    mbar_wait(tail_v, 0);
+                    KVTile::warp_zero_rows_from(sV0, rows, lane);
+                    fence_proxy_async_shared();  // the zeros before the consumers' wgmma reads
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(full_v(0));
+                }
+            }
         }
         return;
     }

@@ -99,6 +99,11 @@ __device__ __forceinline__ float2 ld_nc_f32x2(const void* p, bool pred = true) {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
+// 16 zero bytes to shared memory at addr (16-byte aligned).
+__device__ __forceinline__ void st_shared_zero_16(uint32 addr) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" :: "r"(addr), "r"(0) : "memory");
+}
+
 // p[0] += a, p[1] += b in global memory, p 8-byte aligned, nothing returned (RED, not
 // ATOM): one two-wide reduction on sm_90 (PTX ISA 8.1), two scalar ones before.
 __device__ __forceinline__ void red_add_f32x2(float* p, float a, float b) {

@@ -13,6 +13,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "ptx.cuh"
 
 namespace cupyflash {
 
@@ -33,6 +34,16 @@ struct Swizzle128Tile {
 
     __device__ static __forceinline__ uint32 offset(int row, int chunk) {
         return uint32((chunk / 8) * BLOCK_BYTES + row * 128 + (((chunk % 8) ^ (row % 8)) << 4));
+    }
+    // Rows first_row .. ROWS-1 of the tile at base set to zero by one warp (whole rows:
+    // the swizzle only permutes chunks within a row).
+    __device__ static __forceinline__ void warp_zero_rows_from(uint32 base, int first_row, int lane) {
+        const int chunks = (ROWS - first_row) * 8;  // 16-byte chunks per column block
+#pragma unroll
+        for (int c = 0; c < HEAD_DIM / 64; ++c) {
+            const uint32 from = base + c * BLOCK_BYTES + first_row * 128;
+            for (int i = lane; i < chunks; i += 32) st_shared_zero_16(from + i * 16);
+        }
     }
 };
 

@@ -29,10 +29,10 @@ def test_on_where_it_wins_by_default_and_switched_by_the_environment():
     assert _plan(ws=False).tma_box_rows is None
 
 
-@pytest.mark.parametrize("env,wins", [("", (128,)), ("0", ()), ("1", (128,)), ("all", (64, 128))])
+@pytest.mark.parametrize("env,wins", [("", (64, 128)), ("0", ()), ("1", (64, 128)), ("all", (64, 128))])
 def test_the_environment_picks_the_head_dims(env, wins):
-    """By default (and CUPYFLASH_FWD_WS=1): the head_dims where the kernel wins (D=128);
-    =0: none; =all: every one it has (to measure and test D=64)."""
+    """By default (and CUPYFLASH_FWD_WS=1): the head_dims where the kernel wins (D=64 and
+    128 since run 121); =0: none; =all: every one it has."""
     import subprocess
     import sys
 
@@ -49,24 +49,28 @@ def test_the_environment_picks_the_head_dims(env, wins):
 def test_ws_head_dims(ws, takes):
     got = {d for d in (64, 128) if _plan(head_dim=d, ws=ws).main.template == WS}
     assert got == takes
-    assert dispatch.FWD_WS_WINS == (128,)
+    assert dispatch.FWD_WS_WINS == (64, 128)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [128, 64, 100, 40])
 @pytest.mark.parametrize("causal", [False, True])
 def test_ws_serves_plain_dense_aligned_hopper_calls(dtype, head_dim, causal):
+    """D=128 at 128 query rows, D=64 at 192 (FWD_WS_D64_BLOCK_M), one block per tile."""
     plan = _plan(dtype=dtype, head_dim=head_dim, causal=causal, ws=True)
     d = dispatch.padded_head_dim(head_dim)
+    rows = {64: 192, 128: 128}[d]
+    assert dispatch.fwd_ws_block_m(d, 0) == rows
     block_n, stages = dispatch.fwd_ws_tile(d, causal)
     assert plan.main.template == WS and plan.combine is None and plan.num_splits == 1
-    assert plan.main.args == (dispatch.CTYPES[dtype], str(d), "128", str(block_n), str(stages),
+    assert plan.main.args == (dispatch.CTYPES[dtype], str(d), str(rows), str(block_n), str(stages),
                               str(causal).lower(), str(head_dim == d).lower(), "0", "false", "false")
-    assert plan.main.block == (384, 1, 1)
-    assert plan.main.grid == (128 * 16, 1, 1) and plan.num_m_blocks == 128
+    assert plan.main.block == (128 * (1 + rows // 64), 1, 1)
+    m_blocks = -(-16384 // rows)
+    assert plan.main.grid == (m_blocks * 16, 1, 1) and plan.num_m_blocks == m_blocks
     assert plan.n_blocks_per_split == -(-16384 // block_n)
-    assert plan.tma_box_rows == (dispatch.FWD_WS_BLOCK_M, block_n)
-    assert plan.main.smem_bytes == dispatch.fwd_ws_smem_bytes(d, block_n, stages) <= 227 * 1024
+    assert plan.tma_box_rows == (rows, block_n)
+    assert plan.main.smem_bytes == dispatch.fwd_ws_smem_bytes(d, block_n, stages, rows) <= 227 * 1024
 
 
 _WS_BITS = (dispatch.VAR_WINDOW, dispatch.VAR_SOFTCAP, dispatch.VAR_ALIBI, dispatch.VAR_SINKS, dispatch.VAR_DROPOUT)
@@ -120,8 +124,10 @@ def test_ws_serves_packed_batches_with_the_dense_instantiations(variant, causal,
     assert dataclasses.replace(packed, main=dense.main) == dense
     assert dataclasses.replace(packed.main, args=dense.main.args) == dense.main
     d = dispatch.padded_head_dim(head_dim)
-    assert packed.num_m_blocks == -(-3000 // 128) and packed.main.grid == (24 * 5 * 16, 1, 1)
-    assert packed.tma_box_rows == (128, dispatch.fwd_ws_tile(d, causal)[0])
+    rows = dispatch.fwd_ws_block_m(d, variant)
+    m_blocks = -(-3000 // rows)
+    assert packed.num_m_blocks == m_blocks and packed.main.grid == (m_blocks * 5 * 16, 1, 1)
+    assert packed.tma_box_rows == (rows, dispatch.fwd_ws_tile(d, causal)[0])
     assert dispatch.uses_ws_fwd(d, True, (9, 0), variant)
     assert not dispatch.uses_ws_fwd(d, True, (9, 0), variant | dispatch.VAR_MASK)
 
@@ -147,7 +153,9 @@ def test_ws_kernels_are_checked_on_sm90_only():
     assert {L.args[1] for L in on90} == {"64", "128"}
     rows128 = [L for L in on90 if L.args[2] == "128"]
     plain = [L for L in rows128 if L.args[7] == "0"]
-    assert len(plain) == 2 * 2 * 2 * 2 * 2 * 2  # dtype x head_dim x causal x even_k x varlen x persistent
+    # dtype x head_dim x causal x even_k x (dense, dense persistent, packed: never persistent)
+    assert len(plain) == 2 * 2 * 2 * 2 * 3
+    assert not [L for L in on90 if L.args[8] == L.args[9] == "true"]
     assert {L.args[8] for L in rows128 if L.args[7] != "0"} == {"false", "true"}
     assert {L.args[9] for L in rows128 if L.args[7] != "0"} == {"false", "true"}
     variants = {(L.args[1], L.args[5], int(L.args[7])) for L in rows128 if L.args[7] != "0"}
@@ -169,11 +177,11 @@ def test_ws_kernels_are_checked_on_sm90_only():
 
 def test_ws_smem_bytes_are_the_kernel_traits():
     """fwd_ws_smem_bytes and fwd_ws_threads are FwdWsTraits' SMEM_BYTES and NUM_THREADS (Q,
-    the K/V stages, the 4 STAGES + 2 mbarriers, 1 KB of alignment; a producer and one consumer
+    the K/V stages, the 4 STAGES + 3 mbarriers, 1 KB of alignment; a producer and one consumer
     warpgroup per 64 rows) at every tile a plan takes: static_asserts compiled by NVRTC."""
     from test_bwd_dispatch import compile_asserts  # sibling module
 
-    assert dispatch.fwd_ws_smem_bytes(128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 80 + 1024
+    assert dispatch.fwd_ws_smem_bytes(128, 128, 2) == 2 * 128 * (128 + 4 * 128) + 88 + 1024
     assert dispatch.fwd_ws_threads(128) == 384 and dispatch.fwd_ws_threads(192) == 512
     tiles = sorted({(int(L.args[1]), int(L.args[2]), int(L.args[3]), int(L.args[4]))
                     for L in dispatch.all_fwd_launches((9, 0)) if L.template == WS})
@@ -298,13 +306,11 @@ def test_fwd_ws_grid(m_blocks, heads, num_sms, grid, causal_grid):
 @pytest.mark.parametrize("variant", [0, dispatch.VAR_WINDOW, dispatch.VAR_DROPOUT,
                                      dispatch.FWD_WS_VARIANTS & ~dispatch.VAR_DROPOUT])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("batch,seqlen", [(32, 512), (1, 16384), (1, 100)])
-def test_persistent_plan(variant, causal, varlen, batch, seqlen):
+def test_persistent_plan(variant, causal, batch, seqlen):
     """The persistent plan is the non-persistent one but for the kernel's last template
     argument and the grid (fwd_ws_grid over the same tiles, from num_sms)."""
-    kw = dict(batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, causal=causal, variant=variant, varlen=varlen,
-              ws=True, num_sms=132)
+    kw = dict(batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, causal=causal, variant=variant, ws=True, num_sms=132)
     grid_plan, persistent = _plan(**kw), _plan(**kw, persistent=True)
     assert grid_plan.main.template == persistent.main.template == WS
     assert persistent.main.args == (*grid_plan.main.args[:-1], "true") and grid_plan.main.args[-1] == "false"
@@ -328,6 +334,22 @@ def test_persistent_not_with_a_window_and_dropout(variant):
     text = (kernels_dir() / "flash_fwd_ws.cu").read_text()
     assert "static_assert(!PERSISTENT || (VARIANT & (VAR_WINDOW | VAR_DROPOUT)) != (VAR_WINDOW | VAR_DROPOUT)," in text
     assert dispatch.FWD_WS_NOT_PERSISTENT == dispatch.VAR_WINDOW | dispatch.VAR_DROPOUT
+
+
+@pytest.mark.parametrize("variant", [0, dispatch.VAR_SOFTCAP, dispatch.VAR_WINDOW])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_not_for_packed_batches(variant, causal):
+    """A packed batch runs one block per tile whatever the switch says (uses_persistent_ws:
+    its producer zeroes each sequence's last V rows, which spills next to the walk), and the
+    kernel static_asserts it."""
+    assert dispatch.uses_persistent_ws(variant)
+    assert not dispatch.uses_persistent_ws(variant, varlen=True)
+    kw = dict(batch=4, seqlen_q=3000, seqlen_k=3000, causal=causal, variant=variant, varlen=True, ws=True)
+    for persistent in (True, "auto"):
+        assert _plan(**kw, persistent=persistent) == _plan(**kw, persistent=False)
+    assert _plan(**kw, persistent=True).main.args[-2:] == ("true", "false")
+    text = (kernels_dir() / "flash_fwd_ws.cu").read_text()
+    assert 'static_assert(!PERSISTENT || !VARLEN, "flash_fwd_ws_kernel: not persistent with a packed batch");' in text
 
 
 def test_persistent_leaves_the_other_kernels_alone():
@@ -394,8 +416,37 @@ _WIDE_REFUSES = (dispatch.VAR_WINDOW, dispatch.VAR_SOFTCAP | dispatch.VAR_ALIBI,
                  dispatch.VAR_MASK | dispatch.VAR_BLOCK_MAP)
 
 
-def test_d64_keeps_128_rows_by_default():
-    assert dispatch.FWD_WS_D64_BLOCK_M == 128 and dispatch.FWD_WS_BLOCK_MS == (128, 192)
+def test_d64_takes_192_rows_where_it_pays_by_default():
+    """By default D=64 runs 192 rows (one block per tile) for plain attention, ALiBi and
+    sinks; softcap and dropout, which measured slower there (FWD_WS_WIDE_LOSES, run 121),
+    keep 128 rows and the persistent walk."""
+    assert dispatch.FWD_WS_D64_BLOCK_M == 192 and dispatch.FWD_WS_BLOCK_MS == (128, 192)
+    assert dispatch.FWD_WS_WIDE_LOSES == dispatch.VAR_SOFTCAP | dispatch.VAR_DROPOUT
+    for variant in (0, dispatch.VAR_ALIBI, dispatch.VAR_SINKS, dispatch.VAR_ALIBI | dispatch.VAR_SINKS):
+        plan = _plan(head_dim=64, ws=dispatch.FWD_WS_WINS, variant=variant, persistent="auto")
+        assert plan.main.args[2] == "192" and plan.main.args[-1] == "false", variant
+        assert plan.main.block == (512, 1, 1) and plan.tma_box_rows[0] == 192
+    for variant in (dispatch.VAR_SOFTCAP, dispatch.VAR_DROPOUT, dispatch.VAR_SINKS | dispatch.VAR_DROPOUT):
+        plan = _plan(head_dim=64, ws=dispatch.FWD_WS_WINS, variant=variant, persistent="auto")
+        assert plan.main.args[2] == "128" and plan.main.args[-1] == "true", variant
+        assert dispatch.fwd_ws_block_m(64, variant, False, 192) == 192  # the tile takes it, if asked
+    plan = _plan(head_dim=64, ws=True, persistent=False, variant=dispatch.VAR_SOFTCAP)
+    assert plan.main.args[2] == "128" and plan.main.block == (384, 1, 1) and plan.tma_box_rows[0] == 128
+
+
+@pytest.mark.parametrize("seqlen_q,rows", [(1024, 128), (2047, 128), (2048, 192), (4096, 192)])
+def test_d64_192_rows_from_2048_queries(seqlen_q, rows):
+    """Short queries keep 128 rows (FWD_WS_D64_WIDE_MIN_SEQLEN: 192 measured slower at 1024);
+    a packed batch decides on its longest sequence."""
+    assert dispatch.FWD_WS_D64_WIDE_MIN_SEQLEN == 2048
+    for varlen in (False, True):
+        plan = _plan(head_dim=64, ws=dispatch.FWD_WS_WINS, seqlen_q=seqlen_q, persistent="auto", varlen=varlen)
+        assert plan.main.args[2] == str(rows) and plan.tma_box_rows[0] == rows
+        assert plan.num_m_blocks == -(-seqlen_q // rows)
+
+
+def test_d64_128_rows_when_switched(monkeypatch):
+    monkeypatch.setattr(dispatch, "FWD_WS_D64_BLOCK_M", 128)
     plan = _plan(head_dim=64, ws=True, persistent=False)
     assert plan.main.args[2] == "128" and plan.main.block == (384, 1, 1) and plan.tma_box_rows[0] == 128
 
@@ -408,6 +459,7 @@ def test_d64_192_rows(monkeypatch, causal, variant, persistent):
     per tile, one block per tile whatever the persistent switch says (512 threads, Q's TMA
     box and the grid at 192 rows, its shared memory); D=128 keeps 128."""
     monkeypatch.setattr(dispatch, "FWD_WS_D64_BLOCK_M", 192)
+    monkeypatch.setattr(dispatch, "FWD_WS_WIDE_LOSES", 0)  # every variant the tile takes
     plan = _plan(head_dim=64, ws=True, causal=causal, variant=variant, persistent=persistent)
     block_n, stages = dispatch.fwd_ws_tile(64, causal)
     assert plan.main.template == WS and plan.main.args[1:5] == ("64", "192", str(block_n), str(stages))

@@ -40,10 +40,11 @@ def test_on_by_default_and_off_keeps_the_cp_async_kernel():
 @pytest.mark.parametrize("head_dim", [128, 64, 100, 40])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("persistent", ["auto", True, False])
-def test_on_the_ws_kernel_at_its_plain_tile_one_block_per_tile(dtype, head_dim, causal, persistent):
-    """Switched on, every head_dim the kernel has takes it (D=64 too: unlike FWD_WS), at the
-    plain call's tile, compiled with the mask's bits, never persistent; the map is read at
-    that tile (128 x BLOCK_N), the TMA boxes'."""
+def test_on_the_ws_kernel_at_its_plain_tile_one_block_per_tile(monkeypatch, dtype, head_dim, causal, persistent):
+    """Switched on, every head_dim the kernel has takes it, at the plain call's 128-row
+    tile (D=64's plain call takes 192 rows, FWD_WS_D64_BLOCK_M, which the map does not),
+    compiled with the mask's bits, never persistent; the map is read at that tile
+    (128 x BLOCK_N), the TMA boxes'."""
     plan = _plan(dtype=dtype, head_dim=head_dim, causal=causal, persistent=persistent, ws_block_map=True)
     d = dispatch.padded_head_dim(head_dim)
     block_n, stages = dispatch.fwd_ws_tile(d, causal)
@@ -52,6 +53,7 @@ def test_on_the_ws_kernel_at_its_plain_tile_one_block_per_tile(dtype, head_dim, 
                               str(head_dim == d).lower(), str(MAP), "false", "false")
     assert plan.main.grid == (32 * 4 * 16, 1, 1) and plan.num_m_blocks == 32
     assert dispatch.fwd_block_map_tile(plan) == (dispatch.FWD_WS_BLOCK_M, block_n) == plan.tma_box_rows
+    monkeypatch.setattr(dispatch, "FWD_WS_D64_BLOCK_M", 128)
     plain = _plan(dtype=dtype, head_dim=head_dim, causal=causal, variant=0, ws=True, persistent=False)
     assert dataclasses.replace(plan, main=plain.main) == plain  # grid, smem, boxes: the plain call's
     assert dataclasses.replace(plan.main, args=plain.main.args) == plain.main

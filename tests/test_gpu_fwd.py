@@ -107,7 +107,7 @@ def _cc():
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(384, 384), (1000, 1500), (1500, 1000), (129, 257), (640, 8)])
 def test_fwd_wgmma_kernel(rng, monkeypatch, launches, dtype, head_dim, causal, seqlen_q, seqlen_k):
     """Hopper's cp.async wgmma kernel over several key blocks, tails, bottom-right causal,
-    GQA (the warp-specialised forward, D=128's default, off: tests/test_gpu_fwd_ws.py)."""
+    GQA (the warp-specialised forward, the default at D=64 and 128, off: tests/test_gpu_fwd_ws.py)."""
     from cupyflash import _gpu, dispatch
 
     if _cc() != (9, 0):

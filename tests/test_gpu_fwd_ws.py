@@ -56,13 +56,14 @@ def record_ws_modes(monkeypatch, tiles=None):
     return modes
 
 
-def check_ws_modes(modes, persistent, num_sms):
+def check_ws_modes(modes, persistent, num_sms, varlen=False):
     """Every ws launch ran in the mode asked for (persistent: at most num_sms blocks), but
-    for the variants the persistent form does not take (dispatch.uses_persistent_ws)."""
+    for the variants (and packed batches) the persistent form does not take
+    (dispatch.uses_persistent_ws)."""
     from cupyflash import dispatch
 
     assert modes, "no ws launch"
-    assert all(p == (persistent and dispatch.uses_persistent_ws(bits)) for p, bits, _ in modes), modes
+    assert all(p == (persistent and dispatch.uses_persistent_ws(bits, varlen)) for p, bits, _ in modes), modes
     assert all(grid <= num_sms for p, _, grid in modes if p), modes
 
 
@@ -94,6 +95,8 @@ def ws_on(request, monkeypatch, launches):
     switch_ws_on(monkeypatch, persistent, 1)
     d64_block_m = 192 if request.param == "rows192" else 128
     monkeypatch.setattr(dispatch, "FWD_WS_D64_BLOCK_M", d64_block_m)
+    monkeypatch.setattr(dispatch, "FWD_WS_WIDE_LOSES", 0)  # 192 rows with every variant the tile takes
+    monkeypatch.setattr(dispatch, "FWD_WS_D64_WIDE_MIN_SEQLEN", 0)  # and at every seqlen
     tiles = []
     modes = record_ws_modes(monkeypatch, tiles)
     yield launches

@@ -3,8 +3,9 @@ against the float64 reference, sequence by sequence; skipped without a GPU, and 
 compute capability 9.0.
 
 The switch (dispatch.FWD_WS) is on at every head_dim the kernel has, and each test
-asserts that the forward's one launch is that kernel; each test runs twice, one block per
-tile and persistent (dispatch.FWD_WS_PERSISTENT). Ragged lengths: a sequence with
+asserts that the forward's one launch is that kernel; each test runs twice, at D=64 with
+128 and with 192 query rows per tile (one block per tile: packed batches are never
+persistent, which the fixture checks with the persistent switch on). Ragged lengths: a sequence with
 no query, one with no key, lengths that are not multiples of the 128-row tiles (so a
 tile's rows past its sequence come from the next sequence, and past the last one from
 the map's zero fill), q longer than k and the reverse (bottom-right causal rows that see
@@ -37,29 +38,30 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(params=["grid", "persistent", "rows192"])
+@pytest.fixture(params=["grid", "rows192"])
 def ws_launches(request, monkeypatch, launches):
-    """The switch on at every head_dim (fresh plans), one block per tile, persistent, or
-    one block per tile with D=64's 192-row tile (dispatch.FWD_WS_D64_BLOCK_M; every test
-    here runs all three; persistent on a device that reports 3 SMs, so that each block
-    walks many tiles, some past their sequence's end), on a cc 9.0 device; every CuPy
-    allocation NaN-poisoned; yields the names of the kernels launched, and checks the mode
-    and the tile of every ws launch (packed batches are never split, whatever the SM count)."""
+    """The switch on at every head_dim (fresh plans), one block per tile (packed batches
+    are never persistent: dispatch.uses_persistent_ws; the switch is set to True here, and
+    each launch is checked to have refused it), at D=64 with 128 or 192 query rows
+    (dispatch.FWD_WS_D64_BLOCK_M; every test here runs both), on a cc 9.0 device; every
+    CuPy allocation NaN-poisoned; yields the names of the kernels launched, and checks the
+    mode and the tile of every ws launch (packed batches are never split, whatever the SM
+    count)."""
     cp = pytest.importorskip("cupy")
     from cupyflash import _gpu, _launch, dispatch
 
-    persistent = request.param == "persistent"
-    num_sms = 3 if persistent else _launch.num_sms(cp.cuda.Device().id)
-    switch_ws_on(monkeypatch, persistent, num_sms)
+    num_sms = _launch.num_sms(cp.cuda.Device().id)
+    switch_ws_on(monkeypatch, True, num_sms)
     d64_block_m = 192 if request.param == "rows192" else 128
     monkeypatch.setattr(dispatch, "FWD_WS_D64_BLOCK_M", d64_block_m)
+    monkeypatch.setattr(dispatch, "FWD_WS_WIDE_LOSES", 0)  # 192 rows with every variant the tile takes
+    monkeypatch.setattr(dispatch, "FWD_WS_D64_WIDE_MIN_SEQLEN", 0)  # and at every seqlen
     tiles = []
     modes = record_ws_modes(monkeypatch, tiles)
     with testing.poisoned_allocations(cp):
         yield launches
-    check_ws_modes(modes, persistent, num_sms)
-    want = [dispatch.fwd_ws_block_m(d, bits, persistent and dispatch.uses_persistent_ws(bits), d64_block_m)
-            for d, _, bits in tiles]
+    check_ws_modes(modes, True, num_sms, varlen=True)
+    want = [dispatch.fwd_ws_block_m(d, bits, False, d64_block_m) for d, _, bits in tiles]
     assert [m for _, m, _ in tiles] == want, tiles
     _gpu.clear_plans()
 
@@ -126,3 +128,34 @@ def test_ws_varlen_variants(ws_launches, rng, name):
     inputs, out, lse = _forward(cp, lens_q, lens_k, 8, 2, 128, "float16", causal, rng, **variants)
     assert ws_launches == [WS_KERNEL]
     _check(inputs, out, lse, lens_q, lens_k, causal, **variants)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dirty", [1, 2], ids=["middle", "last"])
+def test_ws_varlen_sequences_do_not_see_each_other(ws_launches, rng, head_dim, causal, dirty):
+    """NaN in one sequence's q, k and v leaves every other sequence's out and lse
+    bitwise as they were: the key block that runs on past the previous sequence's end
+    copies the NaN sequence's rows, whose V the producer zeroes (P is 0 there, but
+    0 x NaN is not), and its K scores are masked."""
+    cp = pytest.importorskip("cupy")
+    lens_q, lens_k = (20, 130, 131), (25, 140, 140)
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    q, k, v = packed_inputs(rng, lens_q, lens_k, 4, 2, head_dim, np.float16)
+
+    def run(q, k, v):
+        out, lse = cupyflash.flash_attn_varlen_fwd(dev(cp, q), dev(cp, k), dev(cp, v), cp.asarray(cu_q),
+                                                   cp.asarray(cu_k), max(lens_q), max(lens_k), causal=causal)
+        return host(out, q.dtype), host(lse)
+
+    clean = run(q, k, v)
+    _check((q, k, v), *clean, lens_q, lens_k, causal)
+    for x, cu in ((q, cu_q), (k, cu_k), (v, cu_k)):
+        x[cu[dirty]:cu[dirty + 1]] = np.nan
+    dirty_out = run(q, k, v)
+    assert ws_launches == [WS_KERNEL] * 2
+    rows = np.concatenate([np.arange(cu_q[b], cu_q[b + 1]) for b in range(len(lens_q)) if b != dirty])
+    for got, want, axis in ((dirty_out[0], clean[0], 0), (dirty_out[1], clean[1], 1)):
+        got, want = np.take(got, rows, axis), np.take(want, rows, axis)
+        assert not np.isnan(got.astype(np.float32)).any()
+        assert np.array_equal(got, want)
