@@ -236,9 +236,9 @@ FWD_WS_MAP_SPILLS = VAR_WINDOW | VAR_SOFTCAP | VAR_DROPOUT
 FWD_WS_BLOCK_MAP: bool | tuple[int, ...] = True
 #: The padded head_dims the switch (FWD_WS) sends to the warp-specialised forward: where
 #: it is expected to beat the wgmma kernel. D=128 since run 69 (1.20-1.23x); D=64 since run
-#: 121 (PERF.md v26: 1.04-1.63x the cp.async kernel, 192 rows where FWD_WS_D64_BLOCK_M
-#: takes the call, 128 persistent elsewhere; run 64's 0.8x was two stages, K and V
-#: released together).
+#: 121 (PERF.md v26, run 123: 0.998-1.578x the cp.async kernel, median 1.108, 192 rows
+#: where FWD_WS_D64_BLOCK_M takes the call, 128 persistent elsewhere; run 64's 0.8x was
+#: two stages, K and V released together).
 FWD_WS_WINS = (64, 128)
 #: What select_fwd's callers (cupyflash._gpu) pass as ``ws``: FWD_WS_WINS (the default:
 #: run 69 measured D=128 at 1.20-1.23x the cp.async kernel, PERF.md v19); from the
