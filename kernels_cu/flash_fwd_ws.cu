@@ -165,6 +165,7 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                   "flash_fwd_ws_kernel: the map alone, or with ALiBi or sinks");
     constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
     constexpr bool MAP = KeyBlockMap<VARIANT>::ON;  // the mask's tile map: empty key blocks skipped
+    constexpr bool RAW = RAW_SCORES<VARIANT>;  // plain scores stay q·k: the scale rides the softmax's exp2s
     // Dropout's keep bits depend on no score: drawn while the consumer waits for its S
     // GEMM; with a window, whose edges leave no room for the Philox rounds next to S's
     // accumulators (20 bytes of spill, nvcc 13.0), before the GEMMs are issued.
@@ -414,11 +415,12 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                     if (edge) score_tile<true>(s, mod, mask, m0 + r0, col0, terms);
                     else if (full) score_tile<false, false>(s, mod, mask, m0 + r0, col0, terms);
                     else score_tile<false>(s, mod, mask, m0 + r0, col0, terms);
-                } else {  // (written as before the map: the same SASS)
-                    if (blocks.masked(n_first)) score_tile<true>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
-                    else score_tile<false>(s, mod, mask, m0 + r0, n_first * BLOCK_N + 2 * t);
+                } else if (blocks.masked(n_first)) {
+                    fwd_score_tile<true, RAW>(s, mod, mask, m0 + r0, col0);
+                } else {
+                    fwd_score_tile<false, RAW>(s, mod, mask, m0 + r0, col0);
                 }
-                softmax.update(s, acc_o, row_sum);
+                softmax.update<RAW>(s, acc_o, row_sum, p.softmax_scale_log2);
                 if constexpr (DROPOUT) keep.zero_dropped(s);  // the row sums keep the undropped P
                 acc_to_a_operand<T>(s[0], pa);
             }
@@ -454,10 +456,10 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                 if constexpr (MAP) {
                     score_tile<MASKED, ATTN_MASKED>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t, terms);
                 } else {
-                    score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
+                    fwd_score_tile<decltype(masked)::value, RAW>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);
                 }
                 float alpha[1][2];
-                softmax.update_sums(s, row_sum, alpha);
+                softmax.update_sums<RAW>(s, row_sum, alpha, p.softmax_scale_log2);
                 // P_{n-1}·V_{n-1} has completed: pa and V stage prev_stage are free. (Pinned
                 // after the row sums, hence after every exp2 of the softmax: wgmma.cuh.)
                 wgmma_wait_after<0>(pin_slot, row_sum[0][0], row_sum[0][1]);

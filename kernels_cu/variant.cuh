@@ -510,6 +510,36 @@ __device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], cons
     }
 }
 
+// Plain scores: a variant that leaves q·k as it is up to softmax_scale (a window, sinks
+// and dropout act on the mask, the denominator and P, not on the score). A forward kernel
+// may keep them raw through the mask (fwd_score_tile) and fold the scale into the
+// softmax's exp2s (online_softmax.cuh's RAW): one FFMA a score instead of FMUL and FADD.
+template <int VARIANT>
+constexpr bool RAW_SCORES = (VARIANT & (VAR_SOFTCAP | VAR_ALIBI | VAR_BIAS | VAR_BIAS_FP32 | VAR_MASK)) == 0;
+
+// The scores a forward's softmax takes: with RAW, raw q·k with only the mask applied
+// (MASKED: the block needs it; a hidden score becomes -inf); else score_tile's (with
+// terms, the bias and mask of a key block, when given; ATTN_MASK as score_tile's).
+template <bool MASKED, bool RAW, bool ATTN_MASK = true, bool IS_CAUSAL, int VARIANT, int M_TILES, int N_TILES,
+          typename T, typename... Terms>
+__device__ __forceinline__ void fwd_score_tile(float (&s)[M_TILES][N_TILES][4], const ScoreMod<VARIANT, T>& mod,
+                                               const Mask<IS_CAUSAL, VARIANT>& mask, int row0, int col0,
+                                               const Terms&... terms) {
+    if constexpr (RAW) {
+        static_assert(RAW_SCORES<VARIANT>, "raw scores are plain scores");
+        if constexpr (MASKED) {
+#pragma unroll
+            for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                    score_row_by<true>(s[i], half, mask, row0 + i * 16 + half * 8, col0,
+                                       [](float x, int, int) { return x; });
+        }
+    } else {
+        score_tile<MASKED, ATTN_MASK>(s, mod, mask, row0, col0, terms...);
+    }
+}
+
 // The bias and mask of one key block at a thread's fragment rows (score_tile's layout:
 // rows row0 + 16 i + 8 half, columns col0 + 8 j + e), read into registers by load()
 // before the block's scores exist, so that the loads' latency hides under the S GEMM

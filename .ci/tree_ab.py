@@ -1,0 +1,127 @@
+"""The forward of two kernel trees in one process: this checkout's ``kernels_cu`` against
+another copy of it (a base commit's, e.g. ``git archive main kernels_cu | tar -x -C out/base``),
+through the public API with the library's default plans, on the standard grid (head_dim 64
+and 128, nheads 2048/head_dim, 16k tokens, seqlen 1024-16384, causal or not, fp16 and bf16)
+plus, at bf16 4096 and 16384 causal, sinks and a window (1024, 0).
+
+Both trees' kernels are compiled up front in parallel (each keyed on its own sources'
+hash in the disk cache); then each case is timed by ``cupyx.profiler.benchmark``
+(``gpu_times``, median of 20), the trees interleaved, best of three rounds. Switching
+tree swaps the kernel directory, the loaded modules and the plan caches. Prints a
+table, the speed-up (base time / this tree's) min / median / max last, and writes JSON
+under $OUT when it is set.
+
+    python .ci/tree_ab.py out/base/kernels_cu [--quick]   # --quick: seqlen 4096, 16384
+"""
+import argparse
+import concurrent.futures as cf
+import json
+import multiprocessing
+import os
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+from cupyx.profiler import benchmark
+
+import cupyflash
+from cupyflash import _compile, _gpu, _launch, _sources, _variant, dispatch
+
+TOKENS = 16384
+_MODULES = {}  # tree -> its loaded modules (_compile._modules)
+
+
+def use_tree(path):
+    path = Path(path)
+    _sources.kernels_dir = _compile.kernels_dir = lambda: path
+    _sources.sources_hash.cache_clear()
+    _compile._modules = _MODULES.setdefault(str(path), {})
+    _gpu.clear_plans()
+
+
+def rand(rng, dtype, *shape):
+    x = rng.standard_normal(shape, dtype=cp.float32)
+    if dtype == "float16":
+        return x.astype(cp.float16)
+    return (x.view(cp.uint32) >> 16).astype(cp.uint16)  # bf16: the top half of fp32 (truncated)
+
+
+def variant_kwargs(name, nheads):
+    return {"plain": {}, "sinks": {"sinks": cp.asarray(np.linspace(-1, 1, nheads, dtype=np.float32))},
+            "window": {"window_size": (1024, 0)}}[name]
+
+
+def cases(quick):
+    out = []
+    seqlens = (4096, 16384) if quick else (1024, 2048, 4096, 8192, 16384)
+    for d in (64, 128):
+        for dtype in ("float16", "bfloat16"):
+            for s in seqlens:
+                for causal in (False, True):
+                    out.append((d, dtype, s, causal, "plain"))
+        for s in (4096, 16384):
+            for name in ("sinks", "window"):
+                out.append((d, "bfloat16", s, True, name))
+    return out
+
+
+def plan_of(label):
+    d, dtype, s, causal, name = label
+    h = 2048 // d
+    bits = _variant.bits(variant_kwargs(name, h)) if name != "plain" else 0
+    return dispatch.select_fwd(batch=TOKENS // s, seqlen_q=s, seqlen_k=s, nheads_q=h, head_dim=d, dtype=dtype,
+                               causal=causal, vec=True, num_sms=_launch.num_sms(cp.cuda.Device().id), cc=(9, 0),
+                               variant=bits, ws=dispatch.FWD_WS, persistent=dispatch.FWD_WS_PERSISTENT,
+                               ws_block_map=dispatch.FWD_WS_BLOCK_MAP)
+
+
+def compile_one(tree, source, name_expression):
+    use_tree(tree)
+    _compile.compile_variant(source, name_expression, (9, 0))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("base", help="the other kernels_cu directory")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    trees = {"base": str(Path(args.base).resolve()), "this": str(_sources.kernels_dir())}
+    labels = cases(args.quick)
+    launches = {L for label in labels for L in (plan_of(label).main, plan_of(label).combine) if L is not None}
+    jobs = [(t, L.source, L.name_expression) for t in trees.values() for L in launches]
+    with cf.ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1),
+                                mp_context=multiprocessing.get_context("spawn")) as pool:  # no CUDA in them
+        list(pool.map(compile_one, *zip(*jobs)))
+    rng = cp.random.default_rng(0)
+    fn = cupyflash.flash_attn_fwd
+    results = []
+    print("D   dtype    seqlen causal variant |   base ms   this ms | speed-up")
+    for label in labels:
+        d, dtype, s, causal, name = label
+        h = 2048 // d
+        arrays = tuple(rand(rng, dtype, TOKENS // s, s, h, d) for _ in range(3))
+        kw = {"causal": causal, **variant_kwargs(name, h), **({"dtype": "bfloat16"} if dtype == "bfloat16" else {})}
+        times = {t: [] for t in trees}
+        for _ in range(3):
+            for t, path in trees.items():
+                use_tree(path)
+                r = benchmark(fn, arrays, kw, n_repeat=20, n_warmup=3)
+                times[t].append(float(np.median(r.gpu_times)) * 1e3)
+        best = {t: min(v) for t, v in times.items()}
+        row = {"head_dim": d, "dtype": dtype, "seqlen": s, "causal": causal, "variant": name,
+               "base_ms": best["base"], "this_ms": best["this"], "speedup": best["base"] / best["this"],
+               "kernel": plan_of(label).main.template, "args": list(plan_of(label).main.args)}
+        results.append(row)
+        print(f"{d:3d} {dtype:8} {s:6d} {causal!s:6} {name:7} | {best['base']:9.4f} {best['this']:9.4f} | "
+              f"{row['speedup']:6.3f}")
+    for sel, rows in (("all", results), ("D=64", [r for r in results if r["head_dim"] == 64]),
+                      ("D=128", [r for r in results if r["head_dim"] == 128])):
+        x = sorted(r["speedup"] for r in rows)
+        print(f"{sel}: this / base speed-up min {x[0]:.3f} median {x[len(x) // 2]:.3f} max {x[-1]:.3f}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "tree_ab.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
