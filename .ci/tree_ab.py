@@ -6,12 +6,13 @@ plus, at bf16 4096 and 16384 causal, sinks and a window (1024, 0).
 
 Both trees' kernels are compiled up front in parallel (each keyed on its own sources'
 hash in the disk cache); then each case is timed by ``cupyx.profiler.benchmark``
-(``gpu_times``, median of 20), the trees interleaved, best of three rounds. Switching
+(``gpu_times``, median of 20), the trees interleaved, best of three rounds (--rounds). Switching
 tree swaps the kernel directory, the loaded modules and the plan caches. Prints a
 table, the speed-up (base time / this tree's) min / median / max last, and writes JSON
 under $OUT when it is set.
 
-    python .ci/tree_ab.py out/base/kernels_cu [--quick]   # --quick: seqlen 4096, 16384
+    python .ci/tree_ab.py out/base/kernels_cu [--quick] [--head-dim 128] [--rounds 5]
+    # --quick: seqlen 4096 and 16384 only
 """
 import argparse
 import concurrent.futures as cf
@@ -84,9 +85,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("base", help="the other kernels_cu directory")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--head-dim", type=int, choices=(64, 128), help="only this head_dim")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the best counts)")
     args = ap.parse_args()
     trees = {"base": str(Path(args.base).resolve()), "this": str(_sources.kernels_dir())}
-    labels = cases(args.quick)
+    labels = [c for c in cases(args.quick) if args.head_dim in (None, c[0])]
     launches = {L for label in labels for L in (plan_of(label).main, plan_of(label).combine) if L is not None}
     jobs = [(t, L.source, L.name_expression) for t in trees.values() for L in launches]
     with cf.ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1),
@@ -102,7 +105,7 @@ def main():
         arrays = tuple(rand(rng, dtype, TOKENS // s, s, h, d) for _ in range(3))
         kw = {"causal": causal, **variant_kwargs(name, h), **({"dtype": "bfloat16"} if dtype == "bfloat16" else {})}
         times = {t: [] for t in trees}
-        for _ in range(3):
+        for _ in range(args.rounds):
             for t, path in trees.items():
                 use_tree(path)
                 r = benchmark(fn, arrays, kw, n_repeat=20, n_warmup=3)

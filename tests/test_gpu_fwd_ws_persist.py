@@ -2,14 +2,16 @@
 grids of several blocks, each walking many tiles (test_gpu_fwd_ws and test_gpu_varlen_ws run
 every case persistent too, on one block or three): the device reports 3 or 7 SMs, so the
 walk's odd rounds (the snake: tile k·grid + grid - 1 - b) and a last round that only some
-blocks have are taken; causal tiles of every weight, tiles that see no key and packed
-sequences shorter than their tiles fall anywhere in a block's walk. Against the float64
+blocks have are taken; causal tiles of every weight and tiles that see no key fall
+anywhere in a block's walk (a packed batch is never persistent: it is checked to run one
+block per tile). Against the float64
 reference (the naive rule in the inputs' dtype); skipped without a GPU, off cc 9.0.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 
@@ -25,16 +27,23 @@ from cupyflash import testing
 pytestmark = pytest.mark.gpu
 
 
+@dataclass
+class Walk:
+    launches: list  # the kernels launched (conftest's recorder)
+    modes: list  # the ws launches' (persistent, VARIANT, grid)
+    varlen: bool = False  # a packed batch: never persistent (dispatch.uses_persistent_ws)
+
+
 @pytest.fixture(params=[3, 7], ids=["3sm", "7sm"])
 def walk(request, monkeypatch, launches):
-    """Persistent on a device that reports request.param SMs; yields (launches, the grids
-    of the ws launches)."""
+    """Persistent on a device that reports request.param SMs; every ws launch is checked
+    to have run persistent (a packed batch's, one block per tile) when the test ends."""
     from cupyflash import _gpu
 
     switch_ws_on(monkeypatch, True, request.param)
-    modes = record_ws_modes(monkeypatch)
-    yield launches, modes
-    check_ws_modes(modes, True, request.param)
+    w = Walk(launches, record_ws_modes(monkeypatch))
+    yield w
+    check_ws_modes(w.modes, True, request.param, varlen=w.varlen)
     _gpu.clear_plans()
 
 
@@ -55,12 +64,11 @@ DENSE = [
 
 @pytest.mark.parametrize("dtype,head_dim,causal,batch,seqlen_q,seqlen_k,nheads_q,nheads_kv", DENSE)
 def test_persistent_dense(walk, rng, dtype, head_dim, causal, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv):
-    launches, modes = walk
     host, dev = make_inputs(rng, dtype, batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim)
     scale = 1.0 / math.sqrt(head_dim)
     out, lse = _run(dev, dtype, scale, causal)
-    assert launches == [WS_KERNEL]
-    (persistent, _, grid), = modes
+    assert walk.launches == [WS_KERNEL]
+    (persistent, _, grid), = walk.modes
     assert persistent and _tiles(batch, seqlen_q, nheads_q) > 2 * grid  # every block walks several tiles
     _check(host, out, lse, dtype, scale, causal)
 
@@ -68,9 +76,11 @@ def test_persistent_dense(walk, rng, dtype, head_dim, causal, batch, seqlen_q, s
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_persistent_packed(walk, rng, causal):
     """Ragged sequences with a 0-length one on each side, tails into the next sequence
-    and past the last: the tiles past a sequence's end are skipped inside a block's walk."""
+    and past the last, with the persistent mode on: a packed batch runs one block per
+    tile all the same (dispatch.uses_persistent_ws; the walk's teardown checks it)."""
     cp = pytest.importorskip("cupy")
-    launches, _ = walk
+    walk.varlen = True
+    launches = walk.launches
     lens_q, lens_k = (0, 1, 127, 129, 300, 513, 0, 1000), (5, 0, 200, 129, 257, 100, 64, 1333)
     with testing.poisoned_allocations(cp):
         inputs, out, lse = packed_forward(cp, lens_q, lens_k, 8, 2, 128, "bfloat16", causal, rng)
@@ -83,7 +93,7 @@ def test_persistent_packed(walk, rng, causal):
 def test_persistent_tiles_that_see_no_key(walk, rng, case, with_sinks):
     """Tiles with no visible key (a window's, causal's) between tiles with keys in one
     block's walk: out 0, lse -inf (the sink's with sinks), the rest within the rule."""
-    check_rows_that_see_no_key(walk[0], rng, case, with_sinks)
+    check_rows_that_see_no_key(walk.launches, rng, case, with_sinks)
 
 
 @pytest.mark.parametrize("causal,variants", [
@@ -95,7 +105,7 @@ def test_persistent_tiles_that_see_no_key(walk, rng, case, with_sinks):
 def test_persistent_variants(walk, rng, causal, variants):
     """Variants whose per-tile state (a window's key range, ALiBi's slope, a sink, dropout's
     Philox offsets) is set up afresh at each tile of the walk."""
-    launches, _ = walk
+    launches = walk.launches
     shape = (2, 1000, 1000, 4, 2, 128)
     variants = dict(variants)
     if "sinks" in variants:
