@@ -1,7 +1,7 @@
-"""The forward of two kernel trees in one process: this checkout's ``kernels_cu`` against
+"""The forward of two (or three: --also) kernel trees in one process: this checkout's ``kernels_cu`` against
 another copy of it (a base commit's, e.g. ``git archive main kernels_cu | tar -x -C out/base``),
 through the public API with the library's default plans, on the standard grid (head_dim 64
-and 128, nheads 2048/head_dim, 16k tokens, seqlen 1024-16384, causal or not, fp16 and bf16)
+and 128 or those given, nheads 2048/head_dim, 16k tokens, seqlen 1024-16384, causal or not, fp16 and bf16)
 plus, at bf16 4096 and 16384 causal, sinks and a window (1024, 0).
 
 Both trees' kernels are compiled up front in parallel (each keyed on its own sources'
@@ -52,15 +52,15 @@ def variant_kwargs(name, nheads):
             "window": {"window_size": (1024, 0)}}[name]
 
 
-def cases(quick):
+def cases(quick, head_dims):
     out = []
     seqlens = (4096, 16384) if quick else (1024, 2048, 4096, 8192, 16384)
-    for d in (64, 128):
+    for d in head_dims:
         for dtype in ("float16", "bfloat16"):
             for s in seqlens:
                 for causal in (False, True):
                     out.append((d, dtype, s, causal, "plain"))
-        for s in (4096, 16384):
+        for s in (4096, 16384) if d in (64, 128) else ():
             for name in ("sinks", "window"):
                 out.append((d, "bfloat16", s, True, name))
     return out
@@ -84,12 +84,18 @@ def compile_one(tree, source, name_expression):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("base", help="the other kernels_cu directory")
+    ap.add_argument("--this", help="a kernels_cu directory to time in place of this checkout's")
+    ap.add_argument("--also", help="a third kernels_cu directory, timed beside them")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--head-dim", type=int, choices=(64, 128), help="only this head_dim")
+    ap.add_argument("--head-dim", type=int, action="append",
+                    help="the head_dims (repeatable; default 64 and 128, the variants at those only)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the best counts)")
     args = ap.parse_args()
-    trees = {"base": str(Path(args.base).resolve()), "this": str(_sources.kernels_dir())}
-    labels = [c for c in cases(args.quick) if args.head_dim in (None, c[0])]
+    trees = {"base": str(Path(args.base).resolve()),
+             "this": str(Path(args.this).resolve() if args.this else _sources.kernels_dir())}
+    if args.also:
+        trees["also"] = str(Path(args.also).resolve())
+    labels = cases(args.quick, args.head_dim or (64, 128))
     launches = {L for label in labels for L in (plan_of(label).main, plan_of(label).combine) if L is not None}
     jobs = [(t, L.source, L.name_expression) for t in trees.values() for L in launches]
     with cf.ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1),
@@ -98,7 +104,7 @@ def main():
     rng = cp.random.default_rng(0)
     fn = cupyflash.flash_attn_fwd
     results = []
-    print("D   dtype    seqlen causal variant |   base ms   this ms | speed-up")
+    print("D   dtype    seqlen causal variant | " + " ".join(f"{t:>6} ms" for t in trees) + " | speed-up")
     for label in labels:
         d, dtype, s, causal, name = label
         h = 2048 // d
@@ -112,15 +118,17 @@ def main():
                 times[t].append(float(np.median(r.gpu_times)) * 1e3)
         best = {t: min(v) for t, v in times.items()}
         row = {"head_dim": d, "dtype": dtype, "seqlen": s, "causal": causal, "variant": name,
-               "base_ms": best["base"], "this_ms": best["this"], "speedup": best["base"] / best["this"],
+               **{f"{t}_ms": best[t] for t in trees}, "speedup": best["base"] / best["this"],
+               **({"also_speedup": best["base"] / best["also"]} if "also" in trees else {}),
                "kernel": plan_of(label).main.template, "args": list(plan_of(label).main.args)}
         results.append(row)
-        print(f"{d:3d} {dtype:8} {s:6d} {causal!s:6} {name:7} | {best['base']:9.4f} {best['this']:9.4f} | "
-              f"{row['speedup']:6.3f}")
-    for sel, rows in (("all", results), ("D=64", [r for r in results if r["head_dim"] == 64]),
-                      ("D=128", [r for r in results if r["head_dim"] == 128])):
-        x = sorted(r["speedup"] for r in rows)
-        print(f"{sel}: this / base speed-up min {x[0]:.3f} median {x[len(x) // 2]:.3f} max {x[-1]:.3f}")
+        print(f"{d:3d} {dtype:8} {s:6d} {causal!s:6} {name:7} | " + " ".join(f"{best[t]:9.4f}" for t in trees)
+              + f" | {row['speedup']:6.3f}" + (f" {row['also_speedup']:6.3f}" if "also" in trees else ""))
+    for sel, rows in (("all", results), *((f"D={d}", [r for r in results if r["head_dim"] == d])
+                                          for d in sorted({r["head_dim"] for r in results}))):
+        for t in ("this", "also")[:len(trees) - 1]:
+            x = sorted(r["speedup" if t == "this" else "also_speedup"] for r in rows)
+            print(f"{sel}: {t} / base speed-up min {x[0]:.3f} median {x[len(x) // 2]:.3f} max {x[-1]:.3f}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "tree_ab.json"), "w") as f:
             json.dump(results, f, indent=1)
