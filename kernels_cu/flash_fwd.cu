@@ -79,7 +79,6 @@ flash_fwd_kernel(const FwdParams p) {
         blocks.clamp();
     }
     const ScoreMod<VARIANT, T> mod(p.var, p.softmax_scale_log2, tc.b, tc.h, seq.seqlen_q, seq.seqlen_k);
-    constexpr bool RAW = RAW_SCORES<VARIANT>;  // plain scores stay q·k: the scale rides the softmax's exp2s
     // The sink joins the rows of one split only.
     const float sink = blockIdx.y == 0 ? sink_log2<VARIANT>(p.var, tc.h) : NEG_INF;
 
@@ -169,8 +168,8 @@ flash_fwd_kernel(const FwdParams p) {
                     }
                 }
             }
-            // ---- scores in log2 units (the variant's; plain ones raw), masked where the block needs it
-            fwd_score_tile<decltype(masked)::value, RAW>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t, terms);
+            // ---- scores in log2 units (the variant's), masked where the block needs it
+            score_tile<decltype(masked)::value>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t, terms);
         }
 
         cp_async_wait<0>();
@@ -182,7 +181,7 @@ flash_fwd_kernel(const FwdParams p) {
 
         if (!warp_idle) {
             // ---- online softmax: s becomes P, acc_o and acc_l are rescaled
-            softmax.template update<RAW>(s, acc_o, acc_l, p.softmax_scale_log2);
+            softmax.update(s, acc_o, acc_l);
 
             // ---- l += P·1 and O += P·V, with P repacked from the S accumulators as the A
             //      operand; dropout zeroes its dropped entries for P·V only (the row sums

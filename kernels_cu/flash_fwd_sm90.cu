@@ -95,7 +95,6 @@ flash_fwd_sm90_kernel(const FwdParams p) {
     const Mask<IS_CAUSAL, VARIANT> mask(p.var, seq.seqlen_q, seq.seqlen_k);
     const BlockRange blocks = mask.key_blocks(m0, BLOCK_M, BLOCK_N);
     const ScoreMod<VARIANT, T> mod(p.var, p.softmax_scale_log2, b, h, seq.seqlen_q, seq.seqlen_k);
-    constexpr bool RAW = RAW_SCORES<VARIANT>;  // plain scores stay q·k: the scale rides the softmax's exp2s
     const float sink = sink_log2<VARIANT>(p.var, h);
     // This thread's fragment rows within the block: r0 and r0 + 8.
     const int r0 = wg * 64 + (warp % 4) * 16 + g;
@@ -192,12 +191,12 @@ flash_fwd_sm90_kernel(const FwdParams p) {
         }
         wgmma_wait<0>();
         fence_operands(s[0]);
-        // ---- scores in log2 units (the variant's; plain ones raw), masked where the block needs it
-        fwd_score_tile<MASKED, RAW, ATTN_MASKED>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t, terms);
+        // ---- scores in log2 units (the variant's), masked where the block needs it
+        score_tile<MASKED, ATTN_MASKED>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t, terms);
 
         // ---- online softmax: s becomes P, acc_o is rescaled
         fence_operands(acc_o[0]);
-        softmax.update<RAW>(s, acc_o, row_sum, p.softmax_scale_log2);
+        softmax.update(s, acc_o, row_sum);
         if constexpr ((VARIANT & VAR_DROPOUT) != 0) keep.zero_dropped(s);  // the row sums keep the undropped P
 
         // ---- O += P·V, P repacked from the S accumulators as the register A operand

@@ -510,12 +510,14 @@ __device__ __forceinline__ void score_tile(float (&s)[M_TILES][N_TILES][4], cons
     }
 }
 
-// Plain scores: a variant that leaves q·k as it is up to softmax_scale (a window, sinks
-// and dropout act on the mask, the denominator and P, not on the score). A forward kernel
-// may keep them raw through the mask (fwd_score_tile) and fold the scale into the
-// softmax's exp2s (online_softmax.cuh's RAW): one FFMA a score instead of FMUL and FADD.
+// Plain scores: a variant that leaves q·k as it is up to softmax_scale (a window and
+// sinks act on the mask and the denominator, not on the score). The ws forward keeps them
+// raw through the mask (fwd_score_tile) and folds the scale into the softmax's exp2s
+// (online_softmax.cuh's RAW): one FFMA a score instead of an FMUL and an FADD (PERF.md
+// v27). Not dropout: the Philox state beside it spills at 192 rows (16-44 bytes).
 template <int VARIANT>
-constexpr bool RAW_SCORES = (VARIANT & (VAR_SOFTCAP | VAR_ALIBI | VAR_BIAS | VAR_BIAS_FP32 | VAR_MASK)) == 0;
+constexpr bool RAW_SCORES =
+    (VARIANT & (VAR_SOFTCAP | VAR_ALIBI | VAR_BIAS | VAR_BIAS_FP32 | VAR_MASK | VAR_DROPOUT)) == 0;
 
 // The scores a forward's softmax takes: with RAW, raw q·k with only the mask applied
 // (MASKED: the block needs it; a hidden score becomes -inf); else score_tile's (with
