@@ -6,14 +6,14 @@
 // Scores arrive in log2 units (variant.cuh's score_tile: x = softmax_scale·log2(e)·q·k,
 // or the variant's modified score), and the running max is taken over those same
 // rounded values, so a row's largest term is exactly exp2(0) = 1 at any logit
-// magnitude; or, plain scores, raw (RAW: the scale is folded into the exp2s, exp_row).
-// A row's max may start at its sink (variant.cuh), which then joins the
-// sum in finalize. The mma.sync kernel does not add the row sums up here: it
-// accumulates them on the Tensor Cores as one more n8 tile, P·1 (acc_l), next to
-// P·V. That keeps no fp32 copy of P alive past the softmax (the adds otherwise get
-// scheduled below P·V and cost ~30 registers at D=128), and it normalises by the
-// sum of exactly the rounded P that multiplied V. The wgmma kernel has registers
-// to spare but no spare tile, and keeps fp32 partial sums instead.
+// magnitude; or, plain scores, raw (exp_raw: the scale folded into the exp2s). A
+// row's max may start at its sink (variant.cuh), which then joins the sum in finalize.
+// The mma.sync kernel does not add the row sums up here: it accumulates them on the
+// Tensor Cores as one more n8 tile, P·1 (acc_l), next to P·V. That keeps no fp32 copy
+// of P alive past the softmax (the adds otherwise get scheduled below P·V and cost ~30
+// registers at D=128), and it normalises by the sum of exactly the rounded P that
+// multiplied V. The wgmma kernel has registers to spare but no spare tile, and keeps
+// fp32 partial sums instead.
 #pragma once
 
 #include "ptx.cuh"
@@ -34,56 +34,82 @@ struct OnlineSoftmax {
     // p = exp2(s - m_new) in place, update the running max, and return the factor
     // exp2(m_old - m_new) that rescales what was accumulated for that row. A row
     // whose max is still -inf (every key masked so far) gets p = 0 and no NaN.
-    // RAW: s holds raw scores q·k, masked to -inf (variant.cuh's RAW_SCORES), and
-    // scale_log2 = softmax_scale·log2(e) > 0 (the API checks it). The max is taken over
-    // the raw scores and scaled once per row (rounding is monotonic: the same m_new as
-    // over the scaled ones), and each exp2's argument is one FFMA s·scale_log2 - m_new
-    // (FA2's), where a scaled score costs an FMUL in score_tile and an FADD here. The
-    // row's largest term is then exp2 of the product's rounding residual, at most half
-    // an ulp of m_new: below RAW_FFMA_BELOW that is within 2^-13 of 0 and the term rounds
-    // to 1 in fp16 and bf16. A warp with a row max at or above it (logits of 1e9 reach
-    // a residual of 32, 3e10 one of 1024: inf) scales its scores first for this block
-    // (__fmul_rn: never contracted), so the largest term is exactly exp2(0).
-    static constexpr float RAW_FFMA_BELOW = 4096.f;
-    template <bool RAW = false, int N_TILES>
-    __device__ __forceinline__ float exp_row(float (&s)[M_TILES][N_TILES][4], int i, int h,
-                                             float scale_log2 = 1.f) {
-        float m_tile = RAW ? NEG_INF : row_max[i][h];
+    template <int N_TILES>
+    __device__ __forceinline__ float exp_row(float (&s)[M_TILES][N_TILES][4], int i, int h) {
+        float m_tile = row_max[i][h];
 #pragma unroll
         for (int j = 0; j < N_TILES; ++j) m_tile = fmaxf(m_tile, fmaxf(s[i][j][2 * h], s[i][j][2 * h + 1]));
-        const float m_new = RAW ? fmaxf(row_max[i][h], quad_max(m_tile) * scale_log2) : quad_max(m_tile);
+        const float m_new = quad_max(m_tile);
         // Guard the all-masked row: subtract 0 instead of -inf.
         const float m_sub = m_new == NEG_INF ? 0.f : m_new;
         const float alpha = fast_exp2(row_max[i][h] - m_sub);
         row_max[i][h] = m_new;
-        if constexpr (RAW) {
-            if (__any_sync(0xffffffffu, !(fabsf(m_sub) < RAW_FFMA_BELOW))) {
-#pragma unroll
-                for (int j = 0; j < N_TILES; ++j)
-#pragma unroll
-                    for (int e = 2 * h; e < 2 * h + 2; ++e) s[i][j][e] = __fmul_rn(s[i][j][e], scale_log2);
-                scale_log2 = 1.f;  // the FFMA below is then exactly the subtraction
-            }
-        }
 #pragma unroll
         for (int j = 0; j < N_TILES; ++j) {
-#pragma unroll
-            for (int e = 2 * h; e < 2 * h + 2; ++e)
-                s[i][j][e] = fast_exp2(RAW ? fmaf(s[i][j][e], scale_log2, -m_sub) : s[i][j][e] - m_sub);
+            s[i][j][2 * h] = fast_exp2(s[i][j][2 * h] - m_sub);
+            s[i][j][2 * h + 1] = fast_exp2(s[i][j][2 * h + 1] - m_sub);
         }
         return alpha;
     }
 
-    // s becomes P; the accumulators (acc_o = P·V, acc_l = P·1) are rescaled.
-    // (RAW, scale_log2: as exp_row's, here and in the updates below)
-    template <bool RAW = false, int N_TILES, int D_TILES>
-    __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float (&acc_o)[M_TILES][D_TILES][4],
-                                           float (&acc_l)[M_TILES][4], float scale_log2 = 1.f) {
+    // exp_row for every row at once, on raw scores (RAW: variant.cuh's RAW_SCORES, the ws
+    // forward's plain scores): s holds q·k, masked to -inf, and scale_log2 =
+    // softmax_scale·log2(e) > 0 (the API checks it). The max is taken over the raw scores
+    // and scaled once per row (rounding is monotonic: the same m_new as over the scaled
+    // ones), and each exp2's argument is one FFMA s·scale_log2 - m_new (FA2's), where a
+    // scaled score costs an FMUL in score_tile and an FADD in exp_row. The row's largest
+    // term is then exp2 of the product's rounding residual, at most half an ulp of m_new:
+    // below RAW_FFMA_BELOW within 2^-13 of 0, so the term rounds to 1 in fp16 and bf16.
+    // A warp with a row max at or above it (logits of 1e9 leave a residual up to 32, 3e10
+    // up to 1024: inf) scales its scores first for this block (__fmul_rn: never
+    // contracted), and the largest term is exactly exp2(0), as exp_row's. One vote per
+    // block for all of a thread's rows.
+    static constexpr float RAW_FFMA_BELOW = 4096.f;
+    template <int N_TILES>
+    __device__ __forceinline__ void exp_raw(float (&s)[M_TILES][N_TILES][4], float (&alpha)[M_TILES][2],
+                                            float scale_log2) {
+        float m_sub[M_TILES][2];
+        bool far = false;
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const float alpha = exp_row<RAW>(s, i, h, scale_log2);
+                float m_tile = NEG_INF;
+#pragma unroll
+                for (int j = 0; j < N_TILES; ++j) m_tile = fmaxf(m_tile, fmaxf(s[i][j][2 * h], s[i][j][2 * h + 1]));
+                const float m_new = fmaxf(row_max[i][h], quad_max(m_tile) * scale_log2);
+                m_sub[i][h] = m_new == NEG_INF ? 0.f : m_new;  // the all-masked row, as exp_row's
+                alpha[i][h] = fast_exp2(row_max[i][h] - m_sub[i][h]);
+                row_max[i][h] = m_new;
+                far |= !(fabsf(m_sub[i][h]) < RAW_FFMA_BELOW);
+            }
+        }
+        if (__any_sync(0xffffffffu, far)) {
+#pragma unroll
+            for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+                for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[i][j][e] = __fmul_rn(s[i][j][e], scale_log2);
+            scale_log2 = 1.f;  // the FFMA below is then exactly the subtraction
+        }
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i)
+#pragma unroll
+            for (int j = 0; j < N_TILES; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[i][j][e] = fast_exp2(fmaf(s[i][j][e], scale_log2, -m_sub[i][e / 2]));
+    }
+
+    // s becomes P; the accumulators (acc_o = P·V, acc_l = P·1) are rescaled.
+    template <int N_TILES, int D_TILES>
+    __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float (&acc_o)[M_TILES][D_TILES][4],
+                                           float (&acc_l)[M_TILES][4]) {
+#pragma unroll
+        for (int i = 0; i < M_TILES; ++i) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float alpha = exp_row(s, i, h);
                 acc_l[i][2 * h] *= alpha;
                 acc_l[i][2 * h + 1] *= alpha;
 #pragma unroll
@@ -98,7 +124,7 @@ struct OnlineSoftmax {
     // For kernels with no spare Tensor Core tile for P·1 (wgmma): s becomes P,
     // acc_o is rescaled, and each thread keeps fp32 partial row sums of its own
     // columns in row_sum (rows g, g+8 of each m-tile), summed across the quad by
-    // finalize_sums.
+    // finalize_sums. RAW, scale_log2: raw scores (exp_raw), here and in update_sums.
     template <bool RAW = false, int N_TILES, int D_TILES>
     __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float (&acc_o)[M_TILES][D_TILES][4],
                                            float (&row_sum)[M_TILES][2], float scale_log2 = 1.f) {
@@ -113,11 +139,12 @@ struct OnlineSoftmax {
     template <bool RAW = false, int N_TILES>
     __device__ __forceinline__ void update_sums(float (&s)[M_TILES][N_TILES][4], float (&row_sum)[M_TILES][2],
                                                 float (&alpha)[M_TILES][2], float scale_log2 = 1.f) {
+        if constexpr (RAW) exp_raw(s, alpha, scale_log2);
 #pragma unroll
         for (int i = 0; i < M_TILES; ++i) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                alpha[i][h] = exp_row<RAW>(s, i, h, scale_log2);
+                if constexpr (!RAW) alpha[i][h] = exp_row(s, i, h);
                 float sum = 0.f;
 #pragma unroll
                 for (int j = 0; j < N_TILES; ++j) sum += s[i][j][2 * h] + s[i][j][2 * h + 1];
