@@ -496,22 +496,25 @@ def test_kvcache_variants(xp, rng, name, seqlen_q, paged, dtype):
 # ----------------------------------------------------------------------------
 
 
-def _extreme_problem(xp, dtype, head_dim, logit, seqlen_k=1, dominant=0):
+def _extreme_problem(xp, dtype, head_dim, logit, seqlen_k=1, dominant=0, key_dims=None):
     """One query row; key ``dominant`` of ``seqlen_k`` has scaled logit ``logit`` (the
-    others 0).  q = k = 256 in every element: q.k = 65536 * head_dim exactly."""
+    others 0).  q = 256 in every element, the key 256 in its first ``key_dims`` (default
+    all): q.k = 65536 * key_dims exactly; a key_dims not a power of two makes
+    softmax_scale * q.k inexact (a rounding residual in the raw-score FFMA)."""
     rng = np.random.default_rng(7)
     q = np.full((1, 1, 2, head_dim), 256.0, np.float32).astype(testing.resolve_dtype(dtype))
     k = np.zeros((1, seqlen_k, 1, head_dim), np.float32)
-    k[0, dominant] = 256.0
+    key_dims = head_dim if key_dims is None else key_dims
+    k[0, dominant, :, :key_dims] = 256.0
     k = k.astype(q.dtype)
     v = testing.random_normal(rng, (1, seqlen_k, 1, head_dim), dtype)
     dout = testing.random_normal(rng, q.shape, dtype)
-    scale = logit / (65536.0 * head_dim)
+    scale = logit / (65536.0 * key_dims)
     return (q, k, v, dout), [dev(xp, x) for x in (q, k, v, dout)], scale
 
 
-def _check_extreme(xp, dtype, head_dim, logit, variants, seqlen_k=1, dominant=0):
-    (q, k, v, dout), d, scale = _extreme_problem(xp, dtype, head_dim, logit, seqlen_k, dominant)
+def _check_extreme(xp, dtype, head_dim, logit, variants, seqlen_k=1, dominant=0, key_dims=None):
+    (q, k, v, dout), d, scale = _extreme_problem(xp, dtype, head_dim, logit, seqlen_k, dominant, key_dims)
     kw = dict(softmax_scale=scale, **dtype_kw(xp, dtype), **on_xp(xp, variants))
     out, lse = cupyflash.flash_attn_fwd(*d[:3], **kw)
     got = host(out, dtype)
@@ -534,6 +537,16 @@ def test_extreme_logits_give_the_value_row(xp, logit, dtype, head_dim):
     or 1e9 .. 3e10 (fp16 inputs near 6e4 reach 3e10):
     out is the value row exactly, lse the logit; the backward is finite."""
     _check_extreme(xp, dtype, head_dim, logit, {})
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", _dtypes("float16", "bfloat16"))
+@pytest.mark.parametrize("logit", [2e3, 5e3, 1e9, 3e10])
+def test_extreme_logits_inexact_product(xp, logit, dtype, head_dim):
+    """As above with q.k = 65536 * 3/4 head_dim, so softmax_scale * q.k rounds: the ws
+    forward's raw-score FFMA leaves a residual (2e3: below its bound, it rounds away; 5e3
+    and up: the warp scales its scores first), and out is still the value row exactly."""
+    _check_extreme(xp, dtype, head_dim, logit, {}, key_dims=head_dim * 3 // 4)
 
 
 @pytest.mark.parametrize("dtype", _dtypes("float16", "bfloat16"))
