@@ -27,6 +27,7 @@ from cupyx.profiler import benchmark
 
 import cupyflash
 from cupyflash import _compile, _gpu, _launch, _sources, _variant, dispatch
+from ws_d64_ab import rand, spread  # .ci/, the script's directory
 
 TOKENS = 16384
 _MODULES = {}  # tree -> its loaded modules (_compile._modules)
@@ -38,13 +39,6 @@ def use_tree(path):
     _sources.sources_hash.cache_clear()
     _compile._modules = _MODULES.setdefault(str(path), {})
     _gpu.clear_plans()
-
-
-def rand(rng, dtype, *shape):
-    x = rng.standard_normal(shape, dtype=cp.float32)
-    if dtype == "float16":
-        return x.astype(cp.float16)
-    return (x.view(cp.uint32) >> 16).astype(cp.uint16)  # bf16: the top half of fp32 (truncated)
 
 
 def variant_kwargs(name, nheads):
@@ -127,8 +121,7 @@ def main():
     for sel, rows in (("all", results), *((f"D={d}", [r for r in results if r["head_dim"] == d])
                                           for d in sorted({r["head_dim"] for r in results}))):
         for t in ("this", "also")[:len(trees) - 1]:
-            x = sorted(r["speedup" if t == "this" else "also_speedup"] for r in rows)
-            print(f"{sel}: {t} / base speed-up min {x[0]:.3f} median {x[len(x) // 2]:.3f} max {x[-1]:.3f}")
+            print(f"{sel}: {t} / base speed-up " + spread(r["speedup" if t == "this" else "also_speedup"] for r in rows))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "tree_ab.json"), "w") as f:
             json.dump(results, f, indent=1)

@@ -41,6 +41,12 @@ def rand(rng, dtype, *shape):
     return (x.view(cp.uint32) >> 16).astype(cp.uint16)  # bf16: the top half of fp32 (truncated)
 
 
+def spread(xs):
+    """'min a median b max c' of speed-ups (the A/B scripts' last lines)."""
+    x = sorted(xs)
+    return f"min {x[0]:.3f} median {x[len(x) // 2]:.3f} max {x[-1]:.3f}"
+
+
 def variant_kwargs(name):
     slopes = np.exp2(-8.0 * np.arange(1, H + 1) / H).astype(np.float32)
     return {"plain": {}, "softcap": {"softcap": 30.0}, "alibi": {"alibi_slopes": cp.asarray(slopes)},
@@ -125,8 +131,7 @@ def main():
               + "".join(f" {best['cp.async'] / best[m]:8.3f}" for m in ("ws128", "ws192", "default"))
               + f"  (default: {plan_of(label, 'default').main.args[2]} rows)")
     for m in ("ws128", "ws192", "default"):
-        x = sorted(r["cp.async_ms"] / r[f"{m}_ms"] for r in results)
-        print(f"{m} / cp.async speed-up: min {x[0]:.3f} median {x[len(x) // 2]:.3f} max {x[-1]:.3f}")
+        print(f"{m} / cp.async speed-up: " + spread(r["cp.async_ms"] / r[f"{m}_ms"] for r in results))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "ws_d64_ab.json"), "w") as f:
             json.dump(results, f, indent=1)

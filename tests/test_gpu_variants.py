@@ -523,11 +523,11 @@ def _check_extreme(xp, dtype, head_dim, logit, variants, seqlen_k=1, dominant=0,
     # lse is the logit (a tanh of float32 accuracy, maybe approximate, with softcap)
     expect = reference.attention_fwd(q, k, v, scale, **variants)[1]
     np.testing.assert_allclose(host(lse), expect, rtol=1e-3 if "softcap" in variants else 1e-5)
-    if bwd_defect:
-        pytest.xfail(bwd_defect)  # the forward above is checked all the same
     grads = cupyflash.flash_attn_bwd(d[3], *d[:3], out, lse, **kw)
     for name, g in zip(("dq", "dk", "dv", "dsinks"), grads):
         g = host(g, dtype).astype(np.float32)
+        if bwd_defect and not np.isfinite(g).all():
+            pytest.xfail(bwd_defect)  # the forward above is checked all the same; a fixed backward passes
         assert np.isfinite(g).all(), f"{name}: {g}"
 
 
