@@ -152,6 +152,10 @@ SM90_STAGES = 3
 _FWD_WS = {
     64: ((128, 4), (128, 4)),
     128: ((128, 3), (128, 3)),
+    # 64-key blocks: O's accumulators take 96 (128) of the consumers' 240 registers; three
+    # (two) stages of K and V fill 193 KB with Q
+    192: ((64, 3), (64, 3)),
+    256: ((64, 2), (64, 2)),
 }
 FWD_WS_BLOCK_M = 128
 #: Query rows per tile of the ws forward at D=64 (FwdWsTraits::BLOCK_M, 64 per consumer
@@ -278,7 +282,28 @@ FWD_WS_BLOCKS_PER_SM = 1
 FWD_WS_NOT_PERSISTENT = VAR_WINDOW | VAR_DROPOUT
 
 
-def uses_persistent_ws(variant: int, varlen: bool = False) -> bool:
+#: Where the ws forward spills at a padded head_dim beyond the persistent and map rules
+#: (check-kernels sm_90, NVRTC 13.0, every FWD_WS_CHECK_VARIANTS launch): head_dim ->
+#: (variant bits all set, packed (None: either), persistent (None: either)). At 256 O's
+#: 128 accumulators leave the consumers' 240 registers no room for a window's edges next
+#: to the tile walk's state (persistent 244-260 bytes) or a packed batch's (64-80), for
+#: dropout's Philox rounds when persistent (72-104) or beside a window (8), or for the map's
+#: mask pairs beside ALiBi's distances (16, causal). Those calls take the mma.sync kernel
+#: (or, the persistent ones, one block per tile); 192 spills nowhere.
+_FWD_WS_SPILLS = {
+    256: ((VAR_WINDOW, None, True), (VAR_DROPOUT, None, True), (VAR_WINDOW, True, None),
+          (VAR_WINDOW | VAR_DROPOUT, None, None), (VAR_BLOCK_MAP | VAR_ALIBI, None, None)),
+}
+
+
+def fwd_ws_spills(head_dim_padded: int, variant: int, varlen: bool, persistent: bool) -> bool:
+    """Whether the ws forward at this padded head_dim spills with these variant bits,
+    packed or not, persistent or not (_FWD_WS_SPILLS)."""
+    return any(variant & bits == bits and packed in (None, varlen) and walk in (None, persistent)
+               for bits, packed, walk in _FWD_WS_SPILLS.get(head_dim_padded, ()))
+
+
+def uses_persistent_ws(variant: int, varlen: bool = False, head_dim_padded: int | None = None) -> bool:
     """Whether the persistent ws forward takes these variant bits (FWD_WS_NOT_PERSISTENT;
     never the block map's: kernels_cu/flash_fwd_ws.cu, its walk's state spills there, and
     a block-sparse call's tiles differ in cost, which the hardware's hand-out of one-tile
@@ -287,7 +312,7 @@ def uses_persistent_ws(variant: int, varlen: bool = False) -> bool:
     walk's state spills 40-112 bytes at its 24 registers, nvcc 13.0; and run 94 measured
     packed batches 0.97x one block per tile)."""
     return (variant & FWD_WS_NOT_PERSISTENT != FWD_WS_NOT_PERSISTENT and not variant & VAR_BLOCK_MAP
-            and not varlen)
+            and not varlen and not (head_dim_padded and fwd_ws_spills(head_dim_padded, variant, varlen, True)))
 
 
 def fwd_ws_grid(num_m_blocks: int, batch_heads: int, causal: bool, num_sms: int,
@@ -312,18 +337,21 @@ def ws_fwd_variant(variant: int) -> int:
     return variant
 
 
-def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int = 0) -> bool:
+def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int = 0,
+                varlen: bool = False) -> bool:
     """Whether the warp-specialised kernel serves this call (when asked for; before any
     split-KV): dense or packed alike (every variant of FWD_WS_VARIANTS carries over to a
     packed batch, the consumers asking seqlens.cuh for each sequence's lengths as
     flash_fwd_sm90.cu does; the kernel's VARLEN argument: fwd_ws_launch), aligned, on cc
     9.0, with no variant outside FWD_WS_VARIANTS but a mask with its map (FWD_WS_MAP_VARIANTS,
     both bits or neither, read in pairs: not VAR_BIAS_STRIDED; not with FWD_WS_MAP_SPILLS;
-    ``variant`` as :func:`ws_fwd_variant` compiles it)."""
+    ``variant`` as :func:`ws_fwd_variant` compiles it), and not where it spills one block
+    per tile at this head_dim (:func:`fwd_ws_spills`; ``varlen``: a packed batch)."""
     map_bits = variant & FWD_WS_MAP_VARIANTS
     return (cc == (9, 0) and vec and head_dim_padded in _FWD_WS
             and not variant & ~(FWD_WS_VARIANTS | FWD_WS_MAP_VARIANTS) and map_bits in (0, FWD_WS_MAP_VARIANTS)
-            and not (map_bits and variant & FWD_WS_MAP_SPILLS))
+            and not (map_bits and variant & FWD_WS_MAP_SPILLS)
+            and not fwd_ws_spills(head_dim_padded, variant, varlen, False))
 
 
 def fwd_ws_tile(head_dim_padded: int, causal: bool) -> tuple[int, int]:
@@ -346,10 +374,12 @@ def fwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
     ``variant``: bits of FWD_WS_VARIANTS, optionally with FWD_WS_MAP_VARIANTS (:func:`uses_ws_fwd`);
     ``varlen``: a packed batch; ``persistent``: blocks walk the tiles (:func:`fwd_ws_grid`);
     ``block_m``: query rows per tile (:func:`fwd_ws_block_m`)."""
-    if not uses_ws_fwd(head_dim_padded, True, (9, 0), variant):
+    if not uses_ws_fwd(head_dim_padded, True, (9, 0), variant, varlen) or (
+            persistent and not uses_persistent_ws(variant, varlen, head_dim_padded)):
         raise ValueError(f"cupyflash: the warp-specialised forward takes the variant bits {FWD_WS_VARIANTS}, "
                          f"optionally with {FWD_WS_MAP_VARIANTS} (a mask with its map, not with "
-                         f"{FWD_WS_MAP_SPILLS}), only; got {variant}")
+                         f"{FWD_WS_MAP_SPILLS}), only, and not where it spills (_FWD_WS_SPILLS); got variant "
+                         f"{variant} at head_dim {head_dim_padded}, varlen {varlen}, persistent {persistent}")
     if block_m not in FWD_WS_BLOCK_MS or block_m != fwd_ws_block_m(head_dim_padded, variant, persistent, block_m):
         raise ValueError(f"cupyflash: the warp-specialised forward takes {block_m} query rows per tile only at "
                          f"head_dim 64, one block per tile, with variant bits of {FWD_WS_WIDE_VARIANTS} less the "
@@ -617,7 +647,7 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     ws_variant = ws_fwd_variant(variant)
     if ws_variant & FWD_WS_MAP_VARIANTS:
         ws = ws_block_map
-    if (ws is True or (ws and d in ws)) and uses_ws_fwd(d, vec, cc, ws_variant):
+    if (ws is True or (ws and d in ws)) and uses_ws_fwd(d, vec, cc, ws_variant, varlen):
         block_n = fwd_ws_tile(d, causal)[0]
         block_m = fwd_ws_block_m(d, ws_variant, seqlen_q=seqlen_q)  # (192 rows: one block per tile)
         num_m_blocks = math.ceil(seqlen_q / block_m)
@@ -625,7 +655,7 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
         if varlen or num_splits_heuristic(batch * nheads_q * num_m_blocks, n_blocks, num_sms) == 1:
             if persistent == "auto":
                 persistent = persistent_ws_pays(ws_variant, varlen)
-            persistent = bool(persistent) and uses_persistent_ws(ws_variant, varlen) and block_m == FWD_WS_BLOCK_M
+            persistent = bool(persistent) and uses_persistent_ws(ws_variant, varlen, d) and block_m == FWD_WS_BLOCK_M
             grid = fwd_ws_grid(num_m_blocks, batch * nheads_q, causal, num_sms, persistent)
             main = fwd_ws_launch(dtype, d, causal, head_dim == d, grid, ws_variant, varlen, persistent, block_m)
             return FwdPlan(main, None, d, num_m_blocks, 1, n_blocks, (block_m, block_n))
@@ -666,7 +696,7 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
             out.append(fwd_sm90_launch(dtype, d, causal, even_k))
     for dtype, d, causal, even_k, varlen, persistent in itertools.product(
             CTYPES, HEAD_DIMS, (False, True), (True, False), (False, True), (False, True)):
-        if uses_ws_fwd(d, True, cc) and (uses_persistent_ws(0, varlen) or not persistent):
+        if uses_ws_fwd(d, True, cc, 0, varlen) and (uses_persistent_ws(0, varlen, d) or not persistent):
             out.append(fwd_ws_launch(dtype, d, causal, even_k, varlen=varlen, persistent=persistent))
             if not persistent:  # the mask with its map, in every dtype and EVEN_K too (never persistent)
                 out.append(fwd_ws_launch(dtype, d, causal, even_k, variant=FWD_WS_MAP_VARIANTS, varlen=varlen))
@@ -684,7 +714,7 @@ def all_fwd_launches(cc: tuple[int, int] = (9, 0)) -> list[Launch]:
     # The warp-specialised forward's variants (FWD_WS_CHECK_VARIANTS) at each head_dim it has.
     for bits, d, causal, varlen, persistent in itertools.product(FWD_WS_CHECK_VARIANTS, HEAD_DIMS, (False, True),
                                                                  (False, True), (False, True)):
-        if (uses_ws_fwd(d, True, cc, bits) and (uses_persistent_ws(bits, varlen) or not persistent)
+        if (uses_ws_fwd(d, True, cc, bits, varlen) and (uses_persistent_ws(bits, varlen, d) or not persistent)
                 and bits != FWD_WS_MAP_VARIANTS):  # (the map alone: above)
             out.append(fwd_ws_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bits, varlen=varlen,
                                      persistent=persistent))

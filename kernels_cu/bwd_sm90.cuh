@@ -146,7 +146,7 @@ struct PtOperands {
                 const float lse = (e & 1) ? lse2.y : lse2.x;
                 float x;
                 if constexpr (VARIANT == 0) {
-                    x = fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -lse));
+                    x = prob_raw(st[j][e], p.softmax_scale_log2, lse);
                 } else if constexpr (ALIBI) {
                     const float y =
                         mod.template scaled<IS_CAUSAL>(st[j][e], lines[e / 2], -(8 * j + (e & 1)), query, key);

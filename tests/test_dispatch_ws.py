@@ -105,8 +105,10 @@ def test_ws_variants_are_the_kernels():
                                 dict(variant=dispatch.VAR_SOFTCAP | dispatch.VAR_BIAS),
                                 dict(variant=dispatch.VAR_WINDOW | dispatch.VAR_MASK),
                                 dict(variant=dispatch.VAR_SOFTCAP | dispatch.VAR_BIAS, varlen=True),
-                                dict(varlen=True, vec=False), dict(varlen=True, head_dim=256),
-                                dict(head_dim=256), dict(head_dim=32), dict(head_dim=192)])
+                                dict(varlen=True, vec=False), dict(varlen=True, head_dim=256, vec=False),
+                                dict(head_dim=256, variant=dispatch.VAR_WINDOW | dispatch.VAR_DROPOUT),
+                                dict(head_dim=256, variant=dispatch.VAR_WINDOW, varlen=True),
+                                dict(head_dim=32), dict(head_dim=96)])
 def test_ws_leaves_the_rest_to_the_other_kernels(kw):
     assert _plan(ws=True, **kw).main.template != WS
     assert _plan(ws=True, **kw) == _plan(**kw)
@@ -150,17 +152,22 @@ def test_ws_small_grids_still_split_on_the_mma_sync_kernel():
 
 def test_ws_kernels_are_checked_on_sm90_only():
     on90 = [L for L in dispatch.all_fwd_launches((9, 0)) if L.template == WS]
-    assert {L.args[1] for L in on90} == {"64", "128"}
+    assert {L.args[1] for L in on90} == {"64", "128", "192", "256"} == {str(d) for d in dispatch._FWD_WS}
     rows128 = [L for L in on90 if L.args[2] == "128"]
     plain = [L for L in rows128 if L.args[7] == "0"]
     # dtype x head_dim x causal x even_k x (dense, dense persistent, packed: never persistent)
-    assert len(plain) == 2 * 2 * 2 * 2 * 3
+    assert len(plain) == 2 * 4 * 2 * 2 * 3
     assert not [L for L in on90 if L.args[8] == L.args[9] == "true"]
     assert {L.args[8] for L in rows128 if L.args[7] != "0"} == {"false", "true"}
     assert {L.args[9] for L in rows128 if L.args[7] != "0"} == {"false", "true"}
     variants = {(L.args[1], L.args[5], int(L.args[7])) for L in rows128 if L.args[7] != "0"}
-    assert variants == {(d, c, bits) for d in ("64", "128") for c in ("false", "true")
-                        for bits in dispatch.FWD_WS_CHECK_VARIANTS}
+    assert variants == {(str(d), c, bits) for d in dispatch._FWD_WS for c in ("false", "true")
+                        for bits in dispatch.FWD_WS_CHECK_VARIANTS if dispatch.uses_ws_fwd(d, True, (9, 0), bits)}
+    # (all of them but, at 256, those with a window and dropout, or the map with ALiBi: _FWD_WS_SPILLS)
+    left_out = {bits for bits in dispatch.FWD_WS_CHECK_VARIANTS if ("256", "true", bits) not in variants}
+    W_DR, MAP_AL = dispatch.VAR_WINDOW | dispatch.VAR_DROPOUT, dispatch.VAR_BLOCK_MAP | dispatch.VAR_ALIBI
+    assert left_out == {b for b in dispatch.FWD_WS_CHECK_VARIANTS if b & W_DR == W_DR or b & MAP_AL == MAP_AL}
+    assert left_out and all(("192", "true", b) in variants for b in dispatch.FWD_WS_CHECK_VARIANTS)
     # the 192-row tile (D=64, one block per tile): plain in every dtype, EVEN_K and VARLEN;
     # the check variants it takes
     rows192 = [L for L in on90 if L.args[2] == "192"]
@@ -194,9 +201,34 @@ def test_ws_smem_bytes_are_the_kernel_traits():
                   f'static_assert({tr}::BLOCK_M == {m} && {tr}::BLOCK_N == {n}, "tile");']
     compile_asserts(lines, "fwd_ws_traits.cu")
     # the table's choices fit a block's 227 KB with the kernel's 16 bytes of static shared memory
-    for d in (64, 128):
+    for d in dispatch._FWD_WS:
         for causal in (False, True):
             assert dispatch.fwd_ws_smem_bytes(d, *dispatch.fwd_ws_tile(d, causal)) + 16 <= 227 * 1024
+
+
+def test_ws_spills_at_256():
+    """At D=256 the ws forward takes no call it spills with (check-kernels, _FWD_WS_SPILLS):
+    a window not packed nor persistent, dropout not persistent, neither together, no map with
+    ALiBi; D=192 and 128 take them all."""
+    W, DR, AL, MAP = dispatch.VAR_WINDOW, dispatch.VAR_DROPOUT, dispatch.VAR_ALIBI, dispatch.FWD_WS_MAP_VARIANTS
+    assert dispatch.uses_ws_fwd(256, True, (9, 0), W) and not dispatch.uses_ws_fwd(256, True, (9, 0), W, varlen=True)
+    assert not dispatch.uses_persistent_ws(W | dispatch.VAR_SINKS, False, 256)
+    assert dispatch.uses_ws_fwd(256, True, (9, 0), DR) and not dispatch.uses_persistent_ws(DR, False, 256)
+    assert dispatch.uses_persistent_ws(DR, False, 128) and dispatch.uses_persistent_ws(DR, False, 192)
+    assert not dispatch.uses_ws_fwd(256, True, (9, 0), W | DR) and dispatch.uses_ws_fwd(192, True, (9, 0), W | DR)
+    assert not dispatch.uses_ws_fwd(256, True, (9, 0), MAP | AL) and dispatch.uses_ws_fwd(256, True, (9, 0), MAP)
+    assert dispatch.uses_persistent_ws(dispatch.VAR_SOFTCAP | AL, False, 256)
+    # the plans: a window with dropout at 256 goes to the mma.sync kernel; packed with a window too
+    for variant, varlen in ((W | DR, False), (W, True)):
+        plan = dispatch.select_fwd(batch=1, seqlen_q=4096, seqlen_k=4096, nheads_q=8, head_dim=256,
+                                   dtype="float16", causal=True, vec=True, variant=variant, varlen=varlen, ws=True,
+                                   persistent=True)
+        assert plan.main.template == "cupyflash::flash_fwd_kernel", plan.main
+    plan = dispatch.select_fwd(batch=4, seqlen_q=4096, seqlen_k=4096, nheads_q=8, head_dim=256, dtype="float16",
+                               causal=True, vec=True, variant=W, ws=True, persistent=True)
+    assert plan.main.template == WS and plan.main.args[-1] == "false"
+    with pytest.raises(ValueError, match="head_dim 256"):
+        dispatch.fwd_ws_launch("float16", 256, True, True, variant=DR, persistent=True)
 
 
 def test_every_gpu_test_case_plans_the_ws_kernel():
@@ -208,6 +240,8 @@ def test_every_gpu_test_case_plans_the_ws_kernel():
               for dtype, d, causal, sq, sk, gqa in g._grid()]
     shapes += [(2, 333, 517, 4, d, dtype, causal) for d in (104, 40) for dtype in ("float16", "bfloat16")
                for causal in (False, True)]
+    shapes += [(2, sq, sk, 4, d, dtype, causal) for sq, sk in g.WIDE_SEQLENS for d in (256, 192, 200, 136)
+               for dtype in ("float16", "bfloat16") for causal in (False, True)]
     shapes += [(2, 777, 777, 4, d, "float16", True) for d in (64, 128)]
     shapes += [(1, 640, 640, 4, 128, "bfloat16", False), (1, 16384, 16384, 2, 128, "bfloat16", False)]
     shapes += [(1, 400, 50, 2, d, "float16", True) for d in (64, 128)]
@@ -235,6 +269,8 @@ def test_every_gpu_variant_case_plans_the_ws_kernel():
         batch, sq, sk, nheads, _, d = shape
         bits = _variant.bits(variants)
         assert bits and not bits & ~dispatch.FWD_WS_VARIANTS
+        if dispatch.fwd_ws_spills(d, bits, False, False):  # (the GPU test skips these: test_ws_spills_at_256)
+            continue
         plan = dispatch.select_fwd(batch=batch, seqlen_q=sq, seqlen_k=sk, nheads_q=nheads, head_dim=d,
                                    dtype="float16", causal=causal, vec=True, num_sms=1, cc=(9, 0), variant=bits,
                                    ws=True)
@@ -354,7 +390,7 @@ def test_persistent_not_for_packed_batches(variant, causal):
 
 def test_persistent_leaves_the_other_kernels_alone():
     """The switch only changes the ws kernel: the cp.async and split-KV plans are as without it."""
-    for kw in (dict(ws=False), dict(ws=True, head_dim=256), dict(ws=True, seqlen_q=1, seqlen_k=65536, nheads_q=8)):
+    for kw in (dict(ws=False), dict(ws=True, head_dim=96), dict(ws=True, seqlen_q=1, seqlen_k=65536, nheads_q=8)):
         assert _plan(**kw, persistent=True) == _plan(**kw)
         assert _plan(**kw).main.template != WS
 

@@ -97,7 +97,8 @@ def test_the_staged_bit_is_dropped():
                                 dict(variant=MAP | dispatch.VAR_BIAS),                  # a bias
                                 dict(variant=MAP | dispatch.VAR_BIAS_FP32 | dispatch.VAR_BIAS_STAGED),
                                 dict(variant=dispatch.VAR_MASK),                        # a mask without its map
-                                dict(head_dim=256), dict(head_dim=32), dict(vec=False), dict(cc=(8, 0))])
+                                dict(head_dim=96), dict(head_dim=32), dict(vec=False), dict(cc=(8, 0)),
+                                dict(head_dim=256, variant=MAP | dispatch.VAR_ALIBI)])  # (spills: _FWD_WS_SPILLS)
 def test_the_rest_stays_where_it_was(kw):
     assert _plan(ws_block_map=True, **kw).main.template != WS
     assert _plan(ws_block_map=True, **kw) == _plan(**kw)
@@ -164,8 +165,8 @@ def test_check_kernels_compiles_the_map_kernels():
     bits = {b for b in dispatch.FWD_WS_CHECK_VARIANTS if b & MAP}
     with_map = (0, dispatch.VAR_ALIBI, dispatch.VAR_SINKS, dispatch.VAR_ALIBI | dispatch.VAR_SINKS)
     assert bits == {MAP | b for b in with_map}
-    assert got == {(d, c, b, v, "false") for d in ("64", "128") for c in ("false", "true") for b in bits
-                   for v in ("false", "true")}
+    assert got == {(str(d), c, b, v, "false") for d in dispatch._FWD_WS for c in ("false", "true") for b in bits
+                   for v in ("false", "true") if not (d == 256 and b & dispatch.VAR_ALIBI)}
     # the map alone in every dtype and EVEN_K, as the plain kernels (the variants: bf16, even)
     alone = {(L.args[0], L.args[6]) for L in on90 if int(L.args[7]) == MAP}
     assert alone == {(t, e) for t in dispatch.CTYPES.values() for e in ("true", "false")}

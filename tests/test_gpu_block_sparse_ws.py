@@ -62,7 +62,7 @@ def ws_map(monkeypatch, launches):
     modes = record_ws_modes(monkeypatch)
     yield modes
     assert modes, "no ws launch"
-    assert all(not persistent and bits & MAP == MAP for persistent, bits, _ in modes), modes
+    assert all(not persistent and bits & MAP == MAP for persistent, bits, _, _ in modes), modes
     fwd = [name for name in launches if name.startswith("flash_fwd")]
     assert fwd and all(name == WS_KERNEL for name in fwd), fwd
     _gpu.clear_plans()

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.gpu
 @dataclass
 class Walk:
     launches: list  # the kernels launched (conftest's recorder)
-    modes: list  # the ws launches' (persistent, VARIANT, grid)
+    modes: list  # the ws launches' (persistent, VARIANT, grid, HEAD_DIM)
     varlen: bool = False  # a packed batch: never persistent (dispatch.uses_persistent_ws)
 
 
@@ -68,7 +68,7 @@ def test_persistent_dense(walk, rng, dtype, head_dim, causal, batch, seqlen_q, s
     scale = 1.0 / math.sqrt(head_dim)
     out, lse = _run(dev, dtype, scale, causal)
     assert walk.launches == [WS_KERNEL]
-    (persistent, _, grid), = walk.modes
+    (persistent, _, grid, _), = walk.modes
     assert persistent and _tiles(batch, seqlen_q, nheads_q) > 2 * grid  # every block walks several tiles
     _check(host, out, lse, dtype, scale, causal)
 
