@@ -233,7 +233,8 @@ FWD_WS_MAP_VARIANTS = VAR_MASK | VAR_BLOCK_MAP
 FWD_WS_MAP_SPILLS = VAR_WINDOW | VAR_SOFTCAP | VAR_DROPOUT
 #: The switch that sends those calls (VAR_MASK | VAR_BLOCK_MAP, no bias) to the ws forward:
 #: True (the default: 1.08-1.27x the cp.async wgmma kernel, PERF.md v25, run 116) at every
-#: head_dim the kernel has (64 and 128 padded), False (the cp.async kernel), or a tuple of
+#: head_dim the kernel has (64-256 padded; at 192 and 256, where no cp.async kernel exists, in place of
+#: the mma.sync one, not measured), False (the cp.async kernel), or a tuple of
 #: padded head_dims. Independent of FWD_WS (whose D=64 is off for the dense softmax-bound
 #: case; a sparse call's cost is its per-tile fixed costs, which the ws kernel cuts). Read
 #: when a call is planned (cupyflash._gpu plan_fwd): set it, then ``_gpu.clear_plans()``.
@@ -242,8 +243,9 @@ FWD_WS_BLOCK_MAP: bool | tuple[int, ...] = True
 #: it is expected to beat the wgmma kernel. D=128 since run 69 (1.20-1.23x); D=64 since run
 #: 121 (PERF.md v26, run 123: 0.998-1.578x the cp.async kernel, median 1.108, 192 rows
 #: where FWD_WS_D64_BLOCK_M takes the call, 128 persistent elsewhere; run 64's 0.8x was
-#: two stages, K and V released together).
-FWD_WS_WINS = (64, 128)
+#: two stages, K and V released together); D=192 and 256 since run 128 (PERF.md v28: 1.5-2.1x
+#: FA2 where the mma.sync kernel ran 0.78-0.91x, 16k tokens, 1024-16384).
+FWD_WS_WINS = (64, 128, 192, 256)
 #: What select_fwd's callers (cupyflash._gpu) pass as ``ws``: FWD_WS_WINS (the default:
 #: run 69 measured D=128 at 1.20-1.23x the cp.async kernel, PERF.md v19); from the
 #: environment when cupyflash is imported (read once): CUPYFLASH_FWD_WS=0: False (off);

@@ -145,8 +145,8 @@ struct PtOperands {
                 [[maybe_unused]] const int key = n0 + key_row0 + (e / 2) * 8, query = m0 + j * 8 + 2 * t + (e & 1);
                 const float lse = (e & 1) ? lse2.y : lse2.x;
                 float x;
-                if constexpr (VARIANT == 0) {
-                    x = prob_raw(st[j][e], p.softmax_scale_log2, lse);
+                if constexpr (VARIANT == 0) {  // (at most 1: the preprocess raised lse_log2, flash_bwd.cu)
+                    x = fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -lse));
                 } else if constexpr (ALIBI) {
                     const float y =
                         mod.template scaled<IS_CAUSAL>(st[j][e], lines[e / 2], -(8 * j + (e & 1)), query, key);

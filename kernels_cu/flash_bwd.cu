@@ -195,8 +195,14 @@ flash_bwd_preprocess_kernel(const BwdParams p) {
         const int r = slot + i * SLOTS;
         if (lane == 0 && r < rows_valid) {
             p.delta[row0 + r] = dot;
-            // +inf (P = 0) for rows that see no key
-            p.lse_log2[row0 + r] = lse[i] == NEG_INF ? POS_INF : lse[i] * LOG2E;
+            // +inf (P = 0) for rows that see no key; else raised by |lse·log2e|·2^-20 (at least
+            // 8 ulp of it): the wgmma backwards take plain P = exp2(fma(s, scale_log2, -lse_log2))
+            // with the product unrounded, where lse carries up to 5 ulp of the forward's
+            // roundings, so the largest term could reach exp2(+5 ulp): inf at logits near 3e10
+            // (ulp 4096). P is then at most 1 at every magnitude, and at normal ones (|lse| < 100)
+            // smaller by a factor 1 - 1e-4 at most, far under P's rounding to fp16/bf16.
+            const float lse_log2 = lse[i] * LOG2E;
+            p.lse_log2[row0 + r] = lse[i] == NEG_INF ? POS_INF : fmaf(fabsf(lse_log2), 0x1p-20f, lse_log2);
         }
     }
 

@@ -500,10 +500,11 @@ flash_bwd_dq_sm90_kernel(const BwdParams p) {
                 const SeqLens sl = seq_lens(p, b);
                 mask_tile(s, Mask<IS_CAUSAL, VARIANT>(p.var, sl.seqlen_q, sl.seqlen_k), m0 + r0, n * BLOCK_N + 2 * t);
             }
+            // (at most 1: the preprocess raised lse_log2, flash_bwd.cu)
 #pragma unroll
             for (int j = 0; j < N_TILES; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[0][j][e] = prob_raw(s[0][j][e], p.softmax_scale_log2, lse2[e / 2]);
+                for (int e = 0; e < 4; ++e) s[0][j][e] = fast_exp2(fmaf(s[0][j][e], p.softmax_scale_log2, -lse2[e / 2]));
         } else {
             SeqLens sl{};
             if constexpr (MASKED) sl = seq_lens(p, b);

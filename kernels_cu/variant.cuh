@@ -379,12 +379,6 @@ struct ScoreMod {
 // The backward's P = exp2(x - lse_log2), never above 1 (at extreme logits lse_log2
 // differs from the forward's row maximum by its rounding).
 __device__ __forceinline__ float prob(float x, float lse_log2) { return fast_exp2(fminf(x - lse_log2, 0.f)); }
-// prob() of a raw score s (no variant), the scale folded into the FFMA: its residual
-// (s·scale_log2 is not rounded before lse_log2 is subtracted) can exceed 0 by up to
-// ulp(lse_log2) at extreme logits, so it is clamped too (else exp2 gives inf: dS NaN).
-__device__ __forceinline__ float prob_raw(float s, float scale_log2, float lse_log2) {
-    return fast_exp2(fminf(fmaf(s, scale_log2, -lse_log2), 0.f));
-}
 
 // One fragment row of an mma accumulator tile (s[j][2 half + e]: n-tile j, columns
 // col0 + 8 j + e) in log2 units, masked (MASKED: the block needs it); row is its query

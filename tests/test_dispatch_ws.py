@@ -29,14 +29,17 @@ def test_on_where_it_wins_by_default_and_switched_by_the_environment():
     assert _plan(ws=False).tma_box_rows is None
 
 
-@pytest.mark.parametrize("env,wins", [("", (64, 128)), ("0", ()), ("1", (64, 128)), ("all", (64, 128))])
+ALL = (64, 128, 192, 256)
+
+
+@pytest.mark.parametrize("env,wins", [("", ALL), ("0", ()), ("1", ALL), ("all", ALL)])
 def test_the_environment_picks_the_head_dims(env, wins):
     """By default (and CUPYFLASH_FWD_WS=1): the head_dims where the kernel wins (D=64 and
-    128 since run 121); =0: none; =all: every one it has."""
+    128 since run 121, 192 and 256 since run 128); =0: none; =all: every one it has."""
     import subprocess
     import sys
 
-    code = ("from cupyflash import dispatch as d; print([h for h in (64, 128) if d.select_fwd("
+    code = ("from cupyflash import dispatch as d; print([h for h in (64, 128, 192, 256) if d.select_fwd("
             "batch=1, seqlen_q=16384, seqlen_k=16384, nheads_q=16, head_dim=h, dtype='bfloat16', causal=False,"
             " vec=True, ws=d.FWD_WS).main.template.endswith('ws_kernel')])")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "CUPYFLASH_FWD_WS": env},
@@ -44,12 +47,12 @@ def test_the_environment_picks_the_head_dims(env, wins):
     assert out.strip() == str(list(wins))
 
 
-@pytest.mark.parametrize("ws,takes", [((128,), {128}), ((64,), {64}), ((), set()), (False, set()),
-                                      (True, {64, 128})])
+@pytest.mark.parametrize("ws,takes", [((128,), {128}), ((64,), {64}), ((256,), {256}), ((), set()),
+                                      (False, set()), (True, set(ALL))])
 def test_ws_head_dims(ws, takes):
-    got = {d for d in (64, 128) if _plan(head_dim=d, ws=ws).main.template == WS}
+    got = {d for d in (*ALL, 96) if _plan(head_dim=d, ws=ws).main.template == WS}
     assert got == takes
-    assert dispatch.FWD_WS_WINS == (64, 128)
+    assert dispatch.FWD_WS_WINS == ALL
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -269,7 +272,8 @@ def test_every_gpu_variant_case_plans_the_ws_kernel():
         batch, sq, sk, nheads, _, d = shape
         bits = _variant.bits(variants)
         assert bits and not bits & ~dispatch.FWD_WS_VARIANTS
-        if dispatch.fwd_ws_spills(d, bits, False, False):  # (the GPU test skips these: test_ws_spills_at_256)
+        if dispatch.fwd_ws_spills(d, bits, False, False):  # (VARIANTS_ALONE never; COMBO_CASES leaves them out)
+            assert d == 256 and set(variants) >= {"window_size", "dropout_p"}
             continue
         plan = dispatch.select_fwd(batch=batch, seqlen_q=sq, seqlen_k=sk, nheads_q=nheads, head_dim=d,
                                    dtype="float16", causal=causal, vec=True, num_sms=1, cc=(9, 0), variant=bits,
