@@ -7,8 +7,8 @@ ws kernel it is meant for and to give finite outputs. Run it under the tool:
 
 Cases: the ws backward at D=128 (dQ by the reduce warp), at D=64 plain (no dQ, 128 query
 rows per step, then the wgmma dQ kernel) and with variants (its own dQ); the ws forward
-one block per tile, persistent, with a block-sparse mask (its map), D=64's 192-row tile and
-packed (varlen, D=128 and 64).
+one block per tile, persistent, with a block-sparse mask (its map), D=64's 192-row tile,
+D=192 and 256 (and 136, 200 below them), and packed (varlen, D=128, 64 and 256).
 The device reports one SM to the planner (no split-KV, as in the GPU tests). Prints "ok"
 last. ``--quick``: the first case of each kernel only (racecheck is slow).
 """
@@ -70,6 +70,8 @@ alibi = cp.asarray(np.linspace(0.1, 0.6, 4, dtype=np.float32))
 sinks = cp.asarray(np.linspace(-1.0, 1.0, 4, dtype=np.float32))
 mask = cp.asarray(rng.random((1, 1, 300, 430)) < 0.5)
 mask[..., :128, 128:256] = False  # an empty tile, next to random ones
+mask_tall = cp.asarray(rng.random((1, 1, 517, 300)) < 0.5)
+mask_tall[..., 128:256, :64] = False
 
 cases = [
     (backward, ((1, 200, 300, 4, 2, 128), True, [WS_BWD, "flash_bwd_convert_dq_kernel"])),
@@ -83,6 +85,11 @@ cases = [
     (forward, ((2, 700, 650, 4, 2, 128), True, [WS_FWD])),
     (forward, ((1, 513, 1000, 4, 4, 128), False, [WS_FWD]), dict(window_size=(200, 0), softcap=20.0)),
     (forward, ((1, 2100, 1900, 3, 1, 64), True, [WS_FWD])),  # D=64's 192-row tile (seqlen_q >= 2048)
+    # the wide head_dims (64-key blocks), 200 and 136 with TMA's zero-filled columns
+    (forward, ((2, 300, 333, 4, 2, 256), True, [WS_FWD])),
+    (forward, ((1, 333, 517, 4, 2, 200), False, [WS_FWD]), dict(window_size=(100, 30), sinks=sinks)),
+    (forward, ((1, 517, 300, 4, 1, 192), False, [WS_FWD]), dict(attn_mask=mask_tall)),
+    (forward, ((2, 300, 333, 4, 2, 136), True, [WS_FWD]), dict(softcap=20.0)),
 ]
 quick = "--quick" in sys.argv
 seen = set()
@@ -96,7 +103,7 @@ for fn, args, *kw in cases:
 # packed: key tails inside the next sequence (the producer zeroes their V rows), D=128 and 64
 cu_q = cp.asarray(np.array([0, 130, 131, 520], np.int32))
 cu_k = cp.asarray(np.array([0, 200, 517, 700], np.int32))
-for d in (128, 64):
+for d in (128, 64, 256):
     q, k, v = rand(520, 4, d), rand(700, 2, d), rand(700, 2, d)
     del names[:]
     out = cupyflash.flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, 389, 317, causal=True)[0]
