@@ -1,7 +1,7 @@
 """The backward's preprocess kernel on the GPU, its outputs checked directly against NumPy.
 
 ``flash_bwd_preprocess_kernel`` writes three row buffers: delta = rowsum(dO∘O) in
-fp32, lse_log2 = lse·log2(e) (+inf where lse = -inf) and, when dq_accum is set,
+fp32, lse_log2 = lse·log2(e), raised by 2^-20 of itself (+inf where lse = -inf) and, when dq_accum is set,
 dq_accum = 0 over whole padded rows. Each test runs the real ``_gpu_bwd`` entry
 point with every launch but the preprocess dropped, and points the preprocess's
 row buffers at guarded copies: sentinel-filled, with guard zones on both sides
@@ -117,8 +117,14 @@ def _check(delta, lse_log2, dq_accum, out, dout, lse):
     tol = 3e-5 * np.abs(prod).sum(axis=1) + 1e-6  # fp32 accumulation of head_dim products
     err = np.abs(delta.astype(np.float64) - want)
     assert (err <= tol).all(), f"delta: worst row {int(np.argmax(err - tol))}, max err {err.max():.3g}"
-    want_l2 = np.where(lse == -np.inf, np.float32(np.inf), lse * LOG2E).astype(np.float32)
-    np.testing.assert_array_equal(lse_log2, want_l2)  # one fp32 multiply: exact
+    # one fp32 multiply, then raised by |that|·2^-20 in one FMA (kernels_cu/flash_bwd.cu: at least
+    # 8 ulp, so the wgmma backwards' unrounded P never exceeds 1): float64 holds the sum exactly
+    l2 = np.where(lse == -np.inf, 0.0, (lse * LOG2E).astype(np.float32).astype(np.float64))
+    want_l2 = np.where(lse == -np.inf, np.inf, l2 + np.abs(l2) * 2.0 ** -20).astype(np.float32)
+    np.testing.assert_array_equal(lse_log2, want_l2)
+    nz = np.isfinite(lse) & (l2 != 0)
+    ulp = np.spacing(np.abs(l2[nz]).astype(np.float32)).astype(np.float64)
+    assert (lse_log2[nz] - l2[nz] >= 8 * ulp).all()
     assert np.isposinf(lse_log2[lse == -np.inf]).all()
     if dq_accum is not None:
         assert (dq_accum.view(np.uint32) == 0).all(), "dq_accum: not all +0.0"
