@@ -152,11 +152,19 @@ SM90_STAGES = 3
 _FWD_WS = {
     64: ((128, 4), (128, 4)),
     128: ((128, 3), (128, 3)),
-    # 64-key blocks: O's accumulators take 96 (128) of the consumers' 240 registers; three
-    # (two) stages of K and V fill 193 KB with Q
-    192: ((64, 3), (64, 3)),
+    # O's accumulators take 96 (128) of the consumers' 240 registers. 192: FA3's 112-key
+    # blocks, two stages (216 KB with Q); run 130 measured them 0.98-1.12x (median 1.086)
+    # the 64-key blocks' three stages, losing only at 1024 causal. 256: 64-key blocks, two
+    # stages (193 KB): 80-key blocks spill persistent (44-58 bytes, nvcc 13.0) and one block
+    # per tile measured 0.89-1.08x (median 1.00).
+    192: ((112, 2), (112, 2)),
     256: ((64, 2), (64, 2)),
 }
+#: The tile every variant takes where _FWD_WS's is for plain attention only: at 192 the
+#: 112-key blocks spill with a window, ALiBi or dropout (check-kernels sm_90, NVRTC 13.0:
+#: 40-334 bytes), and a mask's block map needs a multiple of its 64-key cells
+#: (cupyflash/_blockmask.py coarsens them to the kernel's 128 x BLOCK_N).
+_FWD_WS_VARIANT_TILE = {192: ((64, 3), (64, 3))}
 FWD_WS_BLOCK_M = 128
 #: Query rows per tile of the ws forward at D=64 (FwdWsTraits::BLOCK_M, 64 per consumer
 #: warpgroup), one of FWD_WS_BLOCK_MS: 192 (the default), FlashAttention-3's hdim-64 tile
@@ -356,8 +364,11 @@ def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: i
             and not fwd_ws_spills(head_dim_padded, variant, varlen, False))
 
 
-def fwd_ws_tile(head_dim_padded: int, causal: bool) -> tuple[int, int]:
-    """(BLOCK_N, STAGES) of the warp-specialised forward."""
+def fwd_ws_tile(head_dim_padded: int, causal: bool, variant: int = 0) -> tuple[int, int]:
+    """(BLOCK_N, STAGES) of the warp-specialised forward (with any variant bits:
+    _FWD_WS_VARIANT_TILE's, where it has the head_dim)."""
+    if variant and head_dim_padded in _FWD_WS_VARIANT_TILE:
+        return _FWD_WS_VARIANT_TILE[head_dim_padded][int(causal)]
     return _FWD_WS[head_dim_padded][int(causal)]
 
 
@@ -387,7 +398,7 @@ def fwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
                          f"head_dim 64, one block per tile, with variant bits of {FWD_WS_WIDE_VARIANTS} less the "
                          f"sets {FWD_WS_WIDE_SPILLS}; got head_dim {head_dim_padded}, variant {variant}, "
                          f"persistent {persistent}")
-    block_n, stages = fwd_ws_tile(head_dim_padded, causal)
+    block_n, stages = fwd_ws_tile(head_dim_padded, causal, variant)
     args = (CTYPES[dtype], str(head_dim_padded), str(block_m), str(block_n), str(stages), _cbool(causal),
             _cbool(even_k), str(variant), _cbool(varlen), _cbool(persistent))
     return Launch("flash_fwd_ws.cu", "cupyflash::flash_fwd_ws_kernel", args, grid, (fwd_ws_threads(block_m), 1, 1),
@@ -650,7 +661,7 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     if ws_variant & FWD_WS_MAP_VARIANTS:
         ws = ws_block_map
     if (ws is True or (ws and d in ws)) and uses_ws_fwd(d, vec, cc, ws_variant, varlen):
-        block_n = fwd_ws_tile(d, causal)[0]
+        block_n = fwd_ws_tile(d, causal, ws_variant)[0]
         block_m = fwd_ws_block_m(d, ws_variant, seqlen_q=seqlen_q)  # (192 rows: one block per tile)
         num_m_blocks = math.ceil(seqlen_q / block_m)
         n_blocks = math.ceil(seqlen_k / block_n)

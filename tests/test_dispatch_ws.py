@@ -209,6 +209,26 @@ def test_ws_smem_bytes_are_the_kernel_traits():
             assert dispatch.fwd_ws_smem_bytes(d, *dispatch.fwd_ws_tile(d, causal)) + 16 <= 227 * 1024
 
 
+def test_ws_tile_at_192():
+    """D=192: plain attention on 112-key blocks (two stages), every variant (the map's
+    included) on 64-key blocks (three), as check-kernels compiles them; both fit."""
+    for causal in (False, True):
+        assert dispatch.fwd_ws_tile(192, causal) == (112, 2)
+        for bits in (dispatch.VAR_WINDOW, dispatch.VAR_SINKS, dispatch.FWD_WS_MAP_VARIANTS):
+            assert dispatch.fwd_ws_tile(192, causal, bits) == (64, 3)
+            plan = dispatch.select_fwd(batch=2, seqlen_q=2048, seqlen_k=2048, nheads_q=8, head_dim=192,
+                                       dtype="bfloat16", causal=causal, vec=True, variant=bits, ws=True,
+                                       ws_block_map=True)
+            assert plan.main.template == WS and plan.main.args[3] == "64", plan.main
+            assert dispatch.fwd_ws_smem_bytes(192, 64, 3) + 16 <= 227 * 1024
+        plan = dispatch.select_fwd(batch=2, seqlen_q=2048, seqlen_k=2048, nheads_q=8, head_dim=192,
+                                   dtype="bfloat16", causal=causal, vec=True, ws=True)
+        assert plan.main.args[3:5] == ("112", "2") and plan.n_blocks_per_split == 19
+    ws192 = {(L.args[3], L.args[7] != "0") for L in dispatch.all_fwd_launches((9, 0))
+             if L.template == WS and L.args[1] == "192"}
+    assert ws192 == {("112", False), ("64", True)}
+
+
 def test_ws_spills_at_256():
     """At D=256 the ws forward takes no call it spills with (check-kernels, _FWD_WS_SPILLS):
     a window not packed nor persistent, dropout not persistent, neither together, no map with
