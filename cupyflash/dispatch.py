@@ -306,6 +306,13 @@ _FWD_WS_SPILLS = {
 }
 
 
+#: The padded head_dims whose packed batches stay on the mma.sync kernel: the ws kernel's
+#: packed path (each sequence's offsets, the producer's zeroing of a last V block's rows past
+#: the sequence) has not yet been checked against the reference on the GPU at these
+#: head_dims (session 18: only a finite-output memcheck case at 256).
+_FWD_WS_DENSE_ONLY = (192, 256)
+
+
 def fwd_ws_spills(head_dim_padded: int, variant: int, varlen: bool, persistent: bool) -> bool:
     """Whether the ws forward at this padded head_dim spills with these variant bits,
     packed or not, persistent or not (_FWD_WS_SPILLS)."""
@@ -356,12 +363,14 @@ def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: i
     9.0, with no variant outside FWD_WS_VARIANTS but a mask with its map (FWD_WS_MAP_VARIANTS,
     both bits or neither, read in pairs: not VAR_BIAS_STRIDED; not with FWD_WS_MAP_SPILLS;
     ``variant`` as :func:`ws_fwd_variant` compiles it), and not where it spills one block
-    per tile at this head_dim (:func:`fwd_ws_spills`; ``varlen``: a packed batch)."""
+    per tile at this head_dim (:func:`fwd_ws_spills`; ``varlen``: a packed batch, not at
+    _FWD_WS_DENSE_ONLY's head_dims)."""
     map_bits = variant & FWD_WS_MAP_VARIANTS
     return (cc == (9, 0) and vec and head_dim_padded in _FWD_WS
             and not variant & ~(FWD_WS_VARIANTS | FWD_WS_MAP_VARIANTS) and map_bits in (0, FWD_WS_MAP_VARIANTS)
             and not (map_bits and variant & FWD_WS_MAP_SPILLS)
-            and not fwd_ws_spills(head_dim_padded, variant, varlen, False))
+            and not fwd_ws_spills(head_dim_padded, variant, varlen, False)
+            and not (varlen and head_dim_padded in _FWD_WS_DENSE_ONLY))
 
 
 def fwd_ws_tile(head_dim_padded: int, causal: bool, variant: int = 0) -> tuple[int, int]:

@@ -111,6 +111,7 @@ def test_ws_variants_are_the_kernels():
                                 dict(varlen=True, vec=False), dict(varlen=True, head_dim=256, vec=False),
                                 dict(head_dim=256, variant=dispatch.VAR_WINDOW | dispatch.VAR_DROPOUT),
                                 dict(head_dim=256, variant=dispatch.VAR_WINDOW, varlen=True),
+                                dict(head_dim=256, varlen=True), dict(head_dim=192, varlen=True),
                                 dict(head_dim=32), dict(head_dim=96)])
 def test_ws_leaves_the_rest_to_the_other_kernels(kw):
     assert _plan(ws=True, **kw).main.template != WS
@@ -158,8 +159,10 @@ def test_ws_kernels_are_checked_on_sm90_only():
     assert {L.args[1] for L in on90} == {"64", "128", "192", "256"} == {str(d) for d in dispatch._FWD_WS}
     rows128 = [L for L in on90 if L.args[2] == "128"]
     plain = [L for L in rows128 if L.args[7] == "0"]
-    # dtype x head_dim x causal x even_k x (dense, dense persistent, packed: never persistent)
-    assert len(plain) == 2 * 4 * 2 * 2 * 3
+    # dtype x head_dim x causal x even_k x (dense, dense persistent, packed: never persistent;
+    # not at 192 and 256, _FWD_WS_DENSE_ONLY)
+    assert len(plain) == 2 * 2 * 2 * 2 * 3 + 2 * 2 * 2 * 2 * 2
+    assert not [L for L in on90 if L.args[1] in ("192", "256") and L.args[8] == "true"]
     assert not [L for L in on90 if L.args[8] == L.args[9] == "true"]
     assert {L.args[8] for L in rows128 if L.args[7] != "0"} == {"false", "true"}
     assert {L.args[9] for L in rows128 if L.args[7] != "0"} == {"false", "true"}
