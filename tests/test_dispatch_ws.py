@@ -304,14 +304,16 @@ def test_every_gpu_variant_case_plans_the_ws_kernel():
         assert plan.main.template == WS and plan.main.args[7] == str(bits), (shape, sorted(variants))
 
 
-def test_every_gpu_varlen_case_plans_the_ws_kernel():
-    """tests/test_gpu_varlen_ws.py's packed batches (the switch on at every head_dim) all
-    take the warp-specialised kernel, alone, with the variant bits their options give."""
+def test_every_gpu_varlen_case_plans_the_ws_kernel(monkeypatch):
+    """tests/test_gpu_varlen_ws.py's packed batches (the switch on at every head_dim, and, as
+    its fixture sets, no _FWD_WS_DENSE_ONLY) all take the warp-specialised kernel, alone,
+    with the variant bits their options give."""
     import numpy as np
     import test_gpu_varlen_ws as g
 
     from cupyflash import _variant
 
+    monkeypatch.setattr(dispatch, "_FWD_WS_DENSE_ONLY", ())
     rng = np.random.default_rng(0)
     cases = [(p.values[0], p.values[1], p.values[2], p.values[3], p.values[4], 2 * p.values[5], 0)
              for p in g._cases()]
