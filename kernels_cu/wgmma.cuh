@@ -141,8 +141,7 @@ template <typename T, int N> struct Wgmma;
 #define CUPYFLASH_ACC_128 CUPYFLASH_ACC_64, \
     CUPYFLASH_ACC4(8), CUPYFLASH_ACC4(9), CUPYFLASH_ACC4(10), CUPYFLASH_ACC4(11), \
     CUPYFLASH_ACC4(12), CUPYFLASH_ACC4(13), CUPYFLASH_ACC4(14), CUPYFLASH_ACC4(15)
-#define CUPYFLASH_ACC_80 CUPYFLASH_ACC_64, CUPYFLASH_ACC4(8), CUPYFLASH_ACC4(9)
-#define CUPYFLASH_ACC_112 CUPYFLASH_ACC_80, CUPYFLASH_ACC4(10), CUPYFLASH_ACC4(11), CUPYFLASH_ACC4(12), CUPYFLASH_ACC4(13)
+#define CUPYFLASH_ACC_112 CUPYFLASH_ACC_64, CUPYFLASH_ACC4(8), CUPYFLASH_ACC4(9), CUPYFLASH_ACC4(10), CUPYFLASH_ACC4(11), CUPYFLASH_ACC4(12), CUPYFLASH_ACC4(13)
 #define CUPYFLASH_ACC_192 CUPYFLASH_ACC_128, \
     CUPYFLASH_ACC4(16), CUPYFLASH_ACC4(17), CUPYFLASH_ACC4(18), CUPYFLASH_ACC4(19), \
     CUPYFLASH_ACC4(20), CUPYFLASH_ACC4(21), CUPYFLASH_ACC4(22), CUPYFLASH_ACC4(23)
@@ -153,10 +152,6 @@ template <typename T, int N> struct Wgmma;
 #define CUPYFLASH_REGS_64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define CUPYFLASH_REGS_128 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define CUPYFLASH_REGS_80 \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-    "%32, %33, %34, %35, %36, %37, %38, %39}"
 #define CUPYFLASH_REGS_112 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
@@ -210,9 +205,7 @@ CUPYFLASH_WGMMA(__half, "f16", 64, 32, 33, 34, 35, 36, 37, 38)
 CUPYFLASH_WGMMA(__nv_bfloat16, "bf16", 64, 32, 33, 34, 35, 36, 37, 38)
 CUPYFLASH_WGMMA(__half, "f16", 128, 64, 65, 66, 67, 68, 69, 70)
 CUPYFLASH_WGMMA(__nv_bfloat16, "bf16", 128, 64, 65, 66, 67, 68, 69, 70)
-// (80, 112: S at the wide head_dims' key blocks; 192, 256: O's accumulators there, P·V's N)
-CUPYFLASH_WGMMA(__half, "f16", 80, 40, 41, 42, 43, 44, 45, 46)
-CUPYFLASH_WGMMA(__nv_bfloat16, "bf16", 80, 40, 41, 42, 43, 44, 45, 46)
+// (112: S at D=192's key blocks; 192, 256: O's accumulators at those head_dims, P·V's N)
 CUPYFLASH_WGMMA(__half, "f16", 112, 56, 57, 58, 59, 60, 61, 62)
 CUPYFLASH_WGMMA(__nv_bfloat16, "bf16", 112, 56, 57, 58, 59, 60, 61, 62)
 CUPYFLASH_WGMMA(__half, "f16", 192, 96, 97, 98, 99, 100, 101, 102)
@@ -224,14 +217,12 @@ CUPYFLASH_WGMMA(__nv_bfloat16, "bf16", 256, 128, 129, 130, 131, 132, 133, 134)
 #undef CUPYFLASH_REGS_192
 #undef CUPYFLASH_REGS_128
 #undef CUPYFLASH_REGS_112
-#undef CUPYFLASH_REGS_80
 #undef CUPYFLASH_REGS_64
 #undef CUPYFLASH_REGS_32
 #undef CUPYFLASH_ACC_256
 #undef CUPYFLASH_ACC_192
 #undef CUPYFLASH_ACC_128
 #undef CUPYFLASH_ACC_112
-#undef CUPYFLASH_ACC_80
 #undef CUPYFLASH_ACC_64
 #undef CUPYFLASH_ACC_32
 #undef CUPYFLASH_ACC4
