@@ -583,6 +583,8 @@ def _apply_experiments(args, fwd_sm90, fwd_tiles):
         dispatch.BWD_DQ_SM90 = False
     if args.fwd_kernel == "mma":
         dispatch._FWD_SM90.clear()  # noqa: SLF001
+        dispatch.FWD_WS = False  # (and the warp-specialised forward: wgmma too)
+        dispatch.FWD_WS_BLOCK_MAP = False
     for d, t in fwd_sm90.items():
         dispatch._FWD_SM90[d] = (t, t)  # noqa: SLF001
     for d, t in fwd_tiles.items():

@@ -141,9 +141,10 @@ SM90_STAGES = 3
 # warpgroup copies Q, K and V with TMA, two consumer warpgroups of 64 query rows each
 # compute, ping-ponging their GEMMs, S_{n+1} issued with P_n·V_n. Dense and packed
 # (varlen: never split, as on the other kernels), aligned batches with no variant or
-# those of FWD_WS_VARIANTS at these padded head_dims (the variants take the plain
-# kernel's tile: their code fits the consumers' 240 registers with no spill, nvcc
-# 13.0, and adds no shared memory); (BLOCK_N, STAGES) for
+# those of FWD_WS_VARIANTS at these padded head_dims (at 64 and 128 the variants take
+# the plain kernel's tile: their code fits the consumers' 240 registers with no spill,
+# nvcc 13.0, and adds no shared memory; at 192 they take _FWD_WS_VARIANT_TILE's, at 256
+# not those of _FWD_WS_SPILLS); (BLOCK_N, STAGES) for
 # (non-causal, causal). FA3's D=128 tile: 128 x 128. Run 64 (two stages, one release
 # of K and V together): 451-478 TFLOP/s at D=128, no gain on the cp.async kernel, and
 # 286-316 at D=64 against its 326-379 (kernels_cu/PERF.md); K and V are now released
@@ -162,8 +163,8 @@ _FWD_WS = {
 }
 #: The tile every variant takes where _FWD_WS's is for plain attention only: at 192 the
 #: 112-key blocks spill with a window, ALiBi or dropout (check-kernels sm_90, NVRTC 13.0:
-#: 40-334 bytes), and a mask's block map needs a multiple of its 64-key cells
-#: (cupyflash/_blockmask.py coarsens them to the kernel's 128 x BLOCK_N).
+#: 40-334 bytes); a mask's block map is coarsened from its 64-key cells to the kernel's
+#: 128 x BLOCK_N (cupyflash/_blockmask.py), which 112 keys would straddle (more partial blocks).
 _FWD_WS_VARIANT_TILE = {192: ((64, 3), (64, 3))}
 FWD_WS_BLOCK_M = 128
 #: Query rows per tile of the ws forward at D=64 (FwdWsTraits::BLOCK_M, 64 per consumer
@@ -240,13 +241,14 @@ FWD_WS_MAP_VARIANTS = VAR_MASK | VAR_BLOCK_MAP
 #: mask alone, with ALiBi or with sinks, compiles with none (the kernel static_asserts the rest).
 FWD_WS_MAP_SPILLS = VAR_WINDOW | VAR_SOFTCAP | VAR_DROPOUT
 #: The switch that sends those calls (VAR_MASK | VAR_BLOCK_MAP, no bias) to the ws forward:
-#: True (the default: 1.08-1.27x the cp.async wgmma kernel, PERF.md v25, run 116) at every
-#: head_dim the kernel has (64-256 padded; at 192 and 256, where no cp.async kernel exists, in place of
-#: the mma.sync one, not measured), False (the cp.async kernel), or a tuple of
+#: (64, 128) (the default: 1.08-1.27x the cp.async wgmma kernel, PERF.md v25, run 116; at 192
+#: and 256, where the mask runs on the mma.sync kernel, not yet: no GPU test checks the map
+#: there against the reference), True at every head_dim the kernel has, False (the cp.async
+#: kernel), or a tuple of
 #: padded head_dims. Independent of FWD_WS (whose D=64 is off for the dense softmax-bound
 #: case; a sparse call's cost is its per-tile fixed costs, which the ws kernel cuts). Read
 #: when a call is planned (cupyflash._gpu plan_fwd): set it, then ``_gpu.clear_plans()``.
-FWD_WS_BLOCK_MAP: bool | tuple[int, ...] = True
+FWD_WS_BLOCK_MAP: bool | tuple[int, ...] = (64, 128)
 #: The padded head_dims the switch (FWD_WS) sends to the warp-specialised forward: where
 #: it is expected to beat the wgmma kernel. D=128 since run 69 (1.20-1.23x); D=64 since run
 #: 121 (PERF.md v26, run 123: 0.998-1.578x the cp.async kernel, median 1.108, 192 rows
@@ -293,31 +295,40 @@ FWD_WS_NOT_PERSISTENT = VAR_WINDOW | VAR_DROPOUT
 
 
 #: Where the ws forward spills at a padded head_dim beyond the persistent and map rules
-#: (check-kernels sm_90, NVRTC 13.0, every FWD_WS_CHECK_VARIANTS launch): head_dim ->
-#: (variant bits all set, packed (None: either), persistent (None: either)). At 256 O's
+#: (check-kernels sm_90, NVRTC 13.0, every FWD_WS_CHECK_VARIANTS launch, and every subset
+#: of FWD_WS_VARIANTS dense): head_dim -> (variant bits all set, bits all clear, packed
+#: (None: either), persistent (None: either)). At 256 O's
 #: 128 accumulators leave the consumers' 240 registers no room for a window's edges next
 #: to the tile walk's state (persistent 244-260 bytes) or a packed batch's (64-80), for
 #: dropout's Philox rounds when persistent (72-104) or beside a window (8), or for the map's
 #: mask pairs beside ALiBi's distances (16, causal). Those calls take the mma.sync kernel
 #: (or, the persistent ones, one block per tile); 192 spills nowhere.
 _FWD_WS_SPILLS = {
-    256: ((VAR_WINDOW, None, True), (VAR_DROPOUT, None, True), (VAR_WINDOW, True, None),
-          (VAR_WINDOW | VAR_DROPOUT, None, None), (VAR_BLOCK_MAP | VAR_ALIBI, None, None)),
+    # (persistent, which "auto" never takes with a window: 128 x 128 causal with a window and
+    # softcap, or those and sinks, spills; with ALiBi or dropout too it does not, nor one
+    # block per tile)
+    128: ((VAR_WINDOW | VAR_SOFTCAP, VAR_ALIBI | VAR_DROPOUT, None, True),),
+    256: ((VAR_WINDOW, 0, None, True), (VAR_DROPOUT, 0, None, True), (VAR_WINDOW, 0, True, None),
+          (VAR_WINDOW | VAR_DROPOUT, 0, None, None), (VAR_BLOCK_MAP | VAR_ALIBI, 0, None, None),
+          # (every subset: a window with softcap 8-44 bytes, ALiBi with dropout non-causal;
+          # their supersets left out too, spilling or not)
+          (VAR_WINDOW | VAR_SOFTCAP, 0, None, None), (VAR_ALIBI | VAR_DROPOUT, 0, None, None)),
 }
 
 
 #: The padded head_dims whose packed batches stay on the mma.sync kernel: the ws kernel's
 #: packed path (each sequence's offsets, the producer's zeroing of a last V block's rows past
 #: the sequence) has not yet been checked against the reference on the GPU at these
-#: head_dims (session 18: only a finite-output memcheck case at 256).
+#: head_dims (session 18: only a finite-output memcheck case at 256, run 129, since removed
+#: from .ci/sanitize_ws.py). tests/test_gpu_varlen_ws.py has the cases, run without this table.
 _FWD_WS_DENSE_ONLY = (192, 256)
 
 
 def fwd_ws_spills(head_dim_padded: int, variant: int, varlen: bool, persistent: bool) -> bool:
     """Whether the ws forward at this padded head_dim spills with these variant bits,
     packed or not, persistent or not (_FWD_WS_SPILLS)."""
-    return any(variant & bits == bits and packed in (None, varlen) and walk in (None, persistent)
-               for bits, packed, walk in _FWD_WS_SPILLS.get(head_dim_padded, ()))
+    return any(variant & bits == bits and not variant & clear and packed in (None, varlen)
+               and walk in (None, persistent) for bits, clear, packed, walk in _FWD_WS_SPILLS.get(head_dim_padded, ()))
 
 
 def uses_persistent_ws(variant: int, varlen: bool = False, head_dim_padded: int | None = None) -> bool:
@@ -772,9 +783,14 @@ FWD_STAGED_CHECK_VARIANTS = tuple(VAR_BIAS_STAGED | bits for bits in (
 
 #: ... and the warp-specialised forward's: each of its variants alone, softcap with
 #: ALiBi, and a window with sinks, with dropout (the combination that came closest to
-#: spilling: kernels_cu/flash_fwd_ws.cu KEEP_UNDER_S) and with all the others.
+#: spilling: kernels_cu/flash_fwd_ws.cu KEEP_UNDER_S) and with all the others; and the
+#: largest sets without a window or without dropout, and softcap, ALiBi and sinks together
+#: (the largest a persistent call takes with neither, and at 256, where _FWD_WS_SPILLS
+#: leaves out the window with dropout, the largest sets the kernel takes).
 FWD_WS_CHECK_VARIANTS = (VAR_WINDOW, VAR_SOFTCAP, VAR_ALIBI, VAR_SINKS, VAR_DROPOUT, VAR_SOFTCAP | VAR_ALIBI,
                          VAR_WINDOW | VAR_SINKS, VAR_WINDOW | VAR_DROPOUT, FWD_WS_VARIANTS,
+                         FWD_WS_VARIANTS & ~VAR_DROPOUT, FWD_WS_VARIANTS & ~VAR_WINDOW,
+                         VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS,
                          # the mask with its map (FWD_WS_BLOCK_MAP): alone, and with the variants
                          # it takes there (not FWD_WS_MAP_SPILLS)
                          *(FWD_WS_MAP_VARIANTS | bits for bits in (0, VAR_ALIBI, VAR_SINKS, VAR_ALIBI | VAR_SINKS)))

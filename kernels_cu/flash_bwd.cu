@@ -79,8 +79,8 @@ __device__ __forceinline__ void load_tile_lean(uint32 smem_base, const T* gmem, 
 }
 
 // ---------------------------------------------------------------------------
-// Preprocess: delta = rowsum(dO∘O) in fp32, lse_log2 = lse·log2(e) (+inf where
-// lse = -inf), dq_accum = 0 (default mode). The grid walks the row buffers as
+// Preprocess: delta = rowsum(dO∘O) in fp32, lse_log2 = lse·log2(e) raised by 2^-20 of
+// itself (below; +inf where lse = -inf), dq_accum = 0 (default mode). The grid walks the row buffers as
 // one flat run of query_rows(p) rows ((batch, head, row) dense, (head, row)
 // packed): ROWS = PREPROCESS_THREADS / ROW_LANES · ROWS_PER_THREAD consecutive
 // rows per block, which may span several heads (short sequences, many heads).
@@ -195,14 +195,16 @@ flash_bwd_preprocess_kernel(const BwdParams p) {
         const int r = slot + i * SLOTS;
         if (lane == 0 && r < rows_valid) {
             p.delta[row0 + r] = dot;
-            // +inf (P = 0) for rows that see no key; else raised by |lse·log2e|·2^-20 (at least
-            // 8 ulp of it): the wgmma backwards take plain P = exp2(fma(s, scale_log2, -lse_log2))
-            // with the product unrounded, where lse carries up to 5 ulp of the forward's
-            // roundings, so the largest term could reach exp2(+5 ulp): inf at logits near 3e10
-            // (ulp 4096). P is then at most 1 at every magnitude, and at normal ones (|lse| < 100)
-            // smaller by a factor 1 - 1e-4 at most, far under P's rounding to fp16/bf16.
+            // +inf (P = 0) for rows that see no key; else, finite, raised by |lse·log2e|·2^-20
+            // (at least 8 ulp of a normal value): the wgmma backwards take plain P =
+            // exp2(fma(s, scale_log2, -lse_log2)) with the product unrounded, where lse carries
+            // up to 5 ulp of the forward's roundings, so the largest term could reach exp2(+5
+            // ulp): inf at logits near 3e10 (ulp 4096). P is then at most 1 at every magnitude,
+            // smaller by a factor above 1 - 1e-4 at |lse| < 100 (far under its rounding to
+            // fp16/bf16), 0.99 at 1e4, where lse's own rounding is a third of that.
             const float lse_log2 = lse[i] * LOG2E;
-            p.lse_log2[row0 + r] = lse[i] == NEG_INF ? POS_INF : fmaf(fabsf(lse_log2), 0x1p-20f, lse_log2);
+            p.lse_log2[row0 + r] = lse[i] == NEG_INF ? POS_INF
+                                   : isfinite(lse_log2) ? fmaf(fabsf(lse_log2), 0x1p-20f, lse_log2) : lse_log2;
         }
     }
 

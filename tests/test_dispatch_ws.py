@@ -169,10 +169,12 @@ def test_ws_kernels_are_checked_on_sm90_only():
     variants = {(L.args[1], L.args[5], int(L.args[7])) for L in rows128 if L.args[7] != "0"}
     assert variants == {(str(d), c, bits) for d in dispatch._FWD_WS for c in ("false", "true")
                         for bits in dispatch.FWD_WS_CHECK_VARIANTS if dispatch.uses_ws_fwd(d, True, (9, 0), bits)}
-    # (all of them but, at 256, those with a window and dropout, or the map with ALiBi: _FWD_WS_SPILLS)
+    # (all of them but, at 256, those with a window and dropout or softcap, ALiBi and dropout,
+    # or the map with ALiBi: _FWD_WS_SPILLS)
     left_out = {bits for bits in dispatch.FWD_WS_CHECK_VARIANTS if ("256", "true", bits) not in variants}
-    W_DR, MAP_AL = dispatch.VAR_WINDOW | dispatch.VAR_DROPOUT, dispatch.VAR_BLOCK_MAP | dispatch.VAR_ALIBI
-    assert left_out == {b for b in dispatch.FWD_WS_CHECK_VARIANTS if b & W_DR == W_DR or b & MAP_AL == MAP_AL}
+    W, SC, AL, DR = dispatch.VAR_WINDOW, dispatch.VAR_SOFTCAP, dispatch.VAR_ALIBI, dispatch.VAR_DROPOUT
+    pairs = (W | DR, dispatch.VAR_BLOCK_MAP | AL, W | SC, AL | DR)
+    assert left_out == {b for b in dispatch.FWD_WS_CHECK_VARIANTS if any(b & p == p for p in pairs)}
     assert left_out and all(("192", "true", b) in variants for b in dispatch.FWD_WS_CHECK_VARIANTS)
     # the 192-row tile (D=64, one block per tile): plain in every dtype, EVEN_K and VARLEN;
     # the check variants it takes
@@ -234,8 +236,8 @@ def test_ws_tile_at_192():
 
 def test_ws_spills_at_256():
     """At D=256 the ws forward takes no call it spills with (check-kernels, _FWD_WS_SPILLS):
-    a window not packed nor persistent, dropout not persistent, neither together, no map with
-    ALiBi; D=192 and 128 take them all."""
+    a window not packed nor persistent, dropout not persistent, neither together, no window
+    with softcap, no ALiBi with dropout, no map with ALiBi; D=192 and 128 take them all."""
     W, DR, AL, MAP = dispatch.VAR_WINDOW, dispatch.VAR_DROPOUT, dispatch.VAR_ALIBI, dispatch.FWD_WS_MAP_VARIANTS
     assert dispatch.uses_ws_fwd(256, True, (9, 0), W) and not dispatch.uses_ws_fwd(256, True, (9, 0), W, varlen=True)
     assert not dispatch.uses_persistent_ws(W | dispatch.VAR_SINKS, False, 256)
@@ -243,7 +245,16 @@ def test_ws_spills_at_256():
     assert dispatch.uses_persistent_ws(DR, False, 128) and dispatch.uses_persistent_ws(DR, False, 192)
     assert not dispatch.uses_ws_fwd(256, True, (9, 0), W | DR) and dispatch.uses_ws_fwd(192, True, (9, 0), W | DR)
     assert not dispatch.uses_ws_fwd(256, True, (9, 0), MAP | AL) and dispatch.uses_ws_fwd(256, True, (9, 0), MAP)
+    # every other subset of the variants compiles with no spill at 256 (check-kernels, session 18)
+    SC = dispatch.VAR_SOFTCAP
+    assert not dispatch.uses_ws_fwd(256, True, (9, 0), W | SC) and not dispatch.uses_ws_fwd(256, True, (9, 0), AL | DR)
+    assert dispatch.uses_ws_fwd(256, True, (9, 0), SC | AL | dispatch.VAR_SINKS)
     assert dispatch.uses_persistent_ws(dispatch.VAR_SOFTCAP | AL, False, 256)
+    # at 128 a window with softcap (and sinks) runs one block per tile (persistent, it spills)
+    assert not dispatch.uses_persistent_ws(W | dispatch.VAR_SOFTCAP, False, 128)
+    assert not dispatch.uses_persistent_ws(W | dispatch.VAR_SOFTCAP | dispatch.VAR_SINKS, False, 128)
+    assert dispatch.uses_persistent_ws(W | dispatch.VAR_SOFTCAP | AL, False, 128)
+    assert dispatch.uses_persistent_ws(W | dispatch.VAR_SOFTCAP, False, 64)
     # the plans: a window with dropout at 256 goes to the mma.sync kernel; packed with a window too
     for variant, varlen in ((W | DR, False), (W, True)):
         plan = dispatch.select_fwd(batch=1, seqlen_q=4096, seqlen_k=4096, nheads_q=8, head_dim=256,
@@ -369,7 +380,7 @@ def test_fwd_ws_grid(m_blocks, heads, num_sms, grid, causal_grid):
 
 
 @pytest.mark.parametrize("variant", [0, dispatch.VAR_WINDOW, dispatch.VAR_DROPOUT,
-                                     dispatch.FWD_WS_VARIANTS & ~dispatch.VAR_DROPOUT])
+                                     dispatch.FWD_WS_VARIANTS & ~(dispatch.VAR_DROPOUT | dispatch.VAR_SOFTCAP)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("batch,seqlen", [(32, 512), (1, 16384), (1, 100)])
 def test_persistent_plan(variant, causal, batch, seqlen):

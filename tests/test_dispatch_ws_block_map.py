@@ -27,10 +27,10 @@ def _plan(**kw):
 
 
 def test_on_by_default_and_off_keeps_the_cp_async_kernel():
-    """The switch is on by default (PERF.md v25, run 116); off (select_fwd's ws_block_map
-    False) a mask with its map stays on the cp.async wgmma kernel, whatever FWD_WS says for
-    the plain calls."""
-    assert dispatch.FWD_WS_BLOCK_MAP is True
+    """The switch is on by default at 64 and 128 (PERF.md v25, run 116; not yet at 192 and
+    256, whose map has no GPU reference test); off (select_fwd's ws_block_map False) a mask
+    with its map stays on the cp.async wgmma kernel, whatever FWD_WS says for the plain calls."""
+    assert dispatch.FWD_WS_BLOCK_MAP == (64, 128)
     for ws in (dispatch.FWD_WS_WINS, True):
         plan = _plan(ws=ws)
         assert plan.main.template == SM90 and dispatch.fwd_block_map_tile(plan) == (128, 64)
@@ -47,7 +47,7 @@ def test_on_the_ws_kernel_at_its_plain_tile_one_block_per_tile(monkeypatch, dtyp
     (128 x BLOCK_N), the TMA boxes'."""
     plan = _plan(dtype=dtype, head_dim=head_dim, causal=causal, persistent=persistent, ws_block_map=True)
     d = dispatch.padded_head_dim(head_dim)
-    block_n, stages = dispatch.fwd_ws_tile(d, causal)
+    block_n, stages = dispatch.fwd_ws_tile(d, causal, MAP)
     assert plan.main.template == WS and plan.combine is None and plan.num_splits == 1
     assert plan.main.args == (dispatch.CTYPES[dtype], str(d), "128", str(block_n), str(stages), str(causal).lower(),
                               str(head_dim == d).lower(), str(MAP), "false", "false")
@@ -59,10 +59,11 @@ def test_on_the_ws_kernel_at_its_plain_tile_one_block_per_tile(monkeypatch, dtyp
     assert dataclasses.replace(plan.main, args=plain.main.args) == plain.main
 
 
-@pytest.mark.parametrize("ws_block_map,takes", [(True, {64, 128}), ((128,), {128}), ((64,), {64}), ((), set()),
-                                                (False, set())])
+@pytest.mark.parametrize("ws_block_map,takes", [(True, {64, 128, 192, 256}), ((128,), {128}), ((64,), {64}),
+                                                ((192,), {192}), ((), set()), (False, set()),
+                                                (dispatch.FWD_WS_BLOCK_MAP, {64, 128})])
 def test_the_switch_picks_the_head_dims(ws_block_map, takes):
-    got = {d for d in (64, 128) if _plan(head_dim=d, ws_block_map=ws_block_map).main.template == WS}
+    got = {d for d in (64, 128, 192, 256) if _plan(head_dim=d, ws_block_map=ws_block_map).main.template == WS}
     assert got == takes
 
 
