@@ -80,8 +80,8 @@ __device__ __forceinline__ void load_tile_lean(uint32 smem_base, const T* gmem, 
 
 // ---------------------------------------------------------------------------
 // Preprocess: delta = rowsum(dO∘O) in fp32, lse_log2 = lse·log2(e) raised by 2^-20 of
-// itself (below; +inf where lse = -inf), dq_accum = 0 (default mode). The grid walks the row buffers as
-// one flat run of query_rows(p) rows ((batch, head, row) dense, (head, row)
+// itself (below; +inf where lse = -inf), dq_accum = 0 (default mode). The grid walks
+// the row buffers as one flat run of query_rows(p) rows ((batch, head, row) dense, (head, row)
 // packed): ROWS = PREPROCESS_THREADS / ROW_LANES · ROWS_PER_THREAD consecutive
 // rows per block, which may span several heads (short sequences, many heads).
 //

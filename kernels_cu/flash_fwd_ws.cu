@@ -42,8 +42,9 @@
 //
 // Template parameters, in order:
 //   T          __half or __nv_bfloat16
-//   HEAD_DIM   padded head dimension, 64, 128, 192 or 256 (the last two at 64-key blocks: O's
-//              96 or 128 accumulators a thread); runtime head_dim <= HEAD_DIM
+//   HEAD_DIM   padded head dimension, 64, 128, 192 or 256 (O's 96 or 128 accumulators a
+//              thread at the last two: 112- or 64-key blocks, cupyflash/dispatch.py _FWD_WS);
+//              runtime head_dim <= HEAD_DIM
 //   BLOCK_M    query rows per tile: 64 per consumer warpgroup, 128 (two) or 192 (three)
 //   BLOCK_N    keys per tile
 //   STAGES     K/V ring depth

@@ -199,19 +199,18 @@ template <> struct Wgmma<CTYPE, N> { \
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(TRANS_B)); \
     } \
 };
-CUPYFLASH_WGMMA(__half, "f16", 32, 16, 17, 18, 19, 20, 21, 22)
-CUPYFLASH_WGMMA(__nv_bfloat16, "bf16", 32, 16, 17, 18, 19, 20, 21, 22)
-CUPYFLASH_WGMMA(__half, "f16", 64, 32, 33, 34, 35, 36, 37, 38)
-CUPYFLASH_WGMMA(__nv_bfloat16, "bf16", 64, 32, 33, 34, 35, 36, 37, 38)
-CUPYFLASH_WGMMA(__half, "f16", 128, 64, 65, 66, 67, 68, 69, 70)
-CUPYFLASH_WGMMA(__nv_bfloat16, "bf16", 128, 64, 65, 66, 67, 68, 69, 70)
-// (112: S at D=192's key blocks; 192, 256: O's accumulators at those head_dims, P·V's N)
-CUPYFLASH_WGMMA(__half, "f16", 112, 56, 57, 58, 59, 60, 61, 62)
-CUPYFLASH_WGMMA(__nv_bfloat16, "bf16", 112, 56, 57, 58, 59, 60, 61, 62)
-CUPYFLASH_WGMMA(__half, "f16", 192, 96, 97, 98, 99, 100, 101, 102)
-CUPYFLASH_WGMMA(__nv_bfloat16, "bf16", 192, 96, 97, 98, 99, 100, 101, 102)
-CUPYFLASH_WGMMA(__half, "f16", 256, 128, 129, 130, 131, 132, 133, 134)
-CUPYFLASH_WGMMA(__nv_bfloat16, "bf16", 256, 128, 129, 130, 131, 132, 133, 134)
+// Both input types at each N: S's (32, 64, 112: D=192's key blocks, 128) and O's (64,
+// 128, 192, 256: P·V's N at each head_dim)
+#define CUPYFLASH_WGMMA_F16_BF16(N, I0, I1, I2, I3, I4, I5, I6) \
+    CUPYFLASH_WGMMA(__half, "f16", N, I0, I1, I2, I3, I4, I5, I6) \
+    CUPYFLASH_WGMMA(__nv_bfloat16, "bf16", N, I0, I1, I2, I3, I4, I5, I6)
+CUPYFLASH_WGMMA_F16_BF16(32, 16, 17, 18, 19, 20, 21, 22)
+CUPYFLASH_WGMMA_F16_BF16(64, 32, 33, 34, 35, 36, 37, 38)
+CUPYFLASH_WGMMA_F16_BF16(112, 56, 57, 58, 59, 60, 61, 62)
+CUPYFLASH_WGMMA_F16_BF16(128, 64, 65, 66, 67, 68, 69, 70)
+CUPYFLASH_WGMMA_F16_BF16(192, 96, 97, 98, 99, 100, 101, 102)
+CUPYFLASH_WGMMA_F16_BF16(256, 128, 129, 130, 131, 132, 133, 134)
+#undef CUPYFLASH_WGMMA_F16_BF16
 #undef CUPYFLASH_WGMMA
 #undef CUPYFLASH_REGS_256
 #undef CUPYFLASH_REGS_192
