@@ -3,13 +3,13 @@ VAR_MASK | VAR_BLOCK_MAP), switched on for each test (dispatch.FWD_WS_BLOCK_MAP,
 both head_dims) on a device that reports one SM (no split-KV); every test asserts that
 each forward it ran was that kernel with the map, one block per tile.
 
-The map is read at the ws tile, 128 x 128: masks of 128-blocks (empty, full, or random
+The map is read at the ws tile, 128 x 128 (128 x 64 at 192 and 256): masks of 128-blocks (empty, full, or random
 inside: tiles of all three states), and of 64-blocks, whose 64 x 64 cells the tile
 combines (a tile empty only where its four cells are, full only where all four are).
 Against the float64 reference with tests/test_gpu_bias.py's rule, outputs NaN-poisoned,
 ``-inf`` in lse exact: causal, tails (lengths not multiples of 128), rows that see no key
 (out 0, lse -inf: hidden inside partial tiles, or every tile of their query block empty),
-D=64 and 128, fp16 and bf16, the mask per batch, per head or shared, a BlockMask reused
+D=64, 128, 192 and 256 (176 padded), fp16 and bf16, the mask per batch, per head or shared, a BlockMask reused
 across calls, the other variants the kernel takes, and packed batches. Skipped without a
 GPU and off compute capability 9.0.
 """
@@ -41,6 +41,12 @@ CONFIGS = {
     "bf16-d128-600x300-causal": ("bfloat16", (2, 600, 300, 3, 3, 128), True),   # top rows see no key
     "f16-d120-512x1024": ("float16", (1, 512, 1024, 4, 4, 120), False),        # padded to 128 (a multiple of 8: aligned); whole tiles
     "bf16-d128-1024x1024-causal": ("bfloat16", (1, 1024, 1024, 2, 1, 128), True),
+    # The wide head_dims: 128 x 64 tiles (dispatch._FWD_WS[256]; at 192 every variant's,
+    # _FWD_WS_VARIANT_TILE), each 128-block of the mask two of them.
+    "bf16-d256-400x646-causal": ("bfloat16", (2, 400, 646, 2, 1, 256), True),
+    "f16-d256-520x520": ("float16", (1, 520, 520, 3, 3, 256), False),
+    "f16-d192-600x778-gqa": ("float16", (2, 600, 778, 4, 2, 192), False),
+    "bf16-d176-384x512-causal": ("bfloat16", (1, 384, 512, 2, 2, 176), True),  # padded to 192
 }
 
 
@@ -94,7 +100,8 @@ def test_block_sparse_forward(ws_map, cp, rng, mask_shape, form, config):
 
 
 @pytest.mark.parametrize("config", list(_params(["bf16-d64-700x646-gqa", "f16-d128-400x778",
-                                                 "bf16-d128-1024x1024-causal"], CONFIGS)))
+                                                 "bf16-d128-1024x1024-causal", "bf16-d256-400x646-causal",
+                                                 "f16-d192-600x778-gqa"], CONFIGS)))
 def test_cells_smaller_than_the_tile(ws_map, cp, rng, config):
     """64-blocks: each 128 x 128 tile combines four 64 x 64 cells (a tile full only where all
     four are, empty only where all four are), some of each state."""
@@ -111,7 +118,7 @@ def test_cells_smaller_than_the_tile(ws_map, cp, rng, config):
 
 
 @pytest.mark.parametrize("config", list(_params(["bf16-d64-700x646-gqa", "f16-d128-400x778",
-                                                 "bf16-d128-600x300-causal"], CONFIGS)))
+                                                 "bf16-d128-600x300-causal", "f16-d256-520x520"], CONFIGS)))
 def test_query_blocks_whose_every_tile_is_skipped(ws_map, cp, rng, config):
     dtype, shape, causal = CONFIGS[config]
     b, m, n = shape[:3]
@@ -159,11 +166,20 @@ def test_blockmask_reused_across_calls(ws_map, cp, rng):
     _check(q, k, v, first, causal, attn_mask=mask)
 
 
-@pytest.mark.parametrize("config", list(_params(["bf16-d64-700x646-gqa", "f16-d128-400x778"], CONFIGS)))
-@pytest.mark.parametrize("combo", ["sinks", "alibi", "alibi+sinks"])
+def _with_combos(table):
+    """(config, combo) params: each config of ``table`` with its variant combinations."""
+    for name, combos in table.items():
+        for param in _params([name], CONFIGS):
+            yield from (pytest.param(name, combo, marks=param.marks, id=f"{name}-{combo}") for combo in combos)
+
+
+@pytest.mark.parametrize("config,combo", list(_with_combos({
+    "bf16-d64-700x646-gqa": ("sinks", "alibi", "alibi+sinks"), "f16-d128-400x778": ("sinks", "alibi", "alibi+sinks"),
+    "f16-d192-600x778-gqa": ("sinks", "alibi", "alibi+sinks"), "bf16-d256-400x646-causal": ("sinks",)})))
 def test_block_sparse_with_other_variants(ws_map, cp, rng, combo, config):
     """The variants the ws kernel takes with the map (dispatch.FWD_WS_MAP_SPILLS: not a
-    window, softcap or dropout, which stay on the cp.async kernel)."""
+    window, softcap or dropout, which stay on the cp.async kernel; at 256 not ALiBi either,
+    dispatch._FWD_WS_SPILLS)."""
     dtype, shape, causal = CONFIGS[config]
     b, m, n, h = shape[:4]
     q, k, v = _inputs(rng, dtype, shape)
