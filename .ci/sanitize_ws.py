@@ -6,7 +6,8 @@ ws kernel it is meant for and to give finite outputs. Run it under the tool:
     compute-sanitizer --tool racecheck --error-exitcode 3 python3 .ci/sanitize_ws.py [--quick]
 
 Cases: the ws backward at D=128 (dQ by the reduce warp), at D=64 plain (no dQ, 128 query
-rows per step, then the wgmma dQ kernel) and with variants (its own dQ); the ws forward
+rows per step, then the wgmma dQ kernel) and with variants (its own dQ), at 192 and 256 (split
+by roles; 200 below 256); the ws forward
 one block per tile, persistent, with a block-sparse mask (its map), D=64's 192-row tile,
 D=192 and 256 (and 136, 200 below them), and packed (varlen, D=128 and 64).
 The device reports one SM to the planner (no split-KV, as in the GPU tests). Prints "ok"
@@ -80,6 +81,11 @@ cases = [
     (backward, ((1, 260, 190, 4, 1, 64), True, [WS_BWD, "flash_bwd_convert_dq_kernel"]),
      dict(alibi_slopes=alibi, sinks=sinks)),
     (backward, ((1, 300, 250, 4, 2, 128), False, [WS_BWD]), dict(window_size=(100, 40))),
+    # split by roles (above 128): dQ added from registers, 64-key blocks
+    (backward, ((1, 200, 300, 4, 2, 256), True, [WS_BWD, "flash_bwd_convert_dq_kernel"])),
+    (backward, ((2, 130, 77, 4, 4, 200), False, [WS_BWD])),
+    (backward, ((1, 190, 260, 4, 2, 192), True, [WS_BWD]), dict(softcap=20.0, window_size=(80, 0))),
+    (backward, ((1, 150, 170, 4, 1, 256), False, [WS_BWD]), dict(alibi_slopes=alibi, sinks=sinks)),
     (forward, ((1, 300, 430, 4, 2, 128), False, [WS_FWD]), dict(attn_mask=mask)),
     (forward, ((1, 300, 430, 4, 2, 64), False, [WS_FWD]), dict(attn_mask=mask)),
     (forward, ((2, 700, 650, 4, 2, 128), True, [WS_FWD])),

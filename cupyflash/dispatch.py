@@ -241,14 +241,14 @@ FWD_WS_MAP_VARIANTS = VAR_MASK | VAR_BLOCK_MAP
 #: mask alone, with ALiBi or with sinks, compiles with none (the kernel static_asserts the rest).
 FWD_WS_MAP_SPILLS = VAR_WINDOW | VAR_SOFTCAP | VAR_DROPOUT
 #: The switch that sends those calls (VAR_MASK | VAR_BLOCK_MAP, no bias) to the ws forward:
-#: (64, 128) (the default: 1.08-1.27x the cp.async wgmma kernel, PERF.md v25, run 116; at 192
-#: and 256, where the mask runs on the mma.sync kernel, not yet: no GPU test checks the map
-#: there against the reference), True at every head_dim the kernel has, False (the cp.async
-#: kernel), or a tuple of
-#: padded head_dims. Independent of FWD_WS (whose D=64 is off for the dense softmax-bound
-#: case; a sparse call's cost is its per-tile fixed costs, which the ws kernel cuts). Read
-#: when a call is planned (cupyflash._gpu plan_fwd): set it, then ``_gpu.clear_plans()``.
-FWD_WS_BLOCK_MAP: bool | tuple[int, ...] = (64, 128)
+#: True (the default: at every head_dim the kernel has; 1.08-1.27x the cp.async wgmma kernel
+#: at 64 and 128, PERF.md v25, run 116; at 192 and 256, where the mask ran on the mma.sync
+#: kernel, since run 132's block-sparse GPU tests there), False (the cp.async kernel), or a
+#: tuple of padded head_dims. Independent of FWD_WS (whose D=64 is off for the dense
+#: softmax-bound case; a sparse call's cost is its per-tile fixed costs, which the ws kernel
+#: cuts). Read when a call is planned (cupyflash._gpu plan_fwd): set it, then
+#: ``_gpu.clear_plans()``.
+FWD_WS_BLOCK_MAP: bool | tuple[int, ...] = True
 #: The padded head_dims the switch (FWD_WS) sends to the warp-specialised forward: where
 #: it is expected to beat the wgmma kernel. D=128 since run 69 (1.20-1.23x); D=64 since run
 #: 121 (PERF.md v26, run 123: 0.998-1.578x the cp.async kernel, median 1.108, 192 rows
@@ -316,14 +316,6 @@ _FWD_WS_SPILLS = {
 }
 
 
-#: The padded head_dims whose packed batches stay on the mma.sync kernel: the ws kernel's
-#: packed path (each sequence's offsets, the producer's zeroing of a last V block's rows past
-#: the sequence) has not yet been checked against the reference on the GPU at these
-#: head_dims (session 18: only a finite-output memcheck case at 256, run 129, since removed
-#: from .ci/sanitize_ws.py). tests/test_gpu_varlen_ws.py has the cases, run without this table.
-_FWD_WS_DENSE_ONLY = (192, 256)
-
-
 def fwd_ws_spills(head_dim_padded: int, variant: int, varlen: bool, persistent: bool) -> bool:
     """Whether the ws forward at this padded head_dim spills with these variant bits,
     packed or not, persistent or not (_FWD_WS_SPILLS)."""
@@ -374,14 +366,12 @@ def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: i
     9.0, with no variant outside FWD_WS_VARIANTS but a mask with its map (FWD_WS_MAP_VARIANTS,
     both bits or neither, read in pairs: not VAR_BIAS_STRIDED; not with FWD_WS_MAP_SPILLS;
     ``variant`` as :func:`ws_fwd_variant` compiles it), and not where it spills one block
-    per tile at this head_dim (:func:`fwd_ws_spills`; ``varlen``: a packed batch, not at
-    _FWD_WS_DENSE_ONLY's head_dims)."""
+    per tile at this head_dim (:func:`fwd_ws_spills`; ``varlen``: a packed batch)."""
     map_bits = variant & FWD_WS_MAP_VARIANTS
     return (cc == (9, 0) and vec and head_dim_padded in _FWD_WS
             and not variant & ~(FWD_WS_VARIANTS | FWD_WS_MAP_VARIANTS) and map_bits in (0, FWD_WS_MAP_VARIANTS)
             and not (map_bits and variant & FWD_WS_MAP_SPILLS)
-            and not fwd_ws_spills(head_dim_padded, variant, varlen, False)
-            and not (varlen and head_dim_padded in _FWD_WS_DENSE_ONLY))
+            and not fwd_ws_spills(head_dim_padded, variant, varlen, False))
 
 
 def fwd_ws_tile(head_dim_padded: int, causal: bool, variant: int = 0) -> tuple[int, int]:
@@ -1350,12 +1340,30 @@ def bwd_dkdv_sm90_launch(dtype: str, head_dim_padded: int, causal: bool, even_k:
 # v25, run 116, median 1.17x over 13 points).
 # BWD_WS: True takes it there, False keeps the cp.async kernels (CUPYFLASH_BWD_WS=0 at
 # import; or set here, then ``cupyflash._gpu.clear_plans()``).
-BWD_WS_HEAD_DIMS = (64, 128)
+# Above 128 (BWD_WS_ROLES_HEAD_DIMS) the kernel splits its consumers by role, not by keys
+# (flash_bwd_ws.cu BwdWsTraits::ROLES): one block of 64 keys, dV in one warpgroup, dK in
+# the other (a warpgroup's dK and dV at D=256 would be 256 registers), dQ added into
+# dq_accum from registers (its fp32 rows do not fit in shared memory beside the stages),
+# in the plain layout; there the backward had only the mma.sync kernels.
+BWD_WS_HEAD_DIMS = (64, 128, 192, 256)
 #: The padded head_dims the ws kernel is compiled for (check-kernels lists them whatever
 #: BWD_WS_HEAD_DIMS selects), each with the dQ mode its plan would take.
-BWD_WS_KERNEL_HEAD_DIMS = (64, 128)
+BWD_WS_KERNEL_HEAD_DIMS = (64, 128, 192, 256)
+BWD_WS_ROLES_HEAD_DIMS = (192, 256)
 BWD_WS_THREADS = 384
-BWD_WS_BLOCK_M, BWD_WS_BLOCK_N, BWD_WS_STAGES = 64, 128, 2
+BWD_WS_BLOCK_M, BWD_WS_STAGES = 64, 2
+
+
+def bwd_ws_roles(head_dim_padded: int) -> bool:
+    """Whether the ws backward splits its consumers by role at this padded head_dim
+    (BwdWsTraits::ROLES: HEAD_DIM > 128)."""
+    return head_dim_padded in BWD_WS_ROLES_HEAD_DIMS
+
+
+def bwd_ws_block_n(head_dim_padded: int) -> int:
+    """Keys per block of the ws backward (BwdWsTraits::BLOCK_N, the rows of its K and V
+    TMA boxes): 128 (64 per consumer warpgroup), 64 where split by roles."""
+    return 64 if bwd_ws_roles(head_dim_padded) else 128
 #: Query rows per step of the ws kernel without dQ at D=64, one of BWD_WS_D64_BLOCK_MS (the
 #: kernel's static_assert): 64 (BWD_WS_BLOCK_M), or 128, FlashAttention-3's hdim-64 backward
 #: tile (128 x 128; hopper/flash_bwd_launch_template.h), which halves the per-row share of
@@ -1380,10 +1388,20 @@ BWD_WS_VARIANTS = FWD_WS_VARIANTS
 BWD_WS_VARIANT_SPILLS = (VAR_ALIBI | VAR_DROPOUT, VAR_SOFTCAP | VAR_ALIBI, VAR_WINDOW | VAR_DROPOUT)
 
 
-def bwd_ws_takes(variant: int) -> bool:
-    """Whether the warp-specialised backward's kernel compiles these variant bits with no
-    spill (FWD_WS_VARIANTS less BWD_WS_VARIANT_SPILLS), whatever BWD_WS_VARIANTS says."""
-    return not variant & ~FWD_WS_VARIANTS and not any(variant & s == s for s in BWD_WS_VARIANT_SPILLS)
+#: ... and where split by roles (:func:`bwd_ws_roles`), per padded head_dim, from every
+#: subset of the five compiled (check-kernels sm_90, NVRTC 13.0, fp16 and bf16, causal or
+#: not): at 256 softcap with ALiBi (20-156 bytes), and a window with ALiBi and dropout
+#: (non-causal 68); 192 takes all five.
+_BWD_WS_ROLES_SPILLS: dict[int, tuple[int, ...]] = {256: (VAR_SOFTCAP | VAR_ALIBI, VAR_WINDOW | VAR_ALIBI | VAR_DROPOUT),
+                                                    192: ()}
+
+
+def bwd_ws_takes(variant: int, head_dim_padded: int = 128) -> bool:
+    """Whether the warp-specialised backward's kernel at this padded head_dim compiles these
+    variant bits with no spill (FWD_WS_VARIANTS less BWD_WS_VARIANT_SPILLS, or
+    _BWD_WS_ROLES_SPILLS where split by roles), whatever BWD_WS_VARIANTS says."""
+    spills = _BWD_WS_ROLES_SPILLS[head_dim_padded] if bwd_ws_roles(head_dim_padded) else BWD_WS_VARIANT_SPILLS
+    return not variant & ~FWD_WS_VARIANTS and not any(variant & s == s for s in spills)
 
 
 #: The variants of the warp-specialised backward that check-kernels compiles (at D=128,
@@ -1399,7 +1417,7 @@ def uses_ws_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: i
     set it spills with: :func:`bwd_ws_takes`), not deterministic, at BWD_WS_HEAD_DIMS."""
     ws = BWD_WS if ws is None else ws
     return (ws and cc == (9, 0) and vec and head_dim_padded in BWD_WS_HEAD_DIMS and not variant & ~BWD_WS_VARIANTS
-            and bwd_ws_takes(variant) and not deterministic and not varlen)
+            and bwd_ws_takes(variant, head_dim_padded) and not deterministic and not varlen)
 
 
 def bwd_ws_block_m(head_dim_padded: int, with_dq: bool, d64_block_m: int | None = None) -> int:
@@ -1412,12 +1430,16 @@ def bwd_ws_block_m(head_dim_padded: int, with_dq: bool, d64_block_m: int | None 
 
 
 def bwd_ws_smem_bytes(head_dim_padded: int, block_m: int = BWD_WS_BLOCK_M, with_dq: bool = True) -> int:
-    """kernels_cu/flash_bwd_ws.cu BwdWsTraits::SMEM_BYTES: K, V, (with dQ) two dSᵀ tiles,
-    STAGES x (Q, dO), STAGES x (lse_log2, delta), (with dQ) the dQ rows (unpadded), the
-    SeqLens slot, the mbarriers (full_kv, full_q, empty_q: 8 bytes each), 1 KB of alignment."""
-    d, m, n, stages = head_dim_padded, block_m, BWD_WS_BLOCK_N, BWD_WS_STAGES
-    dq = 2 * n * m * 2 + m * d * 4 if with_dq else 0
-    return (2 * n * d * 2 + dq + stages * 2 * m * d * 2 + stages * 2 * m * 4 + _SEQLENS_SLOT_BYTES
+    """kernels_cu/flash_bwd_ws.cu BwdWsTraits::SMEM_BYTES: K, V, (with dQ) the dSᵀ tiles (two;
+    one by roles), (by roles) the Pᵀ tile, STAGES x (Q, dO), STAGES x (lse_log2, delta), (with
+    dQ, by keys) the dQ rows (unpadded), the SeqLens slot, the mbarriers (full_kv,
+    full_q, empty_q: 8 bytes each), 1 KB of alignment."""
+    d, m, n, stages = head_dim_padded, block_m, bwd_ws_block_n(head_dim_padded), BWD_WS_STAGES
+    if bwd_ws_roles(d):
+        extra = n * m * 2 + n * m * 2  # one dSᵀ tile, the Pᵀ tile
+    else:
+        extra = 2 * n * m * 2 + m * d * 4 if with_dq else 0
+    return (2 * n * d * 2 + extra + stages * 2 * m * d * 2 + stages * 2 * m * 4 + _SEQLENS_SLOT_BYTES
             + 8 * (1 + 2 * stages) + 1024)
 
 
@@ -1428,9 +1450,13 @@ def bwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
     WITH_DQ, VARIANT>``; ``variant``: bits the kernel takes (:func:`bwd_ws_takes`);
     ``with_dq``: dQ added into dq_accum by the kernel (False: the wgmma dQ kernel's);
     ``block_m``: query rows per step (:func:`bwd_ws_block_m`)."""
-    if not bwd_ws_takes(variant):
-        raise ValueError(f"cupyflash: the warp-specialised backward takes the variant bits {FWD_WS_VARIANTS} "
-                         f"less the sets {BWD_WS_VARIANT_SPILLS}; got {variant}")
+    if not bwd_ws_takes(variant, head_dim_padded):
+        spills = _BWD_WS_ROLES_SPILLS[head_dim_padded] if bwd_ws_roles(head_dim_padded) else BWD_WS_VARIANT_SPILLS
+        raise ValueError(f"cupyflash: the warp-specialised backward at head_dim {head_dim_padded} takes the "
+                         f"variant bits {FWD_WS_VARIANTS} less the sets {spills}; got {variant}")
+    if bwd_ws_roles(head_dim_padded) and not with_dq:
+        raise ValueError(f"cupyflash: the warp-specialised backward at head_dim {head_dim_padded} computes dQ "
+                         f"itself (split by roles); got with_dq False")
     if block_m not in BWD_WS_D64_BLOCK_MS or block_m != bwd_ws_block_m(head_dim_padded, with_dq, block_m) or (
             block_m != BWD_WS_BLOCK_M and variant):
         raise ValueError(f"cupyflash: the warp-specialised backward takes {block_m} query rows per step only "
@@ -1448,7 +1474,9 @@ def bwd_ws_check_launches(dtype: str, head_dim_padded: int, causal: bool, even_k
     mode of the set's plan (:func:`bwd_ws_separate_dq`), and, plain at D=64 (without dQ), at
     each of BWD_WS_D64_BLOCK_MS query rows per step."""
     out = []
-    for bits in (0, *BWD_WS_CHECK_VARIANTS):
+    check = BWD_WS_CHECK_VARIANTS if not bwd_ws_roles(head_dim_padded) else tuple(
+        bits for bits in FWD_WS_CHECK_VARIANTS if bwd_ws_takes(bits, head_dim_padded))
+    for bits in (0, *check):
         with_dq = not bwd_ws_separate_dq(head_dim_padded, bits)
         block_ms = {bwd_ws_block_m(head_dim_padded, with_dq, wide) for wide in BWD_WS_D64_BLOCK_MS}
         out.extend(bwd_ws_launch(dtype, head_dim_padded, causal, even_k, variant=bits, with_dq=with_dq, block_m=m)
@@ -1612,13 +1640,15 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     smem_limit = max_smem_per_block(cc)
     staged, variant = variant & VAR_BIAS_STAGED, variant & ~VAR_BIAS_STAGED
     sm90 = uses_sm90_bwd(d, vec, cc, variant | staged)
-    ws = sm90 and uses_ws_bwd(d, vec, cc, variant | staged | block_map, deterministic, varlen, ws)
+    ws = (sm90 or bwd_ws_roles(d)) and uses_ws_bwd(d, vec, cc, variant | staged | block_map, deterministic, varlen, ws)
     # dQ by its own kernel (no atomics): always when deterministic, and where measured faster
     # (the ws kernel then runs without dQ)
     separate_dq = deterministic or (sm90 and BWD_DQ_SM90 and (bwd_ws_separate_dq(d, variant) if ws
                                                               else _bwd_sm90_separate_dq(d)))
     ws_block_m = bwd_ws_block_m(d, not separate_dq) if ws else None
-    if sm90:
+    if ws:
+        block_n, stages = bwd_ws_block_n(d), BWD_WS_STAGES
+    elif sm90:
         block_n, stages = BWD_SM90_BLOCK_N, 2
     else:
         tile, stages = _pick_bwd_tile(d, smem_limit, causal, deterministic, vec, variant)
@@ -1649,7 +1679,8 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
                                and bwd_dq_smem_bytes(d, dq_tile, variant | staged) <= smem_limit)
         launches.append(bwd_dq_launch(dtype, d, dq_tile, causal, even_k, vec, dq_grid, dq_variant))
     else:
-        launches.append(bwd_convert_launch(dtype, vec, q_rows[0] * q_rows[1] * nheads_q, swizzled=ws))
+        launches.append(bwd_convert_launch(dtype, vec, q_rows[0] * q_rows[1] * nheads_q,
+                                           swizzled=ws and not bwd_ws_roles(d)))
     if kv_splits > 1:
         launches.append(bwd_convert_dkv_launch(dtype, vec, k_rows[0] * k_rows[1] * nheads_kv))
     if dbias_shape is not None and uses_sm90_dbias_strips(d, vec, cc, dbias_shape, batch, nheads_q, seqlen_q,
@@ -1664,7 +1695,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
         launches.append(bwd_dbias_launch(dtype, d, dbias_tile, dbias_stages, causal, even_k, vec,
                                          bwd_dbias_grid(dbias_tile, dbias_shape, seqlen_q, seqlen_k), variant))
     return BwdPlan(tuple(launches), d, stages, not separate_dq, kv_splits,
-                   (ws_block_m, BWD_WS_BLOCK_N, BWD_WS_BLOCK_N, ws_block_m) if ws else None)
+                   (ws_block_m, bwd_ws_block_n(d), bwd_ws_block_n(d), ws_block_m) if ws else None)
 
 
 def bwd_block_map_tiles(plan: BwdPlan) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:

@@ -16,24 +16,27 @@
 
 namespace cupyflash {
 
+// acc (64 keys x BLOCK_M) = X·Yᵀ for warpgroup wg's 64 keys of the key-side tile at sX
+// (BLOCK_N rows: K or V) against the BLOCK_M rows at sY (Q or dO): Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ;
+// one group.
+template <typename T, int BLOCK_M, int BLOCK_N, int HEAD_DIM>
+__device__ __forceinline__ void issue_keys_ss(float (&acc)[BLOCK_M / 8][4], uint32 sX, uint32 sY, int wg) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        Wgmma<T, BLOCK_M>::template ss<0, 0>(acc, desc_k_major<BLOCK_N>(sX, wg * 64, kk),
+                                             desc_k_major<BLOCK_M>(sY, 0, kk), kk > 0);
+    }
+    wgmma_commit();
+}
+
 // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for warpgroup wg's 64 keys of the K, V tiles (BLOCK_N rows)
 // against the BLOCK_M rows of Q, dO: two groups, Sᵀ's the older.
 template <typename T, int BLOCK_M, int BLOCK_N, int HEAD_DIM>
 __device__ __forceinline__ void issue_st_dpt(float (&st)[BLOCK_M / 8][4], float (&dpt)[BLOCK_M / 8][4], uint32 sK,
                                              uint32 sV, uint32 sQ, uint32 sdO, int wg) {
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        Wgmma<T, BLOCK_M>::template ss<0, 0>(st, desc_k_major<BLOCK_N>(sK, wg * 64, kk),
-                                             desc_k_major<BLOCK_M>(sQ, 0, kk), kk > 0);
-    }
-    wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        Wgmma<T, BLOCK_M>::template ss<0, 0>(dpt, desc_k_major<BLOCK_N>(sV, wg * 64, kk),
-                                             desc_k_major<BLOCK_M>(sdO, 0, kk), kk > 0);
-    }
-    wgmma_commit();
+    issue_keys_ss<T, BLOCK_M, BLOCK_N, HEAD_DIM>(st, sK, sQ, wg);
+    issue_keys_ss<T, BLOCK_M, BLOCK_N, HEAD_DIM>(dpt, sV, sdO, wg);
 }
 
 // acc (64 keys x HEAD_DIM) += A (64 keys x BLOCK_M, registers: acc_to_a_operand's) · B
@@ -247,33 +250,40 @@ __device__ __forceinline__ void prepare_store_dkdv(const BwdParams& p, float (&a
     asm volatile("" : "+r"(sK), "+r"(sV));
 }
 
-// The epilogue of the block's keys n0 .. n0 + keys_valid - 1 of (batch b, KV head h_kv):
-// dK·softmax_scale and dV, this thread's rows key_row0 and key_row0 + 8. A GQA group
-// split over several blocks (kv_splits > 1) writes fp32 partials (split's rows of
-// dkv_accum) straight from registers; else the rows are staged in T through the K and V
-// tiles at sK, sV (the caller has made sure no thread still reads them), sync() waits
-// for all THREADS threads, and they store 16-byte chunks (thread: this thread's index
-// among them, store_tile's).
-template <typename T, int BLOCK_N, int HEAD_DIM, int THREADS, bool EVEN_K, typename KVTile, typename Sync>
-__device__ __forceinline__ void store_dkdv(const BwdParams& p, const float (&acc_dk)[HEAD_DIM / 8][4],
-                                           const float (&acc_dv)[HEAD_DIM / 8][4], const SeqLens& seq, int b,
-                                           int h_kv, int split, int n0, int keys_valid, int key_row0, int t,
-                                           uint32 sK, uint32 sV, Sync sync, uint32 thread) {
+// Where a GQA group split over several blocks (kv_splits > 1) writes the fp32 partial dK
+// rows of the block's keys from n0 (split's rows of dkv_accum); dV's lie kv_splits x the
+// rows of one split further on (dkv_partial_dv).
+template <int HEAD_DIM>
+__device__ __forceinline__ float* dkv_partial_dk(const BwdParams& p, const SeqLens& seq, int b, int h_kv, int split,
+                                                 int n0) {
+    return p.dkv_accum + (split * key_rows(p) + key_row_index(p, b, h_kv, seq, n0)) * HEAD_DIM;
+}
+template <int HEAD_DIM>
+__device__ __forceinline__ float* dkv_partial_dv(const BwdParams& p, float* dk_part) {
+    return dk_part + p.kv_splits * key_rows(p) * HEAD_DIM;
+}
+
+// The accumulators acc[0 .. N) (dK, dV, or one of them) of this thread's key rows
+// key_row0 and key_row0 + 8, each times its scale: with kv_splits > 1 written as fp32 to
+// the partial rows at part[i] (the rows before keys_valid), else staged in T into the
+// KVTile at sX[i] for store_staged_dkdv.
+template <typename T, int HEAD_DIM, typename KVTile, int N>
+__device__ __forceinline__ void put_key_rows(const BwdParams& p, const float (*const (&acc)[N])[4],
+                                             const float (&scale)[N], float* const (&part)[N], const uint32 (&sX)[N],
+                                             int key_row0, int keys_valid, int t) {
     constexpr int D_TILES = HEAD_DIM / 8;
     if (p.kv_splits > 1) {
-        const int64 part_rows = key_rows(p);  // rows of one split
-        float* dk_part = p.dkv_accum + (split * part_rows + key_row_index(p, b, h_kv, seq, n0)) * HEAD_DIM;
-        float* dv_part = dk_part + p.kv_splits * part_rows * HEAD_DIM;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int row = key_row0 + hh * 8;
             if (row >= keys_valid) continue;
 #pragma unroll
             for (int j = 0; j < D_TILES; ++j) {
-                const int col = row * HEAD_DIM + j * 8 + 2 * t;
-                *reinterpret_cast<float2*>(dk_part + col) =
-                    make_float2(acc_dk[j][2 * hh] * p.softmax_scale, acc_dk[j][2 * hh + 1] * p.softmax_scale);
-                *reinterpret_cast<float2*>(dv_part + col) = make_float2(acc_dv[j][2 * hh], acc_dv[j][2 * hh + 1]);
+#pragma unroll
+                for (int i = 0; i < N; ++i) {
+                    *reinterpret_cast<float2*>(part[i] + row * HEAD_DIM + j * 8 + 2 * t) =
+                        make_float2(acc[i][j][2 * hh] * scale[i], acc[i][j][2 * hh + 1] * scale[i]);
+                }
             }
         }
         return;
@@ -282,15 +292,22 @@ __device__ __forceinline__ void store_dkdv(const BwdParams& p, const float (&acc
     for (int j = 0; j < D_TILES; ++j) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            const int r = key_row0 + hh * 8;
-            const uint32 dk2 = TypeTraits<T>::pack(acc_dk[j][2 * hh] * p.softmax_scale,
-                                                   acc_dk[j][2 * hh + 1] * p.softmax_scale);
-            const uint32 dv2 = TypeTraits<T>::pack(acc_dv[j][2 * hh], acc_dv[j][2 * hh + 1]);
-            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sK + KVTile::offset(r, j) + t * 4), "r"(dk2));
-            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sV + KVTile::offset(r, j) + t * 4), "r"(dv2));
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                const uint32 x2 = TypeTraits<T>::pack(acc[i][j][2 * hh] * scale[i], acc[i][j][2 * hh + 1] * scale[i]);
+                asm volatile("st.shared.u32 [%0], %1;\n"
+                             :: "r"(sX[i] + KVTile::offset(key_row0 + hh * 8, j) + t * 4), "r"(x2));
+            }
         }
     }
-    sync();
+}
+
+// The staged dK and dV tiles at sK, sV (put_key_rows's, every row staged and visible to
+// all THREADS threads) to dk, dv: the block's keys n0 .. n0 + keys_valid - 1 of (batch b,
+// KV head h_kv), in 16-byte chunks (thread: this thread's index among them, store_tile's).
+template <typename T, int BLOCK_N, int HEAD_DIM, int THREADS, bool EVEN_K, typename KVTile>
+__device__ __forceinline__ void store_staged_dkdv(const BwdParams& p, const SeqLens& seq, int b, int h_kv, int n0,
+                                                  int keys_valid, uint32 sK, uint32 sV, uint32 thread) {
     T* dk = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride +
             int64(seq.k_start + n0) * p.dk_row_stride;
     T* dv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride +
@@ -299,6 +316,27 @@ __device__ __forceinline__ void store_dkdv(const BwdParams& p, const float (&acc
                                                                     thread);
     store_tile<T, BLOCK_N, HEAD_DIM, THREADS, true, EVEN_K, KVTile>(dv, p.dv_row_stride, sV, keys_valid, p.head_dim,
                                                                     thread);
+}
+
+// The epilogue of the block's keys n0 .. n0 + keys_valid - 1 of (batch b, KV head h_kv),
+// where each thread holds both accumulators of its rows key_row0 and key_row0 + 8:
+// dK·softmax_scale and dV. A GQA group split over several blocks (kv_splits > 1) writes
+// fp32 partials straight from registers; else the rows are staged in T through the K and
+// V tiles at sK, sV (the caller has made sure no thread still reads them), sync() waits
+// for all THREADS threads, and they store 16-byte chunks (thread: this thread's index
+// among them, store_tile's).
+template <typename T, int BLOCK_N, int HEAD_DIM, int THREADS, bool EVEN_K, typename KVTile, typename Sync>
+__device__ __forceinline__ void store_dkdv(const BwdParams& p, const float (&acc_dk)[HEAD_DIM / 8][4],
+                                           const float (&acc_dv)[HEAD_DIM / 8][4], const SeqLens& seq, int b,
+                                           int h_kv, int split, int n0, int keys_valid, int key_row0, int t,
+                                           uint32 sK, uint32 sV, Sync sync, uint32 thread) {
+    float* const dk_part = p.kv_splits > 1 ? dkv_partial_dk<HEAD_DIM>(p, seq, b, h_kv, split, n0) : nullptr;
+    float* const parts[2] = {dk_part, p.kv_splits > 1 ? dkv_partial_dv<HEAD_DIM>(p, dk_part) : nullptr};
+    const float (*const accs[2])[4] = {acc_dk, acc_dv};
+    put_key_rows<T, HEAD_DIM, KVTile, 2>(p, accs, {p.softmax_scale, 1.f}, parts, {sK, sV}, key_row0, keys_valid, t);
+    if (p.kv_splits > 1) return;
+    sync();
+    store_staged_dkdv<T, BLOCK_N, HEAD_DIM, THREADS, EVEN_K, KVTile>(p, seq, b, h_kv, n0, keys_valid, sK, sV, thread);
 }
 
 }  // namespace cupyflash

@@ -81,12 +81,16 @@ struct BwdWsTraits {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
     static constexpr bool WITH_DQ = WITH_DQ_;
+    // Above 128 the warpgroups split the work by role, not by keys (see the header): one
+    // block of 64 keys, dV in warpgroup 0, dK in warpgroup 1, dQ added from registers.
+    static constexpr bool ROLES = HEAD_DIM > 128;
+    static_assert(!ROLES || WITH_DQ, "the split by roles computes dQ itself");
     // Query rows per step: 64, or 128 without dQ at D=64 (FlashAttention-3's hdim-64
     // backward tile, 128 x 128: Sᵀ, dPᵀ m64n128, dV, dK 8 k-steps); dQ's per-step
     // fragment (64 rows x HEAD_DIM / 2 per warpgroup) is written for 64.
     static constexpr int BLOCK_M = BLOCK_M_;
     static_assert(BLOCK_M == 64 || (BLOCK_M == 128 && !WITH_DQ), "64 query rows per step, or 128 without dQ");
-    static constexpr int BLOCK_N = 128;  // keys per block, 64 per consumer warpgroup
+    static constexpr int BLOCK_N = ROLES ? 64 : 128;  // keys per block: 64 per consumer warpgroup, or 64 shared
     static constexpr int STAGES = 2;     // Q, dO, lse_log2, delta in flight
     static constexpr int CONSUMERS = 2;
     static constexpr int NUM_THREADS = 128 * (1 + CONSUMERS);
@@ -99,21 +103,29 @@ struct BwdWsTraits {
     using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;   // Q, dO
     using DSTile = Swizzle128Tile<T, BLOCK_N, BLOCK_M>;   // dSᵀ: key rows, BLOCK_M query columns
     static constexpr int DQ_ROW_BYTES = HEAD_DIM * 4;
-    // From the 1024-byte aligned base: K, V, (WITH_DQ) dSᵀ x 2, STAGES x (Q, dO), STAGES x
-    // (lse_log2, delta), (WITH_DQ) the dQ rows, the block's SeqLens, the mbarriers (full_kv,
-    // full_q[STAGES], empty_q[STAGES]).
+    // dSᵀ tiles: two (the next step's never waits for this one's dQ GEMM) when split by
+    // keys; one when split by roles, whose barriers order its uses (see the consumers).
+    static constexpr int DS_TILES = !WITH_DQ ? 0 : ROLES ? 1 : 2;
+    // ROLES: Pᵀ from warpgroup 0 to warpgroup 1, in its A-operand registers' order
+    // (thread-major: 16-byte piece kk of consumer thread c at (kk·128 + c)·16).
+    static constexpr int PT_BYTES = ROLES ? BLOCK_N * BLOCK_M * int(sizeof(T)) : 0;
+    // From the 1024-byte aligned base: K, V, dSᵀ x DS_TILES, (ROLES) Pᵀ, STAGES x (Q, dO),
+    // STAGES x (lse_log2, delta), (WITH_DQ, by keys) the dQ rows, the block's SeqLens, the
+    // mbarriers (full_kv, full_q[STAGES], empty_q[STAGES]).
     static constexpr int DS_OFFSET = 2 * KVTile::BYTES;
-    static constexpr int Q_OFFSET = DS_OFFSET + (WITH_DQ ? 2 * DSTile::BYTES : 0);
+    static constexpr int PT_OFFSET = DS_OFFSET + DS_TILES * DSTile::BYTES;
+    static constexpr int Q_OFFSET = PT_OFFSET + PT_BYTES;
     static constexpr int STAGE_BYTES = 2 * QTile::BYTES;
     static constexpr int ROWS_OFFSET = Q_OFFSET + STAGES * STAGE_BYTES;
     static constexpr int DQ_OFFSET = ROWS_OFFSET + STAGES * 2 * BLOCK_M * 4;
-    static constexpr int SEQ_OFFSET = DQ_OFFSET + (WITH_DQ ? BLOCK_M * DQ_ROW_BYTES : 0);
+    static constexpr int SEQ_OFFSET = DQ_OFFSET + (WITH_DQ && !ROLES ? BLOCK_M * DQ_ROW_BYTES : 0);
     static constexpr int BAR_OFFSET = SEQ_OFFSET + SeqLensSlot::BYTES;
     static constexpr int SMEM_BYTES = BAR_OFFSET + 8 * (1 + 2 * STAGES) + 1024;  // +1024: the alignment
     static_assert(SMEM_BYTES <= 227 * 1024, "more shared memory than a Hopper block has");
-    // Named barriers: dSᵀ written (consumers); dQ written / read (consumers and warp 1);
-    // every consumer done with K and V (the epilogue stages dK, dV there).
-    static constexpr int DS_BAR = 1, DQ_FULL_BAR = 2, DQ_EMPTY_BAR = 3, EPILOGUE_BAR = 4;
+    // Named barriers. By keys: dSᵀ written (consumers); dQ written / read (consumers and
+    // warp 1). By roles: Pᵀ written (warpgroup 0 arrives, 1 waits); dSᵀ written (both).
+    // Both: every consumer done with K and V (the epilogue stages dK, dV there).
+    static constexpr int DS_BAR = 1, DQ_FULL_BAR = 2, DQ_EMPTY_BAR = 3, EPILOGUE_BAR = 4, PT_BAR = 5;
     static constexpr int DQ_BAR_THREADS = CONSUMER_THREADS + 32;
 };
 
@@ -223,7 +235,7 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
                 mbar_arrive(full_q(stage));  // (release: this lane's stores)
                 if (++m_block == m_end) { m_block = m_begin; ++h; }
             }
-        } else if (WITH_DQ && warp == 1) {
+        } else if (WITH_DQ && !Tr::ROLES && warp == 1) {
             // ---- dQ: each step's rows added into dq_accum by the copy engine
             if (num_iters > 0) named_barrier_arrive<Tr::DQ_BAR_THREADS>(Tr::DQ_EMPTY_BAR);  // sdQ starts free
             int h = h_first, m_block = m_begin;
@@ -252,124 +264,256 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
     const uint32 ct = threadIdx.x - 128;  // consumer thread
     const int warp = ct / 32, cw = warp / 4;
     const int g = lane / 4, t = lane % 4;
-    // This thread's fragment rows: keys key_row0 and key_row0 + 8 of the block (Sᵀ, dPᵀ,
-    // dK, dV); in dQ, query rows 16 (warp % 4) + g (+ 8) of the step, columns from dq_col0.
-    const int key_row0 = cw * 64 + (warp % 4) * 16 + g;
-    [[maybe_unused]] const int dq_row0 = (warp % 4) * 16 + g, dq_col0 = cw * DQ_COLS;
-
-    float acc_dk[D_TILES][4], acc_dv[D_TILES][4];
+    if constexpr (Tr::ROLES) {
+        // ---- split by roles: warpgroup 0 Sᵀ, Pᵀ, dV += Pᵀ·dO; warpgroup 1 dPᵀ, dSᵀ, dK +=
+        //      dSᵀ·Q; each half of dQ. Fragment rows: keys key_row0 and key_row0 + 8 of the
+        //      block in both (Sᵀ, dPᵀ, dK, dV); in dQ, the step's query rows alike, columns
+        //      from dq_col0.
+        const bool p_side = cw == 0;
+        const int key_row0 = (warp % 4) * 16 + g, dq_col0 = cw * DQ_COLS;
+        float acc[D_TILES][4];  // dV (warpgroup 0) or dK (warpgroup 1)
 #pragma unroll
-    for (int j = 0; j < D_TILES; ++j)
+        for (int j = 0; j < D_TILES; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) { acc_dk[j][e] = 0.f; acc_dv[j][e] = 0.f; }
-    if (num_iters > 0) mbar_wait(full_kv, 0);
+            for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+        if (num_iters > 0) mbar_wait(full_kv, 0);
+        const uint32 sPt = base + Tr::PT_OFFSET + (ct % 128) * 16;  // this thread's Pᵀ pieces, 2 KB apart
 
-    auto step = [&](int it, int h, int m_block, auto masked) {
-        constexpr bool MASKED = decltype(masked)::value;
-        const int stage = it % STAGES;
-        const int m0 = m_block * BLOCK_M;
-        const float* s_lse = reinterpret_cast<const float*>(smem + rows_offset(stage));
-        const float* s_delta = s_lse + BLOCK_M;
-        // Loop-invariant tile addresses, made opaque so the compiler rebuilds the
-        // descriptors each step instead of keeping them live (flash_bwd_sm90.cu).
-        uint32 sK_ = sK, sV_ = sV, sdS_ = WITH_DQ ? sdS(it & 1) : 0u;
-        asm volatile("" : "+r"(sK_), "+r"(sV_), "+r"(sdS_));
-        mbar_wait(full_q(stage), (it / STAGES) & 1);
-
-        // ---- Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warpgroup's 64 keys
-        float st[M_TILES][4], dpt[M_TILES][4];
-        issue_st_dpt<T, BLOCK_M, BLOCK_N, HEAD_DIM>(st, dpt, sK_, sV_, sQ(stage), sdO(stage), cw);
-        wgmma_wait<1>();
-        fence_operands(st);
-
-        // ---- Pᵀ = prob(score, lse) with the variant (bwd_sm90.cuh PtOperands)
-        PtOperands<T, BLOCK_M, IS_CAUSAL, VARIANT> pt;
-        pt.template recompute<MASKED, true>(st, p, seq_slot, s_lse, 0u, b, h, n0, key_row0, m0, g, t);
-        uint32 (&dv_a)[BLOCK_M / 16][4] = pt.dv_a();
-        // dPᵀ, then dSᵀ; dV's GEMM before (D=128: waited for with dPᵀ, its register operand
-        // live until it completes; D=64 computes dS under it; flash_bwd_sm90.cu) or, with
-        // dropout at D=128, after: Pᵀ (dS's) and Pᵀ∘Z (dV's) both live under it spilled
-        // 16-24 bytes (nvcc 13.0); so Pᵀ dies into dSᵀ first, and dV and dK go together.
-        constexpr bool DS_UNDER_DV = HEAD_DIM <= 64, DV_AFTER_DS = DROPOUT && !DS_UNDER_DV;
-        // ---- dV += Pᵀ·dO (∘Z)
-        if constexpr (!DV_AFTER_DS) issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc_dv, dv_a, sdO(stage));
-        wgmma_wait<DS_UNDER_DV ? 1 : 0>();
-        fence_operands(dpt);
-
-        // ---- dSᵀ = Pᵀ∘(dPᵀ∘Z·rp − delta) (∘(1 − tanh²)), with Pᵀ as rounded for dV
-        uint32 dsa[BLOCK_M / 16][4];
-        ds_from_dp<T, M_TILES, DROPOUT>(dpt, pt.ds_p(), s_delta, t, pt.keep, p.var.dropout_scale);
-        acc_to_a_operand<T>(dpt, dsa);
-        if constexpr (DV_AFTER_DS) issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc_dv, dv_a, sdO(stage));
-        // ---- dK += dSᵀ·Q (times softmax_scale in the epilogue)
-        issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc_dk, dsa, sQ(stage));
-
-        if constexpr (WITH_DQ) {
-            // ---- dSᵀ to shared memory (key rows, query columns), this step's buffer
-            store_ds_t<DSTile, BLOCK_M>(sdS_, dsa, key_row0, t);
-            fence_proxy_async_smem();
+        auto step = [&](int it, int h, int m_block, auto masked) {
+            constexpr bool MASKED = decltype(masked)::value;
+            const int stage = it % STAGES;
+            const int m0 = m_block * BLOCK_M;
+            const float* s_lse = reinterpret_cast<const float*>(smem + rows_offset(stage));
+            const float* s_delta = s_lse + BLOCK_M;
+            uint32 sK_ = sK, sV_ = sV, sdS_ = sdS(0);
+            asm volatile("" : "+r"(sK_), "+r"(sV_), "+r"(sdS_));
+            mbar_wait(full_q(stage), (it / STAGES) & 1);
+            uint32 dsa[BLOCK_M / 16][4];  // warpgroup 1: dSᵀ, live until dK += dSᵀ·Q has completed
+            if (p_side) {
+                // ---- Sᵀ = K·Qᵀ; Pᵀ = prob(score, lse) with the variant (bwd_sm90.cuh PtOperands)
+                float st[M_TILES][4];
+                wgmma_fence();
+                issue_keys_ss<T, BLOCK_M, BLOCK_N, HEAD_DIM>(st, sK_, sQ(stage), 0);
+                wgmma_wait<0>();
+                fence_operands(st);
+                PtOperands<T, BLOCK_M, IS_CAUSAL, VARIANT> pt;
+                pt.template recompute<MASKED, true>(st, p, seq_slot, s_lse, 0u, b, h, n0, key_row0, m0, g, t);
+                // ---- Pᵀ as dSᵀ takes it (softcap: P·(1 − tanh²)) to warpgroup 1, thread for thread
+#pragma unroll
+                for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+                    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
+                                 :: "r"(sPt + kk * 128 * 16), "r"(pt.ds_p()[kk][0]), "r"(pt.ds_p()[kk][1]),
+                                 "r"(pt.ds_p()[kk][2]), "r"(pt.ds_p()[kk][3]) : "memory");
+                }
+                named_barrier_arrive<Tr::CONSUMER_THREADS>(Tr::PT_BAR);
+                // ---- dV += Pᵀ·dO (∘Z)
+                issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc, pt.dv_a(), sdO(stage));
+                wgmma_wait<0>();  // this warp is done with the stage's Q and dO
+                fence_operands(pt.dv_a());
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty_q(stage));
+            } else {
+                // ---- dPᵀ = V·dOᵀ; with dropout, Z (the keep bits warpgroup 0 draws for the same rows)
+                float dpt[M_TILES][4];
+                wgmma_fence();
+                issue_keys_ss<T, BLOCK_M, BLOCK_N, HEAD_DIM>(dpt, sV_, sdO(stage), 0);
+                KeepBitsT keep;
+                if constexpr (DROPOUT) keep.draw(Dropout(p.var, b, h, p.nheads_q), n0 + key_row0 - g, m0 + 2 * t, g, t);
+                wgmma_wait<0>();
+                fence_operands(dpt);
+                // ---- dSᵀ = Pᵀ∘(dPᵀ∘Z·rp − delta) (∘(1 − tanh²)), with warpgroup 0's Pᵀ
+                named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::PT_BAR);
+                uint32 pa[BLOCK_M / 16][4];
+#pragma unroll
+                for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+                    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                                 : "=r"(pa[kk][0]), "=r"(pa[kk][1]), "=r"(pa[kk][2]), "=r"(pa[kk][3])
+                                 : "r"(sPt + kk * 128 * 16) : "memory");
+                }
+                ds_from_dp<T, M_TILES, DROPOUT>(dpt, pa, s_delta, t, keep, p.var.dropout_scale);
+                acc_to_a_operand<T>(dpt, dsa);
+                // ---- dK += dSᵀ·Q (times softmax_scale in the epilogue); dSᵀ to shared memory
+                issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc, dsa, sQ(stage));
+                store_ds_t<DSTile, BLOCK_M>(sdS_, dsa, key_row0, t);
+                fence_proxy_async_smem();
+            }
             named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::DS_BAR);  // all of dSᵀ written
 
-            // ---- dQ[0 .. 64, dq_col0 .. + DQ_COLS] = dS·K over all 128 keys: A = dS read
-            //      MN-major from the dSᵀ tile, B = K read MN-major (its columns from dq_col0)
+            // ---- dQ[0 .. 64, dq_col0 .. + DQ_COLS) = dS·K over the block's 64 keys, added
+            //      into dq_accum from registers (its rows before seqlen_q; no bulk copy: the
+            //      fp32 rows would not fit in shared memory beside the stages)
             float dq[DQ_COLS / 8][4];
             issue_dq<T, BLOCK_N, DQ_COLS, KVTile>(dq, sdS_, sK_, dq_col0);
-            wgmma_wait<1>();  // dV, dK done: this warp is done with the stage's Q and dO
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty_q(stage));
             wgmma_wait<0>();
+            if (!p_side) {
+                fence_operands(dsa);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty_q(stage));  // dK done: this warp is done with Q and dO
+            }
             fence_operands(dq);
-
-            // ---- dQ to sdQ, in dq_accum's layout, for warp 1's reduce-add (once it has read
-            //      the step before's). This thread's rows (dq_row0, + 8) are alike mod 4 (m0 is
-            //      a multiple of 64), so their pieces are permuted alike; and the permutation
-            //      touches the low two bits only, so piece dq_col0 / 8 + j (dq_col0 / 8 is 0 or
-            //      a multiple of 8) lies at dq_col0 / 8 + dq_accum_piece(j, ..).
-            named_barrier_sync<Tr::DQ_BAR_THREADS>(Tr::DQ_EMPTY_BAR);
-            const uint32 sdq_row = sdQ + dq_row0 * Tr::DQ_ROW_BYTES + dq_col0 * 4 + t * 8;
+            const SeqLens sq = seq_slot.load();
+            const int rows_valid = sq.seqlen_q - m0;
+            float* dq_rows = p.dq_accum + (query_row_index(p, b, h, sq, m0) + key_row0) * HEAD_DIM + dq_col0 + 2 * t;
 #pragma unroll
-            for (int j = 0; j < DQ_COLS / 8; ++j) {
+            for (int hh = 0; hh < 2; ++hh) {
+                if (key_row0 + 8 * hh >= rows_valid) continue;
 #pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
-                                 :: "r"(sdq_row + dq_accum_piece(j, dq_row0) * 32 + hh * 8 * Tr::DQ_ROW_BYTES),
-                                 "f"(dq[j][2 * hh]), "f"(dq[j][2 * hh + 1]));
+                for (int j = 0; j < DQ_COLS / 8; ++j) {
+                    red_add_f32x2(dq_rows + hh * 8 * HEAD_DIM + 8 * j, dq[j][2 * hh], dq[j][2 * hh + 1]);
                 }
             }
-            fence_proxy_async_shared();  // this thread's stores before the copy engine's reads
-            named_barrier_arrive<Tr::DQ_BAR_THREADS>(Tr::DQ_FULL_BAR);
-        } else {
-            wgmma_wait<0>();  // dV, dK done: this warp is done with the stage's Q and dO
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty_q(stage));
+            fence_operands(acc);
+        };
+
+        int h = h_first, m_block = m_begin;
+        for (int it = 0; it < num_iters; ++it) {
+            if (WINDOW ? blocks.masked(m_block) : m_block < m_masked_end) step(it, h, m_block, Bool<true>{});
+            else step(it, h, m_block, Bool<false>{});
+            if (++m_block == m_end) { m_block = m_begin; ++h; }
         }
-        if constexpr (DS_UNDER_DV) fence_operands(dv_a);  // live until P·dO completed
-        fence_operands(acc_dv);
-        fence_operands(acc_dk);
-    };
+        named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR);  // every consumer is done with sK, sV
+        const SeqLens seq_end = seq_slot.load();
 
-    // the producer's steps, in its order (heads outer)
-    int h = h_first, m_block = m_begin;
-    for (int it = 0; it < num_iters; ++it) {
-        if (WINDOW ? blocks.masked(m_block) : m_block < m_masked_end) step(it, h, m_block, Bool<true>{});
-        else step(it, h, m_block, Bool<false>{});
-        if (++m_block == m_end) { m_block = m_begin; ++h; }
+        // ---- epilogue: each warpgroup stages its accumulator (dV in sV, dK·scale in sK),
+        //      then all store both (or, a GQA group split over blocks, writes its fp32 partials)
+        uint32 sK_ = sK, sV_ = sV;
+        if (p_side) prepare_store_dkdv<DROPOUT>(p, acc, sK_, sV_);
+        else asm volatile("" : "+r"(sK_), "+r"(sV_));
+        const KeyTileCoords te = VARIANT ? key_tile_coords_again(p, BLOCK_N) : tc;
+        const int n0_end = VARIANT ? te.n_block * BLOCK_N : n0;
+        const int keys_end = VARIANT ? min(BLOCK_N, seq_end.seqlen_k - n0_end) : keys_valid;
+        float* part = nullptr;
+        if (p.kv_splits > 1) {
+            part = dkv_partial_dk<HEAD_DIM>(p, seq_end, te.b, te.h_kv, te.split, n0_end);
+            if (p_side) part = dkv_partial_dv<HEAD_DIM>(p, part);
+        }
+        const float (*const accs[1])[4] = {acc};
+        put_key_rows<T, HEAD_DIM, KVTile, 1>(p, accs, {p_side ? 1.f : p.softmax_scale}, {part},
+                                             {p_side ? sV_ : sK_}, key_row0, keys_end, t);
+        if (p.kv_splits > 1) return;
+        named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR);
+        store_staged_dkdv<T, BLOCK_N, HEAD_DIM, Tr::CONSUMER_THREADS, EVEN_K, KVTile>(
+            p, seq_end, te.b, te.h_kv, n0_end, keys_end, sK_, sV_, ct);
+    } else {
+        // This thread's fragment rows: keys key_row0 and key_row0 + 8 of the block (Sᵀ, dPᵀ,
+        // dK, dV); in dQ, query rows 16 (warp % 4) + g (+ 8) of the step, columns from dq_col0.
+        const int key_row0 = cw * 64 + (warp % 4) * 16 + g;
+        [[maybe_unused]] const int dq_row0 = (warp % 4) * 16 + g, dq_col0 = cw * DQ_COLS;
+
+        float acc_dk[D_TILES][4], acc_dv[D_TILES][4];
+    #pragma unroll
+        for (int j = 0; j < D_TILES; ++j)
+    #pragma unroll
+            for (int e = 0; e < 4; ++e) { acc_dk[j][e] = 0.f; acc_dv[j][e] = 0.f; }
+        if (num_iters > 0) mbar_wait(full_kv, 0);
+
+        auto step = [&](int it, int h, int m_block, auto masked) {
+            constexpr bool MASKED = decltype(masked)::value;
+            const int stage = it % STAGES;
+            const int m0 = m_block * BLOCK_M;
+            const float* s_lse = reinterpret_cast<const float*>(smem + rows_offset(stage));
+            const float* s_delta = s_lse + BLOCK_M;
+            // Loop-invariant tile addresses, made opaque so the compiler rebuilds the
+            // descriptors each step instead of keeping them live (flash_bwd_sm90.cu).
+            uint32 sK_ = sK, sV_ = sV, sdS_ = WITH_DQ ? sdS(it & 1) : 0u;
+            asm volatile("" : "+r"(sK_), "+r"(sV_), "+r"(sdS_));
+            mbar_wait(full_q(stage), (it / STAGES) & 1);
+
+            // ---- Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warpgroup's 64 keys
+            float st[M_TILES][4], dpt[M_TILES][4];
+            issue_st_dpt<T, BLOCK_M, BLOCK_N, HEAD_DIM>(st, dpt, sK_, sV_, sQ(stage), sdO(stage), cw);
+            wgmma_wait<1>();
+            fence_operands(st);
+
+            // ---- Pᵀ = prob(score, lse) with the variant (bwd_sm90.cuh PtOperands)
+            PtOperands<T, BLOCK_M, IS_CAUSAL, VARIANT> pt;
+            pt.template recompute<MASKED, true>(st, p, seq_slot, s_lse, 0u, b, h, n0, key_row0, m0, g, t);
+            uint32 (&dv_a)[BLOCK_M / 16][4] = pt.dv_a();
+            // dPᵀ, then dSᵀ; dV's GEMM before (D=128: waited for with dPᵀ, its register operand
+            // live until it completes; D=64 computes dS under it; flash_bwd_sm90.cu) or, with
+            // dropout at D=128, after: Pᵀ (dS's) and Pᵀ∘Z (dV's) both live under it spilled
+            // 16-24 bytes (nvcc 13.0); so Pᵀ dies into dSᵀ first, and dV and dK go together.
+            constexpr bool DS_UNDER_DV = HEAD_DIM <= 64, DV_AFTER_DS = DROPOUT && !DS_UNDER_DV;
+            // ---- dV += Pᵀ·dO (∘Z)
+            if constexpr (!DV_AFTER_DS) issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc_dv, dv_a, sdO(stage));
+            wgmma_wait<DS_UNDER_DV ? 1 : 0>();
+            fence_operands(dpt);
+
+            // ---- dSᵀ = Pᵀ∘(dPᵀ∘Z·rp − delta) (∘(1 − tanh²)), with Pᵀ as rounded for dV
+            uint32 dsa[BLOCK_M / 16][4];
+            ds_from_dp<T, M_TILES, DROPOUT>(dpt, pt.ds_p(), s_delta, t, pt.keep, p.var.dropout_scale);
+            acc_to_a_operand<T>(dpt, dsa);
+            if constexpr (DV_AFTER_DS) issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc_dv, dv_a, sdO(stage));
+            // ---- dK += dSᵀ·Q (times softmax_scale in the epilogue)
+            issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc_dk, dsa, sQ(stage));
+
+            if constexpr (WITH_DQ) {
+                // ---- dSᵀ to shared memory (key rows, query columns), this step's buffer
+                store_ds_t<DSTile, BLOCK_M>(sdS_, dsa, key_row0, t);
+                fence_proxy_async_smem();
+                named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::DS_BAR);  // all of dSᵀ written
+
+                // ---- dQ[0 .. 64, dq_col0 .. + DQ_COLS] = dS·K over all 128 keys: A = dS read
+                //      MN-major from the dSᵀ tile, B = K read MN-major (its columns from dq_col0)
+                float dq[DQ_COLS / 8][4];
+                issue_dq<T, BLOCK_N, DQ_COLS, KVTile>(dq, sdS_, sK_, dq_col0);
+                wgmma_wait<1>();  // dV, dK done: this warp is done with the stage's Q and dO
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty_q(stage));
+                wgmma_wait<0>();
+                fence_operands(dq);
+
+                // ---- dQ to sdQ, in dq_accum's layout, for warp 1's reduce-add (once it has read
+                //      the step before's). This thread's rows (dq_row0, + 8) are alike mod 4 (m0 is
+                //      a multiple of 64), so their pieces are permuted alike; and the permutation
+                //      touches the low two bits only, so piece dq_col0 / 8 + j (dq_col0 / 8 is 0 or
+                //      a multiple of 8) lies at dq_col0 / 8 + dq_accum_piece(j, ..).
+                named_barrier_sync<Tr::DQ_BAR_THREADS>(Tr::DQ_EMPTY_BAR);
+                const uint32 sdq_row = sdQ + dq_row0 * Tr::DQ_ROW_BYTES + dq_col0 * 4 + t * 8;
+    #pragma unroll
+                for (int j = 0; j < DQ_COLS / 8; ++j) {
+    #pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
+                                     :: "r"(sdq_row + dq_accum_piece(j, dq_row0) * 32 + hh * 8 * Tr::DQ_ROW_BYTES),
+                                     "f"(dq[j][2 * hh]), "f"(dq[j][2 * hh + 1]));
+                    }
+                }
+                fence_proxy_async_shared();  // this thread's stores before the copy engine's reads
+                named_barrier_arrive<Tr::DQ_BAR_THREADS>(Tr::DQ_FULL_BAR);
+            } else {
+                wgmma_wait<0>();  // dV, dK done: this warp is done with the stage's Q and dO
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty_q(stage));
+            }
+            if constexpr (DS_UNDER_DV) fence_operands(dv_a);  // live until P·dO completed
+            fence_operands(acc_dv);
+            fence_operands(acc_dk);
+        };
+
+        // the producer's steps, in its order (heads outer)
+        int h = h_first, m_block = m_begin;
+        for (int it = 0; it < num_iters; ++it) {
+            if (WINDOW ? blocks.masked(m_block) : m_block < m_masked_end) step(it, h, m_block, Bool<true>{});
+            else step(it, h, m_block, Bool<false>{});
+            if (++m_block == m_end) { m_block = m_begin; ++h; }
+        }
+        named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR);  // every consumer is done with sK, sV
+        const SeqLens seq_end = seq_slot.load();
+
+        // ---- epilogue: dK·scale, dV (staged through sK / sV).
+        //      With a variant the tile's coordinates are recomputed here: its code leaves no
+        //      registers to hold them across the loop (dropout, a window with ALiBi: 8-24 bytes
+        //      of spill, nvcc 13.0); the plain kernel keeps them.
+        uint32 sK_ = sK, sV_ = sV;
+        prepare_store_dkdv<DROPOUT>(p, acc_dv, sK_, sV_);
+        const KeyTileCoords te = VARIANT ? key_tile_coords_again(p, BLOCK_N) : tc;
+        const int n0_end = VARIANT ? te.n_block * BLOCK_N : n0;
+        const int keys_end = VARIANT ? min(BLOCK_N, seq_end.seqlen_k - n0_end) : keys_valid;
+        store_dkdv<T, BLOCK_N, HEAD_DIM, Tr::CONSUMER_THREADS, EVEN_K, KVTile>(
+            p, acc_dk, acc_dv, seq_end, te.b, te.h_kv, te.split, n0_end, keys_end, key_row0, t, sK_, sV_,
+            [] { named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR); }, ct);
     }
-    named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR);  // every consumer is done with sK, sV
-    const SeqLens seq_end = seq_slot.load();
-
-    // ---- epilogue: dK·scale, dV (staged through sK / sV).
-    //      With a variant the tile's coordinates are recomputed here: its code leaves no
-    //      registers to hold them across the loop (dropout, a window with ALiBi: 8-24 bytes
-    //      of spill, nvcc 13.0); the plain kernel keeps them.
-    uint32 sK_ = sK, sV_ = sV;
-    prepare_store_dkdv<DROPOUT>(p, acc_dv, sK_, sV_);
-    const KeyTileCoords te = VARIANT ? key_tile_coords_again(p, BLOCK_N) : tc;
-    const int n0_end = VARIANT ? te.n_block * BLOCK_N : n0;
-    const int keys_end = VARIANT ? min(BLOCK_N, seq_end.seqlen_k - n0_end) : keys_valid;
-    store_dkdv<T, BLOCK_N, HEAD_DIM, Tr::CONSUMER_THREADS, EVEN_K, KVTile>(
-        p, acc_dk, acc_dv, seq_end, te.b, te.h_kv, te.split, n0_end, keys_end, key_row0, t, sK_, sV_,
-        [] { named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR); }, ct);
 }
 
 }  // namespace cupyflash

@@ -141,6 +141,7 @@ template <typename T, int N> struct Wgmma;
 #define CUPYFLASH_ACC_128 CUPYFLASH_ACC_64, \
     CUPYFLASH_ACC4(8), CUPYFLASH_ACC4(9), CUPYFLASH_ACC4(10), CUPYFLASH_ACC4(11), \
     CUPYFLASH_ACC4(12), CUPYFLASH_ACC4(13), CUPYFLASH_ACC4(14), CUPYFLASH_ACC4(15)
+#define CUPYFLASH_ACC_96 CUPYFLASH_ACC_64, CUPYFLASH_ACC4(8), CUPYFLASH_ACC4(9), CUPYFLASH_ACC4(10), CUPYFLASH_ACC4(11)
 #define CUPYFLASH_ACC_112 CUPYFLASH_ACC_64, CUPYFLASH_ACC4(8), CUPYFLASH_ACC4(9), CUPYFLASH_ACC4(10), CUPYFLASH_ACC4(11), CUPYFLASH_ACC4(12), CUPYFLASH_ACC4(13)
 #define CUPYFLASH_ACC_192 CUPYFLASH_ACC_128, \
     CUPYFLASH_ACC4(16), CUPYFLASH_ACC4(17), CUPYFLASH_ACC4(18), CUPYFLASH_ACC4(19), \
@@ -152,6 +153,10 @@ template <typename T, int N> struct Wgmma;
 #define CUPYFLASH_REGS_64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define CUPYFLASH_REGS_128 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define CUPYFLASH_REGS_96 \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}"
 #define CUPYFLASH_REGS_112 \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
@@ -199,13 +204,14 @@ template <> struct Wgmma<CTYPE, N> { \
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(TRANS_B)); \
     } \
 };
-// Both input types at each N: S's (32, 64, 112: D=192's key blocks, 128) and O's (64,
-// 128, 192, 256: P·V's N at each head_dim)
+// Both input types at each N: S's (32, 64, 112: D=192's key blocks, 128), O's (64,
+// 128, 192, 256: P·V's N at each head_dim) and the backward's half of dQ (96: D=192)
 #define CUPYFLASH_WGMMA_F16_BF16(N, I0, I1, I2, I3, I4, I5, I6) \
     CUPYFLASH_WGMMA(__half, "f16", N, I0, I1, I2, I3, I4, I5, I6) \
     CUPYFLASH_WGMMA(__nv_bfloat16, "bf16", N, I0, I1, I2, I3, I4, I5, I6)
 CUPYFLASH_WGMMA_F16_BF16(32, 16, 17, 18, 19, 20, 21, 22)
 CUPYFLASH_WGMMA_F16_BF16(64, 32, 33, 34, 35, 36, 37, 38)
+CUPYFLASH_WGMMA_F16_BF16(96, 48, 49, 50, 51, 52, 53, 54)
 CUPYFLASH_WGMMA_F16_BF16(112, 56, 57, 58, 59, 60, 61, 62)
 CUPYFLASH_WGMMA_F16_BF16(128, 64, 65, 66, 67, 68, 69, 70)
 CUPYFLASH_WGMMA_F16_BF16(192, 96, 97, 98, 99, 100, 101, 102)
@@ -216,12 +222,14 @@ CUPYFLASH_WGMMA_F16_BF16(256, 128, 129, 130, 131, 132, 133, 134)
 #undef CUPYFLASH_REGS_192
 #undef CUPYFLASH_REGS_128
 #undef CUPYFLASH_REGS_112
+#undef CUPYFLASH_REGS_96
 #undef CUPYFLASH_REGS_64
 #undef CUPYFLASH_REGS_32
 #undef CUPYFLASH_ACC_256
 #undef CUPYFLASH_ACC_192
 #undef CUPYFLASH_ACC_128
 #undef CUPYFLASH_ACC_112
+#undef CUPYFLASH_ACC_96
 #undef CUPYFLASH_ACC_64
 #undef CUPYFLASH_ACC_32
 #undef CUPYFLASH_ACC4

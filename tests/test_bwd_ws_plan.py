@@ -49,7 +49,8 @@ def test_a_gqa_group_split_keeps_it_with_the_partials_convert():
 @pytest.mark.parametrize("change", [
     dict(deterministic=True), dict(vec=False), dict(cc=(8, 0)), dict(cc=(10, 0)), dict(head_dim=96),
     dict(varlen=True, total_q=1500, total_k=1700),
-    dict(head_dim=256), dict(variant=dispatch.VAR_BIAS), dict(variant=dispatch.VAR_MASK),
+    dict(head_dim=256, deterministic=True), dict(head_dim=160, varlen=True, total_q=1500, total_k=1700),
+    dict(head_dim=256, variant=dispatch.VAR_SOFTCAP | dispatch.VAR_ALIBI), dict(variant=dispatch.VAR_BIAS), dict(variant=dispatch.VAR_MASK),
     dict(variant=dispatch.VAR_ALIBI | dispatch.VAR_DROPOUT), dict(ws=False)],
     ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_everything_else_keeps_the_other_kernels(change):
@@ -119,6 +120,31 @@ def test_shared_memory():
     # without dQ: no dSᵀ tiles, no dQ rows; 128 query rows: twice the stages and rows
     assert dispatch.bwd_ws_smem_bytes(64, 64, False) == 32768 + 32768 + 1024 + 16 + 40 + 1024
     assert dispatch.bwd_ws_smem_bytes(64, 128, False) == 32768 + 65536 + 2048 + 16 + 40 + 1024
+    # split by roles: K, V (64 keys), one dSᵀ and the Pᵀ tile (64 x 64), the stages; no dQ rows
+    assert dispatch.bwd_ws_smem_bytes(256) == 65536 + 8192 + 8192 + 131072 + 1024 + 16 + 40 + 1024
+    assert dispatch.bwd_ws_smem_bytes(192) == 49152 + 8192 + 8192 + 98304 + 1024 + 16 + 40 + 1024
+    assert dispatch.bwd_ws_smem_bytes(256) <= dispatch.max_smem_per_block((9, 0))
+
+
+@pytest.mark.parametrize("head_dim", [136, 176, 192, 200, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_above_128_it_splits_by_roles(head_dim, causal):
+    """Plain attention and the variants it takes at 192 and 256 (and head_dims padded to them):
+    64-key blocks and boxes, dQ in the kernel (from registers, plain dq_accum layout: the
+    convert kernel not swizzled), no wgmma dQ kernel."""
+    d = dispatch.padded_head_dim(head_dim)
+    for variant in (0, dispatch.VAR_WINDOW | dispatch.VAR_SOFTCAP | dispatch.VAR_SINKS, dispatch.VAR_DROPOUT):
+        plan = _plan(head_dim=head_dim, causal=causal, variant=variant)
+        names = [L.template for L in plan.launches]
+        assert names == ["cupyflash::flash_bwd_preprocess_kernel", WS, "cupyflash::flash_bwd_convert_dq_kernel"]
+        dkdv = plan.launches[1]
+        assert dkdv.args == ("__half", str(d), "64", str(causal).lower(), str(head_dim == d).lower(), "true",
+                             str(variant))
+        assert dkdv.smem_bytes == dispatch.bwd_ws_smem_bytes(d) and plan.tma_box_rows == (64, 64, 64, 64)
+        assert dkdv.grid == (-(-1000 // 64) * 2 * 8, 1, 1)
+        assert plan.launches[2].args == ("__half", "true", "false") and plan.dq_accum
+    with pytest.raises(ValueError, match="computes dQ"):
+        dispatch.bwd_ws_launch("float16", d, causal, True, with_dq=False)
 
 
 # (head_dim, BLOCK_M, WITH_DQ) of every ws instantiation check-kernels lists
@@ -131,12 +157,14 @@ def test_tiles_are_the_kernels_traits():
     for every tile a plan takes: static_asserts compiled by NVRTC."""
     from test_bwd_dispatch import compile_asserts  # sibling module
 
-    assert _TILES == [(64, 64, False), (64, 64, True), (64, 128, False), (128, 64, True)]
+    assert _TILES == [(64, 64, False), (64, 64, True), (64, 128, False), (128, 64, True), (192, 64, True),
+                      (256, 64, True)]
     lines = ['#include "flash_bwd_ws.cu"']
     for d, m, dq in _TILES:
         tr = f"cupyflash::BwdWsTraits<__half, {d}, {m}, {str(dq).lower()}>"
         lines += [f'static_assert({tr}::SMEM_BYTES == {dispatch.bwd_ws_smem_bytes(d, m, dq)}, "smem {d} {m}");',
-                  f'static_assert({tr}::BLOCK_M == {m} && {tr}::BLOCK_N == {dispatch.BWD_WS_BLOCK_N}, "tile");',
+                  f'static_assert({tr}::BLOCK_M == {m} && {tr}::BLOCK_N == {dispatch.bwd_ws_block_n(d)}, "tile");',
+                  f'static_assert({tr}::ROLES == {str(dispatch.bwd_ws_roles(d)).lower()}, "roles");',
                   f'static_assert({tr}::STAGES == {dispatch.BWD_WS_STAGES}, "stages");',
                   f'static_assert({tr}::NUM_THREADS == {dispatch.BWD_WS_THREADS}, "threads");']
     compile_asserts(lines, "bwd_ws_traits.cu")
@@ -174,7 +202,7 @@ def test_d64_takes_it_without_dq_beside_the_dq_kernel(d64, head_dim, causal):
 
 def test_d64_is_on_by_default_at_128_rows_per_step():
     """The defaults (PERF.md v25, run 116): D=64 on the ws kernel without dQ, 128 rows per step."""
-    assert dispatch.BWD_WS_HEAD_DIMS == (64, 128) and dispatch.BWD_WS_D64_BLOCK_M == 128
+    assert 64 in dispatch.BWD_WS_HEAD_DIMS and dispatch.BWD_WS_D64_BLOCK_M == 128
     plan = _plan(head_dim=64)
     assert [L.template for L in plan.launches] == ["cupyflash::flash_bwd_preprocess_kernel", WS, DQ]
     assert plan.launches[1].args[1:3] == ("64", "128") and plan.launches[1].args[5] == "false"
@@ -295,10 +323,13 @@ def test_check_kernels_lists_every_instantiation():
     bits = (0, *dispatch.BWD_WS_CHECK_VARIANTS)
     # dtype, causal, even_k; plain and BWD_WS_CHECK_VARIANTS with dQ at 64 rows (D=128; D=64's
     # variants), and D=64 plain without dQ at 64 and at 128 rows
-    assert len({L.args for L in ws}) == len(ws) == 2 * 2 * 2 * (2 * len(bits) - 1 + 2)
+    # split by roles (192, 256): plain and the checked sets each takes, with dQ at 64 rows
+    roles = {d: (0, *(b for b in dispatch.FWD_WS_CHECK_VARIANTS if dispatch.bwd_ws_takes(b, d))) for d in (192, 256)}
+    assert dispatch.VAR_SOFTCAP | dispatch.VAR_ALIBI in roles[192] and dispatch.VAR_SOFTCAP | dispatch.VAR_ALIBI not in roles[256]
+    assert len({L.args for L in ws}) == len(ws) == 2 * 2 * 2 * (2 * len(bits) - 1 + 2 + sum(map(len, roles.values())))
     for d, m, dq in _TILES:
         tile = [L for L in ws if L.args[1:3] == (str(d), str(m)) and L.args[5] == str(dq).lower()]
-        assert {int(L.args[-1]) for L in tile} == ({0} if d == 64 and not dq else
+        assert {int(L.args[-1]) for L in tile} == ({0} if d == 64 and not dq else set(roles[d]) if d in roles else
                                                    set(bits) - {0} if d == 64 else set(bits))
     assert set(_WS_BITS) <= set(dispatch.BWD_WS_CHECK_VARIANTS)
     assert not [L for L in dispatch.all_bwd_launches((8, 0)) if L.template == WS]

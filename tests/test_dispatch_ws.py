@@ -111,7 +111,6 @@ def test_ws_variants_are_the_kernels():
                                 dict(varlen=True, vec=False), dict(varlen=True, head_dim=256, vec=False),
                                 dict(head_dim=256, variant=dispatch.VAR_WINDOW | dispatch.VAR_DROPOUT),
                                 dict(head_dim=256, variant=dispatch.VAR_WINDOW, varlen=True),
-                                dict(head_dim=256, varlen=True), dict(head_dim=192, varlen=True),
                                 dict(head_dim=32), dict(head_dim=96)])
 def test_ws_leaves_the_rest_to_the_other_kernels(kw):
     assert _plan(ws=True, **kw).main.template != WS
@@ -159,10 +158,8 @@ def test_ws_kernels_are_checked_on_sm90_only():
     assert {L.args[1] for L in on90} == {"64", "128", "192", "256"} == {str(d) for d in dispatch._FWD_WS}
     rows128 = [L for L in on90 if L.args[2] == "128"]
     plain = [L for L in rows128 if L.args[7] == "0"]
-    # dtype x head_dim x causal x even_k x (dense, dense persistent, packed: never persistent;
-    # not at 192 and 256, _FWD_WS_DENSE_ONLY)
-    assert len(plain) == 2 * 2 * 2 * 2 * 3 + 2 * 2 * 2 * 2 * 2
-    assert not [L for L in on90 if L.args[1] in ("192", "256") and L.args[8] == "true"]
+    # dtype x head_dim x causal x even_k x (dense, dense persistent, packed: never persistent)
+    assert len(plain) == 2 * 4 * 2 * 2 * 3
     assert not [L for L in on90 if L.args[8] == L.args[9] == "true"]
     assert {L.args[8] for L in rows128 if L.args[7] != "0"} == {"false", "true"}
     assert {L.args[9] for L in rows128 if L.args[7] != "0"} == {"false", "true"}
@@ -317,14 +314,13 @@ def test_every_gpu_variant_case_plans_the_ws_kernel():
 
 def test_every_gpu_varlen_case_plans_the_ws_kernel(monkeypatch):
     """tests/test_gpu_varlen_ws.py's packed batches (the switch on at every head_dim, and, as
-    its fixture sets, no _FWD_WS_DENSE_ONLY) all take the warp-specialised kernel, alone,
+    its fixture sets) all take the warp-specialised kernel, alone,
     with the variant bits their options give."""
     import numpy as np
     import test_gpu_varlen_ws as g
 
     from cupyflash import _variant
 
-    monkeypatch.setattr(dispatch, "_FWD_WS_DENSE_ONLY", ())
     rng = np.random.default_rng(0)
     cases = [(p.values[0], p.values[1], p.values[2], p.values[3], p.values[4], 2 * p.values[5], 0)
              for p in g._cases()]

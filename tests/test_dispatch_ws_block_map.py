@@ -27,10 +27,10 @@ def _plan(**kw):
 
 
 def test_on_by_default_and_off_keeps_the_cp_async_kernel():
-    """The switch is on by default at 64 and 128 (PERF.md v25, run 116; not yet at 192 and
-    256, whose map has no GPU reference test); off (select_fwd's ws_block_map False) a mask
-    with its map stays on the cp.async wgmma kernel, whatever FWD_WS says for the plain calls."""
-    assert dispatch.FWD_WS_BLOCK_MAP == (64, 128)
+    """The switch is on by default at every head_dim (PERF.md v25, run 116; 192 and 256 since
+    run 132); off (select_fwd's ws_block_map False) a mask with its map stays on the cp.async
+    wgmma kernel, whatever FWD_WS says for the plain calls."""
+    assert dispatch.FWD_WS_BLOCK_MAP is True
     for ws in (dispatch.FWD_WS_WINS, True):
         plan = _plan(ws=ws)
         assert plan.main.template == SM90 and dispatch.fwd_block_map_tile(plan) == (128, 64)
@@ -61,7 +61,7 @@ def test_on_the_ws_kernel_at_its_plain_tile_one_block_per_tile(monkeypatch, dtyp
 
 @pytest.mark.parametrize("ws_block_map,takes", [(True, {64, 128, 192, 256}), ((128,), {128}), ((64,), {64}),
                                                 ((192,), {192}), ((), set()), (False, set()),
-                                                (dispatch.FWD_WS_BLOCK_MAP, {64, 128})])
+                                                (dispatch.FWD_WS_BLOCK_MAP, {64, 128, 192, 256})])
 def test_the_switch_picks_the_head_dims(ws_block_map, takes):
     got = {d for d in (64, 128, 192, 256) if _plan(head_dim=d, ws_block_map=ws_block_map).main.template == WS}
     assert got == takes
@@ -168,7 +168,7 @@ def test_check_kernels_compiles_the_map_kernels():
     assert bits == {MAP | b for b in with_map}
     assert got == {(str(d), c, b, v, "false") for d in dispatch._FWD_WS for c in ("false", "true") for b in bits
                    for v in ("false", "true") if not (d == 256 and b & dispatch.VAR_ALIBI)
-                   and not (v == "true" and d in (192, 256))}  # (_FWD_WS_SPILLS, _FWD_WS_DENSE_ONLY)
+                   }  # (_FWD_WS_SPILLS)
     # the map alone in every dtype and EVEN_K, as the plain kernels (the variants: bf16, even)
     alone = {(L.args[0], L.args[6]) for L in on90 if int(L.args[7]) == MAP}
     assert alone == {(t, e) for t in dispatch.CTYPES.values() for e in ("true", "false")}
@@ -195,4 +195,6 @@ def test_every_gpu_test_case_plans_the_ws_kernel(lead):
         assert variant & MAP == MAP and not variant & dispatch.VAR_BIAS_STRIDED, name
         plan = _plan(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads, head_dim=head_dim,
                      dtype=dtype, causal=causal, num_sms=1, variant=variant, ws_block_map=True)
-        assert plan.main.template == WS and dispatch.fwd_block_map_tile(plan) == (128, 128), name
+        d = dispatch.padded_head_dim(head_dim)
+        tile = (128, dispatch.fwd_ws_tile(d, causal, variant & (MAP | dispatch.FWD_WS_VARIANTS))[0])
+        assert plan.main.template == WS and dispatch.fwd_block_map_tile(plan) == tile, name

@@ -195,7 +195,8 @@ def test_block_sparse_with_other_variants(ws_map, cp, rng, combo, config):
     _check(q, k, v, fwd, causal, attn_mask=mask, **others)
 
 
-@pytest.mark.parametrize("dtype,head_dim", [("float16", 64), pytest.param("bfloat16", 128, marks=_NO_BF16)])
+@pytest.mark.parametrize("dtype,head_dim", [("float16", 64), pytest.param("bfloat16", 128, marks=_NO_BF16),
+                                            pytest.param("bfloat16", 256, marks=_NO_BF16), ("float16", 192)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_block_sparse(ws_map, cp, rng, causal, dtype, head_dim):
     check_varlen_block_sparse(cp, rng, causal, dtype, head_dim, block=128)

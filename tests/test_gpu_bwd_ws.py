@@ -7,8 +7,10 @@ split over several blocks), head_dim below its padded width, strided views; and 
 variants it takes (a window, softcap, ALiBi, sinks, dropout: dispatch.BWD_WS_VARIANTS
 switched on) against the reference with the same mask; and at D=64 (BWD_WS_HEAD_DIMS with
 64) plain attention without dQ beside the wgmma dQ kernel, at 64 and 128 query rows per
-step (BWD_WS_D64_BLOCK_M), and the variants with the kernel's own dQ, the same cases. (Packed batches and the other head_dims take the
-cp.async kernels: test_gpu_varlen, test_gpu_bwd.)
+step (BWD_WS_D64_BLOCK_M), and the variants with the kernel's own dQ, the same cases; and
+above 128 (192 and 256, and head_dims padded to them) the kernel split by roles, dense,
+GQA splits, strided views and the variants. (Packed batches and the other head_dims take
+the cp.async or mma.sync kernels: test_gpu_varlen, test_gpu_bwd.)
 Skipped without a GPU, and off compute capability 9.0.
 """
 
@@ -55,6 +57,17 @@ DENSE = [
     ("float16", 128, False, 3, 1, 17, 2, 1),
     ("bfloat16", 128, True, 2, 17, 1, 2, 2),
     ("bfloat16", 128, True, 1, 4096, 4096, 2, 1),  # 64 query blocks per key block, both stages many times
+    # above 128: split by roles (dispatch.bwd_ws_roles), 64-key blocks, dQ added from registers
+    ("float16", 256, False, 2, 384, 384, 4, 2),
+    ("bfloat16", 256, True, 1, 1000, 1500, 4, 2),
+    ("float16", 256, True, 1, 700, 333, 4, 1),     # bottom-right: the first 367 rows see no key
+    ("bfloat16", 256, False, 2, 129, 257, 2, 2),
+    ("float16", 232, True, 1, 300, 8, 4, 2),       # head_dim 232 on the 256 kernel; 8 keys
+    ("bfloat16", 256, False, 3, 1, 17, 2, 1),
+    ("bfloat16", 256, True, 1, 2048, 2048, 2, 1),  # 32 query blocks per key block
+    ("float16", 192, False, 2, 384, 520, 4, 2),
+    ("bfloat16", 192, True, 1, 1000, 700, 4, 4),
+    ("float16", 160, True, 2, 203, 113, 4, 2),     # padded to 192
 ]
 
 
@@ -67,7 +80,7 @@ def test_dense(ws, rng, dtype, head_dim, causal, batch, seqlen_q, seqlen_k, nhea
     check(host, grads, dtype, scale, causal)
 
 
-@pytest.mark.parametrize("head_dim", [120, 128])
+@pytest.mark.parametrize("head_dim", [120, 128, 256])
 def test_rows_that_see_no_key(ws, rng, head_dim):
     """causal, seqlen_q > seqlen_k: rows that see no key get dq = 0; nothing is NaN."""
     host, dev = make_problem(rng, "float16", 2, 300, 70, 4, 2, head_dim)
@@ -80,7 +93,7 @@ def test_rows_that_see_no_key(ws, rng, head_dim):
 
 
 @pytest.mark.parametrize("num_sms,splits", [(3, 1), (6, 2), (100, 4)])
-@pytest.mark.parametrize("head_dim", [128])
+@pytest.mark.parametrize("head_dim", [128, 256])
 def test_gqa_group_splits(ws, rng, monkeypatch, num_sms, splits, head_dim):
     """A GQA group's query heads over 1, 2 or 4 blocks: the fp32 partials' epilogue."""
     from cupyflash import _gpu, _gpu_bwd, dispatch
@@ -98,7 +111,7 @@ def test_gqa_group_splits(ws, rng, monkeypatch, num_sms, splits, head_dim):
     check(host, grads, "bfloat16", 0.125, True)
 
 
-@pytest.mark.parametrize("head_dim", [120, 128])
+@pytest.mark.parametrize("head_dim", [120, 128, 200, 256])
 def test_strided_views(ws, rng, head_dim):
     """q, k, v as views into one (B, S, 3, H, D) tensor, dout a strided view: the TMA maps
     take the views' row and head strides."""
@@ -169,6 +182,22 @@ VARIANT_CASES = [
     ("softcap+dropout", "float16", (1, 200, 333, 8, 2, 128), True, 2.0),
     ("sinks+dropout", "bfloat16", (2, 256, 300, 4, 2, 128), False, 1.0),
     ("window+softcap+sinks", "bfloat16", (1, 200, 333, 8, 2, 128), True, 2.0),
+    # split by roles: the variant's Pᵀ (softcap: P·(1 − tanh²)) from warpgroup 0 to 1, each
+    # drawing dropout's keep bits
+    ("window+causal", "bfloat16", (1, 700, 800, 4, 2, 256), True, 1.0),
+    ("window-96-40", "float16", (2, 300, 317, 2, 2, 256), False, 1.0),
+    ("softcap", "bfloat16", (1, 200, 333, 4, 2, 256), True, 2.0),
+    ("alibi", "float16", (1, 200, 333, 4, 2, 256), True, 1.0),
+    ("sinks", "bfloat16", (2, 256, 300, 2, 2, 256), False, 1.0),
+    ("dropout", "bfloat16", (1, 200, 333, 4, 2, 256), True, 1.0),
+    ("dropout-p0.5", "float16", (1, 300, 270, 2, 1, 240), False, 1.0),
+    ("softcap+dropout", "float16", (1, 200, 333, 4, 2, 256), True, 2.0),
+    ("window+softcap+sinks", "bfloat16", (1, 200, 333, 4, 2, 256), True, 2.0),  # Gemma-2's sliding layers
+    ("softcap", "float16", (2, 256, 300, 4, 2, 192), False, 2.0),
+    ("window-96-40", "bfloat16", (1, 400, 390, 4, 2, 192), False, 1.0),
+    ("dropout", "float16", (1, 200, 333, 4, 2, 176), True, 1.0),
+    ("sinks+dropout", "bfloat16", (2, 256, 300, 2, 2, 192), False, 1.0),
+    ("window+softcap+sinks", "float16", (1, 200, 333, 4, 2, 192), True, 2.0),
 ]
 
 

@@ -56,8 +56,6 @@ def ws_launches(request, monkeypatch, launches):
     monkeypatch.setattr(dispatch, "FWD_WS_D64_BLOCK_M", d64_block_m)
     monkeypatch.setattr(dispatch, "FWD_WS_WIDE_LOSES", 0)  # 192 rows with every variant the tile takes
     monkeypatch.setattr(dispatch, "FWD_WS_D64_WIDE_MIN_SEQLEN", 0)  # and at every seqlen
-    # packed at 192 and 256 too: these tests check that path before the default takes it
-    monkeypatch.setattr(dispatch, "_FWD_WS_DENSE_ONLY", ())
     tiles = []
     modes = record_ws_modes(monkeypatch, tiles)
     with testing.poisoned_allocations(cp):
@@ -92,7 +90,7 @@ def _cases():
     cases = []
     for i, (name, (lens_q, lens_k)) in enumerate(LAYOUTS.items()):
         for causal in (False, True):
-            # 104: 100 is never 16-byte aligned; 256 and 192 (dispatch._FWD_WS_DENSE_ONLY)
+            # 104: 100 is never 16-byte aligned; 256 and 192: the wide tiles
             for j, head_dim in enumerate((128, 64, 104, 256, 192)):
                 gqa = (1, 4)[(i + j) % 2]
                 dtype = ("float16", "bfloat16")[(i + j + causal) % 2]
