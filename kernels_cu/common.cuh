@@ -15,6 +15,7 @@ using uint8 = unsigned char;
 // NVRTC has no <cmath>/<type_traits>: the few pieces we need, spelled out.
 #define NEG_INF (-__int_as_float(0x7f800000))
 template <bool B> struct Bool { static constexpr bool value = B; };
+template <int N> struct Int { static constexpr int value = N; };
 
 constexpr float LOG2E = 1.4426950408889634f;  // 1 / ln(2)
 constexpr float LN2 = 0.6931471805599453f;    // ln(2)

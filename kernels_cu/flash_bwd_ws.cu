@@ -270,7 +270,10 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
         //      block in both (Sᵀ, dPᵀ, dK, dV); in dQ, the step's query rows alike, columns
         //      from dq_col0.
         const bool p_side = cw == 0;
-        const int key_row0 = (warp % 4) * 16 + g, dq_col0 = cw * DQ_COLS;
+        const int key_row0 = (warp % 4) * 16 + g;
+        // warpgroup 0's dQ columns: half, rounded up to whole 64-column chunks of the K tile
+        // (a wgmma descriptor starts on one): at 192, 128 and 64
+        constexpr int ROLES_DQ_COLS = (HEAD_DIM / 2 + 63) / 64 * 64;
         float acc[D_TILES][4];  // dV (warpgroup 0) or dK (warpgroup 1)
 #pragma unroll
         for (int j = 0; j < D_TILES; ++j)
@@ -339,29 +342,35 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
             }
             named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::DS_BAR);  // all of dSᵀ written
 
-            // ---- dQ[0 .. 64, dq_col0 .. + DQ_COLS) = dS·K over the block's 64 keys, added
-            //      into dq_accum from registers (its rows before seqlen_q; no bulk copy: the
-            //      fp32 rows would not fit in shared memory beside the stages)
-            float dq[DQ_COLS / 8][4];
-            issue_dq<T, BLOCK_N, DQ_COLS, KVTile>(dq, sdS_, sK_, dq_col0);
-            wgmma_wait<0>();
-            if (!p_side) {
-                fence_operands(dsa);
-                __syncwarp();
-                if (lane == 0) mbar_arrive(empty_q(stage));  // dK done: this warp is done with Q and dO
-            }
-            fence_operands(dq);
-            const SeqLens sq = seq_slot.load();
-            const int rows_valid = sq.seqlen_q - m0;
-            float* dq_rows = p.dq_accum + (query_row_index(p, b, h, sq, m0) + key_row0) * HEAD_DIM + dq_col0 + 2 * t;
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                if (key_row0 + 8 * hh >= rows_valid) continue;
-#pragma unroll
-                for (int j = 0; j < DQ_COLS / 8; ++j) {
-                    red_add_f32x2(dq_rows + hh * 8 * HEAD_DIM + 8 * j, dq[j][2 * hh], dq[j][2 * hh + 1]);
+            // ---- dQ[0 .. 64, col0 .. + COLS) = dS·K over the block's 64 keys (warpgroup 0
+            //      the first ROLES_DQ_COLS columns, 1 the rest), added into dq_accum from
+            //      registers (its rows before seqlen_q; no bulk copy: the fp32 rows would not
+            //      fit in shared memory beside the stages)
+            auto add_dq = [&](auto cols, int col0) {
+                constexpr int COLS = decltype(cols)::value;
+                float dq[COLS / 8][4];
+                issue_dq<T, BLOCK_N, COLS, KVTile>(dq, sdS_, sK_, col0);
+                wgmma_wait<0>();
+                if (!p_side) {
+                    fence_operands(dsa);
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(empty_q(stage));  // dK done: this warp is done with Q and dO
                 }
-            }
+                fence_operands(dq);
+                const SeqLens sq = seq_slot.load();
+                const int rows_valid = sq.seqlen_q - m0;
+                float* dq_rows = p.dq_accum + (query_row_index(p, b, h, sq, m0) + key_row0) * HEAD_DIM + col0 + 2 * t;
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    if (key_row0 + 8 * hh >= rows_valid) continue;
+#pragma unroll
+                    for (int j = 0; j < COLS / 8; ++j) {
+                        red_add_f32x2(dq_rows + hh * 8 * HEAD_DIM + 8 * j, dq[j][2 * hh], dq[j][2 * hh + 1]);
+                    }
+                }
+            };
+            if (p_side) add_dq(Int<ROLES_DQ_COLS>{}, 0);
+            else add_dq(Int<HEAD_DIM - ROLES_DQ_COLS>{}, ROLES_DQ_COLS);
             fence_operands(acc);
         };
 
