@@ -282,6 +282,43 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
         if (num_iters > 0) mbar_wait(full_kv, 0);
         const uint32 sPt = base + Tr::PT_OFFSET + (ct % 128) * 16;  // this thread's Pᵀ pieces, 2 KB apart
 
+        // ---- dQ[0 .. 64, col0 .. + COLS) of query block m0 of head h = dS·K over the block's
+        //      64 keys (warpgroup 0 the first ROLES_DQ_COLS columns, 1 the rest), added into
+        //      dq_accum from registers (its rows before seqlen_q; no bulk copy: the fp32 rows
+        //      would not fit in shared memory beside the stages). Waits for every group of the
+        //      warpgroup (a dPᵀ issued before it too).
+        auto add_dq = [&](auto cols, auto chunk, int col0, int h, int m0) {
+            constexpr int COLS = decltype(cols)::value, CHUNK = decltype(chunk)::value;
+            const SeqLens sq = seq_slot.load();
+            const int rows_valid = sq.seqlen_q - m0;
+            float* dq_rows = p.dq_accum + (query_row_index(p, b, h, sq, m0) + key_row0) * HEAD_DIM + col0 + 2 * t;
+#pragma unroll 1
+            for (int c = 0; c < COLS; c += CHUNK) {  // CHUNK columns at a time (registers)
+                uint32 sK_ = sK, sdS_ = sdS(0);
+                asm volatile("" : "+r"(sK_), "+r"(sdS_));
+                float dq[CHUNK / 8][4];
+                issue_dq<T, BLOCK_N, CHUNK, KVTile>(dq, sdS_, sK_, col0 + c);
+                wgmma_wait<0>();
+                fence_operands(dq);
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    if (key_row0 + 8 * hh >= rows_valid) continue;
+#pragma unroll
+                    for (int j = 0; j < CHUNK / 8; ++j) {
+                        red_add_f32x2(dq_rows + hh * 8 * HEAD_DIM + c + 8 * j, dq[j][2 * hh], dq[j][2 * hh + 1]);
+                    }
+                }
+            }
+        };
+        // warpgroup 1's dQ columns at a time: 64 at 256 (its 128 beside dK, dPᵀ in flight,
+        // would spill)
+        constexpr int DQ1_COLS = HEAD_DIM - ROLES_DQ_COLS, DQ1_CHUNK = HEAD_DIM > 192 ? 64 : DQ1_COLS;
+        // Warpgroup 1 adds a step's dQ at the next step, under warpgroup 0's Pᵀ: after
+        // issuing that step's dPᵀ, before it waits for Pᵀ (the dSᵀ tile stays that step's
+        // until warpgroup 1 writes the next: after Pᵀ, which warpgroup 0 writes after its own
+        // dQ of the step before).
+        int h_prev = 0, m0_prev = 0;
+
         auto step = [&](int it, int h, int m_block, auto masked) {
             constexpr bool MASKED = decltype(masked)::value;
             const int stage = it % STAGES;
@@ -291,7 +328,6 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
             uint32 sK_ = sK, sV_ = sV, sdS_ = sdS(0);
             asm volatile("" : "+r"(sK_), "+r"(sV_), "+r"(sdS_));
             mbar_wait(full_q(stage), (it / STAGES) & 1);
-            uint32 dsa[BLOCK_M / 16][4];  // warpgroup 1: dSᵀ, live until dK += dSᵀ·Q has completed
             if (p_side) {
                 // ---- Sᵀ = K·Qᵀ; Pᵀ = prob(score, lse) with the variant (bwd_sm90.cuh PtOperands)
                 float st[M_TILES][4];
@@ -322,7 +358,9 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
                 issue_keys_ss<T, BLOCK_M, BLOCK_N, HEAD_DIM>(dpt, sV_, sdO(stage), 0);
                 KeepBitsT keep;
                 if constexpr (DROPOUT) keep.draw(Dropout(p.var, b, h, p.nheads_q), n0 + key_row0 - g, m0 + 2 * t, g, t);
-                wgmma_wait<0>();
+                // ---- the step before's dQ (its last columns), under dPᵀ and warpgroup 0's Pᵀ
+                if (it > 0) add_dq(Int<DQ1_COLS>{}, Int<DQ1_CHUNK>{}, ROLES_DQ_COLS, h_prev, m0_prev);
+                else wgmma_wait<0>();
                 fence_operands(dpt);
                 // ---- dSᵀ = Pᵀ∘(dPᵀ∘Z·rp − delta) (∘(1 − tanh²)), with warpgroup 0's Pᵀ
                 named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::PT_BAR);
@@ -334,43 +372,23 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
                                  : "r"(sPt + kk * 128 * 16) : "memory");
                 }
                 ds_from_dp<T, M_TILES, DROPOUT>(dpt, pa, s_delta, t, keep, p.var.dropout_scale);
+                uint32 dsa[BLOCK_M / 16][4];
                 acc_to_a_operand<T>(dpt, dsa);
                 // ---- dK += dSᵀ·Q (times softmax_scale in the epilogue); dSᵀ to shared memory
                 issue_keys_rs<T, BLOCK_M, HEAD_DIM>(acc, dsa, sQ(stage));
                 store_ds_t<DSTile, BLOCK_M>(sdS_, dsa, key_row0, t);
                 fence_proxy_async_smem();
+                named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::DS_BAR);  // all of dSᵀ written
+                wgmma_wait<0>();  // dK done: this warp is done with the stage's Q and dO
+                fence_operands(dsa);
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty_q(stage));
+                h_prev = h, m0_prev = m0;
             }
-            named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::DS_BAR);  // all of dSᵀ written
-
-            // ---- dQ[0 .. 64, col0 .. + COLS) = dS·K over the block's 64 keys (warpgroup 0
-            //      the first ROLES_DQ_COLS columns, 1 the rest), added into dq_accum from
-            //      registers (its rows before seqlen_q; no bulk copy: the fp32 rows would not
-            //      fit in shared memory beside the stages)
-            auto add_dq = [&](auto cols, int col0) {
-                constexpr int COLS = decltype(cols)::value;
-                float dq[COLS / 8][4];
-                issue_dq<T, BLOCK_N, COLS, KVTile>(dq, sdS_, sK_, col0);
-                wgmma_wait<0>();
-                if (!p_side) {
-                    fence_operands(dsa);
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive(empty_q(stage));  // dK done: this warp is done with Q and dO
-                }
-                fence_operands(dq);
-                const SeqLens sq = seq_slot.load();
-                const int rows_valid = sq.seqlen_q - m0;
-                float* dq_rows = p.dq_accum + (query_row_index(p, b, h, sq, m0) + key_row0) * HEAD_DIM + col0 + 2 * t;
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    if (key_row0 + 8 * hh >= rows_valid) continue;
-#pragma unroll
-                    for (int j = 0; j < COLS / 8; ++j) {
-                        red_add_f32x2(dq_rows + hh * 8 * HEAD_DIM + 8 * j, dq[j][2 * hh], dq[j][2 * hh + 1]);
-                    }
-                }
-            };
-            if (p_side) add_dq(Int<ROLES_DQ_COLS>{}, 0);
-            else add_dq(Int<HEAD_DIM - ROLES_DQ_COLS>{}, ROLES_DQ_COLS);
+            if (p_side) {
+                named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::DS_BAR);  // all of dSᵀ written
+                add_dq(Int<ROLES_DQ_COLS>{}, Int<ROLES_DQ_COLS>{}, 0, h, m0);
+            }
             fence_operands(acc);
         };
 
@@ -380,6 +398,7 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
             else step(it, h, m_block, Bool<false>{});
             if (++m_block == m_end) { m_block = m_begin; ++h; }
         }
+        if (!p_side && num_iters > 0) add_dq(Int<DQ1_COLS>{}, Int<DQ1_CHUNK>{}, ROLES_DQ_COLS, h_prev, m0_prev);
         named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR);  // every consumer is done with sK, sV
         const SeqLens seq_end = seq_slot.load();
 
