@@ -1390,10 +1390,9 @@ BWD_WS_VARIANT_SPILLS = (VAR_ALIBI | VAR_DROPOUT, VAR_SOFTCAP | VAR_ALIBI, VAR_W
 
 #: ... and where split by roles (:func:`bwd_ws_roles`), per padded head_dim, from every
 #: subset of the five compiled (check-kernels sm_90, NVRTC 13.0, fp16 and bf16, causal or
-#: not): at 256 softcap with ALiBi (20-156 bytes), and a window with ALiBi and dropout
-#: (non-causal 68); 192 takes all five.
-_BWD_WS_ROLES_SPILLS: dict[int, tuple[int, ...]] = {256: (VAR_SOFTCAP | VAR_ALIBI, VAR_WINDOW | VAR_ALIBI | VAR_DROPOUT),
-                                                    192: ()}
+#: not): at 256 softcap with dropout (causal 24-68 bytes: the step before's dQ, 64 columns,
+#: beside dK and dPᵀ in warpgroup 1); 192 takes all five.
+_BWD_WS_ROLES_SPILLS: dict[int, tuple[int, ...]] = {256: (VAR_SOFTCAP | VAR_DROPOUT,), 192: ()}
 
 
 def bwd_ws_takes(variant: int, head_dim_padded: int = 128) -> bool:

@@ -191,7 +191,8 @@ VARIANT_CASES = [
     ("sinks", "bfloat16", (2, 256, 300, 2, 2, 256), False, 1.0),
     ("dropout", "bfloat16", (1, 200, 333, 4, 2, 256), True, 1.0),
     ("dropout-p0.5", "float16", (1, 300, 270, 2, 1, 240), False, 1.0),
-    ("softcap+dropout", "float16", (1, 200, 333, 4, 2, 256), True, 2.0),
+    ("alibi+sinks", "float16", (1, 200, 333, 4, 2, 256), True, 1.0),
+    ("softcap+dropout", "float16", (1, 200, 333, 4, 2, 192), True, 2.0),
     ("window+softcap+sinks", "bfloat16", (1, 200, 333, 4, 2, 256), True, 2.0),  # Gemma-2's sliding layers
     ("softcap", "float16", (2, 256, 300, 4, 2, 192), False, 2.0),
     ("window-96-40", "bfloat16", (1, 400, 390, 4, 2, 192), False, 1.0),
@@ -229,6 +230,18 @@ def test_variant_sets_that_spill_stay_on_the_cp_async_kernel(ws_variants, rng, n
     inputs, fwd, grads = run_dense(cp, rng, "float16", shape, True, variants)
     assert WS_KERNEL not in ws_variants and "flash_bwd_dkdv_sm90_kernel" in ws_variants
     check_dense(inputs, fwd, grads, True, variants)
+
+
+def test_a_set_that_spills_at_256_stays_on_the_mma_sync_kernel(ws_variants, rng):
+    """dispatch._BWD_WS_ROLES_SPILLS: softcap with dropout at 256 runs (and passes) on flash_bwd.cu."""
+    cp = pytest.importorskip("cupy")
+    from test_gpu_variants import OFFSET, SEED, check_dense, run_dense  # sibling module
+
+    variants = {"softcap": 8.0, "dropout_p": 0.17, "rng_state": (SEED, OFFSET)}
+    scale = 2.0 / math.sqrt(256)
+    inputs, fwd, grads = run_dense(cp, rng, "float16", (1, 200, 333, 4, 2, 256), True, variants, scale)
+    assert WS_KERNEL not in ws_variants and "flash_bwd_dkdv_kernel" in ws_variants
+    check_dense(inputs, fwd, grads, True, variants, scale)
 
 
 # ----------------------------------------------------------------------------
