@@ -263,14 +263,14 @@ __device__ __forceinline__ float* dkv_partial_dv(const BwdParams& p, float* dk_p
     return dk_part + p.kv_splits * key_rows(p) * HEAD_DIM;
 }
 
-// The accumulators acc[0 .. N) (dK, dV, or one of them) of this thread's key rows
-// key_row0 and key_row0 + 8, each times its scale: with kv_splits > 1 written as fp32 to
-// the partial rows at part[i] (the rows before keys_valid), else staged in T into the
-// KVTile at sX[i] for store_staged_dkdv.
-template <typename T, int HEAD_DIM, typename KVTile, int N>
-__device__ __forceinline__ void put_key_rows(const BwdParams& p, const float (*const (&acc)[N])[4],
-                                             const float (&scale)[N], float* const (&part)[N], const uint32 (&sX)[N],
-                                             int key_row0, int keys_valid, int t) {
+// One accumulator (dK or dV, where a warpgroup holds one: flash_bwd_ws.cu split by roles) of
+// this thread's key rows key_row0 and key_row0 + 8, times scale: with kv_splits > 1 written
+// as fp32 to the partial rows at part (the rows before keys_valid), else staged in T into the
+// KVTile at sX for store_staged_dkdv. (store_dkdv keeps its own loops over both: written
+// through this, flash_bwd_sm90.cu's staged-bias kernel spilled 8 bytes.)
+template <typename T, int HEAD_DIM, typename KVTile>
+__device__ __forceinline__ void put_key_rows(const BwdParams& p, const float (&acc)[HEAD_DIM / 8][4], float scale,
+                                             float* part, uint32 sX, int key_row0, int keys_valid, int t) {
     constexpr int D_TILES = HEAD_DIM / 8;
     if (p.kv_splits > 1) {
 #pragma unroll
@@ -279,11 +279,8 @@ __device__ __forceinline__ void put_key_rows(const BwdParams& p, const float (*c
             if (row >= keys_valid) continue;
 #pragma unroll
             for (int j = 0; j < D_TILES; ++j) {
-#pragma unroll
-                for (int i = 0; i < N; ++i) {
-                    *reinterpret_cast<float2*>(part[i] + row * HEAD_DIM + j * 8 + 2 * t) =
-                        make_float2(acc[i][j][2 * hh] * scale[i], acc[i][j][2 * hh + 1] * scale[i]);
-                }
+                *reinterpret_cast<float2*>(part + row * HEAD_DIM + j * 8 + 2 * t) =
+                    make_float2(acc[j][2 * hh] * scale, acc[j][2 * hh + 1] * scale);
             }
         }
         return;
@@ -292,12 +289,9 @@ __device__ __forceinline__ void put_key_rows(const BwdParams& p, const float (*c
     for (int j = 0; j < D_TILES; ++j) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-            for (int i = 0; i < N; ++i) {
-                const uint32 x2 = TypeTraits<T>::pack(acc[i][j][2 * hh] * scale[i], acc[i][j][2 * hh + 1] * scale[i]);
-                asm volatile("st.shared.u32 [%0], %1;\n"
-                             :: "r"(sX[i] + KVTile::offset(key_row0 + hh * 8, j) + t * 4), "r"(x2));
-            }
+            const uint32 x2 = TypeTraits<T>::pack(acc[j][2 * hh] * scale, acc[j][2 * hh + 1] * scale);
+            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sX + KVTile::offset(key_row0 + hh * 8, j) + t * 4),
+                         "r"(x2));
         }
     }
 }
@@ -330,13 +324,46 @@ __device__ __forceinline__ void store_dkdv(const BwdParams& p, const float (&acc
                                            const float (&acc_dv)[HEAD_DIM / 8][4], const SeqLens& seq, int b,
                                            int h_kv, int split, int n0, int keys_valid, int key_row0, int t,
                                            uint32 sK, uint32 sV, Sync sync, uint32 thread) {
-    float* const dk_part = p.kv_splits > 1 ? dkv_partial_dk<HEAD_DIM>(p, seq, b, h_kv, split, n0) : nullptr;
-    float* const parts[2] = {dk_part, p.kv_splits > 1 ? dkv_partial_dv<HEAD_DIM>(p, dk_part) : nullptr};
-    const float (*const accs[2])[4] = {acc_dk, acc_dv};
-    put_key_rows<T, HEAD_DIM, KVTile, 2>(p, accs, {p.softmax_scale, 1.f}, parts, {sK, sV}, key_row0, keys_valid, t);
-    if (p.kv_splits > 1) return;
+    constexpr int D_TILES = HEAD_DIM / 8;
+    if (p.kv_splits > 1) {
+        const int64 part_rows = key_rows(p);  // rows of one split
+        float* dk_part = p.dkv_accum + (split * part_rows + key_row_index(p, b, h_kv, seq, n0)) * HEAD_DIM;
+        float* dv_part = dk_part + p.kv_splits * part_rows * HEAD_DIM;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int row = key_row0 + hh * 8;
+            if (row >= keys_valid) continue;
+#pragma unroll
+            for (int j = 0; j < D_TILES; ++j) {
+                const int col = row * HEAD_DIM + j * 8 + 2 * t;
+                *reinterpret_cast<float2*>(dk_part + col) =
+                    make_float2(acc_dk[j][2 * hh] * p.softmax_scale, acc_dk[j][2 * hh + 1] * p.softmax_scale);
+                *reinterpret_cast<float2*>(dv_part + col) = make_float2(acc_dv[j][2 * hh], acc_dv[j][2 * hh + 1]);
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < D_TILES; ++j) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = key_row0 + hh * 8;
+            const uint32 dk2 = TypeTraits<T>::pack(acc_dk[j][2 * hh] * p.softmax_scale,
+                                                   acc_dk[j][2 * hh + 1] * p.softmax_scale);
+            const uint32 dv2 = TypeTraits<T>::pack(acc_dv[j][2 * hh], acc_dv[j][2 * hh + 1]);
+            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sK + KVTile::offset(r, j) + t * 4), "r"(dk2));
+            asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(sV + KVTile::offset(r, j) + t * 4), "r"(dv2));
+        }
+    }
     sync();
-    store_staged_dkdv<T, BLOCK_N, HEAD_DIM, THREADS, EVEN_K, KVTile>(p, seq, b, h_kv, n0, keys_valid, sK, sV, thread);
+    T* dk = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride +
+            int64(seq.k_start + n0) * p.dk_row_stride;
+    T* dv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride +
+            int64(seq.k_start + n0) * p.dv_row_stride;
+    store_tile<T, BLOCK_N, HEAD_DIM, THREADS, true, EVEN_K, KVTile>(dk, p.dk_row_stride, sK, keys_valid, p.head_dim,
+                                                                    thread);
+    store_tile<T, BLOCK_N, HEAD_DIM, THREADS, true, EVEN_K, KVTile>(dv, p.dv_row_stride, sV, keys_valid, p.head_dim,
+                                                                    thread);
 }
 
 }  // namespace cupyflash

@@ -415,9 +415,8 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
             part = dkv_partial_dk<HEAD_DIM>(p, seq_end, te.b, te.h_kv, te.split, n0_end);
             if (p_side) part = dkv_partial_dv<HEAD_DIM>(p, part);
         }
-        const float (*const accs[1])[4] = {acc};
-        put_key_rows<T, HEAD_DIM, KVTile, 1>(p, accs, {p_side ? 1.f : p.softmax_scale}, {part},
-                                             {p_side ? sV_ : sK_}, key_row0, keys_end, t);
+        put_key_rows<T, HEAD_DIM, KVTile>(p, acc, p_side ? 1.f : p.softmax_scale, part, p_side ? sV_ : sK_, key_row0,
+                                          keys_end, t);
         if (p.kv_splits > 1) return;
         named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR);
         store_staged_dkdv<T, BLOCK_N, HEAD_DIM, Tr::CONSUMER_THREADS, EVEN_K, KVTile>(
