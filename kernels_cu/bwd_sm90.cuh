@@ -356,14 +356,7 @@ __device__ __forceinline__ void store_dkdv(const BwdParams& p, const float (&acc
         }
     }
     sync();
-    T* dk = static_cast<T*>(p.dk) + b * p.dk_batch_stride + h_kv * p.dk_head_stride +
-            int64(seq.k_start + n0) * p.dk_row_stride;
-    T* dv = static_cast<T*>(p.dv) + b * p.dv_batch_stride + h_kv * p.dv_head_stride +
-            int64(seq.k_start + n0) * p.dv_row_stride;
-    store_tile<T, BLOCK_N, HEAD_DIM, THREADS, true, EVEN_K, KVTile>(dk, p.dk_row_stride, sK, keys_valid, p.head_dim,
-                                                                    thread);
-    store_tile<T, BLOCK_N, HEAD_DIM, THREADS, true, EVEN_K, KVTile>(dv, p.dv_row_stride, sV, keys_valid, p.head_dim,
-                                                                    thread);
+    store_staged_dkdv<T, BLOCK_N, HEAD_DIM, THREADS, EVEN_K, KVTile>(p, seq, b, h_kv, n0, keys_valid, sK, sV, thread);
 }
 
 }  // namespace cupyflash

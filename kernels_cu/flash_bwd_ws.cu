@@ -264,6 +264,15 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
     const uint32 ct = threadIdx.x - 128;  // consumer thread
     const int warp = ct / 32, cw = warp / 4;
     const int g = lane / 4, t = lane % 4;
+    // The producer's steps, in its order (heads outer), each with mask code or without.
+    auto for_each_step = [&](auto& step) {
+        int h = h_first, m_block = m_begin;
+        for (int it = 0; it < num_iters; ++it) {
+            if (WINDOW ? blocks.masked(m_block) : m_block < m_masked_end) step(it, h, m_block, Bool<true>{});
+            else step(it, h, m_block, Bool<false>{});
+            if (++m_block == m_end) { m_block = m_begin; ++h; }
+        }
+    };
     if constexpr (Tr::ROLES) {
         // ---- split by roles: warpgroup 0 Sᵀ, Pᵀ, dV += Pᵀ·dO; warpgroup 1 dPᵀ, dSᵀ, dK +=
         //      dSᵀ·Q; each half of dQ. Fragment rows: keys key_row0 and key_row0 + 8 of the
@@ -392,12 +401,7 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
             fence_operands(acc);
         };
 
-        int h = h_first, m_block = m_begin;
-        for (int it = 0; it < num_iters; ++it) {
-            if (WINDOW ? blocks.masked(m_block) : m_block < m_masked_end) step(it, h, m_block, Bool<true>{});
-            else step(it, h, m_block, Bool<false>{});
-            if (++m_block == m_end) { m_block = m_begin; ++h; }
-        }
+        for_each_step(step);
         if (!p_side && num_iters > 0) add_dq(Int<DQ1_COLS>{}, Int<DQ1_CHUNK>{}, ROLES_DQ_COLS, h_prev, m0_prev);
         named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR);  // every consumer is done with sK, sV
         const SeqLens seq_end = seq_slot.load();
@@ -518,13 +522,7 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
             fence_operands(acc_dk);
         };
 
-        // the producer's steps, in its order (heads outer)
-        int h = h_first, m_block = m_begin;
-        for (int it = 0; it < num_iters; ++it) {
-            if (WINDOW ? blocks.masked(m_block) : m_block < m_masked_end) step(it, h, m_block, Bool<true>{});
-            else step(it, h, m_block, Bool<false>{});
-            if (++m_block == m_end) { m_block = m_begin; ++h; }
-        }
+        for_each_step(step);
         named_barrier_sync<Tr::CONSUMER_THREADS>(Tr::EPILOGUE_BAR);  // every consumer is done with sK, sV
         const SeqLens seq_end = seq_slot.load();
 
