@@ -1395,12 +1395,16 @@ BWD_WS_VARIANT_SPILLS = (VAR_ALIBI | VAR_DROPOUT, VAR_SOFTCAP | VAR_ALIBI, VAR_W
 _BWD_WS_ROLES_SPILLS: dict[int, tuple[int, ...]] = {256: (VAR_SOFTCAP | VAR_DROPOUT,), 192: ()}
 
 
+def _bwd_ws_spills(head_dim_padded: int) -> tuple[int, ...]:
+    """The variant sets the ws backward spills with at this padded head_dim."""
+    return _BWD_WS_ROLES_SPILLS[head_dim_padded] if bwd_ws_roles(head_dim_padded) else BWD_WS_VARIANT_SPILLS
+
+
 def bwd_ws_takes(variant: int, head_dim_padded: int = 128) -> bool:
     """Whether the warp-specialised backward's kernel at this padded head_dim compiles these
     variant bits with no spill (FWD_WS_VARIANTS less BWD_WS_VARIANT_SPILLS, or
     _BWD_WS_ROLES_SPILLS where split by roles), whatever BWD_WS_VARIANTS says."""
-    spills = _BWD_WS_ROLES_SPILLS[head_dim_padded] if bwd_ws_roles(head_dim_padded) else BWD_WS_VARIANT_SPILLS
-    return not variant & ~FWD_WS_VARIANTS and not any(variant & s == s for s in spills)
+    return not variant & ~FWD_WS_VARIANTS and not any(variant & s == s for s in _bwd_ws_spills(head_dim_padded))
 
 
 #: The variants of the warp-specialised backward that check-kernels compiles (at D=128,
@@ -1450,9 +1454,9 @@ def bwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
     ``with_dq``: dQ added into dq_accum by the kernel (False: the wgmma dQ kernel's);
     ``block_m``: query rows per step (:func:`bwd_ws_block_m`)."""
     if not bwd_ws_takes(variant, head_dim_padded):
-        spills = _BWD_WS_ROLES_SPILLS[head_dim_padded] if bwd_ws_roles(head_dim_padded) else BWD_WS_VARIANT_SPILLS
         raise ValueError(f"cupyflash: the warp-specialised backward at head_dim {head_dim_padded} takes the "
-                         f"variant bits {FWD_WS_VARIANTS} less the sets {spills}; got {variant}")
+                         f"variant bits {FWD_WS_VARIANTS} less the sets {_bwd_ws_spills(head_dim_padded)}; "
+                         f"got {variant}")
     if bwd_ws_roles(head_dim_padded) and not with_dq:
         raise ValueError(f"cupyflash: the warp-specialised backward at head_dim {head_dim_padded} computes dQ "
                          f"itself (split by roles); got with_dq False")
@@ -1639,7 +1643,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     smem_limit = max_smem_per_block(cc)
     staged, variant = variant & VAR_BIAS_STAGED, variant & ~VAR_BIAS_STAGED
     sm90 = uses_sm90_bwd(d, vec, cc, variant | staged)
-    ws = (sm90 or bwd_ws_roles(d)) and uses_ws_bwd(d, vec, cc, variant | staged | block_map, deterministic, varlen, ws)
+    ws = uses_ws_bwd(d, vec, cc, variant | staged | block_map, deterministic, varlen, ws)
     # dQ by its own kernel (no atomics): always when deterministic, and where measured faster
     # (the ws kernel then runs without dQ)
     separate_dq = deterministic or (sm90 and BWD_DQ_SM90 and (bwd_ws_separate_dq(d, variant) if ws

@@ -37,6 +37,14 @@
 // may take BLOCK_M = 128 query rows (FlashAttention-3's hdim-64 tile), which halves the
 // per-row share of the step's fixed work (PERF.md v24).
 //
+// Above 128 (BwdWsTraits::ROLES: 192, 256) a warpgroup's dK and dV over 64 keys would be
+// 256 registers at D=256, so the consumers split by role instead: a block owns BLOCK_N = 64
+// keys, both warpgroups the same ones; warpgroup 0 computes Sᵀ, Pᵀ and dV += Pᵀ·dO and hands
+// Pᵀ (as dSᵀ takes it) to warpgroup 1 through shared memory (PT_BAR); warpgroup 1 computes
+// dPᵀ, dSᵀ and dK += dSᵀ·Q and writes dSᵀ (DS_BAR); each adds its columns of dQ = dS·K into
+// dq_accum from registers (the fp32 rows would not fit in shared memory beside the stages;
+// plain layout, no warp 1), warpgroup 1 a step late, under warpgroup 0's Pᵀ (PERF.md v29).
+//
 // Rows past seqlen_q arrive as zeros (the map's bound), with lse_log2 = +inf (P = 0,
 // so dV and dK get nothing from them) and delta 0 (dS = 0, so dK and dQ get nothing),
 // and their dQ rows are not added. Keys past seqlen_k arrive as zeros too, are masked
@@ -54,12 +62,12 @@
 // map stays on flash_bwd_sm90.cu (their staged tiles are a stream this producer does not
 // copy).
 //
-// Template parameters: T, HEAD_DIM (128 with dQ; 64 with dQ for the variants, without
-// it, beside the wgmma dQ kernel, for plain attention: cupyflash/dispatch.py
+// Template parameters: T, HEAD_DIM (128, 192 and 256 with dQ; 64 with dQ for the variants,
+// without it, beside the wgmma dQ kernel, for plain attention: cupyflash/dispatch.py
 // bwd_ws_separate_dq), BLOCK_M (query rows per step: 64, or 128 without dQ), IS_CAUSAL,
 // EVEN_K (head_dim == HEAD_DIM: no column predicates in the dK, dV stores), WITH_DQ,
 // VARIANT (bits of WS_VARIANTS; some sets spill at the consumers' 240 registers:
-// cupyflash/dispatch.py BWD_WS_VARIANT_SPILLS). Dense batches only (a packed batch's maps would bring the next
+// cupyflash/dispatch.py BWD_WS_VARIANT_SPILLS, _BWD_WS_ROLES_SPILLS). Dense batches only (a packed batch's maps would bring the next
 // sequence's rows into a tile's tail: measured slower with those rows zeroed in shared
 // memory, PERF.md v23) and no deterministic mode: flash_bwd_sm90.cu's kernels serve
 // those. 16-byte aligned data and strides (a TMA requirement).
@@ -275,9 +283,8 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
     };
     if constexpr (Tr::ROLES) {
         // ---- split by roles: warpgroup 0 Sᵀ, Pᵀ, dV += Pᵀ·dO; warpgroup 1 dPᵀ, dSᵀ, dK +=
-        //      dSᵀ·Q; each half of dQ. Fragment rows: keys key_row0 and key_row0 + 8 of the
-        //      block in both (Sᵀ, dPᵀ, dK, dV); in dQ, the step's query rows alike, columns
-        //      from dq_col0.
+        //      dSᵀ·Q; each some columns of dQ. Fragment rows: keys key_row0 and key_row0 + 8
+        //      of the block in both (Sᵀ, dPᵀ, dK, dV); in dQ, the step's query rows alike.
         const bool p_side = cw == 0;
         const int key_row0 = (warp % 4) * 16 + g;
         // warpgroup 0's dQ columns: half, rounded up to whole 64-column chunks of the K tile
