@@ -83,9 +83,9 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
     ``options``: the variants on (``_checks.check_variants``), or None; a plan
     made with them is run with ``FwdCall.run(..., var=_variant.call_values(...))``.
     ``ws``: where the warp-specialised kernel may serve the call (``dispatch.select_fwd``'s
-    ``ws``, and ``ws_block_map`` for a block-sparse call; None: ``dispatch.FWD_WS`` and
-    ``dispatch.FWD_WS_BLOCK_MAP``); False for calls run with ``seqused_k`` (that kernel
-    reads the keys past it).
+    ``ws``, ``ws_block_map`` for a block-sparse call and ``ws_bias`` for a bias; None:
+    ``dispatch.FWD_WS``, ``dispatch.FWD_WS_BLOCK_MAP`` and ``dispatch.FWD_WS_BIAS``); False
+    for calls run with ``seqused_k`` (that kernel reads the keys past it).
     """
     nheads_q, head_dim = q.shape[-2:]
     nheads_kv = k.shape[-2]
@@ -102,7 +102,8 @@ def plan_fwd(q, k, v, out, lse, *, softmax_scale: float, causal: bool, dtype_nam
         dtype=dtype_name, causal=causal, vec=vec_ok((q, k, v, out), head_dim),
         num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id), varlen=packed is not None,
         variant=_variant.plan_bits(options) if options else 0, ws=dispatch.FWD_WS if ws is None else ws,
-        persistent=dispatch.FWD_WS_PERSISTENT, ws_block_map=dispatch.FWD_WS_BLOCK_MAP if ws is None else ws)
+        persistent=dispatch.FWD_WS_PERSISTENT, ws_block_map=dispatch.FWD_WS_BLOCK_MAP if ws is None else ws,
+        ws_bias=dispatch.FWD_WS_BIAS if ws is None else ws)
     scratch = (0, (0, 0))
     if plan.num_splits > 1:  # dense batches only
         rows = plan.num_splits * batch * nheads_q * seqlen_q

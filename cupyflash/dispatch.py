@@ -240,6 +240,29 @@ FWD_WS_MAP_VARIANTS = VAR_MASK | VAR_BLOCK_MAP
 #: 60-144, D=128 causal 24). With the map such a call stays on the cp.async kernel; the
 #: mask alone, with ALiBi or with sinks, compiles with none (the kernel static_asserts the rest).
 FWD_WS_MAP_SPILLS = VAR_WINDOW | VAR_SOFTCAP | VAR_DROPOUT
+#: Issue 14's additive bias on the ws forward (kernels_cu/variant.cuh WS_FWD_BIAS): a bias of
+#: the inputs' dtype read in pairs of columns into registers once a key block's GEMMs are
+#: issued (variant.cuh ScoreTerms, as the map's mask: 32 registers at 128 keys; not
+#: VAR_BIAS_STRIDED, not fp32; the plan's VAR_BIAS_STAGED, the cp.async kernel's tile
+#: staging, dropped: :func:`ws_fwd_variant`), alone or with those of FWD_WS_VARIANTS not in
+#: FWD_WS_BIAS_SPILLS, and not where _FWD_WS_SPILLS says it spills. Other bias calls stay on
+#: the cp.async wgmma kernel (flash_fwd_sm90.cu) or, at 192 and 256, the mma.sync kernel.
+#: (Copied a block ahead into a shared-memory ring by each consumer thread instead, with
+#: cp.async, it ran 0.82-0.97x this form: PERF.md v30, run 142; branch ws-bias-async.)
+FWD_WS_BIAS_VARIANTS = VAR_BIAS
+#: What the ws forward never takes with a bias: dropout (its Philox state beside the bias
+#: pairs spills 84-480 bytes at D=128, check-kernels sm_90, NVRTC 13.0) and a mask (the
+#: map's path, whose pairs would double the registers): such calls take flash_fwd_sm90.cu.
+#: The kernel static_asserts both.
+FWD_WS_BIAS_SPILLS = VAR_DROPOUT | VAR_MASK
+#: The padded head_dims at which bias calls the ws forward takes (:func:`uses_ws_fwd`) go to
+#: it (True: all it has; False: none). Run 141 (PERF.md v30, bf16, 16k tokens, 1024-8192,
+#: per-head and per-batch biases, one process): D=128 1.02-1.25x the cp.async wgmma kernel,
+#: D=256 1.59-2.35x the mma.sync kernel; D=64 0.79-1.00x (that kernel keeps two blocks per SM
+#: with the bias staged through shared memory), so D=64 stays there. 192, where the other
+#: choice is the mma.sync kernel as at 256, was not timed. Read when a call is planned
+#: (cupyflash._gpu plan_fwd): set it, then ``_gpu.clear_plans()``.
+FWD_WS_BIAS: bool | tuple[int, ...] = (128, 192, 256)
 #: The switch that sends those calls (VAR_MASK | VAR_BLOCK_MAP, no bias) to the ws forward:
 #: True (the default: at every head_dim the kernel has; 1.08-1.27x the cp.async wgmma kernel
 #: at 64 and 128, PERF.md v25, run 116; at 192 and 256, where the mask ran on the mma.sync
@@ -303,16 +326,27 @@ FWD_WS_NOT_PERSISTENT = VAR_WINDOW | VAR_DROPOUT
 #: dropout's Philox rounds when persistent (72-104) or beside a window (8), or for the map's
 #: mask pairs beside ALiBi's distances (16, causal). Those calls take the mma.sync kernel
 #: (or, the persistent ones, one block per tile); 192 spills nowhere.
+#: A bias (FWD_WS_BIAS_VARIANTS; session 20's sweep of every subset of a window, softcap,
+#: ALiBi and sinks with it, causal or not, packed or not, persistent or not, NVRTC 13.0:
+#: .ci/ws_bias_spills.py): 64 and 192 spill nowhere. At 128 its 32 registers of pairs beside
+#: the tile walk's state spill with a window (172-186 bytes) or ALiBi (128-194), and a window
+#: with ALiBi spills one block per tile too (64-208). At 256 beside a window it spills
+#: always (232-460), and persistent beside softcap (172, non-causal) or ALiBi (130-256).
+#: Those calls take the other kernels (the persistent ones: one block per tile).
 _FWD_WS_SPILLS = {
     # (persistent, which "auto" never takes with a window: 128 x 128 causal with a window and
     # softcap, or those and sinks, spills; with ALiBi or dropout too it does not, nor one
     # block per tile)
-    128: ((VAR_WINDOW | VAR_SOFTCAP, VAR_ALIBI | VAR_DROPOUT, None, True),),
+    128: ((VAR_WINDOW | VAR_SOFTCAP, VAR_ALIBI | VAR_DROPOUT, None, True),
+          (VAR_BIAS | VAR_WINDOW, 0, None, True), (VAR_BIAS | VAR_ALIBI, 0, None, True),
+          (VAR_BIAS | VAR_WINDOW | VAR_ALIBI, 0, None, None)),
     256: ((VAR_WINDOW, 0, None, True), (VAR_DROPOUT, 0, None, True), (VAR_WINDOW, 0, True, None),
           (VAR_WINDOW | VAR_DROPOUT, 0, None, None), (VAR_BLOCK_MAP | VAR_ALIBI, 0, None, None),
           # (every subset: a window with softcap 8-44 bytes, ALiBi with dropout non-causal;
           # their supersets left out too, spilling or not)
-          (VAR_WINDOW | VAR_SOFTCAP, 0, None, None), (VAR_ALIBI | VAR_DROPOUT, 0, None, None)),
+          (VAR_WINDOW | VAR_SOFTCAP, 0, None, None), (VAR_ALIBI | VAR_DROPOUT, 0, None, None),
+          (VAR_BIAS | VAR_WINDOW, 0, None, None), (VAR_BIAS | VAR_SOFTCAP, 0, None, True),
+          (VAR_BIAS | VAR_ALIBI, 0, None, True)),
 }
 
 
@@ -350,9 +384,9 @@ def fwd_ws_grid(num_m_blocks: int, batch_heads: int, causal: bool, num_sms: int,
 
 def ws_fwd_variant(variant: int) -> int:
     """The VARIANT the ws forward is compiled with for a plan's ``variant``: with the mask's
-    map, less VAR_BIAS_STAGED (the kernel reads the mask into registers, never through
-    shared memory, whose K/V stages fill it)."""
-    if variant & FWD_WS_MAP_VARIANTS == FWD_WS_MAP_VARIANTS:
+    map or a bias, less VAR_BIAS_STAGED (the kernel reads them into registers, never
+    through shared memory, whose K/V stages fill it)."""
+    if variant & FWD_WS_MAP_VARIANTS == FWD_WS_MAP_VARIANTS or variant & FWD_WS_BIAS_VARIANTS:
         return variant & ~VAR_BIAS_STAGED
     return variant
 
@@ -364,13 +398,17 @@ def uses_ws_fwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: i
     packed batch, the consumers asking seqlens.cuh for each sequence's lengths as
     flash_fwd_sm90.cu does; the kernel's VARLEN argument: fwd_ws_launch), aligned, on cc
     9.0, with no variant outside FWD_WS_VARIANTS but a mask with its map (FWD_WS_MAP_VARIANTS,
-    both bits or neither, read in pairs: not VAR_BIAS_STRIDED; not with FWD_WS_MAP_SPILLS;
-    ``variant`` as :func:`ws_fwd_variant` compiles it), and not where it spills one block
-    per tile at this head_dim (:func:`fwd_ws_spills`; ``varlen``: a packed batch)."""
+    both bits or neither, read in pairs: not VAR_BIAS_STRIDED; not with FWD_WS_MAP_SPILLS)
+    or a bias of the inputs' dtype (FWD_WS_BIAS_VARIANTS, read in pairs; not with
+    FWD_WS_BIAS_SPILLS; ``variant`` as :func:`ws_fwd_variant` compiles it), and not where
+    it spills one block per tile at this head_dim (:func:`fwd_ws_spills`; ``varlen``: a
+    packed batch)."""
     map_bits = variant & FWD_WS_MAP_VARIANTS
     return (cc == (9, 0) and vec and head_dim_padded in _FWD_WS
-            and not variant & ~(FWD_WS_VARIANTS | FWD_WS_MAP_VARIANTS) and map_bits in (0, FWD_WS_MAP_VARIANTS)
+            and not variant & ~(FWD_WS_VARIANTS | FWD_WS_MAP_VARIANTS | FWD_WS_BIAS_VARIANTS)
+            and map_bits in (0, FWD_WS_MAP_VARIANTS)
             and not (map_bits and variant & FWD_WS_MAP_SPILLS)
+            and not (variant & FWD_WS_BIAS_VARIANTS and variant & FWD_WS_BIAS_SPILLS)
             and not fwd_ws_spills(head_dim_padded, variant, varlen, False))
 
 
@@ -642,7 +680,7 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
                dtype: str, causal: bool, vec: bool, num_sms: int = 132,
                cc: tuple[int, int] = (9, 0), varlen: bool = False, variant: int = 0,
                ws: bool | tuple[int, ...] = False, persistent: bool | str = False,
-               ws_block_map: bool | tuple[int, ...] = False) -> FwdPlan:
+               ws_block_map: bool | tuple[int, ...] = False, ws_bias: bool | tuple[int, ...] = False) -> FwdPlan:
     """Choose the forward kernel, its grid and whether to split the keys.
 
     ``vec`` says 16-byte accesses are legal (data pointers 16-byte aligned,
@@ -660,6 +698,8 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     "auto": where it pays (:func:`persistent_ws_pays`).
     ``ws_block_map``: as ``ws``, for a call with a mask and its map (VAR_MASK |
     VAR_BLOCK_MAP, no bias), in place of ``ws`` (:data:`FWD_WS_BLOCK_MAP`).
+    ``ws_bias``: as ``ws``, for a call with a bias (VAR_BIAS), in place of ``ws``
+    (:data:`FWD_WS_BIAS`).
     """
     if dtype not in CTYPES:
         raise ValueError(f"cupyflash: dtype must be one of {sorted(CTYPES)}; got {dtype}")
@@ -670,6 +710,8 @@ def select_fwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, head_
     ws_variant = ws_fwd_variant(variant)
     if ws_variant & FWD_WS_MAP_VARIANTS:
         ws = ws_block_map
+    elif ws_variant & FWD_WS_BIAS_VARIANTS:
+        ws = ws_bias
     if (ws is True or (ws and d in ws)) and uses_ws_fwd(d, vec, cc, ws_variant, varlen):
         block_n = fwd_ws_tile(d, causal, ws_variant)[0]
         block_m = fwd_ws_block_m(d, ws_variant, seqlen_q=seqlen_q)  # (192 rows: one block per tile)
@@ -783,7 +825,10 @@ FWD_WS_CHECK_VARIANTS = (VAR_WINDOW, VAR_SOFTCAP, VAR_ALIBI, VAR_SINKS, VAR_DROP
                          VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS,
                          # the mask with its map (FWD_WS_BLOCK_MAP): alone, and with the variants
                          # it takes there (not FWD_WS_MAP_SPILLS)
-                         *(FWD_WS_MAP_VARIANTS | bits for bits in (0, VAR_ALIBI, VAR_SINKS, VAR_ALIBI | VAR_SINKS)))
+                         *(FWD_WS_MAP_VARIANTS | bits for bits in (0, VAR_ALIBI, VAR_SINKS, VAR_ALIBI | VAR_SINKS)),
+                         # the bias (FWD_WS_BIAS): alone, with each variant it takes, and with all of them
+                         *(FWD_WS_BIAS_VARIANTS | bits for bits in (0, VAR_WINDOW, VAR_SOFTCAP, VAR_ALIBI, VAR_SINKS,
+                                                                    FWD_WS_VARIANTS & ~FWD_WS_BIAS_SPILLS)))
 
 #: The backward's staged bias and mask (VAR_BIAS_STAGED) that check-kernels compiles:
 #: each array alone, both, and a bias with softcap (whose dS recomputes the score).

@@ -52,7 +52,8 @@
 //   EVEN_K     head_dim == HEAD_DIM (no column predicates in the O stores)
 //   VARIANT    variant.cuh's VAR_* bits: WS_VARIANTS (softcap, ALiBi, a window, sinks,
 //              dropout) or none, each optionally with WS_FWD_MAP_VARIANTS (a bool mask
-//              with its tile map, below); a bias goes to flash_fwd_sm90.cu
+//              with its tile map, below) or WS_FWD_BIAS (a bias of T, below); an fp32,
+//              strided or masked bias goes to flash_fwd_sm90.cu
 //   VARLEN     a packed batch (cu_seqlens); false: dense, whose code is then as if
 //              packing did not exist (as a runtime branch it reordered the dense main
 //              loop: 2.028 against 1.947 ms at S=8192, PERF.md runs 86-87)
@@ -106,6 +107,13 @@
 // element after the S GEMM instead (ScoreMod::keep_masked), the 64 loads, hoisted together,
 // spilled 72-456 bytes next to S, P and O (nvcc 13.0). A query block whose every tile is
 // empty copies Q only and stores O = 0, lse = -inf, as a row that sees no key.
+//
+// An additive bias (WS_FWD_BIAS: of T, rows pair-aligned, any batch/head/row strides,
+// the plan's VAR_BIAS_STRIDED otherwise): each step reads its block's bias as the map's
+// mask is read, in pairs into registers once the block's GEMMs are issued (ScoreTerms, 32
+// words a thread at 128 keys; the key tail's odd column alone), and score_tile adds it
+// (ScoreMod: after softcap and ALiBi). No shared memory: the K/V stages fill it, and the
+// bias stream's loads go out from the consumers under the GEMMs, as the mask's.
 #include "params.cuh"
 #include "block_traits.cuh"
 #include "seqlens.cuh"
@@ -148,7 +156,13 @@ template <typename T, int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, bool I
           bool VARLEN, bool PERSISTENT>
 __global__ void __launch_bounds__((FwdWsTraits<T, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES>::NUM_THREADS), 1)
 flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
-    static_assert((VARIANT & ~(WS_VARIANTS | WS_FWD_MAP_VARIANTS)) == 0, "flash_fwd_ws_kernel: no bias");
+    static_assert((VARIANT & ~(WS_VARIANTS | WS_FWD_MAP_VARIANTS | WS_FWD_BIAS)) == 0,
+                  "flash_fwd_ws_kernel: a bias of T in pairs only (no fp32, strided or staged bias)");
+    // (dropout's Philox state, or a mask's pairs, next to the bias's 32 registers of pairs
+    // spill: cupyflash/dispatch.py FWD_WS_BIAS_SPILLS; some sets of the rest do at 128 and
+    // 256, which the plan keeps off this kernel: _FWD_WS_SPILLS)
+    static_assert((VARIANT & WS_FWD_BIAS) == 0 || (VARIANT & (VAR_DROPOUT | VAR_MASK)) == 0,
+                  "flash_fwd_ws_kernel: the bias alone, or with a window, softcap, ALiBi or sinks");
     static_assert((VARIANT & WS_FWD_MAP_VARIANTS) == 0 || (VARIANT & WS_FWD_MAP_VARIANTS) == WS_FWD_MAP_VARIANTS,
                   "flash_fwd_ws_kernel: a mask with its block map, or neither");
     // (the walk's state spills next to a window's and dropout's: cupyflash/dispatch.py FWD_WS_NOT_PERSISTENT)
@@ -176,8 +190,10 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
     constexpr int N_TILES = Tr::N_TILES, D_TILES = Tr::D_TILES, BOX = Tr::BOX_COLS;
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
-    // With the map, a block's mask pairs in registers (variant.cuh ScoreTerms, read in pairs)
-    using MaskTerms = ScoreTerms<VARIANT, T, 1, N_TILES>;
+    // A block's bias or (with the map) mask pairs in registers (variant.cuh ScoreTerms, read
+    // in pairs once the block's GEMMs are issued)
+    using Terms = ScoreTerms<VARIANT, T, 1, N_TILES>;
+    constexpr bool TERMS = Terms::ANY;
     const FwdParams& p = tp.fwd;
 
     extern __shared__ __align__(16) unsigned char smem[];
@@ -405,10 +421,13 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                 [[maybe_unused]] const int col0 = n_first * BLOCK_N + 2 * t;
                 [[maybe_unused]] const bool edge = blocks.masked(n_first);
                 [[maybe_unused]] const bool full = MAP && !edge && map.state(n_first) == BLOCK_FULL;
-                [[maybe_unused]] MaskTerms terms(mod, m0 + r0);
+                [[maybe_unused]] Terms terms(mod, m0 + r0);
                 if constexpr (MAP) {
                     if (edge) terms.template load<true>(col0);
                     else if (!full) terms.template load<false>(col0);
+                } else if constexpr (TERMS) {
+                    if (edge) terms.template load<true>(col0);
+                    else terms.template load<false>(col0);
                 }
                 wgmma_wait<0>();
                 fence_operands(s[0]);
@@ -416,6 +435,9 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                 if constexpr (MAP) {
                     if (edge) score_tile<true>(s, mod, mask, m0 + r0, col0, terms);
                     else if (full) score_tile<false, false>(s, mod, mask, m0 + r0, col0, terms);
+                    else score_tile<false>(s, mod, mask, m0 + r0, col0, terms);
+                } else if constexpr (TERMS) {
+                    if (edge) score_tile<true>(s, mod, mask, m0 + r0, col0, terms);
                     else score_tile<false>(s, mod, mask, m0 + r0, col0, terms);
                 } else if (blocks.masked(n_first)) {
                     fwd_score_tile<true, RAW>(s, mod, mask, m0 + r0, col0);
@@ -447,15 +469,15 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                 issue_pv<T, BLOCK_N, HEAD_DIM>(acc_o[0], pa, sV0 + prev_stage * KVTile::BYTES);
                 sched_arrive();
                 if constexpr (DROPOUT && KEEP_UNDER_S) keep.draw(drop, m0 + r0, n * BLOCK_N + 2 * t);
-                // The block's mask (a PARTIAL or edge block), read while the GEMMs run.
+                // The block's bias, or its mask (a PARTIAL or edge block), read while the GEMMs run.
                 [[maybe_unused]] constexpr bool MASKED = decltype(masked)::value;
                 [[maybe_unused]] constexpr bool ATTN_MASKED = decltype(attn_masked)::value;
-                [[maybe_unused]] MaskTerms terms(mod, m0 + r0);
-                if constexpr (MAP) terms.template load<MASKED, ATTN_MASKED>(n * BLOCK_N + 2 * t);
+                [[maybe_unused]] Terms terms(mod, m0 + r0);
+                if constexpr (TERMS) terms.template load<MASKED, ATTN_MASKED>(n * BLOCK_N + 2 * t);
                 wgmma_wait<1>();  // S_n (the older group) has completed
                 fence_operands(s[0]);
                 release_k(stage);  // K_n is free: the producer may copy the block STAGES on into it
-                if constexpr (MAP) {
+                if constexpr (TERMS) {
                     score_tile<MASKED, ATTN_MASKED>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t, terms);
                 } else {
                     fwd_score_tile<decltype(masked)::value, RAW>(s, mod, mask, m0 + r0, n * BLOCK_N + 2 * t);

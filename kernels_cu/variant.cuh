@@ -48,6 +48,10 @@ constexpr int WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | V
 // ... and, the forward only, a bool mask with its tile map (the map's walk skips the empty
 // key blocks; cupyflash/dispatch.py FWD_WS_MAP_VARIANTS, FWD_WS_BLOCK_MAP).
 constexpr int WS_FWD_MAP_VARIANTS = VAR_MASK | VAR_BLOCK_MAP;
+// ... or a bias of the kernel's element type read in pairs into registers (ScoreTerms, a
+// block's once its GEMMs are issued; no fp32, strided or masked bias):
+// cupyflash/dispatch.py FWD_WS_BIAS_VARIANTS
+constexpr int WS_FWD_BIAS = VAR_BIAS;
 
 // The variants' runtime arguments, one member `var` of every params struct
 // (mirrored as VARIANT_PARAMS in cupyflash/_params.py). Fields of a variant that

@@ -167,10 +167,10 @@ def test_ws_kernels_are_checked_on_sm90_only():
     assert variants == {(str(d), c, bits) for d in dispatch._FWD_WS for c in ("false", "true")
                         for bits in dispatch.FWD_WS_CHECK_VARIANTS if dispatch.uses_ws_fwd(d, True, (9, 0), bits)}
     # (all of them but, at 256, those with a window and dropout or softcap, ALiBi and dropout,
-    # or the map with ALiBi: _FWD_WS_SPILLS)
+    # the map with ALiBi, or a bias with a window: _FWD_WS_SPILLS)
     left_out = {bits for bits in dispatch.FWD_WS_CHECK_VARIANTS if ("256", "true", bits) not in variants}
     W, SC, AL, DR = dispatch.VAR_WINDOW, dispatch.VAR_SOFTCAP, dispatch.VAR_ALIBI, dispatch.VAR_DROPOUT
-    pairs = (W | DR, dispatch.VAR_BLOCK_MAP | AL, W | SC, AL | DR)
+    pairs = (W | DR, dispatch.VAR_BLOCK_MAP | AL, W | SC, AL | DR, dispatch.VAR_BIAS | W)
     assert left_out == {b for b in dispatch.FWD_WS_CHECK_VARIANTS if any(b & p == p for p in pairs)}
     assert left_out and all(("192", "true", b) in variants for b in dispatch.FWD_WS_CHECK_VARIANTS)
     # the 192-row tile (D=64, one block per tile): plain in every dtype, EVEN_K and VARLEN;

@@ -133,7 +133,7 @@ def test_the_map_bits_are_the_kernels():
     assert "constexpr int WS_FWD_MAP_VARIANTS = VAR_MASK | VAR_BLOCK_MAP;" in variant
     assert dispatch.FWD_WS_MAP_VARIANTS == MAP
     ws = (kernels_dir() / "flash_fwd_ws.cu").read_text()
-    assert "(VARIANT & ~(WS_VARIANTS | WS_FWD_MAP_VARIANTS)) == 0" in ws
+    assert "(VARIANT & ~(WS_VARIANTS | WS_FWD_MAP_VARIANTS | WS_FWD_BIAS)) == 0" in ws
     assert "(VARIANT & WS_FWD_MAP_VARIANTS) == WS_FWD_MAP_VARIANTS" in ws
     # the variants it never takes with the map: dispatch.FWD_WS_MAP_SPILLS
     assert "(VARIANT & VAR_BLOCK_MAP) == 0 || (VARIANT & (VAR_WINDOW | VAR_SOFTCAP | VAR_DROPOUT)) == 0" in ws
