@@ -223,15 +223,22 @@ def test_mask_views_are_read_in_place(cp, rng, config):
 # ----------------------------------------------------------------------------
 
 
+def dead_rows(b, h, m):
+    """(batch, nheads, seqlen_q) bool: the rows a test hides from every key: the first, a
+    middle and the last (tail) row of each head, and a whole head of the first batch."""
+    dead = np.zeros((b, h, m), bool)
+    dead[:, :, [0, m // 2, m - 1]] = True
+    dead[0, -1, :] = True
+    return dead
+
+
 @pytest.mark.parametrize("config", list(_params(CONFIGS)))
 @pytest.mark.parametrize("how", ["bias-inf", "mask", "bias-inf+sinks"])
 def test_rows_that_see_no_key_give_zero_and_minus_inf(cp, rng, how, config):
     dtype, shape, causal = CONFIGS[config]
     b, h, m, n = _score_shape(shape)
     q, k, v = _inputs(rng, dtype, shape)
-    dead = np.zeros((b, h, m), bool)
-    dead[:, :, [0, m // 2, m - 1]] = True  # the first, a middle and the last (tail) row
-    dead[0, -1, :] = True                   # a whole head of the first batch
+    dead = dead_rows(b, h, m)
     variants, ref = {}, {}
     if how.startswith("bias-inf"):
         bias = _bias(rng, (b, h, m, n), "float32")

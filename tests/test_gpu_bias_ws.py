@@ -21,7 +21,8 @@ import pytest
 
 from test_cpu_bias import SCALE as PACKED_SCALE  # sibling modules
 from test_cpu_bias import _packed_reference
-from test_gpu_bias import BROADCAST, _bias, _check, _fwd, _inputs, _mask, _params, _score_shape, cp  # noqa: F401
+from test_gpu_bias import (BROADCAST, _bias, _check, _fwd, _inputs, _mask, _params, _score_shape,  # noqa: F401
+                           cp, dead_rows)
 from test_gpu_fwd_ws import WS_KERNEL, record_ws_modes
 from test_gpu_variants import alibi_heads, dev, dtype_kw, host, sink_logits
 from test_varlen import cu_seqlens, packed_inputs
@@ -130,9 +131,7 @@ def test_minus_inf_entries_and_rows_that_see_no_key(ws_bias, cp, rng, sinks, con
     dtype, shape, causal = CONFIGS[config]
     b, h, m, n = _score_shape(shape)
     q, k, v = _inputs(rng, dtype, shape)
-    dead = np.zeros((b, h, m), bool)
-    dead[:, :, [0, m // 2, m - 1]] = True  # the first, a middle and the last (tail) row
-    dead[0, -1, :] = True                   # a whole head of the first batch
+    dead = dead_rows(b, h, m)
     bias = _bias(rng, (b, h, m, n), dtype)
     bias[rng.random(bias.shape) < 0.2] = -np.inf  # scattered -inf entries mask too
     bias[dead] = -np.inf
