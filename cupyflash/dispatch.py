@@ -256,12 +256,12 @@ FWD_WS_BIAS_VARIANTS = VAR_BIAS
 #: The kernel static_asserts both.
 FWD_WS_BIAS_SPILLS = VAR_DROPOUT | VAR_MASK
 #: The padded head_dims at which bias calls the ws forward takes (:func:`uses_ws_fwd`) go to
-#: it (True: all it has; False: none). Run 141 (PERF.md v30, bf16, 16k tokens, 1024-8192,
-#: per-head and per-batch biases, one process): D=128 1.02-1.25x the cp.async wgmma kernel,
-#: D=256 1.59-2.35x the mma.sync kernel; D=64 0.79-1.00x (that kernel keeps two blocks per SM
-#: with the bias staged through shared memory), so D=64 stays there. 192, where the other
-#: choice is the mma.sync kernel as at 256, was not timed. Read when a call is planned
-#: (cupyflash._gpu plan_fwd): set it, then ``_gpu.clear_plans()``.
+#: it (True: all it has; False: none). Runs 141 and 143 (PERF.md v30, bf16, 16k tokens,
+#: 1024-8192, per-head and per-batch biases, one process): D=128 1.02-1.25x the cp.async
+#: wgmma kernel, D=256 1.59-2.35x and D=192 1.87-2.19x (4096, 8192) the mma.sync kernel;
+#: D=64 0.79-1.00x (that kernel keeps two blocks per SM with the bias staged through shared
+#: memory), so D=64 stays there. Read when a call is planned (cupyflash._gpu plan_fwd): set
+#: it, then ``_gpu.clear_plans()``.
 FWD_WS_BIAS: bool | tuple[int, ...] = (128, 192, 256)
 #: The switch that sends those calls (VAR_MASK | VAR_BLOCK_MAP, no bias) to the ws forward:
 #: True (the default: at every head_dim the kernel has; 1.08-1.27x the cp.async wgmma kernel

@@ -422,22 +422,16 @@ flash_fwd_ws_kernel(const __grid_constant__ FwdTmaParams tp) {
                 [[maybe_unused]] const bool edge = blocks.masked(n_first);
                 [[maybe_unused]] const bool full = MAP && !edge && map.state(n_first) == BLOCK_FULL;
                 [[maybe_unused]] Terms terms(mod, m0 + r0);
-                if constexpr (MAP) {
+                if constexpr (TERMS) {  // (full: the map's only)
                     if (edge) terms.template load<true>(col0);
                     else if (!full) terms.template load<false>(col0);
-                } else if constexpr (TERMS) {
-                    if (edge) terms.template load<true>(col0);
-                    else terms.template load<false>(col0);
                 }
                 wgmma_wait<0>();
                 fence_operands(s[0]);
                 release_k(stage);
-                if constexpr (MAP) {
+                if constexpr (TERMS) {
                     if (edge) score_tile<true>(s, mod, mask, m0 + r0, col0, terms);
                     else if (full) score_tile<false, false>(s, mod, mask, m0 + r0, col0, terms);
-                    else score_tile<false>(s, mod, mask, m0 + r0, col0, terms);
-                } else if constexpr (TERMS) {
-                    if (edge) score_tile<true>(s, mod, mask, m0 + r0, col0, terms);
                     else score_tile<false>(s, mod, mask, m0 + r0, col0, terms);
                 } else if (blocks.masked(n_first)) {
                     fwd_score_tile<true, RAW>(s, mod, mask, m0 + r0, col0);

@@ -23,7 +23,7 @@ from test_cpu_bias import SCALE as PACKED_SCALE  # sibling modules
 from test_cpu_bias import _packed_reference
 from test_gpu_bias import (BROADCAST, _bias, _check, _fwd, _inputs, _mask, _params, _score_shape,  # noqa: F401
                            cp, dead_rows)
-from test_gpu_fwd_ws import WS_KERNEL, record_ws_modes
+from test_gpu_fwd_ws import WS_KERNEL, record_ws_modes, switch_ws_on
 from test_gpu_variants import alibi_heads, dev, dtype_kw, host, sink_logits
 from test_varlen import cu_seqlens, packed_inputs
 
@@ -69,22 +69,16 @@ def _record_ws_args(monkeypatch):
 
 @pytest.fixture(params=[False, True], ids=["one-block-per-tile", "persistent"])
 def ws_bias(request, monkeypatch, launches):
-    """FWD_WS_BIAS on, FWD_WS_PERSISTENT as the parameter, a cc 9.0 device reporting one SM
-    (conftest restores it), fresh plans; yields the (persistent, VARIANT, grid, HEAD_DIM)
-    of each ws launch (test_gpu_fwd_ws.record_ws_modes), then checks that every forward
-    was one, with the bias, persistent where asked and the kernel takes it."""
-    cupy = pytest.importorskip("cupy")
-    from cupyflash import _gpu, _launch, dispatch
+    """FWD_WS_BIAS on, the ws switch as test_gpu_fwd_ws.switch_ws_on sets it (FWD_WS_PERSISTENT
+    as the parameter, a cc 9.0 device reporting one SM; conftest restores it), fresh plans;
+    yields the template arguments of each ws launch (_record_ws_args), then checks that every
+    forward was one, with the bias, persistent where asked and the kernel takes it."""
+    from cupyflash import _gpu, dispatch
 
-    cc = tuple(int(c) for c in cupy.cuda.Device().compute_capability)
-    if cc != (9, 0):
-        pytest.skip(f"the warp-specialised forward runs on compute capability 9.0; this GPU is {cc}")
-    assert dispatch.VAR_BIAS == BIAS
     persistent = request.param
     monkeypatch.setattr(dispatch, "FWD_WS_BIAS", True)
-    monkeypatch.setattr(dispatch, "FWD_WS_PERSISTENT", persistent)
-    monkeypatch.setattr(_launch, "num_sms", lambda device_id: 1)
-    _gpu.clear_plans()
+    switch_ws_on(monkeypatch, persistent, 1)  # (skips off cc 9.0)
+    assert dispatch.VAR_BIAS == BIAS
     modes = _record_ws_args(monkeypatch)
     yield modes
     assert modes, "no ws launch"
@@ -172,15 +166,14 @@ def test_bias_with_the_variants_it_takes(monkeypatch, launches, cp, rng, combo, 
     """Each combination runs the ws kernel where it takes it (dispatch.uses_ws_fwd: not
     where _FWD_WS_SPILLS says it spills, e.g. a window beside the bias at 256), else the
     kernel the plan picks; the result matches either way."""
-    from cupyflash import _gpu, _launch, dispatch
+    from cupyflash import _gpu, dispatch
 
     dtype, shape, causal = CONFIGS[config]
     forced, make = COMBOS[combo]
     causal = causal if forced is None else forced
     b, h, m, n = _score_shape(shape)
     monkeypatch.setattr(dispatch, "FWD_WS_BIAS", True)
-    monkeypatch.setattr(_launch, "num_sms", lambda device_id: 1)
-    _gpu.clear_plans()
+    switch_ws_on(monkeypatch, dispatch.FWD_WS_PERSISTENT, 1)  # (skips off cc 9.0)
     modes = record_ws_modes(monkeypatch)
     q, k, v = _inputs(rng, dtype, shape)
     others = make(rng, h)
@@ -228,11 +221,10 @@ def test_varlen_reads_each_sequence_s_block(ws_bias, cp, rng, bias_shape, causal
 def test_the_calls_it_does_not_take(monkeypatch, launches, cp, rng, how):
     """An fp32 bias, a bias with a mask, and a bias whose rows are not pair-aligned stay on
     the cp.async wgmma kernel (flash_fwd_sm90.cu), and still match."""
-    from cupyflash import _gpu, _launch, dispatch
+    from cupyflash import _gpu, dispatch
 
     monkeypatch.setattr(dispatch, "FWD_WS_BIAS", True)
-    monkeypatch.setattr(_launch, "num_sms", lambda device_id: 1)
-    _gpu.clear_plans()
+    switch_ws_on(monkeypatch, dispatch.FWD_WS_PERSISTENT, 1)  # (skips off cc 9.0)
     dtype, shape, causal = CONFIGS["bf16-d128-400x778"]
     q, k, v = _inputs(rng, dtype, shape)
     score_shape = _score_shape(shape)
