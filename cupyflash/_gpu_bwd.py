@@ -42,6 +42,8 @@ BWD_POINTERS = ("q", "k", "v", "out", "dout", "dq", "dk", "dv", "lse", "lse_log2
 _BWD_WRITER = _params.FieldWriter(_params.BWD_PARAMS, BWD_POINTERS)
 #: The pointers whose TMA maps BwdTmaParams carries, by their place in BWD_POINTERS.
 _MAP_POINTERS = tuple(BWD_POINTERS.index(name) for name in ("q", "k", "v", "dout"))
+#: ... and (a bias on the ws kernel: its bias_map) the bias's, by its place in the variants' call values.
+_BIAS_MAP_VAR = _params.VARIANT_PER_CALL.index("attn_bias")
 
 
 class BwdCall:
@@ -128,10 +130,17 @@ def plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causa
                                  kv_block_map_tile=kv_tile))
     grad_sizes = tuple(math.prod(x.shape) * x.itemsize for x in (q, k, v))
     maps = None
-    if plan.tma_box_rows is not None:  # BwdTmaParams: BwdParams, then the maps of q, k, v, dout
+    if plan.tma_box_rows is not None:  # BwdTmaParams: BwdParams, then the maps of q, k, v, dout (, the bias)
         template += bytes(_params.BWD_TMA_PARAMS.itemsize - len(template))
-        maps = (_params.offset_of(_params.BWD_TMA_PARAMS, "q_map"),
-                _tma.maps_of((q, k, v, dout), dtype_name, plan.tma_box_rows), _MAP_POINTERS)
+        seq_maps = _tma.seq_maps((q, k, v, dout), dtype_name, plan.tma_box_rows)
+        offset = _params.offset_of(_params.BWD_TMA_PARAMS, "q_map")
+        bias = (options or {}).get("attn_bias")
+        if bias is None:  # (a ws plan with a bias has it on the ws kernel: dispatch.uses_ws_bwd)
+            maps = (offset, _tma.MapCache(seq_maps), _MAP_POINTERS)
+        else:  # its box: the step's query rows by 64 keys
+            bias_map = _tma.bias_map(dtype_name, bias.shape, _variant.broadcast_strides(bias), bias.itemsize,
+                                     plan.tma_box_rows[0])
+            maps = (offset, _tma.MapCache((*seq_maps, bias_map)), _MAP_POINTERS, (_BIAS_MAP_VAR,))
     return BwdCall(plan, grad_sizes, scratch,
                    _launch.Launcher(plan.launches, template, _BWD_WRITER, _VAR_WRITER, maps))
 

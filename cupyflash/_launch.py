@@ -205,7 +205,7 @@ class Launcher:
     """
 
     __slots__ = ("_buffer", "_argv", "_argv_address", "_pack_into", "_var_pack_into", "_var_offset", "_kernels",
-                 "_lock", "_launch_kernel", "launches", "_maps_address", "_maps", "_map_pointers")
+                 "_lock", "_launch_kernel", "launches", "_maps_address", "_maps", "_map_pointers", "_map_vars")
 
     def __init__(self, launches, template: bytes, writer, variant=None, maps=None):
         """``variant``: ``(offset, writer)`` of the struct's ``var`` member and the
@@ -213,7 +213,8 @@ class Launcher:
         ``maps``: ``(offset, make)`` for a struct that carries TMA maps of the first
         three pointers (:class:`._tma.MapCache`): ``make(q, k, v)`` returns their bytes,
         written at ``offset`` on every call; or ``(offset, make, indices)``: the maps of
-        the pointers at those positions."""
+        the pointers at those positions; or ``(offset, make, indices, var_indices)``: then
+        also (after those) of the ``var`` values at ``var_indices`` (a bias's address)."""
         import cupy  # noqa: PLC0415
 
         self._launch_kernel = cupy.cuda.driver.launchKernel
@@ -231,6 +232,7 @@ class Launcher:
             ctypes.addressof(self._buffer) + maps[0], maps[1])
         # the mapped pointers, picked from a call's by one C call
         self._map_pointers = operator.itemgetter(*((0, 1, 2) if maps is None or len(maps) < 3 else maps[2]))
+        self._map_vars = () if maps is None or len(maps) < 4 else tuple(maps[3])
         self._lock = threading.Lock()
 
     def __call__(self, stream: int, *pointers: int, var=None) -> None:
@@ -241,7 +243,10 @@ class Launcher:
         with self._lock:
             self._pack_into(self._buffer, 0, *pointers)
             if self._maps is not None:
-                maps = self._maps(*self._map_pointers(pointers))
+                addresses = self._map_pointers(pointers)
+                if self._map_vars:
+                    addresses = (*addresses, *[var[i] for i in self._map_vars])
+                maps = self._maps(*addresses)
                 ctypes.memmove(self._maps_address, maps, len(maps))
             if var is not None:
                 self._var_pack_into(self._buffer, self._var_offset, *var)

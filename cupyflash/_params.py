@@ -113,7 +113,7 @@ BWD_PARAMS = _struct(
     ]
 )
 
-BWD_TMA_PARAMS = _tma_params("bwd", BWD_PARAMS, ("q_map", "k_map", "v_map", "do_map"))
+BWD_TMA_PARAMS = _tma_params("bwd", BWD_PARAMS, ("q_map", "k_map", "v_map", "do_map", "bias_map"))
 
 DECODE_PARAMS = _struct(
     [

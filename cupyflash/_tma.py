@@ -74,6 +74,26 @@ def seq_map(dtype: str, shape, strides, itemsize: int, box_rows: int) -> TiledMa
                     (BOX_COLS, box_rows, 1, 1))
 
 
+def bias_map(dtype: str, shape, strides, itemsize: int, box_rows: int) -> TiledMap:
+    """The map of a 4-D bias ``(batch, nheads, seqlen_q, seqlen_k)`` read at its broadcast
+    ``strides`` (batch, head, row, col; elements, 0 along a broadcast dimension:
+    ``_variant.broadcast_strides``), copied in boxes of ``box_rows`` query rows by
+    :data:`BOX_COLS` keys (kernels_cu/flash_bwd_ws.cu with a bias): dimensions innermost
+    first ``(seqlen_k, seqlen_q, nheads, batch)``, each broadcast one of size 1 (the kernel's
+    coordinate there is 0; a broadcast row arrives as the box's row 0, zeros below it).
+
+    Raises ValueError for a column stride other than 1 or strides the copy engine cannot
+    address (as :func:`seq_map`).
+    """
+    batch, nheads, seqlen_q, seqlen_k = shape
+    batch_stride, head_stride, row_stride, col_stride = strides
+    if col_stride != 1:
+        raise ValueError(f"cupyflash: a bias's TMA map needs unit column stride; got {col_stride}")
+    dims = (seqlen_k, seqlen_q if row_stride else 1, nheads if head_stride else 1, batch if batch_stride else 1)
+    return seq_map(dtype, (dims[3], dims[1], dims[2], seqlen_k), (batch_stride, row_stride, head_stride), itemsize,
+                   box_rows)
+
+
 def encode(m: TiledMap, address: int, encode_fn=None) -> bytes:
     """The 128 bytes of ``m`` over the tensor at ``address`` (16-byte aligned).
 
@@ -132,13 +152,18 @@ class MapCache:
         return b"".join(parts)
 
 
-def maps_of(arrays, dtype_name: str, box_rows) -> MapCache:
-    """The maps of ``arrays`` per address, array i copied in boxes of ``box_rows[i]`` rows.
+def seq_maps(arrays, dtype_name: str, box_rows) -> tuple[TiledMap, ...]:
+    """The maps of ``arrays``, array i copied in boxes of ``box_rows[i]`` rows.
 
     Dense ``(batch, seqlen, nheads, d)`` tensors map as they are; packed ``(total,
     nheads, d)`` ones as one sequence of ``total`` rows in a batch of 1 (the kernels
     offset their row coordinate by the sequence's start: kernels_cu/flash_fwd_ws.cu),
     so no copy reads past the packed tensor's last row (the map's bound: zeros)."""
-    return MapCache(seq_map(dtype_name, tuple(a.shape) if len(a.shape) == 4 else (1, *a.shape), seq_strides(a),
-                            a.itemsize, rows)
-                    for a, rows in zip(arrays, box_rows, strict=True))
+    return tuple(seq_map(dtype_name, tuple(a.shape) if len(a.shape) == 4 else (1, *a.shape), seq_strides(a),
+                         a.itemsize, rows)
+                 for a, rows in zip(arrays, box_rows, strict=True))
+
+
+def maps_of(arrays, dtype_name: str, box_rows) -> MapCache:
+    """The maps of :func:`seq_maps` per address."""
+    return MapCache(seq_maps(arrays, dtype_name, box_rows))

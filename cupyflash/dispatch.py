@@ -1445,11 +1445,38 @@ def _bwd_ws_spills(head_dim_padded: int) -> tuple[int, ...]:
     return _BWD_WS_ROLES_SPILLS[head_dim_padded] if bwd_ws_roles(head_dim_padded) else BWD_WS_VARIANT_SPILLS
 
 
+#: Issue 14's additive bias on the ws backward (kernels_cu/variant.cuh WS_BWD_BIAS): a bias of
+#: the inputs' dtype that can be staged (VAR_BIAS_STAGED: unit column stride, 16-byte aligned
+#: rows, :func:`score_vec_ok`). The producer copies each step's bias tile (the step's query
+#: rows by the block's keys) by TMA into the stage of its Q and dO (kernels_cu/_tma.py
+#: bias_map), and the consumers read it transposed, as the cp.async kernel reads its staged
+#: tile (variant.cuh StagedScoreTermsT). dbias stays the dbias kernel's. Not an fp32 bias (its
+#: stages would not fit beside D=128's), a mask, or a strided bias.
+BWD_WS_BIAS_VARIANTS = VAR_BIAS | VAR_BIAS_STAGED
+#: The padded head_dims at which a bias call takes the ws backward (:func:`uses_ws_bwd`): all
+#: four, measured faster than the cp.async (64, 128) and mma.sync (192, 256) kernels at every
+#: point (PERF.md v31, run 145, bf16, 16k tokens, N 1024-8192, causal or not, per-head and
+#: per-batch biases: the backward without dbias 1.25-1.90x, with dbias 1.15-1.41x).
+BWD_WS_BIAS: tuple[int, ...] = (64, 128, 192, 256)
+#: The variant sets beside a bias that the ws backward spills with, per padded head_dim
+#: (0: the bias alone), beyond the sets it spills with without one (BWD_WS_VARIANT_SPILLS,
+#: _BWD_WS_ROLES_SPILLS). Every subset of the five with the bias compiled (NVRTC 13.0, bf16,
+#: causal or not; fp16 for the bias alone): at 128, softcap with dropout (72 bytes
+#: non-causal); each other set that spills holds a set already refused; 64, 192 and 256 add
+#: none (256's spills all hold softcap with dropout).
+_BWD_WS_BIAS_SPILLS: dict[int, tuple[int, ...]] = {64: (), 128: (VAR_SOFTCAP | VAR_DROPOUT,), 192: (), 256: ()}
+
+
 def bwd_ws_takes(variant: int, head_dim_padded: int = 128) -> bool:
     """Whether the warp-specialised backward's kernel at this padded head_dim compiles these
     variant bits with no spill (FWD_WS_VARIANTS less BWD_WS_VARIANT_SPILLS, or
-    _BWD_WS_ROLES_SPILLS where split by roles), whatever BWD_WS_VARIANTS says."""
-    return not variant & ~FWD_WS_VARIANTS and not any(variant & s == s for s in _bwd_ws_spills(head_dim_padded))
+    _BWD_WS_ROLES_SPILLS where split by roles; with a bias, BWD_WS_BIAS_VARIANTS both and
+    not a set of _BWD_WS_BIAS_SPILLS), whatever BWD_WS_VARIANTS and BWD_WS_BIAS say."""
+    bias, rest = variant & BWD_WS_BIAS_VARIANTS, variant & ~BWD_WS_BIAS_VARIANTS
+    if bias and (bias != BWD_WS_BIAS_VARIANTS or any(
+            rest & s == s for s in _BWD_WS_BIAS_SPILLS.get(head_dim_padded, (0,)))):
+        return False
+    return not rest & ~FWD_WS_VARIANTS and not any(rest & s == s for s in _bwd_ws_spills(head_dim_padded))
 
 
 #: The variants of the warp-specialised backward that check-kernels compiles (at D=128,
@@ -1458,13 +1485,23 @@ def bwd_ws_takes(variant: int, head_dim_padded: int = 128) -> bool:
 BWD_WS_CHECK_VARIANTS = tuple(bits for bits in FWD_WS_CHECK_VARIANTS if bwd_ws_takes(bits))
 
 
+#: The bias sets of the ws backward that check-kernels compiles (those it takes: :func:`bwd_ws_takes`):
+#: the bias alone and with each variant of FWD_WS_VARIANTS.
+BWD_WS_BIAS_CHECK_VARIANTS = tuple(BWD_WS_BIAS_VARIANTS | bits for bits in (
+    0, VAR_WINDOW, VAR_SOFTCAP, VAR_ALIBI, VAR_SINKS, VAR_DROPOUT))
+
+
 def uses_ws_bwd(head_dim_padded: int, vec: bool, cc: tuple[int, int], variant: int, deterministic: bool,
-                varlen: bool = False, ws: bool | None = None) -> bool:
+                varlen: bool = False, ws: bool | None = None, ws_bias: tuple[int, ...] | None = None) -> bool:
     """Whether the warp-specialised dK/dV kernel serves this backward (``ws``: the switch,
     BWD_WS when None): cc 9.0, aligned, dense, no variant outside BWD_WS_VARIANTS (nor a
-    set it spills with: :func:`bwd_ws_takes`), not deterministic, at BWD_WS_HEAD_DIMS."""
+    set it spills with: :func:`bwd_ws_takes`), not deterministic, at BWD_WS_HEAD_DIMS; with a
+    bias (BWD_WS_BIAS_VARIANTS, staged), at ``ws_bias`` (None: :data:`BWD_WS_BIAS`)."""
     ws = BWD_WS if ws is None else ws
-    return (ws and cc == (9, 0) and vec and head_dim_padded in BWD_WS_HEAD_DIMS and not variant & ~BWD_WS_VARIANTS
+    ws_bias = BWD_WS_BIAS if ws_bias is None else ws_bias
+    bias = variant & BWD_WS_BIAS_VARIANTS
+    return (ws and cc == (9, 0) and vec and head_dim_padded in BWD_WS_HEAD_DIMS
+            and not variant & ~(BWD_WS_VARIANTS | BWD_WS_BIAS_VARIANTS) and (not bias or head_dim_padded in ws_bias)
             and bwd_ws_takes(variant, head_dim_padded) and not deterministic and not varlen)
 
 
@@ -1477,18 +1514,20 @@ def bwd_ws_block_m(head_dim_padded: int, with_dq: bool, d64_block_m: int | None 
     return BWD_WS_BLOCK_M
 
 
-def bwd_ws_smem_bytes(head_dim_padded: int, block_m: int = BWD_WS_BLOCK_M, with_dq: bool = True) -> int:
+def bwd_ws_smem_bytes(head_dim_padded: int, block_m: int = BWD_WS_BLOCK_M, with_dq: bool = True,
+                      bias: bool = False) -> int:
     """kernels_cu/flash_bwd_ws.cu BwdWsTraits::SMEM_BYTES: K, V, (with dQ) the dSᵀ tiles (two;
-    one by roles), (by roles) the Pᵀ tile, STAGES x (Q, dO), STAGES x (lse_log2, delta), (with
-    dQ, by keys) the dQ rows (unpadded), the SeqLens slot, the mbarriers (full_kv,
-    full_q, empty_q: 8 bytes each), 1 KB of alignment."""
+    one by roles), (by roles) the Pᵀ tile, STAGES x (Q, dO, (``bias``) the bias tile of
+    block_m x BLOCK_N), STAGES x (lse_log2, delta), (with dQ, by keys) the dQ rows
+    (unpadded), the SeqLens slot, the mbarriers (full_kv, full_q, empty_q: 8 bytes each),
+    1 KB of alignment."""
     d, m, n, stages = head_dim_padded, block_m, bwd_ws_block_n(head_dim_padded), BWD_WS_STAGES
     if bwd_ws_roles(d):
         extra = n * m * 2 + n * m * 2  # one dSᵀ tile, the Pᵀ tile
     else:
         extra = 2 * n * m * 2 + m * d * 4 if with_dq else 0
-    return (2 * n * d * 2 + extra + stages * 2 * m * d * 2 + stages * 2 * m * 4 + _SEQLENS_SLOT_BYTES
-            + 8 * (1 + 2 * stages) + 1024)
+    return (2 * n * d * 2 + extra + stages * (2 * m * d * 2 + (m * n * 2 if bias else 0)) + stages * 2 * m * 4
+            + _SEQLENS_SLOT_BYTES + 8 * (1 + 2 * stages) + 1024)
 
 
 def bwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
@@ -1500,8 +1539,8 @@ def bwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
     ``block_m``: query rows per step (:func:`bwd_ws_block_m`)."""
     if not bwd_ws_takes(variant, head_dim_padded):
         raise ValueError(f"cupyflash: the warp-specialised backward at head_dim {head_dim_padded} takes the "
-                         f"variant bits {FWD_WS_VARIANTS} less the sets {_bwd_ws_spills(head_dim_padded)}; "
-                         f"got {variant}")
+                         f"variant bits {FWD_WS_VARIANTS} less the sets {_bwd_ws_spills(head_dim_padded)}, "
+                         f"with or without the bias bits {BWD_WS_BIAS_VARIANTS}; got {variant}")
     if bwd_ws_roles(head_dim_padded) and not with_dq:
         raise ValueError(f"cupyflash: the warp-specialised backward at head_dim {head_dim_padded} computes dQ "
                          f"itself (split by roles); got with_dq False")
@@ -1513,7 +1552,7 @@ def bwd_ws_launch(dtype: str, head_dim_padded: int, causal: bool, even_k: bool,
     args = (CTYPES[dtype], str(head_dim_padded), str(block_m), _cbool(causal), _cbool(even_k), _cbool(with_dq),
             str(variant))
     return Launch("flash_bwd_ws.cu", "cupyflash::flash_bwd_ws_kernel", args, grid, (BWD_WS_THREADS, 1, 1),
-                  bwd_ws_smem_bytes(head_dim_padded, block_m, with_dq))
+                  bwd_ws_smem_bytes(head_dim_padded, block_m, with_dq, bool(variant & VAR_BIAS)))
 
 
 def bwd_ws_check_launches(dtype: str, head_dim_padded: int, causal: bool, even_k: bool) -> list[Launch]:
@@ -1524,6 +1563,7 @@ def bwd_ws_check_launches(dtype: str, head_dim_padded: int, causal: bool, even_k
     out = []
     check = BWD_WS_CHECK_VARIANTS if not bwd_ws_roles(head_dim_padded) else tuple(
         bits for bits in FWD_WS_CHECK_VARIANTS if bwd_ws_takes(bits, head_dim_padded))
+    check += tuple(bits for bits in BWD_WS_BIAS_CHECK_VARIANTS if bwd_ws_takes(bits, head_dim_padded))
     for bits in (0, *check):
         with_dq = not bwd_ws_separate_dq(head_dim_padded, bits)
         block_ms = {bwd_ws_block_m(head_dim_padded, with_dq, wide) for wide in BWD_WS_D64_BLOCK_MS}
@@ -1707,7 +1747,8 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     kv_splits = bwd_kv_splits(kv_blocks, nheads_q // nheads_kv, num_sms)
     dkdv_grid = (kv_blocks * kv_splits, 1, 1)
     if ws:
-        launches.append(bwd_ws_launch(dtype, d, causal, even_k, dkdv_grid, variant, not separate_dq, ws_block_m))
+        launches.append(bwd_ws_launch(dtype, d, causal, even_k, dkdv_grid, variant | staged, not separate_dq,
+                                      ws_block_m))
     elif sm90:
         launches.append(bwd_dkdv_sm90_launch(dtype, d, causal, even_k, separate_dq, dkdv_grid,
                                              bwd_sm90_variant(d, variant | staged, cc) | block_map))
@@ -1825,8 +1866,8 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
             out.append(bwd_dkdv_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, no_dq, variant=bit))
             if no_dq:
                 out.append(bwd_dq_sm90_launch(_VARIANT_CHECK_DTYPE, d, causal, True, variant=bit))
-    # The staged bias and mask: the dK/dV and dQ kernels of the plans that take them, on
-    # each GPU whose shared memory the tables tell apart (cc None: the mma.sync kernels
+    # The staged bias and mask: the dK/dV and dQ kernels of the plans that take them with the
+    # ws backward off (BWD_WS, BWD_WS_BIAS), on each GPU whose shared memory the tables tell apart (cc None: the mma.sync kernels
     # of cc 8.0 and 8.6); the wgmma dQ kernel of those plans, which does not stage (the
     # D=128 plans that only staged take the wgmma kernels: _BWD_SM90_STAGED_FITS).
     staged = []
@@ -1835,7 +1876,7 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
                                                      (False, True)):
             plan = select_bwd(batch=1, seqlen_q=1024, seqlen_k=1024, nheads_q=16, nheads_kv=16, head_dim=d,
                               dtype=_VARIANT_CHECK_DTYPE, causal=causal, deterministic=det, vec=True, cc=arch,
-                              variant=bit)
+                              variant=bit, ws=False)  # (the ws kernel's: bwd_ws_check_launches)
             staged.extend(dataclasses.replace(L, grid=(1, 1, 1)) for L in plan.launches
                           if L.template in _BWD_STAGED_KERNELS and (int(L.args[-1]) & VAR_BIAS_STAGED
                                                                     or L.template.endswith("dq_sm90_kernel")))

@@ -58,16 +58,23 @@
 // kernel's). Both warpgroups ask Mask for the query blocks a key block sees (a window's
 // range); the producer copies exactly those steps, and the consumers run those
 // blocks.masked() (key tail, causal diagonal, a window's two edges) with mask code, the
-// rest without. dV's 1/(1-p) is applied once in the epilogue. A bias, a mask or a block
-// map stays on flash_bwd_sm90.cu (their staged tiles are a stream this producer does not
-// copy).
+// rest without. dV's 1/(1-p) is applied once in the epilogue.
 //
-// Template parameters: T, HEAD_DIM (128, 192 and 256 with dQ; 64 with dQ for the variants,
+// An additive bias (WS_BWD_BIAS: of T, staged, i.e. with 16-byte rows): warp 0 copies each
+// step's bias tile (the step's query rows by the block's keys, in 64-key 128-byte-swizzled
+// boxes, BiasTile) by TMA into the step's stage beside Q and dO, under the same full_q
+// barrier, from a map of the bias's own 4-D shape (cupyflash/_tma.py bias_map: a broadcast
+// dimension has size 1 and coordinate 0); the consumers read it transposed into Pᵀ's score
+// (variant.cuh StagedScoreTermsT, the cp.async kernel's reader). dbias is the dbias
+// kernel's. A mask, a block map or an fp32 bias stays on flash_bwd_sm90.cu.
+//
+// Template parameters: T, HEAD_DIM (128, 192 and 256 with dQ; 64 with dQ for the variants and the bias,
 // without it, beside the wgmma dQ kernel, for plain attention: cupyflash/dispatch.py
 // bwd_ws_separate_dq), BLOCK_M (query rows per step: 64, or 128 without dQ), IS_CAUSAL,
 // EVEN_K (head_dim == HEAD_DIM: no column predicates in the dK, dV stores), WITH_DQ,
-// VARIANT (bits of WS_VARIANTS; some sets spill at the consumers' 240 registers:
-// cupyflash/dispatch.py BWD_WS_VARIANT_SPILLS, _BWD_WS_ROLES_SPILLS). Dense batches only (a packed batch's maps would bring the next
+// VARIANT (bits of WS_VARIANTS, and WS_BWD_BIAS; some sets spill at the consumers' 240
+// registers: cupyflash/dispatch.py BWD_WS_VARIANT_SPILLS, _BWD_WS_ROLES_SPILLS,
+// _BWD_WS_BIAS_SPILLS). Dense batches only (a packed batch's maps would bring the next
 // sequence's rows into a tile's tail: measured slower with those rows zeroed in shared
 // memory, PERF.md v23) and no deterministic mode: flash_bwd_sm90.cu's kernels serve
 // those. 16-byte aligned data and strides (a TMA requirement).
@@ -84,11 +91,12 @@
 
 namespace cupyflash {
 
-template <typename T_, int HEAD_DIM_, int BLOCK_M_, bool WITH_DQ_>
+template <typename T_, int HEAD_DIM_, int BLOCK_M_, bool WITH_DQ_, bool BIAS_ = false>
 struct BwdWsTraits {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
     static constexpr bool WITH_DQ = WITH_DQ_;
+    static constexpr bool BIAS = BIAS_;  // each stage holds the step's bias tile too (WS_BWD_BIAS)
     // Above 128 the warpgroups split the work by role, not by keys (see the header): one
     // block of 64 keys, dV in warpgroup 0, dK in warpgroup 1, dQ added from registers.
     static constexpr bool ROLES = HEAD_DIM > 128;
@@ -110,6 +118,7 @@ struct BwdWsTraits {
     using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;  // K, V (and the dK, dV staging)
     using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;   // Q, dO
     using DSTile = Swizzle128Tile<T, BLOCK_N, BLOCK_M>;   // dSᵀ: key rows, BLOCK_M query columns
+    using BiasTile = Swizzle128Tile<T, BLOCK_M, BLOCK_N>; // the bias: query rows, BLOCK_N key columns
     static constexpr int DQ_ROW_BYTES = HEAD_DIM * 4;
     // dSᵀ tiles: two (the next step's never waits for this one's dQ GEMM) when split by
     // keys; one when split by roles, whose barriers order its uses (see the consumers).
@@ -117,13 +126,13 @@ struct BwdWsTraits {
     // ROLES: Pᵀ from warpgroup 0 to warpgroup 1, in its A-operand registers' order
     // (thread-major: 16-byte piece kk of consumer thread c at (kk·128 + c)·16).
     static constexpr int PT_BYTES = ROLES ? BLOCK_N * BLOCK_M * int(sizeof(T)) : 0;
-    // From the 1024-byte aligned base: K, V, dSᵀ x DS_TILES, (ROLES) Pᵀ, STAGES x (Q, dO),
+    // From the 1024-byte aligned base: K, V, dSᵀ x DS_TILES, (ROLES) Pᵀ, STAGES x (Q, dO, (BIAS) bias),
     // STAGES x (lse_log2, delta), (WITH_DQ, by keys) the dQ rows, the block's SeqLens, the
     // mbarriers (full_kv, full_q[STAGES], empty_q[STAGES]).
     static constexpr int DS_OFFSET = 2 * KVTile::BYTES;
     static constexpr int PT_OFFSET = DS_OFFSET + DS_TILES * DSTile::BYTES;
     static constexpr int Q_OFFSET = PT_OFFSET + PT_BYTES;
-    static constexpr int STAGE_BYTES = 2 * QTile::BYTES;
+    static constexpr int STAGE_BYTES = 2 * QTile::BYTES + (BIAS ? BiasTile::BYTES : 0);
     static constexpr int ROWS_OFFSET = Q_OFFSET + STAGES * STAGE_BYTES;
     static constexpr int DQ_OFFSET = ROWS_OFFSET + STAGES * 2 * BLOCK_M * 4;
     static constexpr int SEQ_OFFSET = DQ_OFFSET + (WITH_DQ && !ROLES ? BLOCK_M * DQ_ROW_BYTES : 0);
@@ -140,9 +149,11 @@ struct BwdWsTraits {
 template <typename T, int HEAD_DIM, int BLOCK_M_, bool IS_CAUSAL, bool EVEN_K, bool WITH_DQ, int VARIANT>
 __global__ void __launch_bounds__(384, 1)
 flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
-    static_assert((VARIANT & ~WS_VARIANTS) == 0, "flash_bwd_ws_kernel: no bias, mask or block map");
+    static_assert((VARIANT & ~(WS_VARIANTS | WS_BWD_BIAS)) == 0, "flash_bwd_ws_kernel: no mask, block map or fp32 bias");
     constexpr bool DROPOUT = (VARIANT & VAR_DROPOUT) != 0;
-    using Tr = BwdWsTraits<T, HEAD_DIM, BLOCK_M_, WITH_DQ>;
+    constexpr bool BIAS = (VARIANT & WS_BWD_BIAS) != 0;
+    static_assert(!BIAS || (VARIANT & WS_BWD_BIAS) == WS_BWD_BIAS, "flash_bwd_ws_kernel: a bias is staged");
+    using Tr = BwdWsTraits<T, HEAD_DIM, BLOCK_M_, WITH_DQ, BIAS>;
     constexpr int BLOCK_M = Tr::BLOCK_M, BLOCK_N = Tr::BLOCK_N, STAGES = Tr::STAGES, BOX = Tr::BOX_COLS;
     constexpr int D_TILES = HEAD_DIM / 8;  // n8 tiles of dK, dV
     constexpr int M_TILES = BLOCK_M / 8;   // n8 tiles of Sᵀ, dPᵀ (query columns)
@@ -150,6 +161,7 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
     using DSTile = typename Tr::DSTile;
+    using BiasTile = typename Tr::BiasTile;
     const BwdParams& p = tp.bwd;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -159,6 +171,7 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
     auto sdS = [&](int buf) { return base + Tr::DS_OFFSET + buf * DSTile::BYTES; };
     auto sQ = [&](int stage) { return base + Tr::Q_OFFSET + stage * Tr::STAGE_BYTES; };
     auto sdO = [&](int stage) { return sQ(stage) + QTile::BYTES; };
+    auto sBias = [&](int stage) { return sdO(stage) + QTile::BYTES; };  // (BIAS)
     auto rows_offset = [&](int stage) { return Tr::ROWS_OFFSET + stage * 2 * BLOCK_M * 4; };  // lse_log2, delta
     const uint32 bars = base + Tr::BAR_OFFSET;
     const uint32 full_kv = bars;
@@ -199,6 +212,9 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
     }
     __syncthreads();
 
+    // The bias's terms of a step's Pᵀ, read transposed from its stage (BIAS), else none.
+    using Terms = typename Select<BIAS, StagedScoreTermsT<VARIANT, T, BLOCK_M, BLOCK_N, Tr::CONSUMER_THREADS, BiasTile>,
+                                  ElementTerms>::type;
     const int lane = threadIdx.x % 32;
     if (threadIdx.x < 128) {
         // ================= producer warpgroup
@@ -222,11 +238,23 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
                 const int stage = it % STAGES, m0 = m_block * BLOCK_M;
                 mbar_wait(empty_q(stage), ((it / STAGES) & 1) ^ 1);  // the consumers are done with it
                 if (lane == 0) {
-                    mbar_arrive_expect_tx(full_q(stage), 2 * QTile::BYTES);
+                    mbar_arrive_expect_tx(full_q(stage), Tr::STAGE_BYTES);
 #pragma unroll
                     for (int c = 0; c < HEAD_DIM / BOX; ++c) {
                         tma_load_4d(sQ(stage) + c * QTile::BLOCK_BYTES, tp.q_map, full_q(stage), c * BOX, m0, h, b);
                         tma_load_4d(sdO(stage) + c * QTile::BLOCK_BYTES, tp.do_map, full_q(stage), c * BOX, m0, h, b);
+                    }
+                    if constexpr (BIAS) {
+                        // the step's bias tile, in the bias's own 4-D shape (_tma.bias_map): a
+                        // broadcast dimension (stride 0) has the one coordinate 0 (a broadcast
+                        // row: the box's row 0, the one the consumers read; the rest zeros)
+                        const VariantParams& v = p.var;
+#pragma unroll
+                        for (int c = 0; c < BLOCK_N / BOX; ++c) {
+                            tma_load_4d(sBias(stage) + c * BiasTile::BLOCK_BYTES, tp.bias_map, full_q(stage),
+                                        n0 + c * BOX, v.bias_row_stride ? m0 : 0, v.bias_head_stride ? h : 0,
+                                        v.bias_batch_stride ? b : 0);
+                        }
                     }
                 }
                 // lane l: rows l, l + 32, ..; past the sequence, lse_log2 = +inf (P = 0) and delta = 0
@@ -352,7 +380,8 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
                 wgmma_wait<0>();
                 fence_operands(st);
                 PtOperands<T, BLOCK_M, IS_CAUSAL, VARIANT> pt;
-                pt.template recompute<MASKED, true>(st, p, seq_slot, s_lse, 0u, b, h, n0, key_row0, m0, g, t);
+                pt.template recompute<MASKED, true, Terms>(st, p, seq_slot, s_lse, BIAS ? sBias(stage) : 0u, b, h, n0,
+                                                           key_row0, m0, g, t);
                 // ---- Pᵀ as dSᵀ takes it (softcap: P·(1 − tanh²)) to warpgroup 1, thread for thread
 #pragma unroll
                 for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
@@ -465,7 +494,8 @@ flash_bwd_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
 
             // ---- Pᵀ = prob(score, lse) with the variant (bwd_sm90.cuh PtOperands)
             PtOperands<T, BLOCK_M, IS_CAUSAL, VARIANT> pt;
-            pt.template recompute<MASKED, true>(st, p, seq_slot, s_lse, 0u, b, h, n0, key_row0, m0, g, t);
+            pt.template recompute<MASKED, true, Terms>(st, p, seq_slot, s_lse, BIAS ? sBias(stage) : 0u, b, h, n0,
+                                                       key_row0, m0, g, t);
             uint32 (&dv_a)[BLOCK_M / 16][4] = pt.dv_a();
             // dPᵀ, then dSᵀ; dV's GEMM before (D=128: waited for with dPᵀ, its register operand
             // live until it completes; D=64 computes dS under it; flash_bwd_sm90.cu) or, with

@@ -114,6 +114,7 @@ static_assert(sizeof(BwdParams) == CUPYFLASH_BWD_PARAMS_BYTES,
 struct BwdTmaParams {
     BwdParams bwd;
     TmaDescriptor q_map, k_map, v_map, do_map;
+    TmaDescriptor bias_map;  // flash_bwd_ws.cu with a bias (WS_BWD_BIAS): cupyflash/_tma.py bias_map
 };
 
 #ifdef CUPYFLASH_BWD_TMA_PARAMS_BYTES

@@ -52,6 +52,10 @@ constexpr int WS_FWD_MAP_VARIANTS = VAR_MASK | VAR_BLOCK_MAP;
 // block's once its GEMMs are issued; no fp32, strided or masked bias):
 // cupyflash/dispatch.py FWD_WS_BIAS_VARIANTS
 constexpr int WS_FWD_BIAS = VAR_BIAS;
+// ... and the backward's dK/dV kernel a bias of the kernel's element type staged (VAR_BIAS |
+// VAR_BIAS_STAGED: 16-byte rows), which its producer copies by TMA beside each step's Q and
+// dO (StagedScoreTermsT reads it): cupyflash/dispatch.py BWD_WS_BIAS_VARIANTS
+constexpr int WS_BWD_BIAS = VAR_BIAS | VAR_BIAS_STAGED;
 
 // The variants' runtime arguments, one member `var` of every params struct
 // (mirrored as VARIANT_PARAMS in cupyflash/_params.py). Fields of a variant that
@@ -903,14 +907,20 @@ struct StagedScoreTerms {
 // 16-bit bias and the mask; fp32 rows (SPAN 2) pair up: 2-way. Each lane's four
 // (e & 1, e / 2) addresses are set by load(); rows 8 j on are a fixed step (the
 // StageTile key of rows r and r + 8 is the same), 0 for a row-broadcast array.
-template <int VARIANT, typename T, int BLOCK_M, int BLOCK_N, int NUM_THREADS>
+// BiasLayout: the bias tile's layout, the stage's StageTile (void), or (flash_bwd_ws.cu, whose
+// producer copies it by TMA) its Swizzle128Tile (wgmma.cuh: 64-key column blocks, the
+// same XOR of a row's 16-byte chunks by row % 8, so the same conflict-free reads).
+template <typename Layout, typename Default> struct LayoutOr { using type = Layout; };
+template <typename Default> struct LayoutOr<void, Default> { using type = Default; };
+template <int VARIANT, typename T, int BLOCK_M, int BLOCK_N, int NUM_THREADS, typename BiasLayout = void>
 struct StagedScoreTermsT {
     using Stage = ScoreTileStage<VARIANT, T, BLOCK_M, BLOCK_N, NUM_THREADS>;
     using Mod = ScoreMod<VARIANT, T>;
     using BiasT = typename Mod::BiasT;
     static constexpr bool BIAS = Mod::BIAS, MASK = Mod::MASK;
     static constexpr bool FP32 = sizeof(BiasT) == 4;
-    using BiasTile = typename Stage::BiasTile;
+    using BiasTile = typename LayoutOr<BiasLayout, typename Stage::BiasTile>::type;
+    static_assert(BiasTile::ELEM == int(sizeof(BiasT)), "the bias layout's element is the bias's");
     using KeepTile = typename Stage::KeepTile;
 
     uint32 bias_at[2][2], keep_at[2][2];  // [e & 1][e / 2]: the element of row j = 0
@@ -965,7 +975,7 @@ struct StagedScoreTermsT {
                 const int byte = (k0 + 8 * h + g) * Tile::ELEM;  // the key's byte in its row
                 at[e1][h] = tile + Tile::offset(row, byte / 16) + uint32(byte % 16);
             }
-        step = broadcast ? 0u : uint32(8 * Tile::ROW_BYTES);
+        step = broadcast ? 0u : Tile::offset(8, 0);  // (row 8 shares row 0's swizzle key)
     }
 };
 

@@ -28,6 +28,7 @@ template <typename T, int ROWS, int HEAD_DIM>
 struct Swizzle128Tile {
     static_assert(sizeof(T) == 2 && HEAD_DIM % 64 == 0, "128-byte swizzle: 64-element column blocks");
     static_assert(ROWS % 8 == 0, "rows come in 8-row swizzle atoms");
+    static constexpr int ELEM = 2;
     static constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
     static constexpr int BLOCK_BYTES = ROWS * 128;
     static constexpr int BYTES = ROWS * HEAD_DIM * 2;

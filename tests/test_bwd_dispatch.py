@@ -454,7 +454,7 @@ def test_staged_fp32_bias_or_mask_alone_at_d128_on_hopper_take_wgmma(bits, causa
     S = dispatch.VAR_BIAS_STAGED
     plan = dispatch.select_bwd(batch=2, seqlen_q=1000, seqlen_k=1000, nheads_q=8, nheads_kv=8, head_dim=128,
                                dtype="bfloat16", causal=causal, deterministic=deterministic, vec=True, cc=(9, 0),
-                               variant=bits | S)
+                               variant=bits | S, ws=False)  # (the q-dtype bias: test_bwd_ws_bias_plan.py)
     dkdv = plan.launches[1]
     assert dkdv.template == "cupyflash::flash_bwd_dkdv_sm90_kernel" and dkdv.args[-1] == str(bits | S)
     assert dkdv.smem_bytes == dispatch.bwd_dkdv_sm90_smem_bytes(128, variant=bits | S) <= 227 * 1024
@@ -654,11 +654,13 @@ def test_check_kernels_lists_every_dbias_plan_on_aligned_data(cc):
 
 
 def _staged_plan(head_dim, bits, cc=(9, 0), deterministic=False):
+    """The plan of the cp.async and mma.sync kernels (not the ws backward, which takes a staged
+    q-dtype bias itself: test_bwd_ws_bias_plan.py)."""
     return dispatch.select_bwd(batch=2, seqlen_q=4096, seqlen_k=4096, nheads_q=2048 // head_dim,
                                nheads_kv=2048 // head_dim, head_dim=head_dim, dtype="bfloat16", causal=False,
                                deterministic=deterministic, vec=True, cc=cc,
                                variant=bits | dispatch.VAR_BIAS_STAGED,
-                               dbias_shape=(2, 1, 4096, 4096) if bits & dispatch.VAR_BIAS else None)
+                               dbias_shape=(2, 1, 4096, 4096) if bits & dispatch.VAR_BIAS else None, ws=False)
 
 
 @pytest.mark.parametrize("bits", [dispatch.VAR_BIAS, dispatch.VAR_BIAS_FP32, dispatch.VAR_MASK,

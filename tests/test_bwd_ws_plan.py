@@ -103,12 +103,16 @@ def test_variant_sets_it_spills_with_or_never_takes(monkeypatch, variant):
 
 
 def test_kernel_takes_the_forwards_ws_variants():
-    """The kernel's static_assert admits variant.cuh's WS_VARIANTS, FWD_WS_VARIANTS."""
+    """The kernel's static_assert admits variant.cuh's WS_VARIANTS, FWD_WS_VARIANTS, and
+    WS_BWD_BIAS, BWD_WS_BIAS_VARIANTS."""
     from cupyflash._sources import kernels_dir
 
-    assert "static_assert((VARIANT & ~WS_VARIANTS) == 0" in (kernels_dir() / "flash_bwd_ws.cu").read_text()
-    assert "constexpr int WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT;" in (
-        kernels_dir() / "variant.cuh").read_text()
+    assert "static_assert((VARIANT & ~(WS_VARIANTS | WS_BWD_BIAS)) == 0" in (
+        kernels_dir() / "flash_bwd_ws.cu").read_text()
+    header = (kernels_dir() / "variant.cuh").read_text()
+    assert "constexpr int WS_VARIANTS = VAR_WINDOW | VAR_SOFTCAP | VAR_ALIBI | VAR_SINKS | VAR_DROPOUT;" in header
+    assert "constexpr int WS_BWD_BIAS = VAR_BIAS | VAR_BIAS_STAGED;" in header
+    assert dispatch.BWD_WS_BIAS_VARIANTS == dispatch.VAR_BIAS | dispatch.VAR_BIAS_STAGED
 
 
 def test_shared_memory():
@@ -285,12 +289,12 @@ def test_the_wide_step_is_refused_elsewhere(head_dim, with_dq, variant, block_m)
         dispatch.bwd_ws_launch("float16", head_dim, True, True, variant=variant, with_dq=with_dq, block_m=block_m)
 
 
-def test_params_carry_four_maps_after_bwd_params():
+def test_params_carry_five_maps_after_bwd_params():
     mirror = _params.BWD_TMA_PARAMS
-    assert mirror.names == ("bwd", "q_map", "k_map", "v_map", "do_map")
+    assert mirror.names == ("bwd", "q_map", "k_map", "v_map", "do_map", "bias_map")
     offsets = [_params.offset_of(mirror, n) for n in mirror.names]
     assert offsets[0] == 0 and offsets[1] == -(-_params.BWD_PARAMS.itemsize // 64) * 64
-    assert np.diff(offsets[1:]).tolist() == [128, 128, 128] and mirror.itemsize % 64 == 0
+    assert np.diff(offsets[1:]).tolist() == [128, 128, 128, 128] and mirror.itemsize % 64 == 0
     assert f"-DCUPYFLASH_BWD_TMA_PARAMS_BYTES={mirror.itemsize}" in _params.size_defines()
 
 
@@ -324,13 +328,19 @@ def test_check_kernels_lists_every_instantiation():
     # dtype, causal, even_k; plain and BWD_WS_CHECK_VARIANTS with dQ at 64 rows (D=128; D=64's
     # variants), and D=64 plain without dQ at 64 and at 128 rows
     # split by roles (192, 256): plain and the checked sets each takes, with dQ at 64 rows
+    # a bias (BWD_WS_BIAS_CHECK_VARIANTS), with dQ at 64 rows, the sets each head_dim takes
     roles = {d: (0, *(b for b in dispatch.FWD_WS_CHECK_VARIANTS if dispatch.bwd_ws_takes(b, d))) for d in (192, 256)}
+    bias = {d: tuple(b for b in dispatch.BWD_WS_BIAS_CHECK_VARIANTS if dispatch.bwd_ws_takes(b, d))
+            for d in (64, 128, 192, 256)}
     assert dispatch.FWD_WS_VARIANTS in roles[192] and dispatch.FWD_WS_VARIANTS not in roles[256]
-    assert len({L.args for L in ws}) == len(ws) == 2 * 2 * 2 * (2 * len(bits) - 1 + 2 + sum(map(len, roles.values())))
+    assert all(dispatch.BWD_WS_BIAS_VARIANTS in sets for sets in bias.values())
+    assert len({L.args for L in ws}) == len(ws) == 2 * 2 * 2 * (
+        2 * len(bits) - 1 + 2 + sum(map(len, roles.values())) + sum(map(len, bias.values())))
     for d, m, dq in _TILES:
         tile = [L for L in ws if L.args[1:3] == (str(d), str(m)) and L.args[5] == str(dq).lower()]
-        assert {int(L.args[-1]) for L in tile} == ({0} if d == 64 and not dq else set(roles[d]) if d in roles else
-                                                   set(bits) - {0} if d == 64 else set(bits))
+        want = ({0} if d == 64 and not dq else set(roles[d]) if d in roles else
+                set(bits) - {0} if d == 64 else set(bits)) | (set(bias[d]) if dq and m == 64 else set())
+        assert {int(L.args[-1]) for L in tile} == want
     assert set(_WS_BITS) <= set(dispatch.BWD_WS_CHECK_VARIANTS)
     assert not [L for L in dispatch.all_bwd_launches((8, 0)) if L.template == WS]
 

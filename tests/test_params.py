@@ -133,6 +133,7 @@ def _recording_launcher(template, maps=None, writer=None):
     launcher._maps_address, launcher._maps = (0, None) if maps is None else (
         ctypes.addressof(launcher._buffer) + maps[0], maps[1])
     launcher._map_pointers = operator.itemgetter(*((0, 1, 2) if maps is None or len(maps) < 3 else maps[2]))
+    launcher._map_vars = () if maps is None or len(maps) < 4 else tuple(maps[3])
     launcher._lock = threading.Lock()
     return launcher, seen
 

@@ -1,0 +1,207 @@
+"""An additive bias on the warp-specialised backward's plan, without a GPU (issue 14;
+kernels_cu/flash_bwd_ws.cu with WS_BWD_BIAS = VAR_BIAS | VAR_BIAS_STAGED): where it is
+chosen (a staged bias of the inputs' dtype at BWD_WS_BIAS's head_dims; not an fp32 bias,
+a mask, a bias read in pairs or element by element, deterministic mode, a packed batch,
+the sets it spills with), its launch and shared memory (the kernel's traits, through
+NVRTC), the bias's TMA map (_tma.bias_map) and the launcher that encodes it from the
+call's bias pointer, and NVRTC compiles with no spill (skipped without NVRTC)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupyflash import _params, _tma, dispatch
+
+WS = "cupyflash::flash_bwd_ws_kernel"
+BIAS = dispatch.VAR_BIAS | dispatch.VAR_BIAS_STAGED
+W, SC, AL, SK, DR = (dispatch.VAR_WINDOW, dispatch.VAR_SOFTCAP, dispatch.VAR_ALIBI, dispatch.VAR_SINKS,
+                     dispatch.VAR_DROPOUT)
+
+
+def _plan(**kw):
+    args = dict(batch=2, seqlen_q=1000, seqlen_k=1000, nheads_q=8, nheads_kv=8, head_dim=128, dtype="bfloat16",
+                causal=False, deterministic=False, vec=True, cc=(9, 0), variant=BIAS, ws=True)
+    args.update(kw)
+    return dispatch.select_bwd(**args)
+
+
+@pytest.fixture
+def on_everywhere(monkeypatch):
+    monkeypatch.setattr(dispatch, "BWD_WS_BIAS", (64, 128, 192, 256))
+
+
+@pytest.mark.parametrize("head_dim", [64, 120, 128, 176, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dbias", [False, True])
+def test_a_staged_bias_takes_it_with_dq(on_everywhere, head_dim, causal, dbias):
+    """With dQ (bulk reduce-adds, or from registers by roles) at 64 query rows per step; the
+    bias's stage beside each step's Q and dO; dbias, when asked, from the dbias kernel last."""
+    d = dispatch.padded_head_dim(head_dim)
+    shape = (1, 8, 1000, 1000)
+    plan = _plan(head_dim=head_dim, causal=causal, dbias_shape=shape if dbias else None)
+    names = [L.template for L in plan.launches]
+    assert names[:3] == ["cupyflash::flash_bwd_preprocess_kernel", WS, "cupyflash::flash_bwd_convert_dq_kernel"]
+    assert len(names) == 3 + dbias and (not dbias or "dbias" in names[-1])
+    dkdv = plan.launches[1]
+    assert dkdv.args == ("__nv_bfloat16", str(d), "64", str(causal).lower(), str(head_dim == d).lower(), "true",
+                         str(BIAS))
+    assert dkdv.smem_bytes == dispatch.bwd_ws_smem_bytes(d, 64, True, bias=True) <= 227 * 1024
+    n = dispatch.bwd_ws_block_n(d)
+    assert plan.tma_box_rows == (64, n, n, 64) and plan.dq_accum
+
+
+def test_on_by_default_where_measured():
+    assert set(dispatch.BWD_WS_BIAS) <= set(dispatch.BWD_WS_HEAD_DIMS)
+    for d in (64, 128, 192, 256):
+        ws = any(L.template == WS for L in _plan(head_dim=d).launches)
+        assert ws == (d in dispatch.BWD_WS_BIAS), d
+
+
+@pytest.mark.parametrize("change", [
+    dict(variant=dispatch.VAR_BIAS),                                 # read in pairs, not staged
+    dict(variant=dispatch.VAR_BIAS | dispatch.VAR_BIAS_STRIDED),    # element by element
+    dict(variant=dispatch.VAR_BIAS_FP32 | dispatch.VAR_BIAS_STAGED),
+    dict(variant=BIAS | dispatch.VAR_MASK),
+    dict(variant=dispatch.VAR_MASK | dispatch.VAR_BIAS_STAGED),
+    dict(variant=BIAS | SC | DR),                                    # spills at 128 (_BWD_WS_BIAS_SPILLS)
+    dict(deterministic=True), dict(vec=False), dict(cc=(8, 0)), dict(ws=False),
+    dict(varlen=True, total_q=1500, total_k=1700)],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_everything_else_keeps_the_other_kernels(on_everywhere, change):
+    plan = _plan(**change)
+    assert all(L.template != WS for L in plan.launches) and plan.tma_box_rows is None
+
+
+def test_the_switch(monkeypatch):
+    monkeypatch.setattr(dispatch, "BWD_WS_BIAS", ())
+    assert all(L.template != WS for L in _plan().launches)
+    monkeypatch.setattr(dispatch, "BWD_WS_BIAS", (128,))
+    assert _plan().launches[1].template == WS
+    assert all(L.template != WS for L in _plan(head_dim=256).launches)
+    # plain attention and the variants do not depend on it
+    monkeypatch.setattr(dispatch, "BWD_WS_BIAS", ())
+    assert _plan(variant=0).launches[1].template == WS and _plan(variant=W).launches[1].template == WS
+
+
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_takes_the_variants_beside_the_bias_but_where_they_spill(d):
+    """bwd_ws_takes: the bias bits both or none; a set of _BWD_WS_BIAS_SPILLS, or one of the
+    plain sets' spills, refused, and bwd_ws_launch refuses it too."""
+    assert not dispatch.bwd_ws_takes(dispatch.VAR_BIAS, d) and not dispatch.bwd_ws_takes(
+        dispatch.VAR_BIAS_STAGED, d)
+    for bits in (0, W, SC, AL, SK, DR, W | SK, SC | SK, AL | SK):
+        spills = any(bits & s == s for s in dispatch._BWD_WS_BIAS_SPILLS[d]) or not dispatch.bwd_ws_takes(bits, d)
+        assert dispatch.bwd_ws_takes(BIAS | bits, d) == (not spills), (d, bits)
+        if spills:
+            with pytest.raises(ValueError, match="variant bits"):
+                dispatch.bwd_ws_launch("float16", d, True, True, variant=BIAS | bits)
+    assert dispatch.bwd_ws_takes(BIAS, d)
+
+
+def test_shared_memory():
+    """Two stages of the bias tile (64 query rows by the block's keys, 2 bytes each) beside
+    each head_dim's stages: D=128 and 256 fill the 227 KB a Hopper block may have."""
+    for d in (64, 128, 192, 256):
+        n = dispatch.bwd_ws_block_n(d)
+        assert dispatch.bwd_ws_smem_bytes(d, 64, True, True) == dispatch.bwd_ws_smem_bytes(d) + 2 * 64 * n * 2
+        assert dispatch.bwd_ws_smem_bytes(d, 64, True, True) <= dispatch.max_smem_per_block((9, 0))
+    assert dispatch.bwd_ws_smem_bytes(128, 64, True, True) > 226 * 1024
+
+
+def test_traits_are_the_kernels():
+    """bwd_ws_smem_bytes with the bias is BwdWsTraits' SMEM_BYTES (BIAS true), and the bias
+    tile's layout the transposed reader's: static_asserts compiled by NVRTC."""
+    from test_bwd_dispatch import compile_asserts  # sibling module
+
+    lines = ['#include "flash_bwd_ws.cu"']
+    for d in (64, 128, 192, 256):
+        tr = f"cupyflash::BwdWsTraits<__nv_bfloat16, {d}, 64, true, true>"
+        lines += [f'static_assert({tr}::SMEM_BYTES == {dispatch.bwd_ws_smem_bytes(d, 64, True, True)}, "smem");',
+                  f'static_assert({tr}::STAGE_BYTES == {2 * 64 * d * 2 + 64 * dispatch.bwd_ws_block_n(d) * 2}, '
+                  f'"stage");',
+                  f'static_assert({tr}::BiasTile::ELEM == 2, "elem");']
+    compile_asserts(lines, "bwd_ws_bias_traits.cu")
+
+
+def test_check_kernels_lists_the_bias_sets():
+    ws = {L.args for L in dispatch.all_bwd_launches((9, 0)) if L.template == WS and int(L.args[-1]) & 32}
+    for d in (64, 128, 192, 256):
+        want = {b for b in dispatch.BWD_WS_BIAS_CHECK_VARIANTS if dispatch.bwd_ws_takes(b, d)}
+        got = {int(a[-1]) for a in ws if a[1] == str(d)}
+        assert got == want and BIAS in got, d
+    assert len(ws) == 2 * 2 * 2 * sum(len({b for b in dispatch.BWD_WS_BIAS_CHECK_VARIANTS
+                                           if dispatch.bwd_ws_takes(b, d)}) for d in (64, 128, 192, 256))
+
+
+# ----------------------------------------------------------------------------
+# The bias's TMA map and its launcher
+# ----------------------------------------------------------------------------
+
+# name -> (the bias's 4-D shape, its broadcast strides in elements, the map's dims innermost first)
+MAPS = {
+    "full": ((2, 8, 300, 520), (8 * 300 * 520, 300 * 520, 520, 1), (520, 300, 8, 2)),
+    "per-head": ((1, 8, 300, 520), (0, 300 * 520, 520, 1), (520, 300, 8, 1)),
+    "per-batch": ((2, 1, 300, 520), (300 * 520, 0, 520, 1), (520, 300, 1, 2)),
+    "per-key": ((2, 1, 1, 520), (520, 0, 0, 1), (520, 1, 1, 2)),
+    "stride-0-batch": ((2, 8, 300, 520), (0, 300 * 520, 520, 1), (520, 300, 8, 1)),
+    "slice": ((2, 8, 300, 520), (8 * 303 * 536, 303 * 536, 536, 1), (520, 300, 8, 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(MAPS))
+def test_bias_map_dims_strides_and_box(name):
+    """Innermost first (keys, rows, heads, batch); a broadcast dimension (stride 0) has size 1
+    and the 16 bytes any size-1 dimension takes; boxes of 64 keys by the step's rows."""
+    shape, strides, dims = MAPS[name]
+    m = _tma.bias_map("bfloat16", shape, strides, 2, 64)
+    assert m.dims == dims and m.box == (64, 64, 1, 1) and m.data_type == 9
+    want = tuple(s * 2 if size > 1 else 16 for s, size in zip(strides[2::-1], dims[1:]))
+    assert m.strides == want
+
+
+def test_bias_map_refuses_what_the_copy_engine_cannot_read():
+    with pytest.raises(ValueError, match="unit column stride"):
+        _tma.bias_map("float16", (1, 1, 64, 64), (0, 0, 1, 0), 2, 64)
+    with pytest.raises(ValueError, match="multiples of 16 bytes"):
+        _tma.bias_map("float16", (1, 1, 64, 63), (0, 0, 63, 1), 2, 64)
+
+
+def test_launcher_writes_the_bias_map_from_the_call_values():
+    """(offset, make, indices, var_indices): the maps of q, k, v, dout, then of the bias's
+    pointer (VariantParams' attn_bias among the call values), at bias_map."""
+    from cupyflash import _gpu_bwd
+    from test_params import _recording_launcher  # sibling module
+
+    mirror = _params.BWD_TMA_PARAMS
+    bwd = _params.pack(_params.BWD_PARAMS, **{n: 3 for n in _params.BWD_PARAMS.names if n != "var"},
+                       var=_params.VARIANT_OFF)
+    template = bwd + bytes(mirror.itemsize - len(bwd))
+
+    def maps(*pointers):
+        return b"".join(bytes([x % 256]) * 128 for x in pointers)
+
+    assert _params.VARIANT_PER_CALL[_gpu_bwd._BIAS_MAP_VAR] == "attn_bias"
+    launcher, seen = _recording_launcher(template, (_params.offset_of(mirror, "q_map"), maps, _gpu_bwd._MAP_POINTERS,
+                                                    (_gpu_bwd._BIAS_MAP_VAR,)), _gpu_bwd._BWD_WRITER)
+    launcher._var_offset = _gpu_bwd._VAR_WRITER[0]  # (the helper's is the forward's)
+    pointers = tuple(range(101, 101 + len(_gpu_bwd.BWD_POINTERS)))
+    var = (11, 12, 13, 77, 15, 16, 17, 18, 5, 9)
+    launcher(0, *pointers, var=var)
+    (got,) = (np.frombuffer(b, dtype=mirror)[0] for b in seen)
+    assert [bytes(got[n])[0] for n in ("q_map", "k_map", "v_map", "do_map", "bias_map")] == [101, 102, 103, 105, 77]
+    assert got["bwd"]["var"]["attn_bias"] == 77
+
+
+# ----------------------------------------------------------------------------
+# NVRTC: no spill
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d,variant", [(128, BIAS), (128, BIAS | W | SK), (64, BIAS | DR), (256, BIAS | AL),
+                                       (192, BIAS | SC)])
+@pytest.mark.parametrize("causal,even_k", [(True, True), (False, False)])
+def test_compiles_without_spills(d, variant, causal, even_k):
+    from test_bwd_dispatch import _compile_clean  # sibling module
+
+    _compile_clean(dispatch.bwd_ws_launch("bfloat16", d, causal, even_k, variant=variant), (9, 0))
