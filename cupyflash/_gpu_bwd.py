@@ -110,7 +110,8 @@ def plan_bwd(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causa
         vec=vec_ok((q, k, v, out, dout, dq, dk, dv), head_dim),
         num_sms=_launch.num_sms(device_id), cc=_launch.compute_capability(device_id), varlen=packed is not None,
         total_q=packed_totals[0], total_k=packed_totals[1], variant=_variant.plan_bits(options) if options else 0,
-        dbias_shape=_variant.dbias_shape(options) if options else None, ws=dispatch.BWD_WS)
+        dbias_shape=_variant.dbias_shape(options) if options else None, ws=dispatch.BWD_WS,
+        ws_bias=dispatch.BWD_WS_BIAS if not options or _variant.bias_tma_ok(options) else ())
     kv_tile, q_tile = dispatch.bwd_block_map_tiles(plan)  # VAR_BLOCK_MAP: the dK/dV and dQ kernels' maps
     rows_q = nheads_q * total_q  # the row buffers: one row per query (key) row, per head
     scratch = _launch.scratch_layout((

@@ -40,6 +40,14 @@ def _staged(options) -> bool:
     return bool(arrays) and all(dispatch.score_vec_ok(broadcast_strides(x), x.itemsize, x.data.ptr) for x in arrays)
 
 
+def bias_tma_ok(options) -> bool:
+    """Whether a TMA map can describe the bias (``_tma.bias_map``, for the ws backward's
+    staged bias): no bias, or broadcast strides all non-negative and below 2^40 bytes (a
+    reversed view, staged for the cp.async kernels, is not)."""
+    bias = options.get("attn_bias")
+    return bias is None or all(0 <= s * bias.itemsize < 1 << 40 for s in broadcast_strides(bias))
+
+
 def staged_bits(options) -> int:
     """:func:`bits` for a plan (forward or backward): with VAR_BIAS_STAGED where the bias
     and mask can be staged through shared memory (``select_fwd``/``select_bwd`` drop it

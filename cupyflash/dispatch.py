@@ -1448,10 +1448,11 @@ def _bwd_ws_spills(head_dim_padded: int) -> tuple[int, ...]:
 #: Issue 14's additive bias on the ws backward (kernels_cu/variant.cuh WS_BWD_BIAS): a bias of
 #: the inputs' dtype that can be staged (VAR_BIAS_STAGED: unit column stride, 16-byte aligned
 #: rows, :func:`score_vec_ok`). The producer copies each step's bias tile (the step's query
-#: rows by the block's keys) by TMA into the stage of its Q and dO (kernels_cu/_tma.py
-#: bias_map), and the consumers read it transposed, as the cp.async kernel reads its staged
-#: tile (variant.cuh StagedScoreTermsT). dbias stays the dbias kernel's. Not an fp32 bias (its
-#: stages would not fit beside D=128's), a mask, or a strided bias.
+#: rows by the block's keys) by TMA into the stage of its Q and dO (cupyflash/_tma.py
+#: bias_map, which needs non-negative strides: _variant.bias_tma_ok), and the consumers read
+#: it transposed, as the cp.async kernel reads its staged tile (variant.cuh
+#: StagedScoreTermsT). dbias stays the dbias kernel's. Not an fp32 bias (its stages would
+#: not fit beside D=128's), a mask, or a strided bias.
 BWD_WS_BIAS_VARIANTS = VAR_BIAS | VAR_BIAS_STAGED
 #: The padded head_dims at which a bias call takes the ws backward (:func:`uses_ws_bwd`): all
 #: four, measured faster than the cp.async (64, 128) and mma.sync (192, 256) kernels at every
@@ -1670,7 +1671,8 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
                dtype: str, causal: bool, deterministic: bool, vec: bool, num_sms: int = 132,
                cc: tuple[int, int] = (9, 0), varlen: bool = False, total_q: int = 0,
                total_k: int = 0, variant: int = 0,
-               dbias_shape: tuple[int, int, int, int] | None = None, ws: bool | None = None) -> BwdPlan:
+               dbias_shape: tuple[int, int, int, int] | None = None, ws: bool | None = None,
+               ws_bias: tuple[int, ...] | None = None) -> BwdPlan:
     """Choose the backward kernels, their grids and the scratch-buffer sizes.
 
     Launch order: preprocess (delta, lse·log2e, zero dq_accum); dK/dV (one
@@ -1705,7 +1707,9 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     of dbias); it changes no other choice.
 
     ``ws``: whether the warp-specialised dK/dV kernel may serve the call
-    (:func:`uses_ws_bwd`; None: :data:`BWD_WS`); the plan then carries its TMA boxes
+    (:func:`uses_ws_bwd`; None: :data:`BWD_WS`), and ``ws_bias`` at which padded head_dims
+    it may with a bias (None: :data:`BWD_WS_BIAS`; the caller passes ``()`` for a bias its
+    TMA map cannot describe: ``_variant.bias_tma_ok``); the plan then carries its TMA boxes
     (``BwdPlan.tma_box_rows``: :func:`bwd_ws_block_m` query rows) and takes dQ through
     dq_accum (in its layout) and the convert kernel, or, where the plan takes dQ from the wgmma dQ kernel
     (D=64), from that kernel, the ws kernel running without dQ.
@@ -1728,7 +1732,7 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
     smem_limit = max_smem_per_block(cc)
     staged, variant = variant & VAR_BIAS_STAGED, variant & ~VAR_BIAS_STAGED
     sm90 = uses_sm90_bwd(d, vec, cc, variant | staged)
-    ws = uses_ws_bwd(d, vec, cc, variant | staged | block_map, deterministic, varlen, ws)
+    ws = uses_ws_bwd(d, vec, cc, variant | staged | block_map, deterministic, varlen, ws, ws_bias)
     # dQ by its own kernel (no atomics): always when deterministic, and where measured faster
     # (the ws kernel then runs without dQ)
     separate_dq = deterministic or (sm90 and BWD_DQ_SM90 and (bwd_ws_separate_dq(d, variant) if ws

@@ -205,3 +205,80 @@ def test_compiles_without_spills(d, variant, causal, even_k):
     from test_bwd_dispatch import _compile_clean  # sibling module
 
     _compile_clean(dispatch.bwd_ws_launch("bfloat16", d, causal, even_k, variant=variant), (9, 0))
+
+
+# ----------------------------------------------------------------------------
+# plan_bwd: the maps it hands the launcher (fake arrays, no GPU)
+# ----------------------------------------------------------------------------
+
+
+class _FakeBias:
+    """A 4-D fp16 bias's geometry (strides in bytes), at an aligned address."""
+
+    class _Data:
+        ptr = 0
+
+    def __init__(self, shape, strides):
+        self.shape, self.ndim, self.strides = tuple(shape), len(shape), tuple(2 * s for s in strides)
+        self.itemsize, self.dtype, self.data = 2, np.dtype(np.float16), self._Data
+
+
+def _plan_bwd(monkeypatch, bias):
+    """plan_bwd of a (2, 1000, 8, 128) fp16 call with ``bias`` on a faked cc 9.0 device; returns
+    the plan and the ``maps`` argument its Launcher was made with."""
+    from cupyflash import _gpu_bwd, _launch
+
+    monkeypatch.setattr(_launch, "num_sms", lambda device_id: 132)
+    monkeypatch.setattr(_launch, "compute_capability", lambda device_id: (9, 0))
+    monkeypatch.setattr(dispatch, "BWD_WS", True)
+    monkeypatch.setattr(dispatch, "BWD_WS_BIAS", (128,))
+    made = {}
+
+    class FakeLauncher:
+        def __init__(self, launches, template, writer, variant=None, maps=None):
+            made["maps"] = maps
+
+    monkeypatch.setattr(_launch, "Launcher", FakeLauncher)
+    q = _launch.Contiguous((2, 1000, 8, 128), 2)
+    lse = _launch.Contiguous((2, 8, 1000), 4)
+    call = _gpu_bwd.plan_bwd(q, q, q, q, q, lse, None, None, None, softmax_scale=0.1, causal=False,
+                             deterministic=False, dtype_name="float16", device_id=0, options={"attn_bias": bias})
+    return call.plan, made["maps"]
+
+
+def test_plan_bwd_appends_the_bias_map(monkeypatch):
+    from cupyflash import _gpu_bwd
+
+    bias = _FakeBias((1, 8, 1000, 1000), (8 * 10**6, 10**6, 1000, 1))
+    plan, maps = _plan_bwd(monkeypatch, bias)
+    assert plan.launches[1].template == WS and int(plan.launches[1].args[-1]) == BIAS
+    offset, cache, pointers, var_indices = maps
+    assert offset == _params.offset_of(_params.BWD_TMA_PARAMS, "q_map") and pointers == _gpu_bwd._MAP_POINTERS
+    assert var_indices == (_gpu_bwd._BIAS_MAP_VAR,) and len(cache.maps) == 5
+    assert cache.maps[4] == _tma.bias_map("float16", bias.shape, (0, 10**6, 1000, 1), 2, 64)
+    assert cache.maps[4].dims == (1000, 1000, 8, 1)
+
+
+def test_plan_bwd_keeps_a_reversed_bias_off_it(monkeypatch):
+    """A reversed view (negative row stride) is staged for the cp.async kernels, but no TMA map
+    describes it (_variant.bias_tma_ok): the plan keeps the other dK/dV kernels."""
+    from cupyflash import _variant
+
+    bias = _FakeBias((1, 8, 1000, 1000), (8 * 10**6, 10**6, -1000, 1))
+    assert _variant.staged_bits({"attn_bias": bias}) & dispatch.VAR_BIAS_STAGED
+    assert not _variant.bias_tma_ok({"attn_bias": bias})
+    plan, maps = _plan_bwd(monkeypatch, bias)
+    assert all(L.template != WS for L in plan.launches) and maps is None
+
+
+def test_launcher_init_takes_the_var_indices():
+    """Launcher.__init__ keeps maps[3] (the var values whose maps follow the pointers')."""
+    pytest.importorskip("cupy")
+    from cupyflash import _launch
+
+    template = bytes(_params.BWD_TMA_PARAMS.itemsize)
+    from cupyflash import _gpu_bwd
+
+    with_bias = _launch.Launcher((), template, _gpu_bwd._BWD_WRITER, maps=(64, None, (0, 1, 2, 4), (3,)))
+    without = _launch.Launcher((), template, _gpu_bwd._BWD_WRITER, maps=(64, None, (0, 1, 2, 4)))
+    assert with_bias._map_vars == (3,) and without._map_vars == ()
