@@ -7,7 +7,7 @@ ws kernel it is meant for and to give finite outputs. Run it under the tool:
 
 Cases: the ws backward at D=128 (dQ by the reduce warp), at D=64 plain (no dQ, 128 query
 rows per step, then the wgmma dQ kernel) and with variants (its own dQ), at 192 and 256 (split
-by roles; 200 below 256), with a bias (its TMA stages); the ws forward
+by roles; 200 below 256), with a bias (its TMA stages) and its ws dbias kernel; the ws forward
 one block per tile, persistent, with a block-sparse mask (its map), D=64's 192-row tile,
 D=192 and 256 (and 136, 200 below them), and packed (varlen, D=128 and 64).
 The device reports one SM to the planner (no split-KV, as in the GPU tests). Prints "ok"
@@ -49,7 +49,8 @@ def finite(*arrays):
 def backward(shape, causal, expect, **variants):
     batch, sq, sk, hq, hkv, d = shape
     q, k, v, dout = rand(batch, sq, hq, d), rand(batch, sk, hkv, d), rand(batch, sk, hkv, d), rand(batch, sq, hq, d)
-    out, lse = cupyflash.flash_attn_fwd(q, k, v, causal=causal, **variants)[:2]
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, causal=causal,
+                                        **{n: x for n, x in variants.items() if n != "return_dbias"})[:2]
     del names[:]
     grads = cupyflash.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, **variants)
     assert set(expect) <= set(names), (expect, names)
@@ -67,6 +68,7 @@ def forward(shape, causal, expect, **kw):
 
 WS_BWD = "flash_bwd_ws_kernel"
 WS_FWD = "flash_fwd_ws_kernel"
+WS_DBIAS = "flash_bwd_dbias_ws_kernel"
 alibi = cp.asarray(np.linspace(0.1, 0.6, 4, dtype=np.float32))
 sinks = cp.asarray(np.linspace(-1.0, 1.0, 4, dtype=np.float32))
 mask = cp.asarray(rng.random((1, 1, 300, 430)) < 0.5)
@@ -88,8 +90,11 @@ cases = [
     (backward, ((1, 150, 170, 4, 1, 256), False, [WS_BWD]), dict(alibi_slopes=alibi, sinks=sinks)),
     # a bias (staged: 16-byte rows), its tiles copied by the producer's TMA: per head, a key
     # tail (304 keys); a row-broadcast (B, 1, 1, N) one; per batch, split by roles
-    (backward, ((1, 200, 304, 4, 2, 128), True, [WS_BWD]), dict(attn_bias=rand(1, 4, 200, 304))),
+    (backward, ((1, 200, 304, 4, 2, 128), True, [WS_BWD, WS_DBIAS]),
+     dict(attn_bias=rand(1, 4, 200, 304), return_dbias=True)),
     (backward, ((2, 150, 264, 4, 2, 64), False, [WS_BWD]), dict(attn_bias=rand(2, 1, 1, 264))),
+    (backward, ((2, 330, 264, 4, 2, 64), False, [WS_BWD, WS_DBIAS]),
+     dict(attn_bias=rand(2, 1, 330, 264), return_dbias=True)),
     (backward, ((2, 130, 200, 4, 2, 256), False, [WS_BWD]), dict(attn_bias=rand(2, 1, 130, 200))),
     (backward, ((1, 190, 136, 4, 4, 192), True, [WS_BWD]), dict(attn_bias=rand(1, 4, 190, 136), sinks=sinks)),
     (forward, ((1, 300, 430, 4, 2, 128), False, [WS_FWD]), dict(attn_mask=mask)),

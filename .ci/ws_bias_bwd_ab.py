@@ -2,8 +2,9 @@
 every head_dim (the ws kernel with the bias's TMA stages) and off (the cp.async wgmma or the
 mma.sync dK/dV kernels), one process: bf16, 16k tokens, nheads 2048/head_dim, causal or not,
 a per-head (1, H, N, N) and a per-batch (B, 1, N, N) bias, the backward with dbias
-(``return_dbias=True``: the dbias kernel after either) and without, beside the plain
-backward.
+(``return_dbias=True``) and without, beside the plain backward. With dbias, ``ws_dbias`` runs
+the ws dbias kernel where it serves (``dispatch.BWD_DBIAS_WS`` at its head_dims), and
+``ws_olddbias`` the ws backward with the strip or tile dbias kernels (``BWD_DBIAS_WS = ()``).
 
 Each time is ``cupyx.profiler.benchmark``'s median of 10 GPU times, best of two rounds, on
 and off interleaved. Prints one JSON line per case and writes them to
@@ -34,8 +35,9 @@ def bf16_bits(x):
     return (x.view(cp.uint32) >> 16).astype(cp.uint16)
 
 
-def switch(on):
+def switch(on, ws_dbias=True):
     dispatch.BWD_WS_BIAS = dispatch.BWD_WS_HEAD_DIMS if on else ()
+    dispatch.BWD_DBIAS_WS = dispatch.BWD_DBIAS_WS_HEAD_DIMS if ws_dbias else ()
     _gpu.clear_plans()
 
 
@@ -67,14 +69,19 @@ def main():
                         def bwd():
                             return cupyflash.flash_attn_bwd(dout, q, k, v, out, lse, attn_bias=bias,
                                                             return_dbias=dbias, **kw)
+                        modes = [("ws", True, True), ("off", False, True)]
+                        if dbias and d in dispatch.BWD_DBIAS_WS_HEAD_DIMS:
+                            modes.append(("ws_olddbias", True, False))
                         for _ in range(2):
-                            for on in (True, False):
-                                switch(on)
-                                key = f"{'ws' if on else 'off'}{'_dbias' if dbias else ''}"
+                            for name, on, ws_dbias in modes:
+                                switch(on, ws_dbias)
+                                key = f"{name}_dbias" if dbias and name != "ws_olddbias" else name
                                 row[key] = min(row.get(key, float("inf")), gpu_ms(bwd))
                     switch(True)
                     row["speedup"] = row["off"] / row["ws"]
                     row["speedup_dbias"] = row["off_dbias"] / row["ws_dbias"]
+                    if "ws_olddbias" in row:
+                        row["dbias_kernel_speedup"] = row["ws_olddbias"] / row["ws_dbias"]
                     print(json.dumps(row), flush=True)
                     rows.append(row)
                     del bias

@@ -1468,6 +1468,50 @@ BWD_WS_BIAS: tuple[int, ...] = (64, 128, 192, 256)
 _BWD_WS_BIAS_SPILLS: dict[int, tuple[int, ...]] = {64: (), 128: (VAR_SOFTCAP | VAR_DROPOUT,), 192: (), 256: ()}
 
 
+#: dbias beside the ws backward with a bias (kernels_cu/flash_bwd_dbias_ws.cu: its TMA maps, its
+#: products and its Pᵀ; a block of 128 keys by BWD_DBIAS_WS_ROWS query rows of one plane of
+#: dbias walks the plane's visits, each visit's K and V copied once for its two query blocks):
+#: at these padded head_dims, for the bias alone (BWD_WS_BIAS_VARIANTS, no other variant),
+#: with whole rows and keys (:func:`uses_ws_dbias`). Elsewhere the strip or tile kernels.
+BWD_DBIAS_WS: tuple[int, ...] = (64, 128)
+BWD_DBIAS_WS_HEAD_DIMS = (64, 128)  # the kernel's (check-kernels lists them whatever the switch)
+BWD_DBIAS_WS_ROWS, BWD_DBIAS_WS_KEYS = 128, 128
+
+
+def uses_ws_dbias(head_dim_padded: int, variant: int, dbias_shape: tuple[int, int, int, int], seqlen_q: int,
+                  seqlen_k: int) -> bool:
+    """Whether the ws dbias kernel computes dbias beside a ws backward (the caller's ``ws``)
+    whose dK/dV kernel takes ``variant``: the bias alone, at BWD_DBIAS_WS, dbias's rows and
+    keys not broadcast (its row and key dimensions the sequence's)."""
+    return (variant == BWD_WS_BIAS_VARIANTS and head_dim_padded in BWD_DBIAS_WS
+            and tuple(dbias_shape[2:]) == (seqlen_q, seqlen_k))
+
+
+def bwd_dbias_ws_smem_bytes(head_dim_padded: int) -> int:
+    """kernels_cu/flash_bwd_dbias_ws.cu DbiasWsTraits::SMEM_BYTES: two stages of K, V (128
+    rows), two of Q, dO (64 rows), two bias tiles (64 x 128), two of lse_log2 and delta (64
+    floats each), the SeqLens slot, 9 mbarriers, 1 KB of alignment."""
+    d = head_dim_padded
+    return 2 * 2 * 128 * d * 2 + 2 * 2 * 64 * d * 2 + 2 * 64 * 128 * 2 + 2 * 2 * 64 * 4 + _SEQLENS_SLOT_BYTES + 8 * 9 + 1024
+
+
+def bwd_dbias_ws_grid(dbias_shape: tuple[int, int, int, int], seqlen_q: int, seqlen_k: int) -> tuple[int, int, int]:
+    """One block per (plane of dbias, 128 keys, 128 query rows)."""
+    return (dbias_shape[0] * dbias_shape[1] * math.ceil(seqlen_k / BWD_DBIAS_WS_KEYS)
+            * math.ceil(seqlen_q / BWD_DBIAS_WS_ROWS), 1, 1)
+
+
+def bwd_dbias_ws_launch(dtype: str, head_dim_padded: int, causal: bool, grid: tuple[int, int, int] = (1, 1, 1),
+                        variant: int = BWD_WS_BIAS_VARIANTS) -> Launch:
+    """The ws dbias kernel (cc 9.0): ``<T, HEAD_DIM, IS_CAUSAL, VARIANT>``, VARIANT the bias alone."""
+    if variant != BWD_WS_BIAS_VARIANTS or head_dim_padded not in BWD_DBIAS_WS_HEAD_DIMS:
+        raise ValueError(f"cupyflash: the ws dbias kernel takes the variant bits {BWD_WS_BIAS_VARIANTS} at head_dim "
+                         f"{BWD_DBIAS_WS_HEAD_DIMS}; got {variant} at {head_dim_padded}")
+    args = (CTYPES[dtype], str(head_dim_padded), _cbool(causal), str(variant))
+    return Launch("flash_bwd_dbias_ws.cu", "cupyflash::flash_bwd_dbias_ws_kernel", args, grid,
+                  (BWD_WS_THREADS, 1, 1), bwd_dbias_ws_smem_bytes(head_dim_padded))
+
+
 def bwd_ws_takes(variant: int, head_dim_padded: int = 128) -> bool:
     """Whether the warp-specialised backward's kernel at this padded head_dim compiles these
     variant bits with no spill (FWD_WS_VARIANTS less BWD_WS_VARIANT_SPILLS, or
@@ -1776,8 +1820,11 @@ def select_bwd(*, batch: int, seqlen_q: int, seqlen_k: int, nheads_q: int, nhead
                                            swizzled=ws and not bwd_ws_roles(d)))
     if kv_splits > 1:
         launches.append(bwd_convert_dkv_launch(dtype, vec, k_rows[0] * k_rows[1] * nheads_kv))
-    if dbias_shape is not None and uses_sm90_dbias_strips(d, vec, cc, dbias_shape, batch, nheads_q, seqlen_q,
-                                                          num_sms):
+    if dbias_shape is not None and ws and uses_ws_dbias(d, variant | staged, dbias_shape, seqlen_q, seqlen_k):
+        launches.append(bwd_dbias_ws_launch(dtype, d, causal, bwd_dbias_ws_grid(dbias_shape, seqlen_q, seqlen_k),
+                                            variant | staged))
+    elif dbias_shape is not None and uses_sm90_dbias_strips(d, vec, cc, dbias_shape, batch, nheads_q, seqlen_q,
+                                                            num_sms):
         launches.append(bwd_dbias_strip_launch(dtype, d, causal, even_k, bwd_dbias_strip_grid(dbias_shape, seqlen_q),
                                                variant))
     elif dbias_shape is not None and uses_sm90_dbias(d, vec, cc):
@@ -1835,6 +1882,8 @@ def all_bwd_launches(cc: tuple[int, int] | None = None) -> list[Launch]:
             if cc == (9, 0) and d in BWD_WS_KERNEL_HEAD_DIMS and not det:
                 # (in every dtype and EVEN_K: fp16 with head_dim < 128 spilled where bf16 fit)
                 out.extend(bwd_ws_check_launches(dtype, d, causal, even_k))
+                if d in BWD_DBIAS_WS_HEAD_DIMS and even_k:  # (no EVEN_K: the maps zero-fill columns)
+                    out.append(bwd_dbias_ws_launch(dtype, d, causal))
     for dtype, vec in itertools.product(CTYPES, (True, False)):
         lanes = {}  # one preprocess instantiation per ROW_LANES
         for d in HEAD_DIMS:

@@ -282,3 +282,76 @@ def test_launcher_init_takes_the_var_indices():
     with_bias = _launch.Launcher((), template, _gpu_bwd._BWD_WRITER, maps=(64, None, (0, 1, 2, 4), (3,)))
     without = _launch.Launcher((), template, _gpu_bwd._BWD_WRITER, maps=(64, None, (0, 1, 2, 4)))
     assert with_bias._map_vars == (3,) and without._map_vars == ()
+
+
+# ----------------------------------------------------------------------------
+# The ws dbias kernel (kernels_cu/flash_bwd_dbias_ws.cu) beside the ws backward
+# ----------------------------------------------------------------------------
+
+DBIAS_WS = "cupyflash::flash_bwd_dbias_ws_kernel"
+
+
+@pytest.mark.parametrize("head_dim", [64, 120, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dbias_shape", [(1, 8, 1000, 1000), (2, 1, 1000, 1000), (2, 8, 1000, 1000),
+                                         (1, 1, 1000, 1000)])
+def test_the_bias_alone_takes_the_ws_dbias_kernel(on_everywhere, head_dim, causal, dbias_shape):
+    """Last, one block per (plane, 128 keys, 128 query rows), the ws kernel's maps (BwdTmaParams)."""
+    plan = _plan(head_dim=head_dim, causal=causal, dbias_shape=dbias_shape)
+    d = dispatch.padded_head_dim(head_dim)
+    dbias = plan.launches[-1]
+    assert plan.launches[1].template == WS and dbias.template == DBIAS_WS
+    assert dbias.args == ("__nv_bfloat16", str(d), str(causal).lower(), str(BIAS))
+    assert dbias.grid == (dbias_shape[0] * dbias_shape[1] * 8 * 8, 1, 1) and dbias.block == (384, 1, 1)
+    assert dbias.smem_bytes == dispatch.bwd_dbias_ws_smem_bytes(d) <= dispatch.max_smem_per_block((9, 0))
+
+
+@pytest.mark.parametrize("change", [
+    dict(variant=BIAS | W), dict(variant=BIAS | SK), dict(variant=BIAS | DR),   # the bias alone only
+    dict(head_dim=192), dict(head_dim=256),                                        # not its head_dims
+    dict(dbias_shape=(2, 1, 1, 1000)), dict(dbias_shape=(2, 8, 1000, 1)),          # rows or keys summed
+    dict(variant=dispatch.VAR_BIAS), dict(deterministic=True), dict(ws=False)],    # not the ws backward
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_everything_else_keeps_the_other_dbias_kernels(on_everywhere, change):
+    args = {"dbias_shape": (1, 8, 1000, 1000), **change}
+    plan = _plan(**args)
+    assert all(L.template != DBIAS_WS for L in plan.launches)
+    assert "dbias" in plan.launches[-1].template
+
+
+def test_the_dbias_switch(monkeypatch, on_everywhere):
+    monkeypatch.setattr(dispatch, "BWD_DBIAS_WS", ())
+    assert all(L.template != DBIAS_WS for L in _plan(dbias_shape=(1, 8, 1000, 1000)).launches)
+    monkeypatch.setattr(dispatch, "BWD_DBIAS_WS", (128,))
+    assert _plan(dbias_shape=(1, 8, 1000, 1000)).launches[-1].template == DBIAS_WS
+    assert _plan(head_dim=64, dbias_shape=(1, 8, 1000, 1000)).launches[-1].template != DBIAS_WS
+    with pytest.raises(ValueError, match="ws dbias kernel"):
+        dispatch.bwd_dbias_ws_launch("float16", 128, False, variant=BIAS | W)
+
+
+def test_dbias_ws_traits_are_the_kernels():
+    from test_bwd_dispatch import compile_asserts  # sibling module
+
+    lines = ['#include "flash_bwd_dbias_ws.cu"']
+    for d in dispatch.BWD_DBIAS_WS_HEAD_DIMS:
+        tr = f"cupyflash::DbiasWsTraits<__half, {d}>"
+        lines += [f'static_assert({tr}::SMEM_BYTES == {dispatch.bwd_dbias_ws_smem_bytes(d)}, "smem");',
+                  f'static_assert({tr}::BLOCK_M * {tr}::M_STEPS == {dispatch.BWD_DBIAS_WS_ROWS}, "rows");',
+                  f'static_assert({tr}::BLOCK_N == {dispatch.BWD_DBIAS_WS_KEYS}, "keys");',
+                  f'static_assert({tr}::BLOCK_M == 64 && {tr}::BLOCK_N == {dispatch.bwd_ws_block_n(d)}, "boxes");',
+                  f'static_assert({tr}::NUM_THREADS == {dispatch.BWD_WS_THREADS}, "threads");']
+    compile_asserts(lines, "bwd_dbias_ws_traits.cu")
+
+
+def test_check_kernels_lists_the_ws_dbias_kernels():
+    got = {L.args for L in dispatch.all_bwd_launches((9, 0)) if L.template == DBIAS_WS}
+    assert got == {(t, str(d), c, str(BIAS)) for t in ("__half", "__nv_bfloat16")
+                   for d in dispatch.BWD_DBIAS_WS_HEAD_DIMS for c in ("false", "true")}
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dbias_ws_compiles_without_spills(d, causal):
+    from test_bwd_dispatch import _compile_clean  # sibling module
+
+    _compile_clean(dispatch.bwd_dbias_ws_launch("bfloat16", d, causal), (9, 0))

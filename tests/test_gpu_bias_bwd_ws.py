@@ -25,6 +25,7 @@ from test_gpu_bias_bwd import BROADCAST, SEED, OFFSET, _score_shape, bias_values
 pytestmark = pytest.mark.gpu
 
 WS = "flash_bwd_ws_kernel"
+DBIAS_WS = "flash_bwd_dbias_ws_kernel"
 BIAS_BITS = 32 | 512  # dispatch.BWD_WS_BIAS_VARIANTS (checked in ws_bwd)
 
 # id -> (dtype, (batch, seqlen_q, seqlen_k, nheads_q, nheads_kv, head_dim), causal); seqlen_k
@@ -47,11 +48,39 @@ def _configs(names=None):
     return [pytest.param(*CONFIGS[n], id=n) for n in (names or CONFIGS)]
 
 
+class _Seen(list):
+    """The ws backward launches' template arguments; ``dbias``: the ws dbias kernel's."""
+
+    def __init__(self):
+        super().__init__()
+        self.dbias = []
+
+    def clear(self):
+        super().clear()
+        self.dbias.clear()
+
+
+def _dbias_ws_expected(shape, dbias_shape, extra=0):
+    """Whether the plan takes the ws dbias kernel (dispatch.uses_ws_dbias): the bias alone at
+    padded head_dim 64 or 128, dbias with the sequence's rows and keys."""
+    from cupyflash import dispatch
+
+    return (not extra and dispatch.padded_head_dim(shape[5]) in (64, 128)
+            and tuple(dbias_shape[-2:]) == (shape[1], shape[2]))
+
+
+def _assert_dbias_ws(seen, expected):
+    assert bool(seen.dbias) == expected and len(seen.dbias) <= 1, (seen.dbias, expected)
+    if expected:
+        assert int(seen.dbias[0][-1]) == BIAS_BITS, seen.dbias
+
+
 @pytest.fixture
 def ws_bwd(monkeypatch):
-    """The ws backward on with BWD_WS_BIAS at every head_dim, fresh plans, cc 9.0 only;
-    yields the template arguments of each ws backward launch (<T, HEAD_DIM, BLOCK_M,
-    IS_CAUSAL, EVEN_K, WITH_DQ, VARIANT>)."""
+    """The ws backward on with BWD_WS_BIAS at every head_dim and the ws dbias kernel at its
+    head_dims (BWD_DBIAS_WS), fresh plans, cc 9.0 only; yields the template arguments of each
+    ws backward launch (<T, HEAD_DIM, BLOCK_M, IS_CAUSAL, EVEN_K, WITH_DQ, VARIANT>), and in
+    its ``dbias`` those of each ws dbias launch (<T, HEAD_DIM, IS_CAUSAL, VARIANT>)."""
     from cupyflash import _gpu, _launch, dispatch
 
     if _launch.compute_capability(0) != (9, 0):
@@ -59,12 +88,14 @@ def ws_bwd(monkeypatch):
     assert dispatch.BWD_WS_BIAS_VARIANTS == BIAS_BITS
     monkeypatch.setattr(dispatch, "BWD_WS", True)
     monkeypatch.setattr(dispatch, "BWD_WS_BIAS", dispatch.BWD_WS_HEAD_DIMS)
+    monkeypatch.setattr(dispatch, "BWD_DBIAS_WS", dispatch.BWD_DBIAS_WS_HEAD_DIMS)
     _gpu.clear_plans()
-    seen = []
+    seen = _Seen()
     real_call = _launch.Launcher.__call__
 
     def call(self, stream, *pointers, var=None):
         seen.extend(spec.args for spec in self.launches if spec.template.endswith(WS))
+        seen.dbias.extend(spec.args for spec in self.launches if spec.template.endswith(DBIAS_WS))
         real_call(self, stream, *pointers, var=var)
 
     monkeypatch.setattr(_launch.Launcher, "__call__", call)
@@ -83,6 +114,7 @@ def test_every_staged_broadcast_shape(ws_bwd, cp, rng, dtype, shape, causal, nam
     bias = bias_values(rng, SHAPES[name](*_score_shape(shape)), dtype)
     check(*run(cp, rng, dtype, shape, causal, bias=bias), causal)
     _assert_ws_bias(ws_bwd)
+    _assert_dbias_ws(ws_bwd, _dbias_ws_expected(shape, bias.shape))
 
 
 @pytest.mark.parametrize("dtype,shape,causal", _configs(["f16-d64-gqa", "bf16-d128-causal", "f16-d256-causal"]))
@@ -95,6 +127,7 @@ def test_a_stride_0_view_and_a_slice_are_read_in_place(ws_bwd, cp, rng, dtype, s
     inputs, fwd, grads, scores = run(cp, rng, dtype, shape, causal, bias=base, view=view)
     check(inputs, fwd, grads, scores, causal)
     _assert_ws_bias(ws_bwd)
+    _assert_dbias_ws(ws_bwd, _dbias_ws_expected(shape, full))  # (dbias of the view's shape: per element)
     ws_bwd.clear()
     wide = bias_values(rng, (b, h, m + 3, n + 16), dtype)
     inputs, fwd, grads, scores = run(cp, rng, dtype, shape, causal, bias=wide,
@@ -117,6 +150,7 @@ def test_minus_inf_entries_and_rows_that_see_no_key(ws_bwd, cp, rng, dtype, shap
     bias[hidden] = -np.inf
     inputs, fwd, grads, scores = run(cp, rng, dtype, shape, causal, bias=bias)
     _assert_ws_bias(ws_bwd)
+    _assert_dbias_ws(ws_bwd, _dbias_ws_expected(shape, score_shape))
     out, lse = fwd
     dq, dbias = grads[0], grads[-1]
     for b, h, i in [(0, 1, 3), (0, 1, 20)] + [(batch - 1, h, 30) for h in range(nheads)]:
@@ -155,6 +189,7 @@ def test_with_the_other_variants(ws_bwd, cp, rng, dtype, shape, causal, name):
         _assert_ws_bias(ws_bwd, bits)
     else:
         assert not ws_bwd
+    assert not ws_bwd.dbias, ws_bwd.dbias  # (the ws dbias kernel takes the bias alone)
 
 
 # id -> (the bias's dtype, with a mask, the view taken of it, the base's extra keys, deterministic)
@@ -186,3 +221,25 @@ def test_a_key_broadcast_bias_stays_off_it(ws_bwd, cp, rng, dtype, shape, causal
     bias = bias_values(rng, BROADCAST["per-row"](*_score_shape(shape)), dtype)
     check(*run(cp, rng, dtype, shape, causal, bias=bias), causal)
     assert not ws_bwd, ws_bwd
+
+
+@pytest.mark.parametrize("name", ["per-head", "per-batch", "full"])
+@pytest.mark.parametrize("dtype,shape,causal", _configs(["f16-d64-gqa", "bf16-d128-causal", "f16-d128-520"]))
+def test_ws_dbias_is_deterministic(ws_bwd, cp, rng, dtype, shape, causal, name):
+    """The ws dbias kernel sums each plane's visits in a fixed order, no atomics: the same
+    inputs give the same bits."""
+    import cupyflash
+
+    from test_gpu_variants import dev, dtype_kw
+
+    b, h, m, n = _score_shape(shape)
+    bias = dev(cp, bias_values(rng, BROADCAST[name](b, h, m, n), dtype))
+    q, k, v, dout = (dev(cp, x) for x in (bias_values(rng, (b, m, h, shape[5]), dtype),
+                                          bias_values(rng, (b, n, shape[4], shape[5]), dtype),
+                                          bias_values(rng, (b, n, shape[4], shape[5]), dtype),
+                                          bias_values(rng, (b, m, h, shape[5]), dtype)))
+    kw = dict(causal=causal, attn_bias=bias, **dtype_kw(cp, dtype))
+    out, lse = cupyflash.flash_attn_fwd(q, k, v, **kw)
+    first = cupyflash.flash_attn_bwd(dout, q, k, v, out, lse, return_dbias=True, **kw)[-1]
+    again = cupyflash.flash_attn_bwd(dout, q, k, v, out, lse, return_dbias=True, **kw)[-1]
+    assert ws_bwd.dbias and bytes(cp.asnumpy(first).tobytes()) == bytes(cp.asnumpy(again).tobytes())
