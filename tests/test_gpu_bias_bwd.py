@@ -492,6 +492,19 @@ def test_dbias_on_wgmma(cp, rng, launches, dtype, shape, causal, bias_shape, bia
     assert "flash_bwd_dbias_sm90_kernel" in launches and "flash_bwd_dbias_kernel" not in launches
 
 
+@pytest.fixture
+def no_ws_bias(monkeypatch):
+    """The ws backward's bias off (BWD_WS_BIAS = (): its staged q-dtype bias is
+    tests/test_gpu_bias_bwd_ws.py's), the plans forgotten before and after."""
+    from cupyflash import _gpu, dispatch
+
+    monkeypatch.setattr(dispatch, "BWD_WS_BIAS", ())
+    _gpu.clear_plans()
+    yield
+    monkeypatch.undo()
+    _gpu.clear_plans()
+
+
 # The staged fp32 bias alone, the q-dtype bias alone and the mask alone at D=128 on sm_90: the wgmma dK/dV kernel
 # (dispatch._BWD_SM90_STAGED_FITS), atomic dQ in it (default) or the wgmma dQ kernel
 # (deterministic). Query tails (200, 130 rows), key counts that are multiples of 8 (staged).
@@ -509,7 +522,7 @@ D128_STAGED = {
     pytest.param("float16", (2, 200, 208, 4, 2, 128), False, id="f16-gqa"),
     pytest.param("bfloat16", (1, 130, 272, 2, 2, 128), True, id="bf16-causal", marks=_NO_BF16),
 ])
-def test_staged_d128_on_wgmma(cp, rng, launches, dtype, shape, causal, kind, deterministic):
+def test_staged_d128_on_wgmma(cp, rng, launches, no_ws_bias, dtype, shape, causal, kind, deterministic):
     from cupyflash import _launch
 
     if _launch.compute_capability(cp.cuda.Device().id) != (9, 0):
@@ -530,8 +543,9 @@ def test_staged_d128_on_wgmma(cp, rng, launches, dtype, shape, causal, kind, det
 # The strip dbias kernel (flash_bwd_dbias_strip_sm90_kernel: sm_90, padded head_dim 64
 # and 128, a bias with whole rows and keys whose (batch, head) pairs per strip fit shared
 # memory: dispatch.uses_sm90_dbias_strips). DBIAS_STRIP_MIN_WAVES = 0 so that these small
-# problems take it (their strips do not fill 132 SMs); the plans are forgotten before and
-# after, so the other tests keep their kernels.
+# problems take it (their strips do not fill 132 SMs), and BWD_DBIAS_WS = () (the ws dbias
+# kernel would serve the bias alone); the plans are forgotten before and after, so the other
+# tests keep their kernels.
 # ----------------------------------------------------------------------------
 
 
@@ -540,6 +554,7 @@ def strips(monkeypatch):
     from cupyflash import _gpu, dispatch
 
     monkeypatch.setattr(dispatch, "DBIAS_STRIP_MIN_WAVES", 0)
+    monkeypatch.setattr(dispatch, "BWD_DBIAS_WS", ())  # (the ws dbias kernel: test_gpu_bias_bwd_ws.py)
     _gpu.clear_plans()
     yield
     monkeypatch.undo()
