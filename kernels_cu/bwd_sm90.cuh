@@ -1,5 +1,6 @@
 // bwd_sm90.cuh: what both Hopper dK/dV kernels share (flash_bwd_sm90.cu, every warp
-// loads with cp.async; flash_bwd_ws.cu, warp-specialised with TMA): the step's
+// loads with cp.async; flash_bwd_ws.cu, warp-specialised with TMA, and its dbias kernel
+// flash_bwd_dbias_ws.cu, which takes the roles, the products and Pᵀ): the step's
 // products for one warpgroup's 64 keys of a BLOCK_N-key block against BLOCK_M query
 // rows, computed transposed (keys as rows), the step's Pᵀ with its variant
 // (PtOperands: the variant code of the scores, written once for both kernels), and the
@@ -15,6 +16,19 @@
 #include "wgmma.cuh"
 
 namespace cupyflash {
+
+// The warp roles of the warp-specialised backward kernels (flash_bwd_ws.cu, flash_bwd_dbias_ws.cu):
+// a producer warpgroup that gives its registers up (setmaxnreg) and two consumer warpgroups;
+// TMA boxes of 64 elements per row (cupyflash/_tma.py BOX_COLS).
+struct BwdWsRoles {
+    static constexpr int CONSUMERS = 2;
+    static constexpr int NUM_THREADS = 128 * (1 + CONSUMERS);
+    static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
+    static constexpr int PRODUCER_REGS = 24;
+    static constexpr int CONSUMER_REGS = 240;
+    static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * CONSUMER_THREADS <= 65536, "more registers than an SM has");
+    static constexpr int BOX_COLS = 64;
+};
 
 // acc (64 keys x BLOCK_M) = X·Yᵀ for warpgroup wg's 64 keys of the key-side tile at sX
 // (BLOCK_N rows: K or V) against the BLOCK_M rows at sY (Q or dO): Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ;

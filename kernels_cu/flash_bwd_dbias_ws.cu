@@ -37,20 +37,13 @@
 namespace cupyflash {
 
 template <typename T_, int HEAD_DIM_>
-struct DbiasWsTraits {
+struct DbiasWsTraits : BwdWsRoles {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
     static constexpr int BLOCK_M = 64;   // query rows per step
     static constexpr int BLOCK_N = 128;  // keys per block: 64 per consumer warpgroup
     static constexpr int M_STEPS = 2;    // query blocks per block: each visit's K, V serve both
     static constexpr int STAGES = 2;     // K, V of two visits; Q, dO, rows of two steps
-    static constexpr int CONSUMERS = 2;
-    static constexpr int NUM_THREADS = 128 * (1 + CONSUMERS);
-    static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
-    static constexpr int PRODUCER_REGS = 24;
-    static constexpr int CONSUMER_REGS = 240;
-    static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * CONSUMER_THREADS <= 65536, "more registers than an SM has");
-    static constexpr int BOX_COLS = 64;  // elements per TMA box row (cupyflash/_tma.py BOX_COLS)
     using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;
     using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;
     using BiasTile = Swizzle128Tile<T, BLOCK_M, BLOCK_N>;

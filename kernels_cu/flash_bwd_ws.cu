@@ -92,7 +92,7 @@
 namespace cupyflash {
 
 template <typename T_, int HEAD_DIM_, int BLOCK_M_, bool WITH_DQ_, bool BIAS_ = false>
-struct BwdWsTraits {
+struct BwdWsTraits : BwdWsRoles {
     using T = T_;
     static constexpr int HEAD_DIM = HEAD_DIM_;
     static constexpr bool WITH_DQ = WITH_DQ_;
@@ -108,13 +108,6 @@ struct BwdWsTraits {
     static_assert(BLOCK_M == 64 || (BLOCK_M == 128 && !WITH_DQ), "64 query rows per step, or 128 without dQ");
     static constexpr int BLOCK_N = ROLES ? 64 : 128;  // keys per block: 64 per consumer warpgroup, or 64 shared
     static constexpr int STAGES = 2;     // Q, dO, lse_log2, delta in flight
-    static constexpr int CONSUMERS = 2;
-    static constexpr int NUM_THREADS = 128 * (1 + CONSUMERS);
-    static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
-    static constexpr int PRODUCER_REGS = 24;
-    static constexpr int CONSUMER_REGS = 240;
-    static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * CONSUMER_THREADS <= 65536, "more registers than an SM has");
-    static constexpr int BOX_COLS = 64;  // elements per TMA box row (cupyflash/_tma.py BOX_COLS)
     using KVTile = Swizzle128Tile<T, BLOCK_N, HEAD_DIM>;  // K, V (and the dK, dV staging)
     using QTile = Swizzle128Tile<T, BLOCK_M, HEAD_DIM>;   // Q, dO
     using DSTile = Swizzle128Tile<T, BLOCK_N, BLOCK_M>;   // dSᵀ: key rows, BLOCK_M query columns
