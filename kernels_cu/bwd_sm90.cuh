@@ -30,6 +30,23 @@ struct BwdWsRoles {
     static constexpr int BOX_COLS = 64;
 };
 
+// A step's lse_log2 and delta (BLOCK_M rows of each from query row m0 of (b, h)) into
+// shared memory at rows, by one warp, lane l taking rows l, l + 32, ..: past the sequence
+// lse_log2 = +inf (P = 0) and delta = 0. The ws kernels' producer; the caller arrives.
+template <int BLOCK_M>
+__device__ __forceinline__ void load_step_rows(float* rows, const BwdParams& p, int b, int h, const SeqLens& seq,
+                                               int m0, int lane) {
+    const int64 row_index = query_row_index(p, b, h, seq, m0);
+    const int rows_valid = seq.seqlen_q - m0;
+#pragma unroll
+    for (int i = 0; i < BLOCK_M / 32; ++i) {
+        const int r = lane + 32 * i;
+        const bool valid = r < rows_valid;
+        rows[r] = valid ? __ldg(p.lse_log2 + row_index + r) : __int_as_float(0x7f800000);
+        rows[BLOCK_M + r] = valid ? __ldg(p.delta + row_index + r) : 0.f;
+    }
+}
+
 // acc (64 keys x BLOCK_M) = X·Yᵀ for warpgroup wg's 64 keys of the key-side tile at sX
 // (BLOCK_N rows: K or V) against the BLOCK_M rows at sY (Q or dO): Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ;
 // one group.

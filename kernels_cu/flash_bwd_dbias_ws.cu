@@ -179,16 +179,7 @@ flash_bwd_dbias_ws_kernel(const __grid_constant__ BwdTmaParams tp) {
                                     b);
                     }
                 }
-                // lane l: rows l, l + 32; past the sequence, lse_log2 = +inf (P = 0) and delta = 0
-                const int64 row_index = query_row_index(p, b, h, seq, m0);
-                const int rows_valid = seq.seqlen_q - m0;
-                float* rows = reinterpret_cast<float*>(smem + rows_offset(stage));
-#pragma unroll
-                for (int r = lane; r < BLOCK_M; r += 32) {
-                    const bool valid = r < rows_valid;
-                    rows[r] = valid ? __ldg(p.lse_log2 + row_index + r) : __int_as_float(0x7f800000);
-                    rows[BLOCK_M + r] = valid ? __ldg(p.delta + row_index + r) : 0.f;
-                }
+                load_step_rows<BLOCK_M>(reinterpret_cast<float*>(smem + rows_offset(stage)), p, b, h, seq, m0, lane);
                 mbar_arrive(full_q(stage));  // (release: this lane's stores)
                 ++it;
             }

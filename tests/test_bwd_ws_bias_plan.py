@@ -173,13 +173,10 @@ def test_launcher_writes_the_bias_map_from_the_call_values():
     from cupyflash import _gpu_bwd
     from test_params import _recording_launcher  # sibling module
 
-    mirror = _params.BWD_TMA_PARAMS
-    bwd = _params.pack(_params.BWD_PARAMS, **{n: 3 for n in _params.BWD_PARAMS.names if n != "var"},
-                       var=_params.VARIANT_OFF)
-    template = bwd + bytes(mirror.itemsize - len(bwd))
+    from test_bwd_ws_plan import bwd_tma_template  # sibling module
 
-    def maps(*pointers):
-        return b"".join(bytes([x % 256]) * 128 for x in pointers)
+    mirror = _params.BWD_TMA_PARAMS
+    template, maps = bwd_tma_template()
 
     assert _params.VARIANT_PER_CALL[_gpu_bwd._BIAS_MAP_VAR] == "attn_bias"
     launcher, seen = _recording_launcher(template, (_params.offset_of(mirror, "q_map"), maps, _gpu_bwd._MAP_POINTERS,

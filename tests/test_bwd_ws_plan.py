@@ -298,18 +298,26 @@ def test_params_carry_five_maps_after_bwd_params():
     assert f"-DCUPYFLASH_BWD_TMA_PARAMS_BYTES={mirror.itemsize}" in _params.size_defines()
 
 
+def bwd_tma_template():
+    """A BwdTmaParams struct's bytes (every BwdParams field 3, no variant), and a fake map
+    maker whose map of address x is 128 bytes of x % 256."""
+    mirror = _params.BWD_TMA_PARAMS
+    bwd = _params.pack(_params.BWD_PARAMS, **{n: 3 for n in _params.BWD_PARAMS.names if n != "var"},
+                       var=_params.VARIANT_OFF)
+
+    def maps(*pointers):
+        return b"".join(bytes([x % 256]) * 128 for x in pointers)
+
+    return bwd + bytes(mirror.itemsize - len(bwd)), maps
+
+
 def test_launcher_writes_the_maps_of_the_named_pointers():
     """(offset, make, indices): the maps of q, k, v and dout (pointer 4 of BwdParams')."""
     from cupyflash import _gpu_bwd
     from test_params import _recording_launcher  # sibling module
 
     mirror = _params.BWD_TMA_PARAMS
-    bwd = _params.pack(_params.BWD_PARAMS, **{n: 3 for n in _params.BWD_PARAMS.names if n != "var"},
-                       var=_params.VARIANT_OFF)
-    template = bwd + bytes(mirror.itemsize - len(bwd))
-
-    def maps(*pointers):
-        return b"".join(bytes([x % 256]) * 128 for x in pointers)
+    template, maps = bwd_tma_template()
 
     indices = tuple(_gpu_bwd.BWD_POINTERS.index(n) for n in ("q", "k", "v", "dout"))
     assert indices == (0, 1, 2, 4)
